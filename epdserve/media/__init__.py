@@ -1,0 +1,1 @@
+"""Media handling: decoding, preprocessing (resize + patchify) and content hashing."""

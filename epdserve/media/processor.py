@@ -1,0 +1,149 @@
+"""Qwen2-VL preprocessing: smart resize, normalize and patchify images and videos.
+
+Images follow transformers' ``Qwen2VLImageProcessorPil`` exactly (same resize, same patch layout),
+so our outputs equal the reference processor's; videos use the same code with ``temporal_patch_size``
+frames per temporal group, which keeps serving free of torchvision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): multiples of ``factor``, area within bounds, aspect kept."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio must be below 200, got {max(height, width) / min(height, width):.1f}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """Patches of one media item and its grid (t, h, w) in patches."""
+
+    pixel_values: np.ndarray  # (t*h*w, C*temporal_patch*patch*patch) float32
+    grid_thw: tuple[int, int, int]
+
+    def num_embeddings(self, merge_size: int) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // (merge_size * merge_size)
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """Preprocessing settings (read from preprocessor_config.json)."""
+
+    min_pixels: int = 56 * 56  # smallest resized area
+    max_pixels: int = 112 * 112  # largest resized area (images)
+    video_max_pixels: int = 112 * 112  # largest resized area per video frame
+    patch_size: int = 14  # ViT patch side
+    temporal_patch_size: int = 2  # frames per temporal patch
+    merge_size: int = 2  # spatial merge of the patch merger
+    image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
+    video_frames: int = 4  # frames sampled from a video
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ProcessorConfig:
+        d = Path(model_dir)
+        pp = json.loads((d / "preprocessor_config.json").read_text())
+        size = pp.get("size") or {}
+        min_pixels = int(pp.get("min_pixels", size.get("shortest_edge", cls.min_pixels)))
+        max_pixels = int(pp.get("max_pixels", size.get("longest_edge", cls.max_pixels)))
+        video_max, frames = max_pixels, cls.video_frames
+        vp_path = d / "video_preprocessor_config.json"
+        if vp_path.exists():
+            vp = json.loads(vp_path.read_text())
+            vsize = vp.get("size") or {}
+            video_max = int(vp.get("max_pixels", vsize.get("longest_edge", video_max)))
+            frames = int(vp.get("num_frames") or frames)
+        return cls(
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_max_pixels=video_max,
+            patch_size=int(pp.get("patch_size", cls.patch_size)),
+            temporal_patch_size=int(pp.get("temporal_patch_size", cls.temporal_patch_size)),
+            merge_size=int(pp.get("merge_size", cls.merge_size)),
+            image_mean=tuple(pp.get("image_mean", cls.image_mean)),  # type: ignore[arg-type]
+            image_std=tuple(pp.get("image_std", cls.image_std)),  # type: ignore[arg-type]
+            rescale_factor=float(pp.get("rescale_factor", cls.rescale_factor)),
+            video_frames=frames,
+        )
+
+
+class VisionProcessor:
+    """Turns PIL images and frame lists into patch arrays for the vision tower."""
+
+    def __init__(self, config: ProcessorConfig) -> None:
+        self.config = config
+        self._mean = np.asarray(config.image_mean, dtype=np.float32)[:, None, None]
+        self._std = np.asarray(config.image_std, dtype=np.float32)[:, None, None]
+
+    def _frame(self, img: Image.Image, max_pixels: int) -> np.ndarray:
+        c = self.config
+        img = img.convert("RGB")
+        h, w = smart_resize(img.height, img.width, c.factor, c.min_pixels, max_pixels)
+        if (h, w) != (img.height, img.width):
+            img = img.resize((w, h), resample=Image.Resampling.BICUBIC)
+        arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1)  # C, H, W
+        # same arithmetic order as the reference: rescale, then normalize
+        arr = arr * np.float32(c.rescale_factor)
+        return (arr - self._mean) / self._std
+
+    def _patchify(self, frames: np.ndarray) -> VisionInput:
+        """frames: (T, C, H, W) with T a multiple of temporal_patch_size."""
+        c = self.config
+        t, ch, h, w = frames.shape
+        ps, m, tp = c.patch_size, c.merge_size, c.temporal_patch_size
+        gt, gh, gw = t // tp, h // ps, w // ps
+        x = frames.reshape(gt, tp, ch, gh // m, m, ps, gw // m, m, ps)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        flat = np.ascontiguousarray(x.reshape(gt * gh * gw, ch * tp * ps * ps), dtype=np.float32)
+        return VisionInput(flat, (gt, gh, gw))
+
+    def image(self, img: Image.Image) -> VisionInput:
+        arr = self._frame(img, self.config.max_pixels)
+        frames = np.broadcast_to(arr[None], (self.config.temporal_patch_size, *arr.shape))
+        return self._patchify(np.asarray(frames))
+
+    def video(self, frames: list[Image.Image]) -> VisionInput:
+        if not frames:
+            raise ValueError("a video needs at least one frame")
+        c = self.config
+        first = frames[0].convert("RGB")
+        h, w = smart_resize(first.height, first.width, c.factor, c.min_pixels, c.video_max_pixels)
+        arrs = [
+            self._frame(f.convert("RGB").resize((w, h)) if f.size != first.size else f, c.video_max_pixels)
+            for f in frames
+        ]
+        while len(arrs) % c.temporal_patch_size:
+            arrs.append(arrs[-1])  # pad with the last frame, as the reference does
+        return self._patchify(np.stack(arrs))
+
+
+def sample_frame_indices(total: int, count: int) -> list[int]:
+    """Evenly spaced frame indices (all frames when there are fewer than ``count``)."""
+    if total <= count:
+        return list(range(total))
+    return [min(total - 1, round(i * (total - 1) / (count - 1))) for i in range(count)] if count > 1 else [0]

@@ -1,0 +1,1 @@
+"""Building and training the embedded shapes-world model (offline, seeded)."""

@@ -1,0 +1,117 @@
+"""Training and evaluation batches from the shapes world, through the real chat template."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from epdserve.media.processor import VisionProcessor
+from epdserve.shapes import Sample, ShapesWorld, render_images
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenized sample: prompt + answer ids, vision inputs, and where the answer starts."""
+
+    input_ids: list[int]
+    answer_start: int
+    images: list[tuple[np.ndarray, tuple[int, int, int]]]
+    videos: list[tuple[np.ndarray, tuple[int, int, int]]]
+    sample: Sample
+
+
+class SampleEncoder:
+    """Turns samples into token ids with expanded placeholders (chat template, then expansion)."""
+
+    def __init__(self, tokenizer, processor: VisionProcessor, image_token_id: int, video_token_id: int) -> None:
+        self.tok = tokenizer
+        self.proc = processor
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.merge = processor.config.merge_size
+
+    def messages(self, sample: Sample, text_first: bool = False) -> list[dict]:
+        media: list[dict] = (
+            [{"type": "video"}] if sample.video is not None else [{"type": "image"} for _ in sample.scenes]
+        )
+        text = {"type": "text", "text": sample.question}
+        content = [text, *media] if text_first else [*media, text]
+        return [{"role": "user", "content": content}]
+
+    def encode(self, sample: Sample, text_first: bool = False, with_answer: bool = True) -> Encoded:
+        prompt = self.tok.apply_chat_template(
+            self.messages(sample, text_first), add_generation_prompt=True, tokenize=False
+        )
+        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+        images = [self._item(self.proc.image(im)) for im in render_images(sample)]
+        videos = [self._item(self.proc.video(sample.frames))] if sample.video is not None else []
+        expanded: list[int] = []
+        it_img, it_vid = iter(images), iter(videos)
+        for t in ids:
+            if t == self.image_token_id:
+                expanded += [t] * self._count(next(it_img)[1])
+            elif t == self.video_token_id:
+                expanded += [t] * self._count(next(it_vid)[1])
+            else:
+                expanded.append(t)
+        start = len(expanded)
+        if with_answer:
+            expanded += self.tok(sample.answer, add_special_tokens=False)["input_ids"] + [self.end_id]
+        return Encoded(expanded, start, images, videos, sample)
+
+    def _item(self, vi):
+        return vi.pixel_values, vi.grid_thw
+
+    def _count(self, thw: tuple[int, int, int]) -> int:
+        t, h, w = thw
+        return t * h * w // (self.merge * self.merge)
+
+
+def collate(batch: list[Encoded], pad_id: int, image_token_id: int, video_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch with labels on the answer tokens only (answer + end-of-turn)."""
+    n = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    labels = torch.full((len(batch), n), -100, dtype=torch.long)
+    for i, e in enumerate(batch):
+        L = len(e.input_ids)
+        ids[i, :L] = torch.tensor(e.input_ids)
+        mask[i, :L] = 1
+        labels[i, e.answer_start : L] = ids[i, e.answer_start : L]
+    # modality of each position (0 text, 1 image, 2 video): transformers derives M-RoPE from it
+    mm = torch.zeros_like(ids)
+    mm[ids == image_token_id] = 1
+    mm[ids == video_token_id] = 2
+    out: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": mask, "labels": labels, "mm_token_type_ids": mm}
+    imgs = [x for e in batch for x in e.images]
+    vids = [x for e in batch for x in e.videos]
+    if imgs:
+        out["pixel_values"] = torch.from_numpy(np.concatenate([p for p, _ in imgs]))
+        out["image_grid_thw"] = torch.tensor([g for _, g in imgs], dtype=torch.long)
+    if vids:
+        out["pixel_values_videos"] = torch.from_numpy(np.concatenate([p for p, _ in vids]))
+        out["video_grid_thw"] = torch.tensor([g for _, g in vids], dtype=torch.long)
+    return out
+
+
+class Mixture:
+    """Draws question types by weight; weights change with the curriculum phase."""
+
+    def __init__(self, world: ShapesWorld, seed: int) -> None:
+        self.world = world
+        self.rng = random.Random(seed)
+
+    def draw(self, weights: dict[str, float]) -> Sample:
+        qtypes = list(weights)
+        q = self.rng.choices(qtypes, weights=[weights[k] for k in qtypes])[0]
+        if q == "describe_one":
+            return self._describe_one()
+        return self.world.sample(q)
+
+    def _describe_one(self) -> Sample:
+        scene = self.world.scene(1)
+        return Sample("image", "describe", "Describe the image.", scene.description, scenes=(scene,))

@@ -1,0 +1,191 @@
+"""Seeded training of the embedded model on the shapes world (CPU, one thread by default).
+
+Resumable: a state file (weights + optimizer + step + RNG) is written every ``--save-every``
+seconds; rerunning the same command continues from it. The learning-rate schedule is a function
+of the step only, so a resumed run follows the same curve.
+
+Exact match is measured teacher-forced: a greedy decode produces the answer exactly when the
+argmax at every answer position (answer tokens + end-of-turn) equals the target, so one forward
+pass per batch gives the same number as generating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.shapes import IMAGE_QUESTIONS, MULTI_QUESTIONS, QUESTION_KIND, VIDEO_QUESTIONS, ShapesWorld
+from epdserve.training.build import build_untrained
+from epdserve.training.data import Mixture, SampleEncoder, collate
+
+EARLY = {"describe_one": 3.0, "shape": 1.0, "color": 1.0, "where": 1.0, "direction": 0.5, "moving_shape": 0.5}
+MAIN = {
+    "describe": 1.0,
+    "shape": 0.5,
+    "color": 0.5,
+    "where": 0.5,
+    "count": 0.5,
+    "what_at": 1.0,
+    "where_is": 1.0,
+    "describe_nth": 1.5,
+    "which_image": 2.5,
+    "direction": 0.7,
+    "moving_shape": 0.5,
+}
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    flat = total // 2
+    if step < flat:
+        return peak
+    p = min(1.0, (step - flat) / max(1, total - flat))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def linear_patch_embed(model) -> None:
+    """Run the Conv3d patch embedding as the equivalent linear map (same weights, ~4x faster backward)."""
+    pe = model.model.visual.patch_embed
+    conv = pe.proj
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        w = conv.weight.view(conv.weight.shape[0], -1)
+        return F.linear(hidden_states.view(-1, w.shape[1]).to(w.dtype), w, conv.bias)
+
+    pe.forward = forward
+
+
+@torch.no_grad()
+def exact_match(model, enc: SampleEncoder, samples, pad_id: int, batch: int = 32) -> dict[str, float]:
+    model.eval()
+    hits: dict[str, list[int]] = defaultdict(list)
+    for i in range(0, len(samples), batch):
+        encoded = [enc.encode(s) for s in samples[i : i + batch]]
+        b = collate(encoded, pad_id, enc.image_token_id, enc.video_token_id)
+        labels = b.pop("labels")
+        logits = model(**b).logits
+        pred = logits[:, :-1].argmax(-1)
+        tgt = labels[:, 1:]
+        ok = ((pred == tgt) | (tgt == -100)).all(-1)
+        for e, k in zip(encoded, ok.tolist(), strict=True):
+            hits[e.sample.qtype].append(int(k))
+    model.train()
+    return {q: sum(v) / len(v) for q, v in hits.items()}
+
+
+def summarize(per_type: dict[str, float]) -> dict[str, float]:
+    groups = {"single": IMAGE_QUESTIONS, "multi": MULTI_QUESTIONS, "video": VIDEO_QUESTIONS}
+    out = {}
+    for name, qs in groups.items():
+        vals = [per_type[q] for q in qs if q in per_type]
+        if vals:
+            out[name] = sum(vals) / len(vals)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, required=True, help="final checkpoint directory")
+    ap.add_argument("--state", type=Path, required=True, help="resumable training state directory")
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--early-steps", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--save-every", type=float, default=300.0, help="seconds between state saves")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    args.state.mkdir(parents=True, exist_ok=True)
+    init_dir = args.state / "init"
+    if not (init_dir / "config.json").exists():
+        build_untrained(init_dir, seed=args.seed)
+    tok = AutoTokenizer.from_pretrained(init_dir)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(init_dir, dtype=torch.float32)
+    cfg = model.config
+    enc = SampleEncoder(
+        tok, VisionProcessor(ProcessorConfig.from_pretrained(init_dir)), cfg.image_token_id, cfg.video_token_id
+    )
+    pad_id = tok.pad_token_id
+    linear_patch_embed(model)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+    )
+    step = 0
+    state_file = args.state / "state.pt"
+    if state_file.exists():
+        st = torch.load(state_file, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        print(f"resumed at step {step}", flush=True)
+    # the data stream depends on (seed, step) so a resumed run sees fresh, reproducible data
+    world = ShapesWorld(args.seed * 1_000_003 + step)
+    mix = Mixture(world, args.seed + step)
+    probe = ShapesWorld(987_654)  # a small fixed probe set, distinct from the evaluation seed
+    held_out = [probe.sample(q) for q in QUESTION_KIND for _ in range(24)]
+    log = (args.state / "log.jsonl").open("a")
+    model.train()
+    t_start, t_save, losses = time.time(), time.time(), []
+    while step < args.steps:
+        weights = EARLY if step < args.early_steps else MAIN
+        batch = [enc.encode(mix.draw(weights), text_first=mix.rng.random() < 0.15) for _ in range(args.batch)]
+        b = collate(batch, pad_id, enc.image_token_id, enc.video_token_id)
+        lr = lr_at(step, args.steps, args.lr)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = model(**b).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        step += 1
+        if step % 50 == 0:
+            rate = (time.time() - t_start) / len(losses)
+            print(f"step {step} loss {sum(losses[-50:]) / 50:.4f} lr {lr:.2e} {rate:.3f}s/step", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            em = exact_match(model, enc, held_out, pad_id)
+            rec = {"step": step, "time": time.time(), "loss": sum(losses[-50:]) / 50, **summarize(em), "per_type": em}
+            print(json.dumps(rec), flush=True)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if time.time() - t_save > args.save_every or step == args.steps:
+            tmp = args.state / "state.tmp"
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+            os.replace(tmp, state_file)
+            t_save = time.time()
+    export(model, init_dir, args.out)
+
+
+def export(model, init_dir: Path, out: Path) -> None:
+    """Write the trained weights with the tokenizer/processor files of the init checkpoint."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in init_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    model.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    main()

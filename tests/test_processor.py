@@ -1,0 +1,57 @@
+"""Our Qwen2-VL preprocessing equals transformers' image processor; videos share its layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from epdserve.media.processor import ProcessorConfig, VisionProcessor, sample_frame_indices, smart_resize
+from epdserve.shapes import ShapesWorld
+
+
+@pytest.fixture(scope="module")
+def ours() -> VisionProcessor:
+    return VisionProcessor(ProcessorConfig())
+
+
+def test_matches_transformers_image_processor(ours: VisionProcessor) -> None:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ref = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    world = ShapesWorld(21)
+    images = [world.scene().render() for _ in range(12)]
+    images += [Image.new("RGB", (300, 50), (1, 2, 3)), Image.new("RGB", (20, 30), (9, 9, 9))]
+    for img in images:
+        r = ref(images=[img], return_tensors="np")
+        o = ours.image(img)
+        assert tuple(r["image_grid_thw"][0]) == o.grid_thw
+        np.testing.assert_allclose(o.pixel_values, r["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_token_counts_for_spec_sizes(ours: VisionProcessor) -> None:
+    # 84 px -> 6x6 patches -> 9 tokens; 112 px and larger squares are capped at 112x112 -> 16 tokens
+    assert ours.image(Image.new("RGB", (84, 84))).num_embeddings(2) == 9
+    assert ours.image(Image.new("RGB", (168, 168))).num_embeddings(2) == 16
+
+
+def test_video_groups_frames_in_time(ours: VisionProcessor) -> None:
+    frames = ShapesWorld(2).video().frames()
+    v = ours.video(frames)
+    t, h, w = v.grid_thw
+    assert t == 2 and v.pixel_values.shape == (t * h * w, 3 * 2 * 14 * 14)
+    # a "video" of one frame repeated is exactly that frame as an image
+    still = ours.video([frames[0], frames[0]])
+    np.testing.assert_array_equal(still.pixel_values, ours.image(frames[0]).pixel_values)
+    # an odd number of frames is padded with the last frame
+    assert ours.video(frames[:3]).grid_thw[0] == 2
+
+
+def test_smart_resize_rejects_extreme_aspect() -> None:
+    with pytest.raises(ValueError):
+        smart_resize(10, 3000, 28, 56 * 56, 112 * 112)
+
+
+def test_frame_sampling() -> None:
+    assert sample_frame_indices(3, 4) == [0, 1, 2]
+    assert sample_frame_indices(10, 4) == [0, 3, 6, 9]
