@@ -1,0 +1,117 @@
+"""Turn a validated chat request into engine input: template messages plus resolved media.
+
+Raw media (``image_url`` / ``video_url``) is fetched, decoded, hashed and preprocessed here, off
+the event loop. Metadata-only parts (``image_embeds`` / ``video_embeds``) are resolved by an
+``EmbedsResolver`` (the EC-connector consumer) — the pixels never come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+
+import aiohttp
+import torch
+
+from epdserve.api.errors import BadRequest
+from epdserve.api.protocol import (
+    AssistantMessage,
+    ChatRequest,
+    ImageEmbedsPart,
+    ImageUrlPart,
+    MediaPart,
+    SystemMessage,
+    TextPart,
+    VideoEmbedsPart,
+    VideoUrlPart,
+)
+from epdserve.engine.inputs import MediaInput
+from epdserve.media.decode import decode_image, decode_video
+from epdserve.media.fetch import load_media_bytes
+from epdserve.media.hashing import media_uuid
+from epdserve.media.limits import MediaLimits
+from epdserve.media.processor import VisionProcessor
+
+EmbedsResolver = Callable[[ImageEmbedsPart | VideoEmbedsPart], Awaitable[MediaInput]]
+
+
+def template_messages(req: ChatRequest) -> list[dict]:
+    """Messages in the shape the chat template expects (one placeholder part per media item)."""
+    out: list[dict] = []
+    for m in req.messages:
+        if isinstance(m, SystemMessage | AssistantMessage):
+            content = m.content or ""
+            text = content if isinstance(content, str) else "".join(p.text for p in content)
+            out.append({"role": m.role, "content": text})
+            continue
+        if isinstance(m.content, str):
+            out.append({"role": "user", "content": m.content})
+            continue
+        parts: list[dict] = []
+        for p in m.content:
+            if isinstance(p, TextPart):
+                parts.append({"type": "text", "text": p.text})
+            elif isinstance(p, ImageUrlPart | ImageEmbedsPart):
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "video"})
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+class MediaResolver:
+    """Raw media → ``MediaInput`` (pixels + grid + uuid); metadata-only parts via ``embeds``."""
+
+    def __init__(
+        self,
+        model_id: str,
+        processor: VisionProcessor,
+        limits: MediaLimits,
+        executor: Executor,
+        session: aiohttp.ClientSession | None = None,
+        embeds: EmbedsResolver | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.processor = processor
+        self.limits = limits
+        self.executor = executor
+        self.session = session
+        self.embeds = embeds
+        c = processor.config
+        self.processor_kwargs = {
+            "min_pixels": c.min_pixels,
+            "max_pixels": c.max_pixels,
+            "video_max_pixels": c.video_max_pixels,
+            "video_frames": limits.video_frames,
+            "patch_size": c.patch_size,
+            "temporal_patch_size": c.temporal_patch_size,
+            "merge_size": c.merge_size,
+        }
+
+    async def resolve(self, parts: list[MediaPart]) -> list[MediaInput]:
+        return list(await asyncio.gather(*(self._one(p) for p in parts)))
+
+    async def _one(self, part: MediaPart) -> MediaInput:
+        if isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
+            if self.embeds is None:
+                raise BadRequest("This server does not accept metadata-only media (no EC connector configured).")
+            return await self.embeds(part)
+        url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url
+        data = await load_media_bytes(url, self.limits, self.session)
+        modality = "image" if isinstance(part, ImageUrlPart) else "video"
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.process_bytes, modality, data)
+
+    def process_bytes(self, modality: str, data: bytes) -> MediaInput:
+        """Decode + preprocess (CPU work, runs in the executor)."""
+        uuid = media_uuid(self.model_id, modality, data, self.processor_kwargs)
+        if modality == "image":
+            vi = self.processor.image(decode_image(data, self.limits))
+        else:
+            vi = self.processor.video(decode_video(data, self.limits))
+        return MediaInput(uuid, modality, vi.grid_thw, torch.from_numpy(vi.pixel_values))
+
+
+def is_video_part(part: MediaPart) -> bool:
+    return isinstance(part, VideoUrlPart | VideoEmbedsPart)

@@ -1,0 +1,94 @@
+"""Typed client-facing errors: each carries its HTTP status and OpenAI error ``type``/``code``.
+
+Anything that rejects a request raises one of these; the server turns it into a response with
+``err.status`` and body ``err.to_json()``, which is exactly OpenAI's error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+
+class ApiError(Exception):
+    """Base of all errors that reach the client; unexpected failures map to 500 server_error."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def to_dict(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self.to_dict())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+class BadRequest(ApiError):
+    """The request is malformed or asks for something invalid (400)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(ApiError):
+    """The named resource does not exist, e.g. an unknown model (404, code ``model_not_found``)."""
+
+    status = 404
+    error_type = "invalid_request_error"
+
+    @classmethod
+    def model(cls, name: str) -> NotFound:
+        return cls(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+class PayloadTooLarge(ApiError):
+    """A body or media item exceeds a configured size limit (413)."""
+
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class Overloaded(ApiError):
+    """The server refuses new work right now; the client should retry later (429)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "overloaded"
+
+
+class WorkerFailed(ApiError):
+    """A backend worker (encoder, prefill, decode) failed while serving the request (502)."""
+
+    status = 502
+    error_type = "server_error"
+    default_code = "worker_failed"
+
+
+class Unavailable(ApiError):
+    """No worker can serve the request at the moment, e.g. during startup or shutdown (503)."""
+
+    status = 503
+    error_type = "server_error"
+    default_code = "unavailable"
+
+
+class Timeout(ApiError):
+    """An upstream step (media fetch, worker) did not answer in time (504)."""
+
+    status = 504
+    error_type = "server_error"
+    default_code = "timeout"

@@ -1,0 +1,397 @@
+"""Wire schemas of the OpenAI Chat Completions API, their validation and their fast encoding.
+
+Requests decode straight into msgspec Structs (unknown fields are ignored, as OpenAI clients
+send extras); every problem becomes a ``BadRequest`` naming the offending field. Besides
+OpenAI's ``text`` / ``image_url`` parts we accept ``video_url`` and two metadata-only parts
+that refer to embeddings an encoder worker already produced::
+
+    {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, h, w]}, "uuid": "...", "ec_handle": {...}}
+    {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w]}, "uuid": "...", "ec_handle": {...}}
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from epdserve.api.errors import ApiError, BadRequest
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.media.limits import MediaLimits
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+GridTHW = tuple[PositiveInt, PositiveInt, PositiveInt]
+FinishReason = Literal["stop", "length"]
+
+MAX_STOP_STRINGS: Final = 4  # OpenAI's limit on `stop`
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+_GREEDY_EPS: Final = 1e-5  # temperatures below this sample greedily (as vLLM does)
+
+# --------------------------------------------------------------------------- content parts
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ImageUrl(msgspec.Struct):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(msgspec.Struct, tag_field="type", tag="image_url"):
+    image_url: ImageUrl
+
+
+class VideoUrl(msgspec.Struct):
+    url: str
+
+
+class VideoUrlPart(msgspec.Struct, tag_field="type", tag="video_url"):
+    video_url: VideoUrl
+
+
+class ImageEmbeds(msgspec.Struct):
+    image_grid_thw: GridTHW  # (1, h, w) in patches
+
+
+class ImageEmbedsPart(msgspec.Struct, tag_field="type", tag="image_embeds"):
+    """An image already encoded elsewhere: its grid, content hash and encoder-cache handle."""
+
+    image_embeds: ImageEmbeds
+    uuid: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    ec_handle: dict[str, Any] | None = None
+
+
+class VideoEmbeds(msgspec.Struct):
+    video_grid_thw: GridTHW  # (t, h, w) in patches
+
+
+class VideoEmbedsPart(msgspec.Struct, tag_field="type", tag="video_embeds"):
+    """A video already encoded elsewhere: its grid, content hash and encoder-cache handle."""
+
+    video_embeds: VideoEmbeds
+    uuid: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    ec_handle: dict[str, Any] | None = None
+
+
+ContentPart = TextPart | ImageUrlPart | VideoUrlPart | ImageEmbedsPart | VideoEmbedsPart
+MediaPart = ImageUrlPart | VideoUrlPart | ImageEmbedsPart | VideoEmbedsPart
+
+
+def part_modality(part: MediaPart) -> Literal["image", "video"]:
+    return "image" if isinstance(part, ImageUrlPart | ImageEmbedsPart) else "video"
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class SystemMessage(msgspec.Struct, tag_field="role", tag="system"):
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)]
+    name: str | None = None
+
+    @property
+    def role(self) -> str:
+        return "system"
+
+
+class UserMessage(msgspec.Struct, tag_field="role", tag="user"):
+    content: str | Annotated[list[ContentPart], msgspec.Meta(min_length=1)]
+    name: str | None = None
+
+    @property
+    def role(self) -> str:
+        return "user"
+
+
+class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant"):
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None = None
+    name: str | None = None
+
+    @property
+    def role(self) -> str:
+        return "assistant"
+
+
+Message = SystemMessage | UserMessage | AssistantMessage
+
+
+# --------------------------------------------------------------------------- request
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = False
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/chat/completions. Range checks live in ``to_sampling_params``."""
+
+    model: str
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # preferred over max_tokens when both are given
+    min_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = False
+    n: int | None = 1
+    logprobs: bool | None = False
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def media_parts(self) -> list[MediaPart]:
+        """Media parts of all messages, in prompt order."""
+        return [
+            p
+            for m in self.messages
+            if isinstance(m, UserMessage) and not isinstance(m.content, str)
+            for p in m.content
+            if not isinstance(p, TextPart)
+        ]
+
+
+_PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
+_MISSING_RE = re.compile(r"missing required field `([^`]+)`")
+
+
+def _param_of(message: str) -> str | None:
+    """The field a msgspec validation message points at: "... - at `$.messages[0].role`"."""
+    m = _PATH_RE.search(message)
+    path = m.group(1) if m else ""
+    missing = _MISSING_RE.search(message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
+def decode_chat_request(body: bytes, limits: MediaLimits) -> ChatRequest:
+    """Parse and validate a chat request body; every failure is a ``BadRequest``."""
+    try:
+        req = msgspec.json.decode(body, type=ChatRequest)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        raise BadRequest(f"Invalid request: {msg}", param=_param_of(msg)) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"Request body is not valid JSON: {e}") from None
+
+    if req.n is not None and req.n != 1:
+        raise BadRequest(f"Only n=1 is supported, got n={req.n}.", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed when stream is true.", param="stream_options")
+
+    counts = {"image": 0, "video": 0}
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, UserMessage) or isinstance(m.content, str):
+            continue
+        for j, part in enumerate(m.content):
+            if isinstance(part, TextPart):
+                continue
+            if isinstance(part, ImageEmbedsPart) and part.image_embeds.image_grid_thw[0] != 1:
+                raise BadRequest(
+                    f"image_grid_thw must start with 1 (one temporal group), got {list(part.image_embeds.image_grid_thw)}.",
+                    param=f"messages[{i}].content[{j}].image_embeds.image_grid_thw",
+                )
+            counts[part_modality(part)] += 1
+    for modality, count in counts.items():
+        allowed = limits.max_items(modality)
+        if count > allowed:
+            raise BadRequest(
+                f"At most {allowed} {modality}(s) may be provided in one prompt, got {count}.", param="messages"
+            )
+    return req
+
+
+def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len: int) -> SamplingParams:
+    """Validate the sampling fields of ``req`` (OpenAI/vLLM ranges) and build ``SamplingParams``."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise BadRequest(f"temperature must be in [0, 2], got {temperature}.", param="temperature")
+    if temperature < _GREEDY_EPS:
+        temperature = 0.0
+
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}.", param="top_p")
+
+    top_k = 0 if req.top_k is None else req.top_k
+    if top_k < -1:
+        raise BadRequest(f"top_k must be -1 or 0 (disabled) or at least 1, got {top_k}.", param="top_k")
+    top_k = max(top_k, 0)
+
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    elif req.max_tokens is not None:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    else:
+        max_tokens, max_param = min(default_max_tokens, max_model_len), ""
+    if max_tokens < 1:
+        raise BadRequest(f"{max_param} must be at least 1, got {max_tokens}.", param=max_param)
+    if max_tokens > max_model_len:
+        raise BadRequest(
+            f"{max_param}={max_tokens} exceeds the model's maximum context length of {max_model_len} tokens.",
+            param=max_param,
+        )
+
+    min_tokens = 0 if req.min_tokens is None else req.min_tokens
+    if min_tokens < 0:
+        raise BadRequest(f"min_tokens must be at least 0, got {min_tokens}.", param="min_tokens")
+    if min_tokens > max_tokens:
+        raise BadRequest(
+            f"min_tokens ({min_tokens}) must be less than or equal to max_tokens ({max_tokens}).", param="min_tokens"
+        )
+
+    if req.stop is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(req.stop, str):
+        stop = (req.stop,)
+    else:
+        stop = tuple(req.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"At most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stop)}.", param="stop")
+    if any(s == "" for s in stop):
+        raise BadRequest("stop sequences must not be empty strings.", param="stop")
+
+    if req.seed is not None and not _INT64_MIN <= req.seed <= _UINT64_MAX:
+        raise BadRequest(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
+
+    return SamplingParams(
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=stop,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=bool(req.logprobs),
+    )
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class Choice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Streamed message increment; unset fields are left out, as in OpenAI's chunks."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # only on the final chunk when stream_options.include_usage is set
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "epdserve"
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------- encoding
+
+SSE_DONE: Final = b"data: [DONE]\n\n"
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """OpenAI's ``created`` field: Unix seconds."""
+    return int(time.time())
+
+
+def encode_json(obj: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def sse_event(obj: msgspec.Struct) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def sse_error(err: ApiError) -> bytes:
+    """An error reported inside an already-started stream (the HTTP status is already sent)."""
+    return b"data: " + err.to_json() + b"\n\n"

@@ -1,0 +1,343 @@
+"""The OpenAI-compatible server of a language-model instance (aggregated or PD role).
+
+Routes: POST /v1/chat/completions (SSE streaming and not), GET /v1/models, /health, /metrics.
+Every failure reaches the client as OpenAI-style error JSON with the right status; the engine
+runs in its own thread (``AsyncEngine``), so this event loop only parses, fetches and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from epdserve.api.chat import EmbedsResolver, MediaResolver, template_messages
+from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
+from epdserve.api.metrics import Metrics
+from epdserve.api.protocol import (
+    SSE_DONE,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    Delta,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    Usage,
+    decode_chat_request,
+    encode_json,
+    new_completion_id,
+    now_s,
+    sse_error,
+    sse_event,
+    to_sampling_params,
+)
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.engine import AsyncEngine, LLMEngine, RequestOutput
+from epdserve.engine.inputs import InputBuilder, PromptError
+from epdserve.engine.request import Request
+from epdserve.media.fetch import media_session
+from epdserve.media.limits import MediaLimits
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path  # checkpoint directory (Hugging Face format)
+    served_model_name: str = ""  # name clients use; empty: the directory name
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8000  # listen port (0: any free port)
+    default_max_tokens: int = 256  # max_tokens when the request sets none
+    max_request_bytes: int = 64 << 20  # largest request body
+    preprocess_threads: int = 2  # threads decoding and preprocessing media
+    vision: bool = True  # load the vision tower (False: metadata-only requests only)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: MediaLimits = field(default_factory=MediaLimits)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+
+class ChatService:
+    """Owns the engine and the media pipeline; the HTTP handlers are thin wrappers around it."""
+
+    def __init__(self, config: ServerConfig, embeds: EmbedsResolver | None = None) -> None:
+        self.config = config
+        self.started = time.time()
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.engine = LLMEngine.from_pretrained(config.model, config.engine, vision=config.vision)
+        self.async_engine = AsyncEngine(self.engine)
+        self.builder = InputBuilder(self.engine.tokenizer, self.model_config)
+        self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
+        self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
+        self.embeds = embeds
+        self.resolver: MediaResolver | None = None
+        self.eos = frozenset(_eos_ids(config.model, self.engine.tokenizer))
+        self.metrics = Metrics()
+        self._init_metrics()
+
+    async def start(self) -> None:
+        session = media_session(self.config.limits)
+        self.resolver = MediaResolver(
+            self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds
+        )
+
+    async def close(self) -> None:
+        if self.resolver is not None and self.resolver.session is not None:
+            await self.resolver.session.close()
+        self.async_engine.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _init_metrics(self) -> None:
+        m, sch = self.metrics, self.engine.scheduler
+        m.gauge("num_requests_running", "requests in the running batch", lambda: len(sch.running))
+        m.gauge("num_requests_waiting", "requests waiting to be scheduled", lambda: len(sch.waiting))
+        m.gauge("kv_blocks_free", "free KV-cache blocks", lambda: sch.blocks.num_free)
+        m.gauge("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", lambda: sch.blocks.hits)
+        m.gauge("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", lambda: sch.blocks.queries)
+        m.gauge("num_preemptions", "requests preempted for lack of KV blocks", lambda: sch.num_preemptions)
+        enc = self.engine.runner.encoder_cache
+        m.gauge("encoder_cache_hits", "vision embeddings served from the local cache", lambda: enc.hits)
+        m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", lambda: enc.nbytes)
+        self.ttft = m.histogram("time_to_first_token_seconds", "time to first token")
+        self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
+        self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")
+        self.prep = m.histogram("request_preprocess_seconds", "media fetch + decode + preprocess + template")
+
+    async def prepare(self, body: bytes) -> tuple[object, Request]:
+        cfg = self.config
+        req = decode_chat_request(body, cfg.limits)
+        if req.model != cfg.model_name:
+            raise NotFound.model(req.model)
+        params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
+        t0 = time.perf_counter()
+        assert self.resolver is not None
+        media = await self.resolver.resolve(req.media_parts())
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = await loop.run_in_executor(self.executor, self.builder.build, template_messages(req), media)
+        except PromptError as e:
+            raise BadRequest(str(e)) from None
+        self.prep.observe(time.perf_counter() - t0)
+        n = len(prompt.token_ids)
+        limit = cfg.engine.max_model_len
+        if n >= limit:
+            raise BadRequest(f"The prompt is {n} tokens long; this model's maximum context length is {limit} tokens.")
+        explicit = req.max_completion_tokens is not None or req.max_tokens is not None
+        if n + params.max_tokens > limit:
+            if explicit:
+                raise BadRequest(
+                    f"This model's maximum context length is {limit} tokens, but {n + params.max_tokens} were "
+                    f"requested ({n} in the messages, {params.max_tokens} in the completion).",
+                    param="max_tokens",
+                )
+            params = _replace(params, max_tokens=limit - n)
+        rid = new_completion_id()
+        engine_req = Request(
+            rid,
+            prompt.token_ids,
+            params,
+            prompt.mm_items,
+            prompt.mrope_positions,
+            prompt.mrope_delta,
+            arrival=time.time(),
+            eos_token_ids=self.eos,
+        )
+        return req, engine_req
+
+
+def _replace(params, **kw):
+    from dataclasses import replace
+
+    return replace(params, **kw)
+
+
+def _eos_ids(model_dir: Path, tokenizer) -> list[int]:
+    import json
+
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids += e if isinstance(e, list) else [e] if e is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+# ---------------------------------------------------------------------------------- handlers
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return json_response(e.to_json(), e.status)
+    except web.HTTPRequestEntityTooLarge:
+        return json_response(PayloadTooLarge("The request body is too large.").to_json(), 413)
+    except web.HTTPException as e:  # unknown route, wrong method, ...
+        body = {"error": {"message": e.reason, "type": "invalid_request_error", "param": None, "code": None}}
+        return web.json_response(body, status=e.status)
+    except Exception as e:  # keep serving; report a clean 500
+        log.exception("unhandled error")
+        return json_response(ApiError(f"Internal server error: {type(e).__name__}").to_json(), 500)
+
+
+class ChatHandlers:
+    def __init__(self, service: ChatService) -> None:
+        self.s = service
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        s = self.s
+        t0 = time.perf_counter()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(f"The request body exceeds {s.config.max_request_bytes} bytes.") from None
+        s.metrics.inc("requests_total", help_text="chat requests received")
+        try:
+            req, ereq = await s.prepare(body)
+        except ApiError as e:
+            s.metrics.inc("request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")
+            raise
+        if getattr(req, "stream", False):
+            return await self._stream(request, req, ereq, t0)
+        return await self._complete(req, ereq, t0)
+
+    async def _complete(self, req, ereq: Request, t0: float) -> web.Response:
+        s = self.s
+        text: list[str] = []
+        last: RequestOutput | None = None
+        first = True
+        async for out in s.async_engine.generate(ereq):
+            if first:
+                s.ttft.observe(time.perf_counter() - t0)
+                first = False
+            text.append(out.text)
+            last = out
+        assert last is not None
+        if last.finish_reason == "error":
+            raise (
+                Unavailable(last.error or "the request failed")
+                if "embedding" in (last.error or "")
+                else _server_error(last)
+            )
+        s.e2e.observe(time.perf_counter() - t0)
+        s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
+        s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
+        resp = ChatCompletion(
+            id=ereq.request_id,
+            created=now_s(),
+            model=s.config.model_name,
+            choices=[Choice(message=ResponseMessage(content="".join(text)), finish_reason=_finish(last.finish_reason))],
+            usage=Usage.of(last.prompt_tokens, last.completion_tokens),
+        )
+        return json_response(encode_json(resp))
+
+    async def _stream(self, request: web.Request, req, ereq: Request, t0: float) -> web.StreamResponse:
+        s = self.s
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        model, created = s.config.model_name, now_s()
+
+        def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None) -> bytes:
+            choices = [ChunkChoice(delta=delta, finish_reason=_finish(finish))] if usage is None else []
+            c = ChatCompletionChunk(id=ereq.request_id, created=created, model=model, choices=choices, usage=usage)
+            return sse_event(c)
+
+        await resp.write(chunk(Delta(role="assistant", content="")))
+        last: RequestOutput | None = None
+        t_prev = None
+        async for out in s.async_engine.generate(ereq):
+            now = time.perf_counter()
+            if t_prev is None:
+                s.ttft.observe(now - t0)
+            else:
+                s.itl.observe(now - t_prev)
+            t_prev = now
+            last = out
+            if out.finish_reason == "error":
+                await resp.write(sse_error(Unavailable(out.error or "the request failed")))
+                break
+            if out.text or out.finished:
+                await resp.write(chunk(Delta(content=out.text) if out.text else Delta(), out.finish_reason))
+        if last is not None and last.finish_reason != "error":
+            s.e2e.observe(time.perf_counter() - t0)
+            s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
+            s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
+            if req.include_usage:
+                await resp.write(chunk(Delta(), usage=Usage.of(last.prompt_tokens, last.completion_tokens)))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        s = self.s
+        card = ModelCard(id=s.config.model_name, created=int(s.started), max_model_len=s.config.engine.max_model_len)
+        return json_response(encode_json(ModelList(data=[card])))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.s.async_engine._thread.is_alive():
+            raise Unavailable("the engine thread is not running")
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.s.metrics.render(), content_type="text/plain")
+
+
+def _finish(reason: str | None) -> FinishReason | None:
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    return None
+
+
+def _server_error(out: RequestOutput) -> ApiError:
+    return ApiError(out.error or "the request failed")
+
+
+def build_app(service: ChatService) -> web.Application:
+    app = web.Application(client_max_size=service.config.max_request_bytes, middlewares=[error_middleware])
+    h = ChatHandlers(service)
+    app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        await service.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await service.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the server until SIGINT/SIGTERM."""
+    service = ChatService(config)
+    app = build_app(service)
+    log.info("epdserve serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None, access_log=None)

@@ -1,0 +1,1 @@
+"""Load generation and measurement against OpenAI-compatible endpoints."""

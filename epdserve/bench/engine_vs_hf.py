@@ -1,0 +1,180 @@
+"""Benchmark (issue 3): epdserve's aggregated server vs transformers ``generate``, same requests.
+
+For each concurrency level the same image requests (shapes-world images, fixed output length
+via min_tokens/ignore_eos) go to a freshly started ``epdserve serve`` over HTTP (closed loop, N
+clients) and to transformers in this process (batches of N, left-padded, greedy). Prints request
+throughput, output tokens/s, TTFT p50/p99 and TPOT p50 side by side.
+
+    python -m epdserve.bench.engine_vs_hf --requests 32 --output-len 64 --concurrency 1 4 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+from PIL import Image
+
+from epdserve.assets import default_model_dir
+from epdserve.bench.client import RequestResult, percentile, stream_chat
+from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.shapes import SIDES, ShapesWorld
+
+
+def make_requests(n: int, seed: int, size: int | None) -> list[tuple[str, Image.Image]]:
+    world = ShapesWorld(seed)
+    out = []
+    for _ in range(n):
+        s = world.sample("describe")
+        img = s.scenes[0].render()
+        if size:
+            img = img.resize((size, size))
+        out.append((s.question, img))
+    return out
+
+
+async def run_server(url: str, model: str, reqs, out_len: int, conc: int) -> tuple[list[RequestResult], float]:
+    from epdserve.bench.workload import image_payload
+
+    queue = list(reqs)
+    results: list[RequestResult] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def worker() -> None:
+            while queue:
+                q, img = queue.pop(0)
+                body = image_payload(model, q, [img], out_len)
+                results.append(await stream_chat(session, url, body, "image"))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        return results, time.perf_counter() - t0
+
+
+def run_hf(model_dir: Path, reqs, out_len: int, conc: int) -> tuple[list[RequestResult], float]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from epdserve.hf_reference import HFReference
+
+    ref = HFReference(model_dir)
+    ref.tok.padding_side = "left"
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self) -> None:
+            self.t: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.t is None:
+                self.t = time.perf_counter()
+            return scores
+
+    results: list[RequestResult] = []
+    t_start = time.perf_counter()
+    for i in range(0, len(reqs), conc):
+        batch = reqs[i : i + conc]
+        inputs = [ref.inputs([_msg(q)], images=[img]) for q, img in batch]
+        merged = _left_pad(inputs, ref.tok.pad_token_id)
+        ft = FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            ref.model.generate(
+                **merged,
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([ft]),
+            )
+        t1 = time.perf_counter()
+        wait = t0 - t_start  # requests of later batches queue behind earlier ones (closed loop of `conc`)
+        for _ in batch:
+            r = RequestResult(ok=True, status=200, ttft=(ft.t or t1) - t0, e2e=t1 - t0, output_tokens=out_len)
+            r.ttft += 0.0 * wait
+            results.append(r)
+    return results, time.perf_counter() - t_start
+
+
+def _msg(q: str) -> dict:
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}
+
+
+def _left_pad(inputs: list[dict], pad_id: int) -> dict:
+    n = max(x["input_ids"].shape[1] for x in inputs)
+    out: dict[str, torch.Tensor] = {}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        fill = pad_id if key == "input_ids" else 0
+        rows = [torch.nn.functional.pad(x[key], (n - x[key].shape[1], 0), value=fill) for x in inputs]
+        out[key] = torch.cat(rows)
+    out["pixel_values"] = torch.cat([x["pixel_values"] for x in inputs])
+    out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in inputs])
+    return out
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+    toks = sum(r.output_tokens for r in ok)
+    return {
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "req_per_s": len(ok) / wall,
+        "out_tok_per_s": toks / wall,
+        "ttft_p50_ms": 1e3 * percentile([r.ttft for r in ok], 50),
+        "ttft_p99_ms": 1e3 * percentile([r.ttft for r in ok], 99),
+        "tpot_p50_ms": 1e3 * percentile([r.tpot for r in ok], 50),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=default_model_dir())
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument(
+        "--image-size", type=int, default=0, help=f"resize images to this side (default: spec sizes {SIDES})"
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both the server and transformers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    reqs = make_requests(args.requests, args.seed, args.image_size or None)
+    warm = make_requests(4, args.seed + 1, args.image_size or None)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_role(["serve", "--model", str(args.model), "--port", str(port), "--threads", str(args.threads)])
+    rows = []
+    try:
+        startup = wait_healthy(url, proc)
+        name = args.model.name
+        asyncio.run(run_server(url, name, warm, args.output_len, 4))
+        for c in args.concurrency:
+            res, wall = asyncio.run(run_server(url, name, reqs, args.output_len, c))
+            rows.append({"system": "epdserve", "concurrency": c, **summarize(res, wall)})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        stop(proc)
+    run_hf(args.model, warm, args.output_len, 4)
+    for c in args.concurrency:
+        res, wall = run_hf(args.model, reqs, args.output_len, c)
+        rows.append({"system": "transformers", "concurrency": c, **summarize(res, wall)})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\nepdserve startup to healthy: {startup:.1f}s; {args.requests} requests, {args.output_len} output tokens\n")
+    print("| system | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['system']} | {r['concurrency']} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.0f} | "
+            f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"startup_s": startup, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Caches keyed by media content hash."""

@@ -1,0 +1,1 @@
+"""The language-model engine: paged KV cache, continuous batching, chunked prefill, sampling."""

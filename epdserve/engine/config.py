@@ -1,0 +1,25 @@
+"""Engine configuration (frozen, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int = 2048  # KV-cache blocks (per layer); 2048 x 16 = 32k tokens
+    max_num_seqs: int = 64  # most requests in the running batch
+    max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + decodes)
+    max_model_len: int = 4096  # prompt + output tokens per request
+    enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
+    encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
+    threads: int = 0  # torch intra-op threads for the engine (0: leave torch's default)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_kv_blocks < 1:
+            raise ValueError("block_size and num_kv_blocks must be positive")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_model_len > self.block_size * self.num_kv_blocks:
+            raise ValueError("max_model_len does not fit in the KV cache")

@@ -1,0 +1,98 @@
+"""From chat messages with media to an engine request's prompt.
+
+The chat template renders one placeholder token per media item; each is expanded here to the
+item's embedding count (t*h*w / merge²), taken from its grid — pixels or metadata alone give
+the same prompt and the same M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epdserve.engine.request import MediaItem
+from epdserve.models.config import ModelConfig
+
+
+class PromptError(ValueError):
+    """The messages and media do not make a valid prompt (a client error)."""
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """A media item ready for the engine: identity, layout, and pixels or embeddings."""
+
+    uuid: str
+    modality: str  # "image" | "video"
+    grid_thw: tuple[int, int, int]
+    pixel_values: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    mm_items: list[MediaItem]
+    mrope_positions: torch.Tensor | None
+    mrope_delta: int
+
+
+class InputBuilder:
+    def __init__(self, tokenizer, config: ModelConfig) -> None:
+        self.tok = tokenizer
+        self.config = config
+        self.merge = config.vision.spatial_merge_size
+        self.placeholder = {"image": config.image_token_id, "video": config.video_token_id}
+
+    def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
+            raise PromptError(f"invalid grid_thw {list(grid_thw)}: h and w must be positive multiples of {self.merge}")
+        return t * h * w // (self.merge * self.merge)
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """Chat template → token ids (one placeholder token per media item)."""
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:
+            raise PromptError(f"could not apply the chat template: {e}") from e
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def build(self, messages: list[dict], media: list[MediaInput]) -> Prompt:
+        from epdserve.models.qwen2_vl import mrope_positions
+
+        ids = self.render(messages)
+        expanded: list[int] = []
+        items: list[MediaItem] = []
+        pending = iter(media)
+        seen = 0
+        for t in ids:
+            modality = (
+                "image" if t == self.config.image_token_id else "video" if t == self.config.video_token_id else None
+            )
+            if modality is None:
+                expanded.append(t)
+                continue
+            m = next(pending, None)
+            seen += 1
+            if m is None or m.modality != modality:
+                raise PromptError("the media parts do not match the prompt's placeholders")
+            n = self.num_tokens(m.grid_thw)
+            if m.embeddings is not None and m.embeddings.shape[0] != n:
+                raise PromptError(f"embeddings have {m.embeddings.shape[0]} rows, grid {list(m.grid_thw)} needs {n}")
+            items.append(MediaItem(m.uuid, modality, len(expanded), n, m.grid_thw, m.pixel_values, m.embeddings))
+            expanded += [t] * n
+        if seen != len(media):
+            raise PromptError(f"{len(media)} media items but {seen} placeholders in the prompt")
+        if not items:
+            return Prompt(expanded, [], None, 0)
+        grids_i = [it.grid_thw for it in items if it.modality == "image"]
+        grids_v = [it.grid_thw for it in items if it.modality == "video"]
+        pos, delta = mrope_positions(
+            expanded,
+            torch.tensor(grids_i, dtype=torch.long) if grids_i else None,
+            torch.tensor(grids_v, dtype=torch.long) if grids_v else None,
+            self.config,
+        )
+        return Prompt(expanded, items, pos, int(delta))

@@ -1,0 +1,123 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running requests first (a decode token each, or their next prefill chunk), then
+waiting requests join while the token budget, the sequence limit and the KV cache allow. When a
+running request cannot get a block, the most recently admitted running request is preempted
+(blocks freed, recomputed later) — the engine never crashes for lack of memory.
+
+The plan (``SchedulerOutput``) holds request references and token counts only, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def end(self) -> int:
+        return self.request.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces a token for the request (its chunk reaches the last token)."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # 1. running requests, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                out.scheduled = [s for s in out.scheduled if s.request is not victim]
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue  # preempted itself; the list shrank
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+        # 2. waiting requests join while everything allows
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting.popleft()
+            if not req.ready:
+                skipped.append(req)
+                continue
+            if not req.block_ids:
+                self.blocks.take_cached(req, self.blocks.match_prefix(req))
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.blocks.allocate(req, n):
+                self.blocks.free(req)
+                req.num_computed_tokens = 0
+                self.waiting.appendleft(req)
+                break
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Retire a request (finished, aborted or failed) and release its blocks."""
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req)

@@ -1,0 +1,55 @@
+"""Limits on client-supplied media: sizes, pixels, frames, fetch policy and items per prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What the API edge accepts from clients before any media reaches a model."""
+
+    max_bytes: int = 20 * 1024 * 1024  # largest encoded media item (data URL payload or HTTP body)
+    max_image_pixels: int = 4096 * 4096  # largest width*height of an image or video frame (decompression bombs)
+    max_video_frames: int = 3600  # most frames a video may contain (bounds decode work)
+    video_frames: int = 4  # frames sampled evenly from each video
+    fetch_timeout_s: float = 10.0  # wall-clock limit for fetching one http(s) media URL, redirects included
+    max_redirects: int = 3  # redirects followed per fetch (each hop is re-checked)
+    allow_private_addresses: bool = False  # allow fetching from private/loopback/link-local/reserved addresses
+    allowed_media_domains: tuple[str, ...] = field(default=())  # host names allowed for http(s) media; empty = any
+    max_images_per_prompt: int = 8  # image items (URLs and embeds) per request; 0 disables images
+    max_videos_per_prompt: int = 2  # video items (URLs and embeds) per request; 0 disables videos
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_bytes": self.max_bytes,
+            "max_image_pixels": self.max_image_pixels,
+            "max_video_frames": self.max_video_frames,
+            "video_frames": self.video_frames,
+            "fetch_timeout_s": self.fetch_timeout_s,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"MediaLimits.{name} must be positive, got {value!r}")
+        for name, count in (
+            ("max_redirects", self.max_redirects),
+            ("max_images_per_prompt", self.max_images_per_prompt),
+            ("max_videos_per_prompt", self.max_videos_per_prompt),
+        ):
+            if count < 0:
+                raise ValueError(f"MediaLimits.{name} must be >= 0, got {count}")
+        # host names compare case-insensitively and without a trailing root dot
+        object.__setattr__(
+            self, "allowed_media_domains", tuple(d.strip().rstrip(".").lower() for d in self.allowed_media_domains)
+        )
+
+    def max_items(self, modality: str) -> int:
+        """Items of ``modality`` ("image" or "video") allowed in one prompt."""
+        if modality == "image":
+            return self.max_images_per_prompt
+        if modality == "video":
+            return self.max_videos_per_prompt
+        return 0
+
+    def domain_allowed(self, host: str) -> bool:
+        return not self.allowed_media_domains or host.rstrip(".").lower() in self.allowed_media_domains

@@ -1,0 +1,539 @@
+"""Qwen2-VL: the vision tower, the language model, M-RoPE positions and checkpoint name mapping.
+
+Data flow of one request::
+
+    pixel patches [P, 1176] ──Qwen2VisionTower──► media embeddings [P/4, H]
+                                                          │ spliced at the placeholder tokens
+    token ids [N] ──embed_tokens──► embeddings [N, H] ◄───┘
+    token ids + grids ──mrope_positions──► positions [3, N]
+    embeddings, positions ──Qwen2LanguageModel(attention backend)──► hidden [N, H] ──compute_logits──►
+
+The vision tower and the language model are independent modules so that an encoder process builds
+only the first and a prefill/decode process only the second (``Qwen2VLForConditionalGeneration``
+takes the set of parts to build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epdserve.models.base import AttentionBackend
+from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
+
+GridLike = torch.Tensor | Sequence[Sequence[int]]
+
+
+class MediaPlaceholderError(ValueError):
+    """The placeholder tokens of a prompt do not match the media grids or embeddings given."""
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor has the wrong shape, or a parameter found no tensor."""
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name == "quick_gelu":
+        return lambda x: x * torch.sigmoid(1.702 * x)
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ConfigError(f"unsupported activation {name!r}")
+
+
+def _grid_list(grid: GridLike | None) -> list[tuple[int, int, int]]:
+    if grid is None:
+        return []
+    rows = grid.tolist() if isinstance(grid, torch.Tensor) else grid
+    out = []
+    for row in rows:
+        if len(row) != 3:
+            raise MediaPlaceholderError(f"a grid is (t, h, w), got {list(row)}")
+        t, h, w = (int(x) for x in row)
+        out.append((t, h, w))
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; cos/sin: [N, D], broadcast over heads."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# vision tower
+# ---------------------------------------------------------------------------------------------
+
+
+def _merge_window_hw(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) patch coordinates of one frame in the order the processor emits patches.
+
+    The processor groups the merge x merge patches that the merger folds into one token next to
+    each other, so the order is (h/merge, w/merge, merge, merge), not raster order.
+    """
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+    return rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()
+
+
+class VisionRotaryEmbedding(nn.Module):
+    """2D rotary embedding: the first half of each head rotates by the patch row, the second by the column."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 4), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the inverse frequencies; they are not stored in checkpoints."""
+        dim = self.config.head_dim // 2  # rotary width given to each of h and w
+        steps = torch.arange(0, dim, 2, dtype=torch.float32, device=self.inv_freq.device)
+        self.inv_freq = 1.0 / (self.config.rope_theta ** (steps / dim))
+
+    def forward(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, head_dim] in fp32 for all patches of ``grids``, in processor order."""
+        merge = self.config.spatial_merge_size
+        rows, cols = [], []
+        for t, h, w in grids:
+            r, c = _merge_window_hw(h, w, merge)
+            rows.append(r.repeat(t))
+            cols.append(c.repeat(t))
+        device = self.inv_freq.device
+        freq_h = torch.cat(rows).to(device)[:, None].float() * self.inv_freq
+        freq_w = torch.cat(cols).to(device)[:, None].float() * self.inv_freq
+        half = torch.cat((freq_h, freq_w), dim=-1)
+        angles = torch.cat((half, half), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+class PatchEmbed(nn.Module):
+    """Linear projection of flattened patches.
+
+    The checkpoint stores a Conv3d whose kernel equals its stride and the patch size, applied to
+    one patch at a time: that is a matrix product with the flattened kernel, which is cheaper and
+    takes the processor's flat patches as they are. ``load_weights`` flattens the kernel.
+    """
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches.to(self.proj.weight.dtype))
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within each frame of each media item, never across them."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
+        self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        # rotate in fp32 like the reference: bf16 angles lose the position of far patches
+        q = _apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = _apply_rotary(k.float(), cos, sin).to(v.dtype)
+        outs, start = [], 0
+        for t, h, w in grids:
+            # the t frames of one item have equal length, so they batch as [t, heads, h*w, D]
+            end = start + t * h * w
+            qi, ki, vi = (y[start:end].view(t, h * w, self.num_heads, self.head_dim).transpose(1, 2) for y in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(t * h * w, -1))
+            start = end
+        return self.proj(torch.cat(outs))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
+        self.fc2 = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
+        self.act = _activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block of the ViT."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, grids)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Folds each merge x merge window of patches (adjacent rows in processor order) into one LM token."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.merged_dim = config.merged_dim
+        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        # a Sequential only so that the parameter names equal the checkpoint's (mlp.0, mlp.2)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.merged_dim, config.merged_dim),
+            nn.GELU(),
+            nn.Linear(config.merged_dim, config.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+class Qwen2VisionTower(nn.Module):
+    """The ViT encoder: patches of any number of images/videos → one embedding per merged token."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.rotary = VisionRotaryEmbedding(config)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config)
+
+    def _check(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
+        c = self.config
+        if pixel_values.ndim != 2 or pixel_values.shape[1] != c.patch_dim:
+            raise MediaPlaceholderError(
+                f"pixel_values must be [patches, {c.patch_dim}], got {list(pixel_values.shape)}"
+            )
+        for t, h, w in grids:
+            if t < 1 or h < 1 or w < 1 or h % c.spatial_merge_size or w % c.spatial_merge_size:
+                raise MediaPlaceholderError(
+                    f"grid {(t, h, w)} must be positive with h and w multiples of {c.spatial_merge_size}"
+                )
+        expected = sum(t * h * w for t, h, w in grids)
+        if pixel_values.shape[0] != expected:
+            raise MediaPlaceholderError(f"grids describe {expected} patches, pixel_values has {pixel_values.shape[0]}")
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
+        """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
+        → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
+        grids = _grid_list(grid_thw)
+        self._check(pixel_values, grids)
+        x = self.patch_embed(pixel_values)
+        cos, sin = self.rotary(grids)
+        for block in self.blocks:
+            x = block(x, cos, sin, grids)
+        return self.merger(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# language model
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalize in fp32 and scale in the input dtype, as the model was trained
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal rotary embedding: each frequency pair rotates by one of the (t, h, w) position rows.
+
+    ``mrope_section`` splits the head_dim/2 frequencies into consecutive groups; group i uses
+    position row i % 3. For text all three rows are equal and this is plain RoPE.
+    """
+
+    inv_freq: torch.Tensor
+    freq_rows: torch.Tensor
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        half = config.head_dim // 2
+        self.register_buffer("inv_freq", torch.empty(half), persistent=False)
+        self.register_buffer("freq_rows", torch.empty(half, dtype=torch.long), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the inverse frequencies and their position rows; they are not in checkpoints."""
+        c, device = self.config, self.inv_freq.device
+        steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device)
+        self.inv_freq = 1.0 / (c.rope_theta ** (steps / c.head_dim))
+        rows = [i % 3 for i, size in enumerate(c.mrope_section) for _ in range(size)]
+        self.freq_rows = torch.tensor(rows, dtype=torch.long, device=device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, N] → cos, sin [N, head_dim] in ``dtype``."""
+        pos = positions.to(self.inv_freq.device)[self.freq_rows]  # [head_dim/2, N]
+        half = pos.T.float() * self.inv_freq
+        angles = torch.cat((half, half), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v projections and M-RoPE; the attention itself is the engine's backend."""
+
+    def __init__(self, config: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = _apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = _activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2LanguageModel(nn.Module):
+    """The decoder: embeddings in, final-normed hidden states out; logits on request.
+
+    Tokens of all scheduled sequences are concatenated along one axis ([N, H]); which token
+    attends to which is the attention backend's business.
+    """
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(config)
+        # tied: logits use the embedding matrix, so there is no separate parameter to load
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """inputs_embeds [N, H], positions [3, N] (M-RoPE rows t, h, w) → final-normed hidden [N, H]."""
+        if positions.shape != (3, inputs_embeds.shape[0]):
+            raise ValueError(f"positions must be [3, {inputs_embeds.shape[0]}], got {list(positions.shape)}")
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# M-RoPE positions
+# ---------------------------------------------------------------------------------------------
+
+
+def mrope_positions(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_grid_thw: GridLike | None,
+    video_grid_thw: GridLike | None,
+    config: ModelConfig,
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions of a prompt whose placeholder runs are expanded, from ids and grids alone.
+
+    Text tokens get one running index on all three rows. The run of an item with grid (t, h, w)
+    gets (start + t_i, start + h_i, start + w_i) over the merged grid (t, h/m, w/m) in token order,
+    and the text after it continues at max(positions so far) + 1.
+
+    Returns (positions LongTensor [3, L], delta) with delta = max position + 1 - L: the token at
+    absolute index i >= L (decode) has position i + delta on all three rows.
+
+    Note: transformers 5.x continues after a run at start + max(h, w)/m, ignoring t; the two agree
+    unless a video has more temporal patches than merged rows and columns, where we follow the
+    original Qwen2-VL (and vLLM).
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
+    image_id, video_id = config.image_token_id, config.video_token_id
+    merge = config.vision.spatial_merge_size
+    grids = {image_id: iter(_grid_list(image_grid_thw)), video_id: iter(_grid_list(video_grid_thw))}
+    names = {image_id: "image", video_id: "video"}
+
+    placeholder_idx = ((ids == image_id) | (ids == video_id)).nonzero().flatten().tolist()
+    pieces: list[torch.Tensor] = []
+    next_pos, cursor, k = 0, 0, 0
+    while k < len(placeholder_idx):
+        start = placeholder_idx[k]
+        token = int(ids[start])
+        grid = next(grids[token], None)
+        if grid is None:
+            raise MediaPlaceholderError(f"more {names[token]} placeholder runs than {names[token]} grids")
+        t, h, w = grid
+        if h % merge or w % merge:
+            raise MediaPlaceholderError(f"grid {grid} is not a multiple of the merge size {merge}")
+        gh, gw = h // merge, w // merge
+        count = t * gh * gw
+        # a run is consumed by its grid's length, so adjacent items of one kind are handled too
+        if start + count > len(ids) or not bool((ids[start : start + count] == token).all()):
+            raise MediaPlaceholderError(f"{names[token]} at token {start} needs {count} placeholders in a row")
+        pieces.append(torch.arange(start - cursor).expand(3, -1) + next_pos)
+        next_pos += start - cursor
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        pieces.append(torch.stack((tt.flatten(), hh.flatten(), ww.flatten())) + next_pos)
+        next_pos += max(t, gh, gw)
+        cursor, k = start + count, k + count
+    for token, rest in grids.items():
+        if next(rest, None) is not None:
+            raise MediaPlaceholderError(f"more {names[token]} grids than {names[token]} placeholder runs")
+    pieces.append(torch.arange(len(ids) - cursor).expand(3, -1) + next_pos)
+    next_pos += len(ids) - cursor
+    return torch.cat(pieces, dim=1), next_pos - len(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole model and its checkpoint
+# ---------------------------------------------------------------------------------------------
+
+# checkpoint prefix → our prefix, first match wins. transformers 5 in memory uses
+# model.visual / model.language_model; the hub checkpoints (and transformers' save) use visual / model.
+_NAME_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.visual.", "visual."),
+    ("model.language_model.", "language_model."),
+    ("visual.", "visual."),
+    ("model.", "language_model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """Holds the parts a process needs: ``visual`` (vision tower) and/or ``language_model``."""
+
+    def __init__(self, config: ModelConfig, parts: frozenset[str] = ALL_PARTS) -> None:
+        super().__init__()
+        unknown = set(parts) - ALL_PARTS
+        if unknown or not parts:
+            raise ValueError(f"parts must be a non-empty subset of {sorted(ALL_PARTS)}, got {sorted(parts)}")
+        self.config = config
+        self.parts = frozenset(parts)
+        self.visual = Qwen2VisionTower(config.vision) if "vision" in parts else None
+        self.language_model = Qwen2LanguageModel(config.text) if "language" in parts else None
+
+    @staticmethod
+    def checkpoint_param_name(name: str) -> str | None:
+        """Our parameter name for checkpoint tensor ``name`` (None: not a tensor of this model).
+
+        The result may name a part this instance did not build; the loader skips those.
+        """
+        for theirs, ours in _NAME_PREFIXES:
+            if name.startswith(theirs):
+                return ours + name[len(theirs) :]
+        return None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (checkpoint names) into our parameters; returns the names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            ours = self.checkpoint_param_name(name)
+            if ours is None or ours not in params:
+                continue
+            param = params[ours]
+            if ours == "visual.patch_embed.proj.weight":
+                tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d kernel → flat, see PatchEmbed
+            if tensor.shape != param.shape:
+                raise WeightLoadError(f"{name}: checkpoint shape {list(tensor.shape)}, model {list(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(ours)
+        return loaded
+
+    def init_buffers(self) -> None:
+        """Recompute the buffers that checkpoints do not hold (rotary frequencies)."""
+        for module in self.modules():
+            if isinstance(module, VisionRotaryEmbedding | MRotaryEmbedding):
+                module.init_buffers()
+
+    def embed_prompt(
+        self,
+        input_ids: torch.Tensor,
+        image_embeds: torch.Tensor | None = None,
+        video_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings [N, H] with the media embeddings written over their placeholder tokens."""
+        if self.language_model is None:
+            raise RuntimeError("this model was built without its language part")
+        x = self.language_model.embed_tokens(input_ids)
+        for token, embeds, kind in (
+            (self.config.image_token_id, image_embeds, "image"),
+            (self.config.video_token_id, video_embeds, "video"),
+        ):
+            mask = input_ids == token
+            count = int(mask.sum())
+            got = 0 if embeds is None else embeds.shape[0]
+            if count != got:
+                raise MediaPlaceholderError(f"{count} {kind} placeholder tokens but {got} {kind} embeddings")
+            if embeds is not None and count:
+                x[mask] = embeds.to(x.dtype)
+        return x

@@ -1,0 +1,22 @@
+"""Shared fixtures: the model directory under test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from epdserve.assets import default_model_dir
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return default_model_dir()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not (default_model_dir() / "config.json").is_file():
+        raise pytest.UsageError(f"the embedded model is missing at {default_model_dir()}")

@@ -1,0 +1,55 @@
+"""Start real epdserve processes on loopback for integration tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from PIL import Image
+
+from epdserve.launcher import free_port, start_role, stop, wait_healthy
+
+
+@contextmanager
+def running(args: list[str]) -> Iterator[str]:
+    """Run ``epdserve <args> --port P`` and yield its base URL; stop it afterwards."""
+    port = free_port()
+    proc = start_role([*args, "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        stop(proc)
+
+
+def data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def gif_data_url(frames: list[Image.Image]) -> str:
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+    """One plain HTTP request; returns (status, body) for error statuses too."""
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post_json(url: str, payload: object) -> tuple[int, dict]:
+    status, body = http("POST", url, json.dumps(payload).encode())
+    return status, json.loads(body)

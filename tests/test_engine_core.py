@@ -1,0 +1,151 @@
+"""Scheduler, block manager (prefix caching with media hashes), detokenizer: unit tests on CPU."""
+
+from __future__ import annotations
+
+from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.detokenizer import IncrementalText
+from epdserve.engine.request import MediaItem, Request, Status
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.scheduler import Scheduler
+
+
+def make_request(
+    rid: str, n_prompt: int, max_tokens: int = 8, mm: list[MediaItem] | None = None, base: int = 0
+) -> Request:
+    return Request(
+        rid, [base + i for i in range(n_prompt)], SamplingParams(temperature=0, max_tokens=max_tokens), mm or []
+    )
+
+
+def image(uuid: str, offset: int, length: int) -> MediaItem:
+    return MediaItem(uuid, "image", offset, length, (1, 2, 2 * length))
+
+
+def test_prefix_cache_reuses_full_blocks_only() -> None:
+    bm = BlockManager(16, 4)
+    a = make_request("a", 10)
+    bm.take_cached(a, bm.match_prefix(a))
+    assert a.num_computed_tokens == 0
+    assert bm.allocate(a, 10) and len(a.block_ids) == 3
+    a.num_computed_tokens = 10
+    bm.commit(a)
+    b = make_request("b", 10)
+    m = bm.match_prefix(b)
+    assert m.num_tokens == 8 and m.block_ids == a.block_ids[:2]
+    bm.free(a)
+    bm.check_integrity()
+    # freed blocks stay cached until evicted
+    c = make_request("c", 12)
+    assert bm.match_prefix(c).num_tokens == 8
+
+
+def test_same_text_different_image_never_shares_blocks() -> None:
+    bm = BlockManager(32, 4)
+    a = make_request("a", 12, mm=[image("img-A", 2, 4)])
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.commit(a)
+    b = make_request("b", 12, mm=[image("img-B", 2, 4)])
+    assert bm.match_prefix(b).num_tokens == 0  # the first block already holds image tokens
+    same = make_request("s", 12, mm=[image("img-A", 2, 4)])
+    assert bm.match_prefix(same).num_tokens == 8
+    # an image that starts in a later block keeps the shared text prefix
+    d = make_request("d", 12, mm=[image("img-D", 5, 2)])
+    bm.allocate(d, 12)
+    d.num_computed_tokens = 12
+    bm.commit(d)
+    c = make_request("c", 12, mm=[image("img-C", 5, 2)])
+    assert bm.match_prefix(c).num_tokens == 4
+
+
+def test_whole_prompt_hit_still_leaves_a_token_to_compute() -> None:
+    bm = BlockManager(8, 4)
+    a = make_request("a", 8)
+    bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.commit(a)
+    b = make_request("b", 8)
+    assert bm.match_prefix(b).num_tokens == 4
+
+
+def test_eviction_and_integrity() -> None:
+    bm = BlockManager(4, 4)
+    a = make_request("a", 16)
+    assert bm.allocate(a, 16)
+    assert not bm.allocate(make_request("x", 4), 4)
+    a.num_computed_tokens = 16
+    bm.commit(a)
+    bm.free(a)
+    bm.check_integrity()
+    d = make_request("d", 8, base=100)
+    assert bm.allocate(d, 8)  # evicts cached blocks, tail first
+    bm.check_integrity()
+    assert bm.match_prefix(make_request("a2", 16)).num_tokens == 8
+
+
+def test_chunked_prefill_respects_token_budget() -> None:
+    sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=10, max_model_len=256))
+    a, b = make_request("a", 25), make_request("b", 7)
+    sch.add(a)
+    sch.add(b)
+    plan = sch.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 10)]
+    assert not plan.scheduled[0].samples
+    a.num_computed_tokens += 10
+    plan = sch.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 10)]
+    a.num_computed_tokens += 10
+    plan = sch.schedule()
+    # a finishes its prompt (5 tokens) and b joins with the rest of the budget
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 5), ("b", 5)]
+    assert plan.scheduled[0].samples and not plan.scheduled[1].samples
+
+
+def test_preemption_instead_of_crash_when_blocks_run_out() -> None:
+    sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=4, max_num_batched_tokens=64, max_model_len=16))
+    a, b = make_request("a", 8), make_request("b", 8)
+    sch.add(a)
+    sch.add(b)
+    plan = sch.schedule()
+    assert len(plan.scheduled) == 2
+    for s in plan.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        s.request.output_token_ids.append(1)
+    plan = sch.schedule()  # both need a 3rd block; only one fits: b is preempted and recomputed later
+    assert [s.request.request_id for s in plan.scheduled] == ["a"]
+    assert plan.preempted == [b] and b.status is Status.WAITING and b.num_computed_tokens == 0
+    assert sch.waiting[0] is b
+    sch.finish(a, "stop")
+    plan = sch.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("b", 9)]
+    sch.blocks.check_integrity()
+
+
+def test_not_ready_requests_wait_without_blocking_others() -> None:
+    sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=64))
+    a, b = make_request("a", 4), make_request("b", 4)
+    a.ready = False
+    sch.add(a)
+    sch.add(b)
+    assert [s.request.request_id for s in sch.schedule().scheduled] == ["b"]
+    assert list(sch.waiting) == [a]
+    a.ready = True
+    assert [s.request.request_id for s in sch.schedule().scheduled] == ["b", "a"]
+
+
+def test_detokenizer_holds_back_possible_stop_prefix() -> None:
+    inc = IncrementalText(("STOP",))
+    assert inc.update("hello S") == "hell"
+    assert inc.update("hello ST") == "o"
+    assert inc.update("hello STOP and more") == " "
+    assert inc.stopped and inc.text == "hello "
+    plain = IncrementalText()
+    assert plain.update("ab") == "ab" and plain.update("abc\ufffd") == "c"
+    assert plain.update("abcé", final=True) == "é"
+
+
+def test_earliest_stop_string_wins() -> None:
+    inc = IncrementalText(("b", "a"))
+    inc.update("xxab", final=True)
+    assert inc.text == "xx"
