@@ -91,3 +91,66 @@ def run(eng: LLMEngine) -> dict[str, list[int]]:
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.token_ids)
     return out
+
+
+def test_prefix_cache_never_reuses_blocks_across_different_images(model_dir: Path, ref: HFReference) -> None:
+    cfg = ModelConfig.from_pretrained(model_dir)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+    eng = LLMEngine.from_pretrained(model_dir, EngineConfig(block_size=4, num_kv_blocks=256, max_model_len=1024))
+    builder = InputBuilder(eng.tokenizer, cfg)
+    eos = frozenset(ref.model.generation_config.eos_token_id)
+    world = ShapesWorld(4)
+    a = world.sample("describe")
+    b = world.sample("describe")
+    while (b.scenes[0].width, b.scenes[0].height) != (a.scenes[0].width, a.scenes[0].height) or b.answer == a.answer:
+        b = world.sample("describe")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": a.question}]}]
+    ra = engine_request("a", builder, proc, msgs, render_images(a), [], eos)
+    ra.mm_items[0].uuid = "uuid-a"
+    eng.add_request(ra)
+    run(eng)
+    rb = engine_request("b", builder, proc, msgs, render_images(b), [], eos)
+    rb.mm_items[0].uuid = "uuid-b"
+    image_offset = rb.mm_items[0].offset
+    eng.add_request(rb)
+    got = run(eng)["b"]
+    assert got == ref.generate_ids(ref.inputs(msgs, images=render_images(b)), max_new_tokens=MAX_NEW)
+    assert 0 < rb.num_cached_tokens <= image_offset  # the text before the image is shared, nothing after
+    # the same image again reuses everything but the last block
+    rc = engine_request("c", builder, proc, msgs, render_images(b), [], eos)
+    rc.mm_items[0].uuid = "uuid-b"
+    eng.add_request(rc)
+    assert run(eng)["c"] == got
+    assert rc.num_cached_tokens > rb.mm_items[0].end
+
+
+def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: HFReference) -> None:
+    cfg = ModelConfig.from_pretrained(model_dir)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+    eos = frozenset(ref.model.generation_config.eos_token_id)
+    world = ShapesWorld(12)
+    samples = [world.sample("describe") for _ in range(5)]
+    msgs = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}] for s in samples]
+    expected = {
+        f"r{i}": ref.generate_ids(ref.inputs(m, images=render_images(s)), max_new_tokens=MAX_NEW)
+        for i, (m, s) in enumerate(zip(msgs, samples, strict=True))
+    }
+    # room for the two longest prompts, not for their outputs: decoding must preempt
+    bs = 8
+    probe = InputBuilder(ref.tok, cfg)
+    lengths = sorted(
+        engine_request("p", probe, proc, m, render_images(s), [], eos).prompt_len for m, s in zip(msgs, samples, strict=True)
+    )
+    blocks = -(-lengths[-1] // bs) + -(-lengths[-2] // bs)
+    eng = LLMEngine.from_pretrained(
+        model_dir,
+        EngineConfig(block_size=bs, num_kv_blocks=blocks, max_model_len=blocks * bs, enable_prefix_caching=False),
+    )
+    builder = InputBuilder(eng.tokenizer, cfg)
+    for i, (m, s) in enumerate(zip(msgs, samples, strict=True)):
+        eng.add_request(engine_request(f"r{i}", builder, proc, m, render_images(s), [], eos))
+    got = run(eng)
+    assert got == expected
+    assert eng.scheduler.num_preemptions > 0
+    eng.scheduler.blocks.check_integrity()
+    assert eng.scheduler.blocks.num_free == blocks

@@ -210,3 +210,81 @@ def test_oversized_image(server: str) -> None:
     big = Image.new("RGB", (5000, 4000), (10, 20, 30))
     status, body = post_json(server + "/v1/chat/completions", _img_req(data_url(big, "JPEG")))
     assert status == 413, body
+
+
+def _metric(server: str, name: str) -> float:
+    text = http("GET", server + "/metrics")[1].decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_client_disconnect_cancels_the_request(server: str) -> None:
+    import socket
+    import time
+
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Describe the image."}],
+            "max_tokens": 900,
+            "min_tokens": 900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        seen = b""
+        while b"data:" not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, "stream ended before the first event"
+            seen += chunk
+    # the engine notices the closed stream and frees the request's blocks
+    deadline = time.time() + 30
+    while time.time() < deadline and _metric(server, "epd_num_requests_running") > 0:
+        time.sleep(0.1)
+    assert _metric(server, "epd_num_requests_running") == 0
+    assert _metric(server, "epd_kv_blocks_free") == 256
+
+
+def test_http_image_url_fetched_with_private_addresses_allowed(model_dir: Path) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    s = ShapesWorld(44).sample("shape")
+    buf = io.BytesIO()
+    render_images(s)[0].save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    media = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=media.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{media.server_address[1]}/shape.png"
+    try:
+        with running(["serve", "--allow-private-media", "--max-model-len", "512", "--num-kv-blocks", "64"]) as srv:
+            c = openai.OpenAI(base_url=srv + "/v1", api_key="none", max_retries=0)
+            msgs = [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": s.question}],
+                }
+            ]
+            r = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0)
+            ref = HFReference(model_dir)
+            assert r.choices[0].message.content == ref.answer(s.question, images=render_images(s))
+    finally:
+        media.shutdown()
