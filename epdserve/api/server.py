@@ -17,7 +17,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from epdserve.api.chat import EmbedsResolver, MediaResolver, template_messages
+from epdserve.api.chat import MediaResolver, template_messages
+from epdserve.api.embeds import ConnectorEmbeds
 from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
@@ -48,6 +49,8 @@ from epdserve.media.fetch import media_session
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
+from epdserve.transfer.config import ECConfig
+from epdserve.transfer.factory import make_consumer
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class ServerConfig:
     vision: bool = True  # load the vision tower (False: metadata-only requests only)
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
+    ec: ECConfig = field(default_factory=ECConfig)  # EC consumer for metadata-only media
 
     @property
     def model_name(self) -> str:
@@ -73,7 +77,7 @@ class ServerConfig:
 class ChatService:
     """Owns the engine and the media pipeline; the HTTP handlers are thin wrappers around it."""
 
-    def __init__(self, config: ServerConfig, embeds: EmbedsResolver | None = None) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.started = time.time()
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -82,7 +86,13 @@ class ChatService:
         self.builder = InputBuilder(self.engine.tokenizer, self.model_config)
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
-        self.embeds = embeds
+        self.consumer = make_consumer(config.ec)
+        self.embeds = ConnectorEmbeds(
+            self.consumer,
+            config.model_name,
+            self.model_config.text.hidden_size,
+            self.model_config.vision.spatial_merge_size,
+        )
         self.resolver: MediaResolver | None = None
         self.eos = frozenset(_eos_ids(config.model, self.engine.tokenizer))
         self.metrics = Metrics()
@@ -98,6 +108,7 @@ class ChatService:
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         self.async_engine.close()
+        await self.consumer.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _init_metrics(self) -> None:
@@ -115,6 +126,11 @@ class ChatService:
         self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")
         self.prep = m.histogram("request_preprocess_seconds", "media fetch + decode + preprocess + template")
+        m.gauge("ec_bytes_received", "embedding bytes fetched through the EC connector", lambda: self.embeds.bytes)
+        m.gauge("ec_seconds", "seconds spent fetching embeddings", lambda: self.embeds.seconds)
+        m.gauge(
+            "ec_failures", "metadata-only items whose embeddings could not be fetched", lambda: self.embeds.failures
+        )
 
     async def prepare(self, body: bytes) -> tuple[object, Request]:
         cfg = self.config
@@ -236,11 +252,7 @@ class ChatHandlers:
             last = out
         assert last is not None
         if last.finish_reason == "error":
-            raise (
-                Unavailable(last.error or "the request failed")
-                if "embedding" in (last.error or "")
-                else _server_error(last)
-            )
+            raise _engine_error(last)
         s.e2e.observe(time.perf_counter() - t0)
         s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
         s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
@@ -276,7 +288,7 @@ class ChatHandlers:
             t_prev = now
             last = out
             if out.finish_reason == "error":
-                await resp.write(sse_error(Unavailable(out.error or "the request failed")))
+                await resp.write(sse_error(_engine_error(out)))
                 break
             if out.text or out.finished:
                 await resp.write(chunk(Delta(content=out.text) if out.text else Delta(), out.finish_reason))
@@ -312,8 +324,9 @@ def _finish(reason: str | None) -> FinishReason | None:
     return None
 
 
-def _server_error(out: RequestOutput) -> ApiError:
-    return ApiError(out.error or "the request failed")
+def _engine_error(out: RequestOutput) -> ApiError:
+    message = out.error or "the request failed"
+    return Unavailable(message) if out.error_status == 503 else ApiError(message)
 
 
 def build_app(service: ChatService) -> web.Application:

@@ -34,6 +34,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    error_status: int = 500  # HTTP status the error maps to (503: media/embeddings unavailable)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -91,9 +92,9 @@ class LLMEngine:
             result = self.runner.execute(plan)
         except Exception as e:  # never let one bad step kill the engine: fail this step's requests
             log.exception("engine step failed")
-            return [self._fail(s.request, f"internal error: {e}") for s in plan.scheduled]
+            return [self._fail(s.request, f"internal error: {e}", 500) for s in plan.scheduled]
         self.num_steps += 1
-        outputs = [self._fail(self.requests[rid], msg) for rid, msg in result.failed.items()]
+        outputs = [self._fail(self.requests[rid], msg, 503) for rid, msg in result.failed.items()]
         for s in plan.scheduled:
             req = s.request
             if req.request_id in result.failed:
@@ -135,9 +136,11 @@ class LLMEngine:
             self._retire(req, reason)
         return out
 
-    def _fail(self, req: Request, message: str) -> RequestOutput:
+    def _fail(self, req: Request, message: str, status: int) -> RequestOutput:
         self._retire(req, "error")
-        return RequestOutput(req.request_id, "", [], True, "error", message, req.prompt_len, len(req.output_token_ids))
+        return RequestOutput(
+            req.request_id, "", [], True, "error", message, status, req.prompt_len, len(req.output_token_ids)
+        )
 
     def _retire(self, req: Request, reason: str) -> None:
         if req.status is not Status.FINISHED:

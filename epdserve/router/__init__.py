@@ -1,1 +1,1 @@
-"""router."""
+"""The router: the public OpenAI endpoint of a disaggregated deployment."""

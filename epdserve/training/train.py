@@ -24,11 +24,14 @@ import torch.nn.functional as F
 
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import IMAGE_QUESTIONS, MULTI_QUESTIONS, QUESTION_KIND, VIDEO_QUESTIONS, ShapesWorld
+from epdserve.training.args import add_arguments
 from epdserve.training.build import build_untrained
 from epdserve.training.data import Mixture, SampleEncoder, collate
 
 EARLY = {"describe_one": 3.0, "shape": 1.0, "color": 1.0, "where": 1.0, "direction": 0.5, "moving_shape": 0.5}
-MAIN = {
+# The mix of the first run (steps 500-2006 of the shipped model), kept to reproduce it: with
+# multi-image questions this early the model settled on colour and ignored shape and position.
+MAIN_V0 = {
     "describe": 1.0,
     "shape": 0.5,
     "color": 0.5,
@@ -40,6 +43,30 @@ MAIN = {
     "which_image": 2.5,
     "direction": 0.7,
     "moving_shape": 0.5,
+}
+# Single shapes until the vision tower grounds shape and position (colour alone is a shortcut
+# the model otherwise settles on), then everything, multi-image about a quarter of the mix.
+FOCUS = {
+    "describe_one": 2.0,
+    "shape": 1.5,
+    "where": 1.5,
+    "color": 0.3,
+    "count": 0.3,
+    "direction": 0.4,
+    "moving_shape": 0.4,
+}
+MAIN = {
+    "describe": 1.2,
+    "shape": 0.6,
+    "color": 0.3,
+    "where": 0.6,
+    "count": 0.4,
+    "what_at": 1.0,
+    "where_is": 1.0,
+    "describe_nth": 1.0,
+    "which_image": 1.6,
+    "direction": 0.6,
+    "moving_shape": 0.4,
 }
 
 
@@ -95,18 +122,11 @@ def summarize(per_type: dict[str, float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, required=True, help="final checkpoint directory")
-    ap.add_argument("--state", type=Path, required=True, help="resumable training state directory")
-    ap.add_argument("--steps", type=int, default=6000)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--early-steps", type=int, default=500)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--save-every", type=float, default=300.0, help="seconds between state saves")
-    args = ap.parse_args(argv)
+    add_arguments(ap)
+    train(ap.parse_args(argv))
 
+
+def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
@@ -146,7 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     t_start, t_save, losses = time.time(), time.time(), []
     while step < args.steps:
-        weights = EARLY if step < args.early_steps else MAIN
+        if step < args.early_steps:
+            weights = EARLY
+        elif args.mix_v0:
+            weights = MAIN_V0
+        else:
+            weights = FOCUS if step < args.focus_until else MAIN
         batch = [enc.encode(mix.draw(weights), text_first=mix.rng.random() < 0.15) for _ in range(args.batch)]
         b = collate(batch, pad_id, enc.image_token_id, enc.video_token_id)
         lr = lr_at(step, args.steps, args.lr)
@@ -168,11 +193,14 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(rec), flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()
-        if time.time() - t_save > args.save_every or step == args.steps:
+        stopping = step == args.stop_at
+        if time.time() - t_save > args.save_every or step == args.steps or stopping:
             tmp = args.state / "state.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
             os.replace(tmp, state_file)
             t_save = time.time()
+        if stopping:
+            return
     export(model, init_dir, args.out)
 
 

@@ -1,0 +1,88 @@
+"""A pool of workers of one role: selection policy, outstanding counts, health.
+
+Selection: ``round_robin`` keeps one persistent cursor across requests; ``least_outstanding``
+picks the healthy worker with the fewest requests in flight (ties broken by the cursor). Health
+probes evict workers that stop answering and re-admit them when they answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("round_robin", "least_outstanding")
+
+
+@dataclass
+class Worker:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    failures: int = 0  # consecutive failed probes or calls
+
+
+class NoWorker(RuntimeError):
+    """No healthy worker of the role is available."""
+
+
+class WorkerPool:
+    def __init__(self, role: str, urls: list[str], policy: str = "least_outstanding") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+        self.role = role
+        self.policy = policy
+        self.workers: dict[str, Worker] = {}
+        self._cursor = 0
+        for u in urls:
+            self.add(u)
+
+    def add(self, url: str) -> Worker:
+        url = url.rstrip("/")
+        if url not in self.workers:
+            self.workers[url] = Worker(url)
+        return self.workers[url]
+
+    def remove(self, url: str) -> bool:
+        return self.workers.pop(url.rstrip("/"), None) is not None
+
+    @property
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy]
+
+    def pick(self, exclude: set[str] | None = None) -> Worker:
+        candidates = [w for w in self.workers.values() if w.healthy and w.url not in (exclude or set())]
+        if not candidates:
+            raise NoWorker(f"no healthy {self.role} worker")
+        n = len(candidates)
+        start = self._cursor % n
+        self._cursor += 1
+        ordered = candidates[start:] + candidates[:start]
+        if self.policy == "round_robin":
+            return ordered[0]
+        return min(ordered, key=lambda w: w.outstanding)
+
+    def mark_failed(self, worker: Worker) -> None:
+        worker.failures += 1
+        worker.healthy = False
+        log.warning("%s %s marked unhealthy", self.role, worker.url)
+
+    async def probe(self, session: aiohttp.ClientSession, timeout: float = 2.0) -> None:
+        async def one(w: Worker) -> None:
+            try:
+                async with session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                ok = False
+            if ok and not w.healthy:
+                log.info("%s %s is healthy again", self.role, w.url)
+            if not ok and w.healthy:
+                log.warning("%s %s failed its health probe", self.role, w.url)
+            w.healthy = ok
+            w.failures = 0 if ok else w.failures + 1
+
+        await asyncio.gather(*(one(w) for w in list(self.workers.values())))

@@ -1,0 +1,22 @@
+"""Command-line arguments of the trainer (kept free of heavy imports: the CLI parses them)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", type=Path, required=True, help="final checkpoint directory")
+    ap.add_argument("--state", type=Path, required=True, help="resumable training state directory")
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--early-steps", type=int, default=500)
+    ap.add_argument("--focus-until", type=int, default=3500, help="single-shape curriculum phase ends at this step")
+    ap.add_argument("--mix-v0", action="store_true", help="the first run's mix (no focus phase); see docs/model.md")
+    ap.add_argument("--stop-at", type=int, default=0, help="save the state and stop at this step (0: run to --steps)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--save-every", type=float, default=300.0, help="seconds between state saves")
