@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from epdserve.assets import default_model_dir
+
+if TYPE_CHECKING:
+    from epdserve.media.limits import MediaLimits
 
 
 def _model_path(args: argparse.Namespace) -> int:
@@ -39,30 +43,22 @@ def _eval_shapes(args: argparse.Namespace) -> int:
 
 
 def _train_shapes(args: argparse.Namespace) -> int:
-    from epdserve.training.train import main as train_main
+    from epdserve.training.train import train
 
-    train_main(args.rest)
+    train(args)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import json
     import logging
     from pathlib import Path
 
     from epdserve.api.server import ServerConfig, serve
     from epdserve.engine.config import EngineConfig
-    from epdserve.media.limits import MediaLimits
+    from epdserve.transfer.config import ECConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    mm = json.loads(args.limit_mm_per_prompt) if args.limit_mm_per_prompt else {}
-    limits = MediaLimits(
-        max_images_per_prompt=int(mm.get("image", 8)),
-        max_videos_per_prompt=int(mm.get("video", 2)),
-        allow_private_addresses=args.allow_private_media,
-        allowed_media_domains=tuple(args.allowed_media_domains or ()),
-        fetch_timeout_s=args.media_fetch_timeout,
-    )
+    limits = media_limits(args)
     engine = EngineConfig(
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -79,13 +75,69 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         engine=engine,
         limits=limits,
+        vision=not args.no_vision_tower,
+        ec=ECConfig(fs_dir=args.ec_fs_dir),
     )
     serve(config)
     return 0
 
 
+def _encoder(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from epdserve.encoder.server import EncoderConfig, serve
+    from epdserve.transfer.config import ECConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ec = ECConfig(
+        connector=args.ec_connector,
+        shm_bytes=args.ec_shm_bytes,
+        fs_dir=args.ec_fs_dir,
+        tcp_port=args.ec_tcp_port,
+        instance=args.ec_instance or f"encoder-{args.port}",
+    )
+    config = EncoderConfig(
+        model=Path(args.model or default_model_dir()),
+        served_model_name=args.served_model_name or "",
+        host=args.host,
+        port=args.port,
+        encode_token_budget=args.encode_token_budget,
+        batch_wait_ms=args.encode_batch_wait_ms,
+        encoder_cache_bytes=args.encoder_cache_bytes,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        limits=media_limits(args),
+        ec=ec,
+    )
+    serve(config)
+    return 0
+
+
+def add_encoder_args(s: argparse.ArgumentParser) -> None:
+    """Flags of an encoder-only instance."""
+    s.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    s.add_argument("--served-model-name", default=None, help="model name clients use (default: directory name)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8100)
+    s.add_argument("--ec-connector", choices=("shm", "tcp", "fs"), default="shm", help="how embeddings reach the LM")
+    s.add_argument("--ec-shm-bytes", type=int, default=256 << 20, help="size of the shm connector's slab")
+    s.add_argument("--ec-fs-dir", default="", help="shared directory of the fs connector")
+    s.add_argument("--ec-tcp-port", type=int, default=0, help="port of the tcp connector's data server (0: any)")
+    s.add_argument("--ec-instance", default=None, help="name in slab/file names (default: encoder-<port>)")
+    s.add_argument("--encode-token-budget", type=int, default=8192, help="most patch rows per vision forward")
+    s.add_argument("--encode-batch-wait-ms", type=float, default=0.0, help="wait for more items before a forward")
+    s.add_argument("--encoder-cache-bytes", type=int, default=512 << 20, help="local embedding cache size (0: off)")
+    s.add_argument("--threads", type=int, default=0, help="torch threads for the vision forward (0: torch default)")
+    s.add_argument("--device", default="cpu", help="torch device of the vision tower")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_media_args(s)
+
+
 def add_engine_args(s: argparse.ArgumentParser) -> None:
     """Flags of a language-model instance, named as in vLLM where vLLM has them."""
+    s.add_argument("--ec-fs-dir", default="", help="shared directory to accept fs-connector handles from")
     s.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: directory name)")
     s.add_argument("--host", default="127.0.0.1")
@@ -97,12 +149,70 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--num-kv-blocks", type=int, default=2048)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0: torch default)")
+    s.add_argument("--no-vision-tower", action="store_true", help="metadata-only media: do not load the vision tower")
+    add_media_args(s)
+
+
+def add_media_args(s: argparse.ArgumentParser) -> None:
+    """Flags limiting client media, shared by every role that fetches and decodes media."""
     s.add_argument("--limit-mm-per-prompt", default=None, help='JSON, e.g. \'{"image": 8, "video": 2}\'')
     s.add_argument("--allowed-media-domains", nargs="*", default=None, help="hosts allowed for http(s) media")
     s.add_argument(
         "--allow-private-media", action="store_true", help="allow fetching media from private/loopback addresses"
     )
     s.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds per http(s) media fetch")
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    """The ``MediaLimits`` of the flags ``add_media_args`` defines."""
+    import json
+
+    from epdserve.media.limits import MediaLimits
+
+    mm = json.loads(args.limit_mm_per_prompt) if args.limit_mm_per_prompt else {}
+    return MediaLimits(
+        max_images_per_prompt=int(mm.get("image", 8)),
+        max_videos_per_prompt=int(mm.get("video", 2)),
+        allow_private_addresses=args.allow_private_media,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        fetch_timeout_s=args.media_fetch_timeout,
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    import logging
+
+    from epdserve.router.server import RouterConfig, serve_router
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_router(
+        RouterConfig(
+            host=args.host,
+            port=args.port,
+            encoders=tuple(args.encoders),
+            pds=tuple(args.pds),
+            policy=args.policy,
+            probe_interval_s=args.probe_interval,
+        )
+    )
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from epdserve.up import Deployment, Topology, run_up
+
+    deployment = Deployment(
+        Topology.parse(args.topology),
+        args.model,
+        host=args.host,
+        port=args.port,
+        pin=args.pin_cores,
+        ec_connector=args.ec_connector,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    return run_up(deployment)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,8 +241,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     commands["serve"] = _serve
 
+    s = sub.add_parser("encoder", help="run an encoder-only instance (the E of EPD): media in, embeddings out")
+    add_encoder_args(s)
+    commands["encoder"] = _encoder
+
+    s = sub.add_parser("router", help="the public OpenAI endpoint in front of encoder and PD workers")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--encoders", nargs="*", default=[], help="encoder base URLs")
+    s.add_argument("--pds", nargs="*", default=[], help="prefill+decode worker base URLs")
+    s.add_argument("--policy", choices=["round_robin", "least_outstanding"], default="least_outstanding")
+    s.add_argument("--probe-interval", type=float, default=2.0, help="seconds between health probes")
+    commands["router"] = _router
+
+    s = sub.add_parser("up", help="start a whole topology locally (aggregated, 1e+1pd, 2e+1pd, <N>e+<M>pd)")
+    s.add_argument("--topology", default="1e+1pd", help="aggregated | <N>e+<M>pd (default 1e+1pd)")
+    s.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
+    s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
+    s.add_argument("--ec-connector", choices=["shm", "tcp", "fs"], default="shm")
+    s.add_argument("--log-dir", default=None, help="write each role's log here")
+    commands["up"] = _up
+
     s = sub.add_parser("train-shapes", help="train the shapes-world model (see docs/model.md)")
-    s.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the trainer (--out, --state, ...)")
+    from epdserve.training.args import add_arguments
+
+    add_arguments(s)
     commands["train-shapes"] = _train_shapes
 
     p.set_defaults(_commands=commands)

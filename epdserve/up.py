@@ -126,6 +126,8 @@ class Deployment:
                     enc_urls.append(self._start(f"encoder{i}", args, free_port(), cores.get(f"encoder{i}")).url)
                 for i in range(topo.pds):
                     args = ["serve", *self.model_args, *self.extra_pd_args]
+                    if self.ec_connector == "fs":
+                        args += ["--ec-fs-dir", str(self.fs_dir)]
                     pd_urls.append(self._start(f"pd{i}", args, free_port(), cores.get(f"pd{i}")).url)
                 for r in self.roles:
                     wait_healthy(r.url, r.proc)

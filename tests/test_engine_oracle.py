@@ -139,7 +139,8 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: 
     bs = 8
     probe = InputBuilder(ref.tok, cfg)
     lengths = sorted(
-        engine_request("p", probe, proc, m, render_images(s), [], eos).prompt_len for m, s in zip(msgs, samples, strict=True)
+        engine_request("p", probe, proc, m, render_images(s), [], eos).prompt_len
+        for m, s in zip(msgs, samples, strict=True)
     )
     blocks = -(-lengths[-1] // bs) + -(-lengths[-2] // bs)
     eng = LLMEngine.from_pretrained(

@@ -165,7 +165,7 @@ _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING_RE = re.compile(r"missing required field `([^`]+)`")
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     """The field a msgspec validation message points at: "... - at `$.messages[0].role`"."""
     m = _PATH_RE.search(message)
     path = m.group(1) if m else ""
@@ -181,7 +181,7 @@ def decode_chat_request(body: bytes, limits: MediaLimits) -> ChatRequest:
         req = msgspec.json.decode(body, type=ChatRequest)
     except msgspec.ValidationError as e:
         msg = str(e)
-        raise BadRequest(f"Invalid request: {msg}", param=_param_of(msg)) from None
+        raise BadRequest(f"Invalid request: {msg}", param=param_of(msg)) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"Request body is not valid JSON: {e}") from None
 

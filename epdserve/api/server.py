@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from aiohttp import web
 from epdserve.api.chat import MediaResolver, template_messages
 from epdserve.api.embeds import ConnectorEmbeds
 from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
+from epdserve.api.http import error_middleware, json_response
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
     SSE_DONE,
@@ -194,28 +194,6 @@ def _eos_ids(model_dir: Path, tokenizer) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------- handlers
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def json_response(body: bytes, status: int = 200) -> web.Response:
-    return web.Response(body=body, status=status, content_type="application/json")
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return json_response(e.to_json(), e.status)
-    except web.HTTPRequestEntityTooLarge:
-        return json_response(PayloadTooLarge("The request body is too large.").to_json(), 413)
-    except web.HTTPException as e:  # unknown route, wrong method, ...
-        body = {"error": {"message": e.reason, "type": "invalid_request_error", "param": None, "code": None}}
-        return web.json_response(body, status=e.status)
-    except Exception as e:  # keep serving; report a clean 500
-        log.exception("unhandled error")
-        return json_response(ApiError(f"Internal server error: {type(e).__name__}").to_json(), 500)
 
 
 class ChatHandlers:

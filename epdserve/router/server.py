@@ -23,9 +23,9 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge, Timeout, Unavailable, WorkerFailed
+from epdserve.api.http import error_middleware, json_response
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import decode_chat_request
-from epdserve.api.server import error_middleware, json_response
 from epdserve.encoder.protocol import EncodedItem, EncodeItem, EncodeRequest, decode_response, encode_request
 from epdserve.media.limits import MediaLimits
 from epdserve.router.pool import NoWorker, Worker, WorkerPool

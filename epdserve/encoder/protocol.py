@@ -1,0 +1,159 @@
+"""Wire messages of ``POST /v1/encode``: the router asks an encoder instance to encode media items.
+
+One request carries the media items of one (or several) chat requests that the router sent to
+this encoder; the response carries, per item and in request order, the layout metadata the
+language model needs and the EC-connector handle of the embeddings::
+
+    → {"version": 1, "model": "shapes-qwen2vl",
+       "items": [{"modality": "image", "url": "data:image/png;base64,..."}]}
+    ← {"version": 1,
+       "items": [{"uuid": "<sha256>", "modality": "image", "grid_thw": [1, 8, 8], "num_embeddings": 16,
+                  "dtype": "float32", "shape": [16, 256], "ec_handle": {"connector": "shm", ...},
+                  "status": "computed",
+                  "timings": {"fetch_ms": 0.1, "preprocess_ms": 1.2, "queue_ms": 0.0,
+                              "encode_ms": 9.8, "put_ms": 0.1}}]}
+
+Every message goes through the ``encode_*`` / ``decode_*`` functions below, which check the
+protocol version first: a peer speaking another version gets a clear error, not a field error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from epdserve.api.errors import BadRequest
+from epdserve.api.protocol import param_of
+
+ENCODER_PROTOCOL_VERSION: Final = 1  # bump on any incompatible change of the messages below
+
+Modality = Literal["image", "video"]
+ItemStatus = Literal["computed", "cache_hit"]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class EncoderProtocolError(ValueError):
+    """A peer sent a message of another protocol version or of the wrong shape."""
+
+
+class _Envelope(msgspec.Struct):
+    """Read before the full message so a version mismatch is reported as such."""
+
+    version: int
+
+
+# --------------------------------------------------------------------------- request
+
+
+class EncodeItem(msgspec.Struct, forbid_unknown_fields=True):
+    """One media item to encode."""
+
+    modality: Modality
+    url: Annotated[str, msgspec.Meta(min_length=1)]  # data: URL or http(s) URL
+
+
+class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/encode."""
+
+    model: str  # served model name; part of every item's uuid
+    items: Annotated[list[EncodeItem], msgspec.Meta(min_length=1)]
+    version: int = ENCODER_PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------- response
+
+
+class ItemTimings(msgspec.Struct, kw_only=True):
+    """Where one item's time went on the encoder, in milliseconds."""
+
+    fetch_ms: float = 0.0  # data URL decode or http(s) download
+    preprocess_ms: float = 0.0  # hashing, image/video decode, resize and patchify
+    queue_ms: float = 0.0  # waiting for the vision forward
+    encode_ms: float = 0.0  # the vision forward of the batch the item ran in
+    put_ms: float = 0.0  # handing the embeddings to the EC connector
+
+
+class EncodedItem(msgspec.Struct, kw_only=True):
+    """Metadata of one encoded item; the embeddings themselves travel through ``ec_handle``."""
+
+    uuid: str  # media content hash (model, modality, bytes, processor settings)
+    modality: Modality
+    grid_thw: tuple[PositiveInt, PositiveInt, PositiveInt]  # patches (t, h, w) before merging
+    num_embeddings: NonNegativeInt  # rows of the tensor = placeholder tokens in the prompt
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: tuple[NonNegativeInt, NonNegativeInt]  # (num_embeddings, embedding width)
+    ec_handle: dict[str, Any]  # EC-connector handle (see epdserve.transfer.base)
+    status: ItemStatus  # "computed": a vision forward ran for it; "cache_hit": served from the cache
+    timings: ItemTimings = msgspec.field(default_factory=ItemTimings)
+
+    def embeds_part(self) -> dict[str, Any]:
+        """The metadata-only chat content part that replaces this item's URL part."""
+        key = f"{self.modality}_embeds"
+        return {
+            "type": key,
+            key: {f"{self.modality}_grid_thw": list(self.grid_thw)},
+            "uuid": self.uuid,
+            "ec_handle": self.ec_handle,
+        }
+
+
+class EncodeResponse(msgspec.Struct, kw_only=True):
+    """Answer to an ``EncodeRequest``: one item per requested item, in the same order."""
+
+    items: list[EncodedItem]
+    version: int = ENCODER_PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _version(body: bytes) -> int:
+    return msgspec.json.decode(body, type=_Envelope).version
+
+
+def encode_request(req: EncodeRequest) -> bytes:
+    return msgspec.json.encode(req)
+
+
+def decode_request(body: bytes, max_items: int) -> EncodeRequest:
+    """Parse and validate a request body; every failure is a ``BadRequest`` (HTTP 400)."""
+    try:
+        version = _version(body)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"Invalid encode request: {e}", param="version") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"Request body is not valid JSON: {e}") from None
+    if version != ENCODER_PROTOCOL_VERSION:
+        raise BadRequest(
+            f"Unsupported encoder protocol version {version}; this encoder speaks version {ENCODER_PROTOCOL_VERSION}.",
+            param="version",
+            code="unsupported_protocol_version",
+        )
+    try:
+        req = msgspec.json.decode(body, type=EncodeRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise BadRequest(f"Invalid encode request: {e}", param=param_of(str(e))) from None
+    if len(req.items) > max_items:
+        raise BadRequest(
+            f"At most {max_items} items may be encoded in one request, got {len(req.items)}.", param="items"
+        )
+    return req
+
+
+def encode_response(resp: EncodeResponse) -> bytes:
+    return msgspec.json.encode(resp)
+
+
+def decode_response(body: bytes) -> EncodeResponse:
+    """Parse an encoder's answer (router side); raises ``EncoderProtocolError``."""
+    try:
+        version = _version(body)
+        if version != ENCODER_PROTOCOL_VERSION:
+            raise EncoderProtocolError(
+                f"encoder answered with protocol version {version}, expected {ENCODER_PROTOCOL_VERSION}"
+            )
+        return msgspec.json.decode(body, type=EncodeResponse)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise EncoderProtocolError(f"invalid encode response: {e}") from None

@@ -1,0 +1,376 @@
+"""The encoder-only instance (the E of EPD): media in, embeddings out through the EC connector.
+
+Routes: ``POST /v1/encode`` (see ``epdserve.encoder.protocol``), ``GET /v1/models``, ``/health``,
+``/metrics``. Per item::
+
+    fetch (event loop) → hash (pool) → cached? ─yes──────────────────────────────┐
+                                          └─no─→ decode + preprocess (pool)       │
+                                                 → batcher (one forward thread) ──┴→ put (one put thread)
+
+Only the vision tower is loaded (``parts={"vision"}``): no language model, KV cache or sampler.
+Item uuids are computed exactly as the language-model server computes them (same model name,
+same ``MediaResolver`` processor kwargs), so every role agrees on a media item's identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from aiohttp import web
+
+from epdserve.api.chat import MediaResolver
+from epdserve.api.errors import ApiError, BadRequest, NotFound, Overloaded, PayloadTooLarge, Unavailable
+from epdserve.api.http import error_middleware, json_response
+from epdserve.api.metrics import Metrics
+from epdserve.api.protocol import ModelCard, ModelList, encode_json
+from epdserve.cache.embedding_cache import EmbeddingCache
+from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, BatchReport, EncodeBatcher, EncodeError, QueueFull
+from epdserve.encoder.protocol import (
+    EncodedItem,
+    EncodeItem,
+    EncodeResponse,
+    ItemStatus,
+    ItemTimings,
+    decode_request,
+    encode_response,
+)
+from epdserve.media.fetch import load_media_bytes, media_session
+from epdserve.media.hashing import media_uuid
+from epdserve.media.limits import MediaLimits
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.models.config import ModelConfig
+from epdserve.models.loader import checkpoint_files, load_model
+from epdserve.transfer.base import ECProducer, Handle, TransferError
+from epdserve.transfer.config import ECConfig
+from epdserve.transfer.factory import make_producer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """One encoder instance."""
+
+    model: Path  # checkpoint directory (Hugging Face format); only the vision tower is read
+    served_model_name: str = ""  # model name clients and the LM instances use; empty: the directory name
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8100  # listen port (0: any free port)
+    encode_token_budget: int = 8192  # most patch rows per vision forward (items of concurrent requests batch up to it)
+    batch_wait_ms: float = 0.0  # extra wait for more items before a forward (0: batch what is queued)
+    max_queued_items: int = 1024  # items waiting for a forward beyond which requests get 429
+    encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
+    max_items_per_request: int = 32  # media items one /v1/encode request may carry
+    max_request_bytes: int = 64 << 20  # largest request body
+    preprocess_threads: int = 2  # threads hashing, decoding and preprocessing media
+    threads: int = 0  # torch intra-op threads for the vision forward (0: torch default)
+    device: str = "cpu"  # torch device of the vision tower
+    dtype: str = "float32"  # weights and activations: float32 | bfloat16 | float16
+    limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send
+    ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EncoderConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_items_per_request", "max_request_bytes", "preprocess_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("encoder_cache_bytes", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EncoderConfig.{name} must be >= 0, got {getattr(self, name)}")
+        self.batcher  # noqa: B018 - validates the batching fields
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def batcher(self) -> BatcherConfig:
+        return BatcherConfig(
+            token_budget=self.encode_token_budget,
+            max_wait_ms=self.batch_wait_ms,
+            max_queued_items=self.max_queued_items,
+        )
+
+
+class _Ready(NamedTuple):
+    """One item with its embeddings, before the put."""
+
+    item: EncodeItem
+    uuid: str
+    grid_thw: tuple[int, int, int]
+    embeddings: torch.Tensor
+    cache_hit: bool
+    timings: ItemTimings
+
+
+def _with_param(e: ApiError, param: str) -> ApiError:
+    """``e`` pointing at the request field that caused it."""
+    return type(e)(e.message, param=param, code=e.code)
+
+
+class EncoderService:
+    """Owns the vision tower, the batcher, the media pipeline and the EC producer."""
+
+    def __init__(self, config: EncoderConfig, producer: ECProducer | None = None) -> None:
+        """Loads the vision tower; ``producer`` defaults to ``make_producer(config.ec)``."""
+        self.config = config
+        self.started = time.time()
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        model, self.load_report = load_model(
+            config.model, parts=frozenset({"vision"}), dtype=config.torch_dtype, device=config.device
+        )
+        visual = getattr(model, "visual", None)
+        if not isinstance(visual, torch.nn.Module):
+            raise ValueError(f"{config.model}: the model has no vision tower")
+        self.checkpoint_tensors = len(checkpoint_files(config.model))
+        log.info(
+            "encoder loaded %d of %d checkpoint tensors (vision tower only) in %.2f s",
+            len(self.load_report.tensors),
+            self.checkpoint_tensors,
+            self.load_report.seconds,
+        )
+        vc = ModelConfig.from_pretrained(config.model).vision
+        self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
+        self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
+        # one thread: puts are short copies, kept off the event loop and the forward thread
+        self.put_executor = ThreadPoolExecutor(1, thread_name_prefix="epd-ec-put")
+        self.producer = producer if producer is not None else make_producer(config.ec)
+        self.metrics = Metrics()
+        self.batcher = EncodeBatcher(
+            visual,
+            config.batcher,
+            EmbeddingCache(config.encoder_cache_bytes),
+            merge_size=vc.spatial_merge_size,
+            device=config.device,
+            dtype=config.torch_dtype,
+            on_batch=self._on_batch,
+        )
+        self.resolver: MediaResolver | None = None
+        self._init_metrics()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.resolver = MediaResolver(
+            self.config.model_name, self.processor, self.config.limits, self.executor, media_session(self.config.limits)
+        )
+        self.batcher.start()
+
+    async def close(self) -> None:
+        if self.resolver is not None and self.resolver.session is not None:
+            await self.resolver.session.close()
+        self.batcher.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.put_executor.shutdown(wait=True)
+        self.producer.close()
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def _init_metrics(self) -> None:
+        m, b = self.metrics, self.batcher
+        m.gauge("encoder_queue_depth", "media items waiting for a vision forward", lambda: b.queue_depth)
+        m.gauge("encoder_cache_bytes", "bytes held by the local embedding cache", lambda: b.cache.nbytes)
+        m.gauge("encoder_cache_items", "items held by the local embedding cache", lambda: len(b.cache))
+        m.gauge(
+            "encoder_coalesced_items",
+            "submissions that joined an in-flight forward of the same item",
+            lambda: b.coalesced,
+        )
+        n = len(self.load_report.tensors)
+        m.gauge("encoder_weight_tensors_loaded", "checkpoint tensors read at startup (vision tower only)", lambda: n)
+        total = self.checkpoint_tensors
+        m.gauge("encoder_checkpoint_tensors", "tensors in the checkpoint (all parts)", lambda: total)
+        self.forward_seconds = m.histogram("encoder_forward_seconds", "wall time of one batched vision forward")
+        self.request_seconds = m.histogram("encode_request_seconds", "wall time of one /v1/encode request")
+        self.put_seconds = m.histogram("encoder_put_seconds", "wall time of one EC-connector put")
+        # declared up front so a scrape shows zeros before the first request
+        for status in ("computed", "cache_hit"):
+            m.inc("encoder_items_total", 0, f'status="{status}"', "media items encoded, by how")
+        m.inc("encoder_batches_total", 0, help_text="batched vision forwards run")
+        m.inc("encode_requests_total", 0, help_text="/v1/encode requests received")
+
+    def _on_batch(self, report: BatchReport) -> None:
+        m = self.metrics
+        m.inc("encoder_batches_total", help_text="batched vision forwards run")
+        m.inc("encoder_batch_items_total", report.items, help_text="items in batched vision forwards")
+        m.inc("encoder_batch_rows_total", report.rows, help_text="patch rows in batched vision forwards")
+        if report.error is not None:
+            m.inc("encoder_batch_errors_total", help_text="vision forwards that failed")
+        self.forward_seconds.observe(report.seconds)
+
+    # ---- one request -----------------------------------------------------------------------
+    async def encode(self, body: bytes) -> EncodeResponse:
+        cfg = self.config
+        req = decode_request(body, cfg.max_items_per_request)
+        if req.model != cfg.model_name:
+            raise NotFound.model(req.model)
+        outcomes = await asyncio.gather(*(self._item(it) for it in req.items), return_exceptions=True)
+        ready: list[_Ready] = []
+        for i, out in enumerate(outcomes):
+            if isinstance(out, ApiError):  # client errors are about the media the URL names
+                raise _with_param(out, f"items[{i}].url" if out.status in (400, 413, 504) else f"items[{i}]")
+            if isinstance(out, BaseException):
+                raise out
+            ready.append(out)
+        loop = asyncio.get_running_loop()
+        handles = await loop.run_in_executor(self.put_executor, self._put_all, ready)
+        items: list[EncodedItem] = []
+        for r, handle in zip(ready, handles, strict=True):
+            self.put_seconds.observe(r.timings.put_ms / 1000)
+            self.metrics.inc(
+                "encoder_put_bytes_total",
+                handle_nbytes(handle, r.embeddings),
+                help_text="bytes put into the EC connector",
+            )
+            status: ItemStatus = "cache_hit" if r.cache_hit else "computed"
+            self.metrics.inc("encoder_items_total", 1, f'status="{status}"', "media items encoded, by how")
+            items.append(
+                EncodedItem(
+                    uuid=r.uuid,
+                    modality=r.item.modality,
+                    grid_thw=r.grid_thw,
+                    num_embeddings=r.embeddings.shape[0],
+                    dtype=str(r.embeddings.dtype).removeprefix("torch."),
+                    shape=(r.embeddings.shape[0], r.embeddings.shape[1]),
+                    ec_handle=handle,
+                    status=status,
+                    timings=r.timings,
+                )
+            )
+        return EncodeResponse(items=items)
+
+    async def _item(self, item: EncodeItem) -> _Ready:
+        resolver = self.resolver
+        if resolver is None:
+            raise Unavailable("the encoder is starting")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        data = await load_media_bytes(item.url, self.config.limits, resolver.session)
+        t1 = time.perf_counter()
+        uuid = await loop.run_in_executor(
+            self.executor, media_uuid, resolver.model_id, item.modality, data, resolver.processor_kwargs
+        )
+        cached = self.batcher.lookup(uuid)
+        if cached is not None:
+            timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
+            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, True, timings)
+        try:
+            media = await loop.run_in_executor(self.executor, resolver.process_bytes, item.modality, data)
+        except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
+            raise BadRequest(f"The {item.modality} could not be preprocessed: {e}") from None
+        t2 = time.perf_counter()
+        if media.pixel_values is None:  # process_bytes always returns pixels
+            raise ApiError("preprocessing produced no pixels")
+        try:
+            res = await self.batcher.encode(uuid, media.grid_thw, media.pixel_values)
+        except QueueFull as e:
+            raise Overloaded(f"The encoder is overloaded: {e}.") from None
+        except BatcherClosed as e:
+            raise Unavailable(f"The encoder is not accepting work: {e}.") from None
+        except EncodeError as e:
+            raise ApiError(f"Encoding failed: {e}", code="encode_failed") from None
+        timings = ItemTimings(
+            fetch_ms=_ms(t1 - t0),
+            preprocess_ms=_ms(t2 - t1),
+            queue_ms=_ms(res.queue_s),
+            encode_ms=_ms(res.encode_s),
+        )
+        return _Ready(item, uuid, media.grid_thw, res.embeddings, res.cache_hit, timings)
+
+    def _put_all(self, ready: list[_Ready]) -> list[Handle]:
+        """Put every item's embeddings (runs on the put thread)."""
+        handles: list[Handle] = []
+        model_id = self.config.model_name
+        for i, r in enumerate(ready):
+            t0 = time.perf_counter()
+            try:
+                handles.append(self.producer.put(r.uuid, r.embeddings, model_id))
+            except TransferError as e:
+                raise Unavailable(f"The embeddings could not be published: {e}", param=f"items[{i}]") from None
+            r.timings.put_ms = _ms(time.perf_counter() - t0)
+        return handles
+
+
+def handle_nbytes(handle: Handle, tensor: torch.Tensor) -> int:
+    """Bytes a put moved: the handle's ``nbytes`` when it reports one, else the tensor's size."""
+    n = handle.get("nbytes")
+    return n if isinstance(n, int) else tensor.numel() * tensor.element_size()
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+# ---------------------------------------------------------------------------------- handlers
+
+
+class EncoderHandlers:
+    def __init__(self, service: EncoderService) -> None:
+        self.s = service
+
+    async def encode(self, request: web.Request) -> web.Response:
+        s = self.s
+        t0 = time.perf_counter()
+        s.metrics.inc("encode_requests_total", help_text="/v1/encode requests received")
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise PayloadTooLarge(f"The request body exceeds {s.config.max_request_bytes} bytes.") from None
+            resp = await s.encode(body)
+        except ApiError as e:
+            s.metrics.inc("encode_request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")
+            raise
+        s.request_seconds.observe(time.perf_counter() - t0)
+        return json_response(encode_response(resp))
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = ModelCard(id=self.s.config.model_name, created=int(self.s.started))
+        return json_response(encode_json(ModelList(data=[card])))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.s.batcher.alive:
+            raise Unavailable("the vision-forward thread is not running")
+        return web.json_response({"status": "ok", "role": "encoder"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.s.metrics.render(), content_type="text/plain")
+
+
+def build_app(service: EncoderService) -> web.Application:
+    app = web.Application(client_max_size=service.config.max_request_bytes, middlewares=[error_middleware])
+    h = EncoderHandlers(service)
+    app.router.add_post("/v1/encode", h.encode)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        await service.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await service.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def serve(config: EncoderConfig) -> None:
+    """Run the encoder until SIGINT/SIGTERM."""
+    service = EncoderService(config)
+    app = build_app(service)
+    log.info("epdserve encoder for %s on http://%s:%d", config.model_name, config.host, config.port)
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None, access_log=None)

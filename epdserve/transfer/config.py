@@ -1,0 +1,64 @@
+"""EC connector configuration (frozen, validated): which backend a producer uses, where its
+memory and files live, how long unreleased handles survive, and the tcp shared secret."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+CONNECTORS = ("shm", "tcp", "fs")
+SECRET_ENV = "EPD_EC_SECRET"
+# Lets a single-machine dev setup work out of the box; anything reachable from another host must
+# set EPD_EC_SECRET (the tcp connector logs a warning while this one is in use).
+DEV_SECRET = "epdserve-dev-secret-change-me"
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _secret_from_env() -> str:
+    return os.environ.get(SECRET_ENV) or DEV_SECRET
+
+
+@dataclass(frozen=True)
+class ECConfig:
+    connector: str = "shm"  # producer backend: "shm" (same host), "tcp" (any host) or "fs" (debugging)
+    shm_bytes: int = 256 << 20  # size of the producer's one /dev/shm slab; bounds its in-flight embeddings
+    shm_dir: str = "/dev/shm"  # where slabs live; a consumer only maps slabs under this directory
+    fs_dir: str = ""  # shared directory of the fs connector ("" = fs handles are refused)
+    tcp_host: str = "127.0.0.1"  # host the tcp data server binds to and advertises in handles
+    tcp_port: int = 0  # port of the tcp data server (0 = any free port)
+    tcp_advertise_host: str = ""  # host put in tcp handles when it differs from tcp_host ("" = tcp_host)
+    tcp_bytes: int = 1 << 30  # bound on the bytes the tcp producer holds for unreleased handles
+    secret: str = field(default_factory=_secret_from_env, repr=False)  # tcp shared secret (HMAC key)
+    ttl_s: float = 120.0  # handles not released within this many seconds are reclaimed
+    timeout_s: float = 30.0  # a consumer's get/release gives up after this many seconds
+    instance: str = "ec"  # name of this instance, used in slab and file names
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # dtypes a consumer accepts
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"unknown EC connector {self.connector!r} (choose from {', '.join(CONNECTORS)})")
+        if self.shm_bytes < 1 << 20:
+            raise ValueError("shm_bytes must be at least 1 MiB")
+        if self.tcp_bytes < 1:
+            raise ValueError("tcp_bytes must be positive")
+        if not 0 <= self.tcp_port <= 65535:
+            raise ValueError(f"tcp_port {self.tcp_port} is not a port number")
+        if self.ttl_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("ttl_s and timeout_s must be positive")
+        if not self.secret:
+            raise ValueError("the EC secret must not be empty")
+        if not _INSTANCE_RE.fullmatch(self.instance):
+            raise ValueError(f"instance {self.instance!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+        if self.connector == "fs" and not self.fs_dir:
+            raise ValueError("the fs connector needs fs_dir")
+
+    @property
+    def advertise_host(self) -> str:
+        """The host consumers dial to reach this producer's tcp data server."""
+        return self.tcp_advertise_host or self.tcp_host
+
+    @property
+    def uses_dev_secret(self) -> bool:
+        """True while the built-in development secret is in use (fine on loopback only)."""
+        return self.secret == DEV_SECRET

@@ -1,0 +1,147 @@
+"""The encoder service in-process, with faults injected into the tower and the real shm producer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from epdserve.encoder.server import EncoderConfig, EncoderService, build_app
+from epdserve.launcher import free_port
+from epdserve.shapes import ShapesWorld
+from epdserve.transfer.base import TransferError
+from epdserve.transfer.config import ECConfig
+
+torch.set_num_threads(1)
+
+MODEL = "shapes-qwen2vl"
+
+
+def image_url(seed: int) -> str:
+    buf = io.BytesIO()
+    ShapesWorld(seed).scene().render().save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def body(seed: int) -> dict:
+    return {"version": 1, "model": MODEL, "items": [{"modality": "image", "url": image_url(seed)}]}
+
+
+Scenario = Callable[[EncoderService, Callable[[dict], Awaitable[tuple[int, dict]]]], Awaitable[None]]
+
+
+def run(model_dir: Path, scenario: Scenario, **config: object) -> None:
+    """Serve an ``EncoderService`` on loopback and run ``scenario(service, post)`` against it."""
+
+    async def main() -> None:
+        ec = ECConfig(shm_bytes=1 << 20, instance="test-encoder-service")
+        service = EncoderService(EncoderConfig(model=model_dir, threads=1, ec=ec, **config))  # type: ignore[arg-type]
+        runner = web.AppRunner(build_app(service))
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def post(payload: dict) -> tuple[int, dict]:
+                    async with session.post(f"http://127.0.0.1:{port}/v1/encode", json=payload) as r:
+                        return r.status, await r.json()
+
+                await scenario(service, post)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_failing_forward_is_a_500_for_its_request_only(model_dir: Path) -> None:
+    async def scenario(service: EncoderService, post) -> None:
+        real = service.batcher.visual
+        calls = 0
+
+        def flaky(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("injected fault")
+            return real(pixels, grid)
+
+        service.batcher.visual = flaky
+        status, err = await post(body(1))
+        assert status == 500
+        assert "vision forward failed: RuntimeError: injected fault" in err["error"]["message"]
+        assert err["error"]["code"] == "encode_failed"
+        status, ok = await post(body(1))  # same item: not poisoned in the cache, recomputed
+        assert status == 200 and ok["items"][0]["status"] == "computed"
+        assert service.batcher.alive
+
+    run(model_dir, scenario)
+
+
+def test_a_failing_put_is_a_503_and_the_next_request_works(model_dir: Path) -> None:
+    async def scenario(service: EncoderService, post) -> None:
+        real = service.producer.put
+        calls = 0
+
+        def flaky(key: str, tensor: torch.Tensor, model_id: str):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise TransferError("injected transfer fault")
+            return real(key, tensor, model_id)
+
+        service.producer.put = flaky  # type: ignore[method-assign]
+        status, err = await post(body(2))
+        assert status == 503 and "injected transfer fault" in err["error"]["message"]
+        status, ok = await post(body(2))
+        assert status == 200 and ok["items"][0]["status"] == "cache_hit"  # the forward's result was kept
+
+    run(model_dir, scenario)
+
+
+def test_a_full_shm_slab_is_a_503_not_a_crash(model_dir: Path) -> None:
+    """Handles nobody releases fill the real slab; the encoder refuses cleanly and keeps serving."""
+
+    async def scenario(service: EncoderService, post) -> None:
+        statuses = []
+        for _ in range(200):  # ~13 KiB per put, 1 MiB slab
+            status, resp = await post(body(3))
+            statuses.append(status)
+            if status != 200:
+                break
+        assert statuses[-1] == 503 and set(statuses[:-1]) == {200}
+        assert "slab is full" in resp["error"]["message"]
+        assert service.batcher.alive
+
+    run(model_dir, scenario)
+
+
+def test_an_overloaded_queue_is_a_429(model_dir: Path) -> None:
+    async def scenario(service: EncoderService, post) -> None:
+        real = service.batcher.visual
+        gate = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def held(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10)
+            return real(pixels, grid)
+
+        service.batcher.visual = held
+        first = asyncio.ensure_future(post(body(4)))  # running, held
+        while service.batcher.batches == 0:
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(post(body(5)))  # queued: the queue is full
+        while service.batcher.queue_depth == 0:
+            await asyncio.sleep(0.01)
+        status, err = await post(body(6))
+        assert status == 429 and err["error"]["type"] == "rate_limit_error"
+        gate.set()
+        assert (await first)[0] == 200 and (await second)[0] == 200
+
+    run(model_dir, scenario, max_queued_items=1)

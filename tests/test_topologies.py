@@ -1,0 +1,221 @@
+"""Every topology gives exactly the aggregated server's greedy output (issue 4), with each connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from epdserve.shapes import ShapesWorld, render_images
+from epdserve.up import Deployment, Topology
+from tests.server_utils import data_url, gif_data_url, http
+
+MODEL = "shapes-qwen2vl"
+PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
+
+
+def deploy(topology: str, connector: str = "shm") -> Deployment:
+    from epdserve.launcher import free_port
+
+    d = Deployment(Topology.parse(topology), None, port=free_port(), ec_connector=connector, extra_pd_args=PD_ARGS)
+    d.start()
+    return d
+
+
+def request_set() -> list[dict]:
+    """text-only, 1 image, 4 images of different sizes, a video, a repeated image; stream and not."""
+    w = ShapesWorld(2024)
+    one = w.sample("describe")
+    four = [w.scene() for _ in range(12)]
+    sizes: dict[tuple[int, int], object] = {}
+    for sc in four:
+        sizes.setdefault((sc.width, sc.height), sc)
+    four_imgs = [sc.render() for sc in list(sizes.values())[:4]]  # type: ignore[attr-defined]
+    vid = w.sample("direction")
+
+    def img_parts(images: list) -> list[dict]:
+        return [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+
+    def msg(parts: list[dict], q: str) -> list[dict]:
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": q}]}]
+
+    reqs = [
+        {"messages": [{"role": "user", "content": "Describe the image."}], "max_tokens": 8},
+        {"messages": msg(img_parts(render_images(one)), one.question)},
+        {"messages": msg(img_parts(four_imgs), "Describe the third image.")},
+        {"messages": msg([{"type": "video_url", "video_url": {"url": gif_data_url(vid.frames)}}], vid.question)},
+        {"messages": msg(img_parts(render_images(one) * 2), "Describe the second image.")},
+        {"messages": msg(img_parts(render_images(one)), "How many shapes are there?"), "stream": True},
+    ]
+    return reqs
+
+
+def ask(url: str, req: dict) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    if req.get("stream"):
+        stream = c.chat.completions.create(model=MODEL, temperature=0, **req)
+        return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    r = c.chat.completions.create(model=MODEL, temperature=0, **req)
+    return r.choices[0].message.content or ""
+
+
+def shapes_questions(n: int) -> list[dict]:
+    w = ShapesWorld(77)
+    qs = ["describe", "shape", "where_is", "what_at", "describe_nth", "which_image", "direction"]
+    out = []
+    for i in range(n):
+        s = w.sample(qs[i % len(qs)])
+        if s.video is not None:
+            parts = [{"type": "video_url", "video_url": {"url": gif_data_url(s.frames)}}]
+        else:
+            parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in render_images(s)]
+        out.append(
+            {
+                "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": s.question}]}],
+                "answer": s.answer,
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def aggregated() -> Iterator[tuple[Deployment, list[str], list[str]]]:
+    d = deploy("aggregated")
+    try:
+        reqs = request_set()
+        expected = [ask(d.url, r) for r in reqs]
+        questions = shapes_questions(21)
+        answers = [ask(d.url, {"messages": q["messages"]}) for q in questions]
+        yield d, expected, answers
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("connector", ["shm", "tcp", "fs"])
+def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
+    _, expected, answers = aggregated
+    d = deploy("1e+1pd", connector)
+    try:
+        reqs = request_set()
+        assert [ask(d.url, r) for r in reqs] == expected
+        # 16 concurrent requests through the router
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda r: ask(d.url, r), (reqs * 3)[:16]))
+        assert got == (expected * 3)[:16]
+        # shapes-world answers (hence accuracy) identical to the aggregated server's
+        questions = shapes_questions(21)
+        assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers
+        # the encoder did the vision work; the repeated image was a cache hit
+        enc = next(r for r in d.roles if r.name == "encoder0")
+        metrics = http("GET", enc.url + "/metrics")[1].decode()
+        assert "cache_hit" in metrics or "epd_encoder_cache_hits" in metrics
+    finally:
+        pids = [r.proc.pid for r in d.roles]
+        d.stop()
+    assert_clean(pids)
+
+
+def assert_clean(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    leftovers = [f for f in Path("/dev/shm").glob("epd-ec-*") if any(f.name.endswith(f"-{p}") for p in pids)]
+    assert leftovers == []
+
+
+def test_encoder_killed_items_retry_on_the_other_encoder(aggregated) -> None:
+    _, expected, _ = aggregated
+    d = deploy("2e+1pd")
+    try:
+        victim = next(r for r in d.roles if r.name == "encoder0")
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        reqs = request_set()
+        assert [ask(d.url, r) for r in reqs] == expected
+        workers = json.loads(http("GET", d.url + "/v1/workers")[1])
+        assert [w["healthy"] for w in workers["encoders"] if w["url"] == victim.url] == [False]
+    finally:
+        pids = [r.proc.pid for r in d.roles]
+        d.stop()
+    assert_clean(pids)
+
+
+def test_metadata_only_with_bad_handle_fails_only_that_request() -> None:
+    d = deploy("aggregated")
+    try:
+        bad = {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_embeds",
+                            "image_embeds": {"image_grid_thw": [1, 8, 8]},
+                            "uuid": "x",
+                            "ec_handle": {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0},
+                        },
+                        {"type": "text", "text": "Describe the image."},
+                    ],
+                }
+            ],
+        }
+        status, body = http("POST", d.url + "/v1/chat/completions", json.dumps(bad).encode())
+        assert status == 503, body
+        assert json.loads(body)["error"]["message"]
+        assert ask(d.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) is not None
+    finally:
+        d.stop()
+
+
+def test_topology_parsing() -> None:
+    assert Topology.parse("aggregated") == Topology(0, 1)
+    assert Topology.parse("2e+1pd") == Topology(2, 1)
+    for bad in ("", "1e", "0e+1pd", "e+pd", "1e+0pd"):
+        with pytest.raises(ValueError):
+            Topology.parse(bad)
+
+
+def test_up_command_stops_everything_on_sigterm() -> None:
+    import subprocess
+    import sys
+
+    from epdserve.launcher import free_port, is_healthy
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epdserve.cli", "up", "--topology", "1e+1pd", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert f"http://127.0.0.1:{port}/v1" in line
+        assert is_healthy(f"http://127.0.0.1:{port}")
+        children = _children(proc.pid)
+        assert len(children) >= 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    time.sleep(0.5)
+    assert_clean(children)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text().split()
+            except OSError:
+                continue
+            if int(stat[3]) == pid:
+                out.append(int(p.name))
+    return out
