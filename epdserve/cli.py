@@ -193,6 +193,7 @@ def _router(args: argparse.Namespace) -> int:
             pds=tuple(args.pds),
             policy=args.policy,
             probe_interval_s=args.probe_interval,
+            forward_raw_media=args.forward_raw_media,
         )
     )
     return 0
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pds", nargs="*", default=[], help="prefill+decode worker base URLs")
     s.add_argument("--policy", choices=["round_robin", "least_outstanding"], default="least_outstanding")
     s.add_argument("--probe-interval", type=float, default=2.0, help="seconds between health probes")
+    s.add_argument(
+        "--forward-raw-media", action="store_true", help="skip the encoders; PD workers process media (baseline)"
+    )
     commands["router"] = _router
 
     s = sub.add_parser("up", help="start a whole topology locally (aggregated, 1e+1pd, 2e+1pd, <N>e+<M>pd)")

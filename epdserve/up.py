@@ -81,6 +81,7 @@ class Deployment:
         ec_connector: str = "shm",
         extra_pd_args: list[str] | None = None,
         log_dir: Path | None = None,
+        extra_router_args: list[str] | None = None,
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -89,6 +90,7 @@ class Deployment:
         self.pin = pin
         self.ec_connector = ec_connector
         self.extra_pd_args = extra_pd_args or []
+        self.extra_router_args = extra_router_args or []
         self.log_dir = log_dir
         self.roles: list[Role] = []
         self.secret = secrets.token_hex(16)
@@ -131,7 +133,7 @@ class Deployment:
                     pd_urls.append(self._start(f"pd{i}", args, free_port(), cores.get(f"pd{i}")).url)
                 for r in self.roles:
                     wait_healthy(r.url, r.proc)
-                args = ["router", "--encoders", *enc_urls, "--pds", *pd_urls]
+                args = ["router", "--encoders", *enc_urls, "--pds", *pd_urls, *self.extra_router_args]
                 self._start("router", args, self.port, None)
             for r in self.roles:
                 wait_healthy(r.url, r.proc)

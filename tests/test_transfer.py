@@ -411,7 +411,7 @@ def test_unreleased_handles_are_reclaimed_after_ttl(kind: str, tmp_path: Path) -
         time.sleep(0.45)
         fresh = [producer.put(f"new{i}", big, MODEL) for i in range(3)]  # only fits if reclaimed
         for handle in stale:
-            with pytest.raises(TransferError, match="reclaimed|gone"):
+            with pytest.raises(TransferError, match=r"reclaimed|gone"):
                 run(consumer.get(handle, 64, 1024, MODEL))
         for handle in fresh:
             assert torch.equal(run(consumer.get(handle, 64, 1024, MODEL)), big)
@@ -551,3 +551,23 @@ def test_routing_consumer_reads_every_kind_at_once(tmp_path: Path) -> None:
     finally:
         for producer in producers:
             producer.close()
+
+
+def test_concurrent_gets(kind: str, tmp_path: Path) -> None:
+    cfg = config(kind, tmp_path, shm_bytes=16 << 20)
+    with closing(make_producer(cfg)) as producer:
+        consumer = make_consumer(cfg)
+        # the 4 MiB one takes the worker-thread path, the others stay on the event loop
+        sent = [embeddings(rows, 1024, torch.float32, seed=rows) for rows in (256, 64, 64, 1024, 64)]
+        handles = [producer.put(f"k{i}", t, MODEL) for i, t in enumerate(sent)]
+
+        async def go() -> list[torch.Tensor]:
+            got = await asyncio.gather(
+                *(consumer.get(h, t.shape[0], 1024, MODEL) for h, t in zip(handles, sent, strict=True))
+            )
+            await asyncio.gather(*(consumer.release(h) for h in handles))
+            await consumer.close()
+            return list(got)
+
+        for got, expected in zip(run(go()), sent, strict=True):
+            assert torch.equal(got, expected)

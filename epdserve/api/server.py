@@ -8,6 +8,7 @@ runs in its own thread (``AsyncEngine``), so this event loop only parses, fetche
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -222,12 +223,13 @@ class ChatHandlers:
         text: list[str] = []
         last: RequestOutput | None = None
         first = True
-        async for out in s.async_engine.generate(ereq):
-            if first:
-                s.ttft.observe(time.perf_counter() - t0)
-                first = False
-            text.append(out.text)
-            last = out
+        async with contextlib.aclosing(s.async_engine.generate(ereq)) as outputs:
+            async for out in outputs:
+                if first:
+                    s.ttft.observe(time.perf_counter() - t0)
+                    first = False
+                text.append(out.text)
+                last = out
         assert last is not None
         if last.finish_reason == "error":
             raise _engine_error(last)
@@ -254,22 +256,31 @@ class ChatHandlers:
             c = ChatCompletionChunk(id=ereq.request_id, created=created, model=model, choices=choices, usage=usage)
             return sse_event(c)
 
+        # the client may leave mid-stream; closing the generator has aborted the request by then
+        with contextlib.suppress(ConnectionResetError):
+            await self._write_stream(resp, ereq, req, t0, chunk)
+        return resp
+
+    async def _write_stream(self, resp: web.StreamResponse, ereq: Request, req, t0: float, chunk) -> None:
+        s = self.s
         await resp.write(chunk(Delta(role="assistant", content="")))
         last: RequestOutput | None = None
         t_prev = None
-        async for out in s.async_engine.generate(ereq):
-            now = time.perf_counter()
-            if t_prev is None:
-                s.ttft.observe(now - t0)
-            else:
-                s.itl.observe(now - t_prev)
-            t_prev = now
-            last = out
-            if out.finish_reason == "error":
-                await resp.write(sse_error(_engine_error(out)))
-                break
-            if out.text or out.finished:
-                await resp.write(chunk(Delta(content=out.text) if out.text else Delta(), out.finish_reason))
+        # aclosing: a client that leaves mid-stream closes the generator now, which aborts the request
+        async with contextlib.aclosing(s.async_engine.generate(ereq)) as outputs:
+            async for out in outputs:
+                now = time.perf_counter()
+                if t_prev is None:
+                    s.ttft.observe(now - t0)
+                else:
+                    s.itl.observe(now - t_prev)
+                t_prev = now
+                last = out
+                if out.finish_reason == "error":
+                    await resp.write(sse_error(_engine_error(out)))
+                    break
+                if out.text or out.finished:
+                    await resp.write(chunk(Delta(content=out.text) if out.text else Delta(), out.finish_reason))
         if last is not None and last.finish_reason != "error":
             s.e2e.observe(time.perf_counter() - t0)
             s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
@@ -278,7 +289,6 @@ class ChatHandlers:
                 await resp.write(chunk(Delta(), usage=Usage.of(last.prompt_tokens, last.completion_tokens)))
         await resp.write(SSE_DONE)
         await resp.write_eof()
-        return resp
 
     async def models(self, request: web.Request) -> web.Response:
         s = self.s

@@ -1,7 +1,8 @@
 """An async streaming client that measures one chat request: TTFT, inter-token gaps, E2E.
 
 It reads the SSE stream as raw lines and only parses the JSON of each event, so the client costs
-little next to the server it measures.
+little next to the server it measures. A request body may be passed pre-encoded (``encode_request``)
+so that JSON and data-URL encoding happen before the benchmark clock starts.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
 
 @dataclass
 class RequestResult:
     ok: bool
-    status: int
+    status: int  # HTTP status; 0 when no response arrived (connection error, timeout)
     ttft: float = 0.0  # seconds to the first content token
     e2e: float = 0.0  # seconds to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
@@ -25,21 +28,35 @@ class RequestResult:
     text: str = ""
     error: str = ""
     kind: str = ""  # request type label (e.g. "text", "image")
+    start: float = 0.0  # time.perf_counter() when the request was sent
 
     @property
     def tpot(self) -> float:
         """Mean time per output token after the first."""
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
+    @property
+    def max_itl(self) -> float:
+        """The longest gap between two content chunks (0 with fewer than two chunks)."""
+        return max(self.itl, default=0.0)
 
-async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict, kind: str = "") -> RequestResult:
-    body = dict(payload, stream=True, stream_options={"include_usage": True})
-    t0 = time.perf_counter()
+
+def encode_request(payload: dict) -> bytes:
+    """The JSON body of a streaming request that reports usage in its last event."""
+    return json.dumps(dict(payload, stream=True, stream_options={"include_usage": True})).encode()
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession, url: str, payload: dict | bytes, kind: str = ""
+) -> RequestResult:
+    """Send one chat request and time its stream; ``payload`` bytes come from ``encode_request``."""
+    body = payload if isinstance(payload, bytes) else encode_request(payload)
     res = RequestResult(ok=False, status=0, kind=kind)
     last = None
     parts: list[str] = []
+    t0 = res.start = time.perf_counter()
     try:
-        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        async with session.post(url + "/v1/chat/completions", data=body, headers=_JSON_HEADERS) as resp:
             res.status = resp.status
             if resp.status != 200:
                 res.error = (await resp.text())[:300]
@@ -68,7 +85,8 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict, k
                             res.itl.append(now - last)
                         last = now
                         parts.append(content)
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        # ValueError: a malformed event; the request counts as failed instead of ending the run
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - t0
@@ -80,6 +98,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict, k
 
 
 def percentile(values: list[float], p: float) -> float:
+    """The ``p``-th percentile (0–100) with linear interpolation; 0.0 for no values."""
     if not values:
         return 0.0
     v = sorted(values)

@@ -16,12 +16,13 @@ import json
 import time
 from pathlib import Path
 
-import aiohttp
 import torch
 from PIL import Image
 
 from epdserve.assets import default_model_dir
-from epdserve.bench.client import RequestResult, percentile, stream_chat
+from epdserve.bench.client import RequestResult
+from epdserve.bench.closed_loop import closed_loop, summarize
+from epdserve.bench.workload import image_payload
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.shapes import SIDES, ShapesWorld
 
@@ -38,23 +39,8 @@ def make_requests(n: int, seed: int, size: int | None) -> list[tuple[str, Image.
     return out
 
 
-async def run_server(url: str, model: str, reqs, out_len: int, conc: int) -> tuple[list[RequestResult], float]:
-    from epdserve.bench.workload import image_payload
-
-    queue = list(reqs)
-    results: list[RequestResult] = []
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def worker() -> None:
-            while queue:
-                q, img = queue.pop(0)
-                body = image_payload(model, q, [img], out_len)
-                results.append(await stream_chat(session, url, body, "image"))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(conc)))
-        return results, time.perf_counter() - t0
+def server_payloads(model: str, reqs: list[tuple[str, Image.Image]], out_len: int) -> list[tuple[str, dict]]:
+    return [("image", image_payload(model, q, [img], out_len)) for q, img in reqs]
 
 
 def run_hf(model_dir: Path, reqs, out_len: int, conc: int) -> tuple[list[RequestResult], float]:
@@ -91,11 +77,12 @@ def run_hf(model_dir: Path, reqs, out_len: int, conc: int) -> tuple[list[Request
                 logits_processor=LogitsProcessorList([ft]),
             )
         t1 = time.perf_counter()
-        wait = t0 - t_start  # requests of later batches queue behind earlier ones (closed loop of `conc`)
+        # a batch of `conc` requests arrives together (closed loop of `conc` clients): its first
+        # token comes after the batched prefill, its end after the batched decode
         for _ in batch:
-            r = RequestResult(ok=True, status=200, ttft=(ft.t or t1) - t0, e2e=t1 - t0, output_tokens=out_len)
-            r.ttft += 0.0 * wait
-            results.append(r)
+            results.append(
+                RequestResult(ok=True, status=200, ttft=(ft.t or t1) - t0, e2e=t1 - t0, output_tokens=out_len)
+            )
     return results, time.perf_counter() - t_start
 
 
@@ -113,20 +100,6 @@ def _left_pad(inputs: list[dict], pad_id: int) -> dict:
     out["pixel_values"] = torch.cat([x["pixel_values"] for x in inputs])
     out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in inputs])
     return out
-
-
-def summarize(results: list[RequestResult], wall: float) -> dict[str, float]:
-    ok = [r for r in results if r.ok]
-    toks = sum(r.output_tokens for r in ok)
-    return {
-        "ok": len(ok),
-        "errors": len(results) - len(ok),
-        "req_per_s": len(ok) / wall,
-        "out_tok_per_s": toks / wall,
-        "ttft_p50_ms": 1e3 * percentile([r.ttft for r in ok], 50),
-        "ttft_p99_ms": 1e3 * percentile([r.ttft for r in ok], 99),
-        "tpot_p50_ms": 1e3 * percentile([r.tpot for r in ok], 50),
-    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,9 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         startup = wait_healthy(url, proc)
         name = args.model.name
-        asyncio.run(run_server(url, name, warm, args.output_len, 4))
+        asyncio.run(closed_loop(url, server_payloads(name, warm, args.output_len), 4))
         for c in args.concurrency:
-            res, wall = asyncio.run(run_server(url, name, reqs, args.output_len, c))
+            res, wall = asyncio.run(closed_loop(url, server_payloads(name, reqs, args.output_len), c))
             rows.append({"system": "epdserve", "concurrency": c, **summarize(res, wall)})
             print(json.dumps(rows[-1]), flush=True)
     finally:

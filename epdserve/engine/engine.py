@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,7 +173,7 @@ class AsyncEngine:
             self._inbox.append((kind, payload))
             self._cv.notify()
 
-    async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: Request) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.request_id] = (loop, queue)

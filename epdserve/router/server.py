@@ -47,6 +47,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # one forwarded chat request, end to end
     max_request_bytes: int = 64 << 20  # largest request body
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
+    forward_raw_media: bool = False  # skip the encoders: PD workers decode and encode media themselves
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Router:
         self.metrics.inc("router_requests_total", help_text="chat requests received")
         req = decode_chat_request(raw, self.config.limits)  # same 400s as the workers would give
         body: dict[str, Any] = msgspec.json.decode(raw)
-        refs = _media_refs(body)
+        refs = [] if self.config.forward_raw_media else _media_refs(body)
         attempts_left = 2
         exclude: set[str] = set()
         while True:
@@ -206,9 +207,11 @@ class Router:
                 try:
                     async for chunk in upstream.content.iter_any():
                         await resp.write(chunk)
+                    await resp.write_eof()
+                except ConnectionResetError:
+                    pass  # the client left: closing upstream makes the PD worker abort the request
                 except (aiohttp.ClientError, TimeoutError) as e:
                     log.warning("PD %s failed mid-response: %s", pd.url, e)  # bytes already sent: just end
-                await resp.write_eof()
                 return resp
         finally:
             pd.outstanding -= 1

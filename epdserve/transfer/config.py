@@ -22,7 +22,7 @@ def _secret_from_env() -> str:
 @dataclass(frozen=True)
 class ECConfig:
     connector: str = "shm"  # producer backend: "shm" (same host), "tcp" (any host) or "fs" (debugging)
-    shm_bytes: int = 256 << 20  # size of the producer's one /dev/shm slab; bounds its in-flight embeddings
+    shm_bytes: int = 256 << 20  # bytes of the producer's one /dev/shm slab (reserved at start)
     shm_dir: str = "/dev/shm"  # where slabs live; a consumer only maps slabs under this directory
     fs_dir: str = ""  # shared directory of the fs connector ("" = fs handles are refused)
     tcp_host: str = "127.0.0.1"  # host the tcp data server binds to and advertises in handles
