@@ -19,21 +19,47 @@ def _model_path(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from epdserve.hf_reference import HFReference
     from epdserve.shapes import ShapesWorld, render_images
 
-    ref = HFReference(args.model or default_model_dir())
     world = ShapesWorld(args.seed)
+    ask = _server_asker(args.url) if args.url else _local_asker(args.model)
+    right = 0
     for _ in range(args.n):
         sample = world.sample()
-        if sample.video is not None:
-            answer = ref.answer(sample.question, video=sample.frames)
-        else:
-            answer = ref.answer(sample.question, images=render_images(sample))
+        answer = ask(sample.question, render_images(sample), sample.frames)
         media = "video" if sample.video is not None else f"{len(sample.scenes)} image(s)"
+        right += answer == sample.answer
         mark = "ok" if answer == sample.answer else "WRONG"
         print(f"[{media}] {sample.question} -> {answer!r} (expected {sample.answer!r}) {mark}")
+    print(f"{right}/{args.n} exact")
     return 0
+
+
+def _local_asker(model: str | None):
+    from epdserve.hf_reference import HFReference
+
+    ref = HFReference(model or default_model_dir())
+    return lambda q, images, frames: ref.answer(q, images=images or None, video=frames or None)
+
+
+def _server_asker(url: str):
+    import openai
+
+    from epdserve.bench.workload import gif_data_url, image_data_url
+
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+
+    def ask(q: str, images: list, frames: list) -> str:
+        parts: list[dict] = [{"type": "image_url", "image_url": {"url": image_data_url(im)}} for im in images]
+        if frames:
+            parts.append({"type": "video_url", "video_url": {"url": gif_data_url(frames)}})
+        r = client.chat.completions.create(
+            model=model, temperature=0, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": q}]}]
+        )
+        return r.choices[0].message.content or ""
+
+    return ask
 
 
 def _eval_shapes(args: argparse.Namespace) -> int:
@@ -216,6 +242,51 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(deployment)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from epdserve.bench.loadgen import run_cli
+
+    return run_cli(args)
+
+
+def add_bench_args(s: argparse.ArgumentParser) -> None:
+    """Flags of ``epdserve bench`` (kept here so parsing does not import the benchmark's aiohttp client)."""
+    s.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (without /v1)")
+    s.add_argument("--model", default=None, help="model name in requests (default: first id of /v1/models)")
+    s.add_argument("-n", "--num-requests", type=int, default=100, help="measured requests")
+    s.add_argument("--warmup", type=int, default=4, help="unmeasured requests sent first")
+    s.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    s.add_argument("--request-rate", type=float, default=0.0, help="open loop: Poisson arrivals in req/s (0: closed)")
+    s.add_argument("--seed", type=int, default=0, help="fixes payloads and arrival times")
+    s.add_argument("--images-per-request", type=int, default=1, help="images in each image request (0-50)")
+    s.add_argument("--image-size", type=int, default=0, help="resize images to this side in px (0: spec's 84-168)")
+    s.add_argument("--prompt-tokens", type=int, default=0, help="pad the text to roughly this many tokens (0: none)")
+    s.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    s.add_argument(
+        "--no-exact-output",
+        action="store_true",
+        help="send only max_tokens (for servers without min_tokens/ignore_eos)",
+    )
+    s.add_argument("--text-fraction", type=float, default=0.0, help='fraction of text-only requests (kind "text")')
+    s.add_argument("--video-fraction", type=float, default=0.0, help='fraction of GIF-video requests (kind "video")')
+    s.add_argument("--repeated-fraction", type=float, default=0.0, help="fraction of media from a small reused pool")
+    s.add_argument("--image-pool", type=int, default=4, help="distinct images (and videos) in the reused pool")
+    s.add_argument(
+        "--slo",
+        default=None,
+        help="goodput SLO, e.g. ttft=500ms,itl=100ms,e2e=2s,tpot=50ms (bare numbers: ms); a request meets "
+        "itl when its largest inter-token gap (max ITL) is within the bound",
+    )
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
+    s.add_argument("--out", default=None, help="write config, summaries and per-request timings as JSON here")
+    s.add_argument("--plots", default=None, help="write TTFT/TPOT/ITL/E2E histogram+CDF PNGs into this directory")
+    s.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    s.add_argument(
+        "--self-test",
+        action="store_true",
+        help="run the load against an in-process instant server on 127.0.0.1 to show the client's own ceiling",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -228,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="model directory (default: embedded)")
     s.add_argument("--seed", type=int, default=7)
     s.add_argument("-n", type=int, default=5, help="number of questions")
+    s.add_argument("--url", default=None, help="ask a running server (e.g. http://127.0.0.1:8000) instead")
     commands["demo"] = _demo
 
     s = sub.add_parser("eval-shapes", help="exact-match accuracy per question type (transformers, greedy)")
@@ -267,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ec-connector", choices=["shm", "tcp", "fs"], default="shm")
     s.add_argument("--log-dir", default=None, help="write each role's log here")
     commands["up"] = _up
+
+    s = sub.add_parser("bench", help="load-test an OpenAI-compatible chat endpoint (TTFT/TPOT/ITL/E2E, goodput)")
+    add_bench_args(s)
+    commands["bench"] = _bench
 
     s = sub.add_parser("train-shapes", help="train the shapes-world model (see docs/model.md)")
     from epdserve.training.args import add_arguments

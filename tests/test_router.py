@@ -1,0 +1,70 @@
+"""Router behaviour with real processes: registration, PD retry before the first byte, pools."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.router.pool import NoWorker, WorkerPool
+from tests.server_utils import http, running
+
+MODEL = "shapes-qwen2vl"
+
+
+def test_pool_policies() -> None:
+    rr = WorkerPool("pd", ["http://a", "http://b", "http://c"], "round_robin")
+    assert [rr.pick().url for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+    lo = WorkerPool("pd", ["http://a", "http://b"], "least_outstanding")
+    lo.workers["http://a"].outstanding = 3
+    assert {lo.pick().url for _ in range(4)} == {"http://b"}
+    lo.mark_failed(lo.workers["http://b"])
+    assert lo.pick().url == "http://a"
+    lo.mark_failed(lo.workers["http://a"])
+    with pytest.raises(NoWorker):
+        lo.pick()
+    with pytest.raises(ValueError):
+        WorkerPool("pd", [], "random")
+
+
+def test_registration_and_retry_on_a_dead_pd() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with running(["serve", "--max-model-len", "512", "--num-kv-blocks", "64"]) as pd:
+        port = free_port()
+        router = start_role(["router", "--port", str(port), "--policy", "round_robin", "--probe-interval", "30"])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    if http("GET", url + "/v1/workers")[0] == 200:
+                        break
+                except OSError:
+                    time.sleep(0.2)
+            assert http("GET", url + "/health")[0] == 503  # no PD worker yet
+            for u in (dead, pd):
+                status, _ = http("POST", url + "/v1/workers", json.dumps({"role": "pd", "url": u}).encode())
+                assert status == 200
+            wait_healthy(url, router)
+            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            # round robin sends some requests to the dead worker first: each is retried on the live one
+            for _ in range(4):
+                r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                assert r.choices[0].finish_reason in ("stop", "length")
+            workers = json.loads(http("GET", url + "/v1/workers")[1])["pds"]
+            assert {w["url"]: w["healthy"] for w in workers} == {dead: False, pd: True}
+            status, body = http("POST", url + "/v1/workers", json.dumps({"role": "db", "url": pd}).encode())
+            assert status == 400 and json.loads(body)["error"]["param"] == "role"
+            http("DELETE", url + "/v1/workers", json.dumps({"role": "pd", "url": pd}).encode())
+            http("DELETE", url + "/v1/workers", json.dumps({"role": "pd", "url": dead}).encode())
+            status, body = http(
+                "POST",
+                url + "/v1/chat/completions",
+                json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            )
+            assert status == 503 and json.loads(body)["error"]["message"]
+        finally:
+            stop(router)

@@ -1,0 +1,46 @@
+"""Sampling controls on synthetic logits."""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.engine.request import Request
+from epdserve.engine.sampler import sample
+from epdserve.engine.sampling_params import SamplingParams
+
+
+def req(**kw: object) -> Request:
+    return Request("r", [1], SamplingParams(**kw), eos_token_ids=frozenset({3}))  # type: ignore[arg-type]
+
+
+LOGITS = torch.tensor([[0.0, 2.0, 1.0, 5.0, -1.0]])
+
+
+def test_greedy_and_min_tokens_masks_eos() -> None:
+    assert sample(LOGITS.clone(), [req(temperature=0.0)])[0] == [3]
+    assert sample(LOGITS.clone(), [req(temperature=0.0, min_tokens=2)])[0] == [1]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    for _ in range(20):
+        assert sample(LOGITS.clone(), [req(temperature=1.0, top_k=1)])[0] == [3]
+        assert sample(LOGITS.clone(), [req(temperature=1.0, top_p=0.01)])[0] == [3]
+
+
+def test_top_k_restricts_support() -> None:
+    seen = {sample(LOGITS.clone(), [req(temperature=2.0, top_k=2, seed=i)])[0][0] for i in range(200)}
+    assert seen == {1, 3}
+
+
+def test_seed_reproducible_and_temperature_spreads() -> None:
+    a = [sample(LOGITS.clone(), [r])[0][0] for r in [req(temperature=1.5, seed=7)] for _ in range(1)]
+    r1, r2 = req(temperature=1.5, seed=7), req(temperature=1.5, seed=7)
+    seq1 = [sample(LOGITS.clone(), [r1])[0][0] for _ in range(30)]
+    seq2 = [sample(LOGITS.clone(), [r2])[0][0] for _ in range(30)]
+    assert seq1 == seq2 and seq1[0] == a[0]
+    assert len(set(seq1)) > 1
+
+
+def test_logprob_of_chosen_token() -> None:
+    tokens, lps = sample(LOGITS.clone(), [req(temperature=0.0)])
+    assert abs(lps[0] - torch.log_softmax(LOGITS, -1)[0, 3].item()) < 1e-6
