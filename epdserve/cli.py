@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from epdserve.assets import default_model_dir
 
@@ -54,9 +54,8 @@ def _server_asker(url: str):
         parts: list[dict] = [{"type": "image_url", "image_url": {"url": image_data_url(im)}} for im in images]
         if frames:
             parts.append({"type": "video_url", "video_url": {"url": gif_data_url(frames)}})
-        r = client.chat.completions.create(
-            model=model, temperature=0, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": q}]}]
-        )
+        messages: Any = [{"role": "user", "content": [*parts, {"type": "text", "text": q}]}]
+        r = client.chat.completions.create(model=model, temperature=0, messages=messages)
         return r.choices[0].message.content or ""
 
     return ask

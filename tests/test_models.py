@@ -301,8 +301,11 @@ def test_config_accepts_original_hub_layout(model_dir: Path) -> None:
 
 def test_checkpoint_names_of_both_layouts_map_to_ours() -> None:
     name = Qwen2VLForConditionalGeneration.checkpoint_param_name
-    assert name("model.layers.0.mlp.up_proj.weight") == "language_model.layers.0.mlp.up_proj.weight"
-    assert name("model.language_model.layers.0.mlp.up_proj.weight") == "language_model.layers.0.mlp.up_proj.weight"
+    # gate/up and q/k/v fill slices of fused parameters
+    assert name("model.layers.0.mlp.up_proj.weight") == "language_model.layers.0.mlp.gate_up_proj.weight"
+    assert name("model.language_model.layers.0.mlp.up_proj.weight") == "language_model.layers.0.mlp.gate_up_proj.weight"
+    assert name("model.layers.2.self_attn.v_proj.bias") == "language_model.layers.2.self_attn.qkv_proj.bias"
+    assert name("model.layers.2.self_attn.o_proj.weight") == "language_model.layers.2.self_attn.o_proj.weight"
     assert name("visual.blocks.1.attn.qkv.bias") == "visual.blocks.1.attn.qkv.bias"
     assert name("model.visual.blocks.1.attn.qkv.bias") == "visual.blocks.1.attn.qkv.bias"
     assert name("lm_head.weight") == "language_model.lm_head.weight"

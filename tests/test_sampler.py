@@ -43,4 +43,5 @@ def test_seed_reproducible_and_temperature_spreads() -> None:
 
 def test_logprob_of_chosen_token() -> None:
     tokens, lps = sample(LOGITS.clone(), [req(temperature=0.0)])
+    assert tokens == [3]
     assert abs(lps[0] - torch.log_softmax(LOGITS, -1)[0, 3].item()) < 1e-6

@@ -47,7 +47,9 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.images_per_request <= MAX_IMAGES_PER_REQUEST:
-            raise ValueError(f"images_per_request must be in 0..{MAX_IMAGES_PER_REQUEST}, got {self.images_per_request}")
+            raise ValueError(
+                f"images_per_request must be in 0..{MAX_IMAGES_PER_REQUEST}, got {self.images_per_request}"
+            )
         if self.image_size < 0:
             raise ValueError(f"image_size must be >= 0, got {self.image_size}")
         if self.prompt_tokens < 0:
@@ -130,7 +132,7 @@ def pad_prompt(question: str, tokens: int, rng: random.Random) -> str:
     words = tokens - len(question.split()) - 2
     if words <= 0:
         return question
-    return " ".join(rng.choice(PAD_WORDS) for _ in range(words)).capitalize() + ". " + question
+    return " ".join(rng.choice(PAD_WORDS) for _ in range(words)) + ". " + question
 
 
 class _Media:

@@ -309,19 +309,20 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
+        # q, k and v in one matmul: at this model size a step is dominated by per-call overhead
+        kv = self.num_kv_heads * self.head_dim
+        self.shard_sizes = (self.num_heads * self.head_dim, kv, kv)
+        self.qkv_proj = nn.Linear(hidden, sum(self.shard_sizes), bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = _apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        out = attention(self.layer_idx, q, k, v)
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = _apply_rotary(q.reshape(n, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rotary(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        out = attention(self.layer_idx, q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -330,13 +331,15 @@ class MLP(nn.Module):
 
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # gate and up in one matmul (see Attention)
+        self.shard_sizes = (config.intermediate_size, config.intermediate_size)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = _activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -389,6 +392,30 @@ class Qwen2LanguageModel(nn.Module):
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _map_checkpoint_name(name: str) -> tuple[str, int | None] | None:
+    """Checkpoint tensor name → (our parameter, row-slice index for fused parameters, else None).
+
+    ``model.layers.0.self_attn.k_proj.bias`` → (``language_model.layers.0.self_attn.qkv_proj.bias``, 1).
+    """
+    for theirs, ours in _NAME_PREFIXES:
+        if name.startswith(theirs):
+            parts = (ours + name[len(theirs) :]).split(".")
+            if ours.startswith("language_model") and len(parts) >= 3 and parts[-2] in _FUSED:
+                fused, index = _FUSED[parts[-2]]
+                return ".".join([*parts[:-2], fused, parts[-1]]), index
+            return ".".join(parts), None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,23 +509,41 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     @staticmethod
     def checkpoint_param_name(name: str) -> str | None:
-        """Our parameter name for checkpoint tensor ``name`` (None: not a tensor of this model).
+        """Our parameter that checkpoint tensor ``name`` fills (None: not a tensor of this model).
 
+        q/k/v and gate/up tensors fill a slice of a fused parameter (see ``_map_checkpoint_name``).
         The result may name a part this instance did not build; the loader skips those.
         """
-        for theirs, ours in _NAME_PREFIXES:
-            if name.startswith(theirs):
-                return ours + name[len(theirs) :]
-        return None
+        mapped = _map_checkpoint_name(name)
+        return None if mapped is None else mapped[0]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (checkpoint names) into our parameters; returns the names filled."""
+        """Copy checkpoint tensors (checkpoint names) into our parameters; returns the names filled.
+
+        q/k/v and gate/up projections are stored separately in checkpoints and fused here: each
+        checkpoint tensor fills its row slice of the fused parameter, which counts as loaded once
+        every slice has arrived.
+        """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
+        shards: dict[str, set[int]] = {}
         for name, tensor in weights:
-            ours = self.checkpoint_param_name(name)
-            if ours is None or ours not in params:
+            mapped = _map_checkpoint_name(name)
+            if mapped is None or mapped[0] not in params:
+                continue
+            ours, index = mapped
+            if index is not None:
+                target = ours
+                sizes = modules[target.rsplit(".", 2)[0]].shard_sizes
+                part = params[target].narrow(0, sum(sizes[:index]), sizes[index])
+                if tensor.shape != part.shape:
+                    raise WeightLoadError(f"{name}: checkpoint shape {list(tensor.shape)}, model {list(part.shape)}")
+                part.copy_(tensor)
+                shards.setdefault(target, set()).add(index)
+                if len(shards[target]) == len(sizes):
+                    loaded.add(target)
                 continue
             param = params[ours]
             if ours == "visual.patch_embed.proj.weight":
