@@ -10,7 +10,9 @@ import aiohttp
 from epdserve.bench.client import RequestResult, percentile, stream_chat
 
 
-async def closed_loop(url: str, payloads: list[tuple[str, dict]], concurrency: int) -> tuple[list[RequestResult], float]:
+async def closed_loop(
+    url: str, payloads: list[tuple[str, dict]], concurrency: int
+) -> tuple[list[RequestResult], float]:
     """Send (kind, payload) pairs with ``concurrency`` clients; returns results and wall seconds."""
     queue = list(reversed(payloads))
     results: list[RequestResult] = []
