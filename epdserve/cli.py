@@ -219,6 +219,7 @@ def _router(args: argparse.Namespace) -> int:
             policy=args.policy,
             probe_interval_s=args.probe_interval,
             forward_raw_media=args.forward_raw_media,
+            limits=media_limits(args),
         )
     )
     return 0
@@ -286,6 +287,37 @@ def add_bench_args(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from epdserve.bench.sweep import run_cli
+
+    return run_cli(args)
+
+
+def add_sweep_args(s: argparse.ArgumentParser) -> None:
+    """Flags of ``epdserve sweep`` (kept here so parsing does not import the benchmark or the launcher)."""
+    s.add_argument("--out", required=True, help="directory for report.md, sweep.json, the heatmaps and role logs")
+    s.add_argument("--topologies", default="aggregated,1e+1pd,2e+1pd", help="comma-separated, started in turn")
+    s.add_argument("--images", default="1,4,10", help="images per request, comma-separated (heatmap rows, 0-50)")
+    s.add_argument("--output-lens", default="16,64,256", help="output tokens per request (heatmap columns)")
+    s.add_argument("--image-size", type=int, default=0, help="resize images to this side in px (0: spec's 84-168)")
+    s.add_argument("--requests", type=int, default=16, help="measured requests per cell and topology")
+    s.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each cell")
+    arrival = s.add_mutually_exclusive_group()
+    arrival.add_argument("--concurrency", type=int, default=4, help="closed loop: requests in flight")
+    arrival.add_argument("--request-rate", type=float, default=0.0, help="open loop: Poisson arrivals in req/s")
+    s.add_argument("--seed", type=int, default=0, help="fixes payloads and arrivals (the same in every topology)")
+    s.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,e2e=2s (as in epdserve bench)")
+    s.add_argument(
+        "--mixed", action="store_true", help="also run 50:50 text/image traffic per images value (reported apart)"
+    )
+    s.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
+    s.add_argument("--ec-connector", choices=["shm", "tcp", "fs"], default="shm")
+    s.add_argument("--pd-args", default="", help="extra flags of every PD worker, e.g. --pd-args='--threads 1'")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
+    s.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -327,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--forward-raw-media", action="store_true", help="skip the encoders; PD workers process media (baseline)"
     )
+    add_media_args(s)
     commands["router"] = _router
 
     s = sub.add_parser("up", help="start a whole topology locally (aggregated, 1e+1pd, 2e+1pd, <N>e+<M>pd)")
@@ -342,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="load-test an OpenAI-compatible chat endpoint (TTFT/TPOT/ITL/E2E, goodput)")
     add_bench_args(s)
     commands["bench"] = _bench
+
+    s = sub.add_parser("sweep", help="when does EPD pay here: a workload grid against each topology, gain heatmaps")
+    add_sweep_args(s)
+    commands["sweep"] = _sweep
 
     s = sub.add_parser("train-shapes", help="train the shapes-world model (see docs/model.md)")
     from epdserve.training.args import add_arguments

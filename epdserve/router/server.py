@@ -48,6 +48,7 @@ class RouterConfig:
     max_request_bytes: int = 64 << 20  # largest request body
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
     forward_raw_media: bool = False  # skip the encoders: PD workers decode and encode media themselves
+    max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
 
 
 @dataclass
@@ -108,9 +109,11 @@ class Router:
                     groups.setdefault(w.url, (w, []))[1].append(r)
             except NoWorker:
                 raise Unavailable("No healthy encoder worker is available.") from None
-            results = await asyncio.gather(*(self._encode_on(model, w, rs) for w, rs in groups.values()))
+            n = self.config.max_items_per_encode
+            calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
+            results = await asyncio.gather(*(self._encode_on(model, w, rs) for w, rs in calls))
             pending = []
-            for (w, rs), ok in zip(groups.values(), results, strict=True):
+            for (w, rs), ok in zip(calls, results, strict=True):
                 if not ok:
                     tried.add(w.url)
                     self.metrics.inc("router_encoder_retries_total", help_text="encoder calls retried elsewhere")
