@@ -32,3 +32,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as e:  # keep serving; report a clean 500
         log.exception("unhandled error")
         return json_response(ApiError(f"Internal server error: {type(e).__name__}").to_json(), 500)
+
+
+Route = tuple[str, str, Handler]  # (method, path, handler)
+
+
+def role_app(
+    max_request_bytes: int,
+    routes: list[Route],
+    start: Callable[[], Awaitable[None]],
+    close: Callable[[], Awaitable[None]],
+) -> web.Application:
+    """The aiohttp app of one role: its routes behind the error middleware, with lifecycle hooks."""
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+
+    async def on_startup(app: web.Application) -> None:
+        await start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def run_app(app: web.Application, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM; handlers are cancelled when their client disconnects."""
+    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None)

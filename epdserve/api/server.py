@@ -20,7 +20,7 @@ from aiohttp import web
 from epdserve.api.chat import MediaResolver, template_messages
 from epdserve.api.embeds import ConnectorEmbeds
 from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
-from epdserve.api.http import error_middleware, json_response
+from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
     SSE_DONE,
@@ -318,27 +318,18 @@ def _engine_error(out: RequestOutput) -> ApiError:
 
 
 def build_app(service: ChatService) -> web.Application:
-    app = web.Application(client_max_size=service.config.max_request_bytes, middlewares=[error_middleware])
     h = ChatHandlers(service)
-    app.router.add_post("/v1/chat/completions", h.chat)
-    app.router.add_get("/v1/models", h.models)
-    app.router.add_get("/health", h.health)
-    app.router.add_get("/metrics", h.metrics)
-
-    async def on_startup(app: web.Application) -> None:
-        await service.start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await service.close()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
+    routes: list[Route] = [
+        ("POST", "/v1/chat/completions", h.chat),
+        ("GET", "/v1/models", h.models),
+        ("GET", "/health", h.health),
+        ("GET", "/metrics", h.metrics),
+    ]
+    return role_app(service.config.max_request_bytes, routes, service.start, service.close)
 
 
 def serve(config: ServerConfig) -> None:
     """Run the server until SIGINT/SIGTERM."""
     service = ChatService(config)
-    app = build_app(service)
     log.info("epdserve serving %s on http://%s:%d", config.model_name, config.host, config.port)
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None, access_log=None)
+    run_app(build_app(service), config.host, config.port)

@@ -23,7 +23,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge, Timeout, Unavailable, WorkerFailed
-from epdserve.api.http import error_middleware, json_response
+from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import decode_chat_request
 from epdserve.encoder.protocol import EncodedItem, EncodeItem, EncodeRequest, decode_response, encode_request
@@ -304,25 +304,17 @@ def _media_refs(body: dict[str, Any]) -> list[MediaRef]:
 
 
 def build_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=router.config.max_request_bytes, middlewares=[error_middleware])
-    app.router.add_post("/v1/chat/completions", router.chat)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/health", router.health)
-    app.router.add_get("/metrics", router.metrics_text)
-    app.router.add_get("/v1/workers", router.workers)
-    app.router.add_post("/v1/workers", router.register)
-    app.router.add_delete("/v1/workers", router.register)
-
-    async def on_startup(app: web.Application) -> None:
-        await router.start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await router.close()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
+    routes: list[Route] = [
+        ("POST", "/v1/chat/completions", router.chat),
+        ("GET", "/v1/models", router.models),
+        ("GET", "/health", router.health),
+        ("GET", "/metrics", router.metrics_text),
+        ("GET", "/v1/workers", router.workers),
+        ("POST", "/v1/workers", router.register),
+        ("DELETE", "/v1/workers", router.register),
+    ]
+    return role_app(router.config.max_request_bytes, routes, router.start, router.close)
 
 
 def serve_router(config: RouterConfig) -> None:
-    web.run_app(build_app(Router(config)), host=config.host, port=config.port, print=None, access_log=None)
+    run_app(build_app(Router(config)), config.host, config.port)
