@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-from PIL import Image
 
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 
@@ -26,18 +22,6 @@ def running(args: list[str]) -> Iterator[str]:
         yield url
     finally:
         stop(proc)
-
-
-def data_url(img: Image.Image, fmt: str = "PNG") -> str:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def gif_data_url(frames: list[Image.Image]) -> str:
-    buf = io.BytesIO()
-    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
-    return "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def http(method: str, url: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, bytes]:

@@ -14,9 +14,11 @@ import openai
 import pytest
 from PIL import Image
 
+from epdserve.bench.workload import gif_data_url
+from epdserve.bench.workload import image_data_url as data_url
 from epdserve.hf_reference import HFReference
 from epdserve.shapes import ShapesWorld, render_images
-from tests.server_utils import data_url, gif_data_url, http, post_json, running
+from tests.server_utils import http, post_json, running
 
 MODEL = "shapes-qwen2vl"
 

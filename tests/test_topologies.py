@@ -13,9 +13,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from epdserve.bench.workload import gif_data_url
+from epdserve.bench.workload import image_data_url as data_url
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
-from tests.server_utils import data_url, gif_data_url, http
+from tests.server_utils import http
 
 MODEL = "shapes-qwen2vl"
 PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
