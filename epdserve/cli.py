@@ -217,6 +217,7 @@ def _router(args: argparse.Namespace) -> int:
             encoders=tuple(args.encoders),
             pds=tuple(args.pds),
             policy=args.policy,
+            encoder_policy=args.encoder_policy,
             probe_interval_s=args.probe_interval,
             forward_raw_media=args.forward_raw_media,
             limits=media_limits(args),
@@ -354,7 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--encoders", nargs="*", default=[], help="encoder base URLs")
     s.add_argument("--pds", nargs="*", default=[], help="prefill+decode worker base URLs")
-    s.add_argument("--policy", choices=["round_robin", "least_outstanding"], default="least_outstanding")
+    s.add_argument(
+        "--policy", choices=["round_robin", "least_outstanding"], default="least_outstanding", help="PD choice"
+    )
+    s.add_argument(
+        "--encoder-policy",
+        choices=["affinity", "round_robin", "least_outstanding"],
+        default="affinity",
+        help="encoder choice; affinity sends the same media to the same encoder (cache hits)",
+    )
     s.add_argument("--probe-interval", type=float, default=2.0, help="seconds between health probes")
     s.add_argument(
         "--forward-raw-media", action="store_true", help="skip the encoders; PD workers process media (baseline)"

@@ -30,6 +30,23 @@ def test_pool_policies() -> None:
         WorkerPool("pd", [], "random")
 
 
+def test_affinity_keeps_media_on_one_encoder_and_spills_when_busy() -> None:
+    pool = WorkerPool("encoder", [f"http://e{i}" for i in range(4)], "affinity")
+    keys = [f"data:image/png;base64,{i}" for i in range(40)]
+    first = {k: pool.pick(key=k).url for k in keys}
+    assert all(pool.pick(key=k).url == first[k] for k in keys)  # stable
+    assert len(set(first.values())) > 1  # spread over workers
+    # a worker leaving only moves its own keys
+    gone = first[keys[0]]
+    pool.remove(gone)
+    assert all(pool.pick(key=k).url == u for k, u in first.items() if u != gone)
+    # a preferred worker far busier than the least loaded one is skipped
+    k = keys[1]
+    preferred = pool.workers[pool.pick(key=k).url]
+    preferred.outstanding = 10
+    assert pool.pick(key=k).url != preferred.url
+
+
 def test_registration_and_retry_on_a_dead_pd() -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with running(["serve", "--max-model-len", "512", "--num-kv-blocks", "64"]) as pd:

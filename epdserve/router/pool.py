@@ -1,13 +1,17 @@
 """A pool of workers of one role: selection policy, outstanding counts, health.
 
 Selection: ``round_robin`` keeps one persistent cursor across requests; ``least_outstanding``
-picks the healthy worker with the fewest requests in flight (ties broken by the cursor). Health
-probes evict workers that stop answering and re-admit them when they answer again.
+picks the healthy worker with the fewest requests in flight (ties broken by the cursor);
+``affinity`` sends the same key (a media item) to the same worker by rendezvous hashing, so a
+repeated image hits that encoder's cache, and falls back to the least loaded worker when the
+preferred one is ``AFFINITY_SLACK`` calls busier. Health probes evict workers that stop answering
+and re-admit them when they answer again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -15,7 +19,8 @@ import aiohttp
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_outstanding")
+POLICIES = ("round_robin", "least_outstanding", "affinity")
+AFFINITY_SLACK = 4  # extra in-flight calls tolerated on the preferred worker before spilling over
 
 
 @dataclass
@@ -54,7 +59,7 @@ class WorkerPool:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
 
-    def pick(self, exclude: set[str] | None = None) -> Worker:
+    def pick(self, exclude: set[str] | None = None, key: str | None = None) -> Worker:
         candidates = [w for w in self.workers.values() if w.healthy and w.url not in (exclude or set())]
         if not candidates:
             raise NoWorker(f"no healthy {self.role} worker")
@@ -64,7 +69,15 @@ class WorkerPool:
         ordered = candidates[start:] + candidates[:start]
         if self.policy == "round_robin":
             return ordered[0]
-        return min(ordered, key=lambda w: w.outstanding)
+        least = min(ordered, key=lambda w: w.outstanding)
+        if self.policy == "affinity" and key is not None:
+            # rendezvous hashing: a worker joining or leaving only moves the keys it wins or held
+            preferred = max(
+                candidates, key=lambda w: hashlib.blake2b(f"{w.url}|{key}".encode(), digest_size=8).digest()
+            )
+            if preferred.outstanding <= least.outstanding + AFFINITY_SLACK:
+                return preferred
+        return least
 
     def mark_failed(self, worker: Worker) -> None:
         worker.failures += 1

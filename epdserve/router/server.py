@@ -41,7 +41,8 @@ class RouterConfig:
     port: int = 8000  # listen port
     encoders: tuple[str, ...] = ()  # encoder base URLs (more can register at run time)
     pds: tuple[str, ...] = ()  # prefill+decode worker base URLs
-    policy: str = "least_outstanding"  # worker selection: round_robin | least_outstanding
+    policy: str = "least_outstanding"  # PD worker selection: round_robin | least_outstanding
+    encoder_policy: str = "affinity"  # encoder selection: affinity (cache-aware) | round_robin | least_outstanding
     probe_interval_s: float = 2.0  # health probe period
     encode_timeout_s: float = 120.0  # one /v1/encode call
     request_timeout_s: float = 600.0  # one forwarded chat request, end to end
@@ -65,7 +66,7 @@ class MediaRef:
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.encoders = WorkerPool("encoder", list(config.encoders), config.policy)
+        self.encoders = WorkerPool("encoder", list(config.encoders), config.encoder_policy)
         self.pds = WorkerPool("pd", list(config.pds), config.policy)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
@@ -105,7 +106,7 @@ class Router:
             try:
                 groups: dict[str, tuple[Worker, list[MediaRef]]] = {}
                 for r in pending:
-                    w = self.encoders.pick(exclude=tried)
+                    w = self.encoders.pick(exclude=tried, key=r.url)
                     groups.setdefault(w.url, (w, []))[1].append(r)
             except NoWorker:
                 raise Unavailable("No healthy encoder worker is available.") from None
