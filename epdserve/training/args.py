@@ -18,5 +18,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mix-v0", action="store_true", help="the first run's mix (no focus phase); see docs/model.md")
     ap.add_argument("--stop-at", type=int, default=0, help="save the state and stop at this step (0: run to --steps)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--init-from", type=Path, default=None, help="start from this checkpoint's weights (when no state exists yet)"
+    )
+    ap.add_argument("--start-step", type=int, default=0, help="step number to continue from with --init-from")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--save-every", type=float, default=300.0, help="seconds between state saves")

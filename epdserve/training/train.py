@@ -151,6 +151,11 @@ def train(args: argparse.Namespace) -> None:
     )
     step = 0
     state_file = args.state / "state.pt"
+    if not state_file.exists() and args.init_from is not None:
+        # continue from shipped weights (the optimizer state starts fresh)
+        model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict())
+        step = args.start_step
+        print(f"initialised from {args.init_from} at step {step}", flush=True)
     if state_file.exists():
         st = torch.load(state_file, weights_only=False)
         model.load_state_dict(st["model"])
