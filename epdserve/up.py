@@ -126,8 +126,11 @@ class Deployment:
                     elif self.ec_connector == "fs":
                         args += ["--ec-fs-dir", str(self.fs_dir)]
                     enc_urls.append(self._start(f"encoder{i}", args, free_port(), cores.get(f"encoder{i}")).url)
+                # behind encoders the PD workers only see metadata-only media: no vision weights,
+                # unless the router forwards raw media (the baseline of the metadata-only benchmark)
+                no_vision = [] if "--forward-raw-media" in self.extra_router_args else ["--no-vision-tower"]
                 for i in range(topo.pds):
-                    args = ["serve", *self.model_args, *self.extra_pd_args]
+                    args = ["serve", *self.model_args, *self.extra_pd_args, *no_vision]
                     if self.ec_connector == "fs":
                         args += ["--ec-fs-dir", str(self.fs_dir)]
                     pd_urls.append(self._start(f"pd{i}", args, free_port(), cores.get(f"pd{i}")).url)

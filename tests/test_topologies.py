@@ -114,6 +114,9 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
         # shapes-world answers (hence accuracy) identical to the aggregated server's
         questions = shapes_questions(21)
         assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers
+        # the PD worker holds no vision weights: every image went through the encoder
+        pd = next(r for r in d.roles if r.name == "pd0")
+        assert "epd_vision_tower_loaded 0.0" in http("GET", pd.url + "/metrics")[1].decode()
         # the encoder did the vision work; the repeated image was a cache hit
         enc = next(r for r in d.roles if r.name == "encoder0")
         metrics = http("GET", enc.url + "/metrics")[1].decode()

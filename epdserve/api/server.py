@@ -30,10 +30,12 @@ from epdserve.api.protocol import (
     ChunkChoice,
     Delta,
     FinishReason,
+    ImageUrlPart,
     ModelCard,
     ModelList,
     ResponseMessage,
     Usage,
+    VideoUrlPart,
     decode_chat_request,
     encode_json,
     new_completion_id,
@@ -114,6 +116,8 @@ class ChatService:
 
     def _init_metrics(self) -> None:
         m, sch = self.metrics, self.engine.scheduler
+        vision = float(self.engine.runner.model.visual is not None)
+        m.gauge("vision_tower_loaded", "1 when this instance holds the vision tower", lambda: vision)
         m.gauge("num_requests_running", "requests in the running batch", lambda: len(sch.running))
         m.gauge("num_requests_waiting", "requests waiting to be scheduled", lambda: len(sch.waiting))
         m.gauge("kv_blocks_free", "free KV-cache blocks", lambda: sch.blocks.num_free)
@@ -141,7 +145,10 @@ class ChatService:
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
         t0 = time.perf_counter()
         assert self.resolver is not None
-        media = await self.resolver.resolve(req.media_parts())
+        parts = req.media_parts()
+        if not cfg.vision and any(isinstance(p, ImageUrlPart | VideoUrlPart) for p in parts):
+            raise BadRequest("This instance has no vision tower: send media through the router (metadata-only items).")
+        media = await self.resolver.resolve(parts)
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(self.executor, self.builder.build, template_messages(req), media)
