@@ -154,7 +154,9 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--encode-token-budget", type=int, default=8192, help="most patch rows per vision forward")
     s.add_argument("--encode-batch-wait-ms", type=float, default=0.0, help="wait for more items before a forward")
     s.add_argument("--encoder-cache-bytes", type=int, default=512 << 20, help="local embedding cache size (0: off)")
-    s.add_argument("--threads", type=int, default=0, help="torch threads for the vision forward (0: torch default)")
+    s.add_argument(
+        "--threads", type=int, default=1, help="torch threads for the vision forward (0: torch default; see serve)"
+    )
     s.add_argument("--device", default="cpu", help="torch device of the vision tower")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     add_media_args(s)
@@ -173,7 +175,13 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, default=2048)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--threads", type=int, default=0, help="torch threads for the engine (0: torch default)")
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the engine (0: torch default). 1 is fastest for small models on few cores: "
+        "2 threads made the embedded model 1.55x slower here (docs/benchmarks.md)",
+    )
     s.add_argument("--no-vision-tower", action="store_true", help="metadata-only media: do not load the vision tower")
     add_media_args(s)
 

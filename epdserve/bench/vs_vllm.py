@@ -130,7 +130,12 @@ def main(argv: list[str] | None = None) -> None:
         run = start_vllm(topology, model) if system == "vllm" else start_epdserve(topology, args.pin_cores)
         try:
             cfg = BenchConfig(
-                url=run.url, workload=workload, num_requests=args.requests, warmup=8, concurrency=args.concurrency
+                url=run.url,
+                model="tiny" if system == "vllm" else "",  # the recipe's served name; its E+PD proxy has no /v1/models
+                workload=workload,
+                num_requests=args.requests,
+                warmup=8,
+                concurrency=args.concurrency,
             )
             result = asyncio.run(run_bench(cfg))
             rss = tree_rss_mb(run.pids)

@@ -71,7 +71,7 @@ class EncoderConfig:
     max_items_per_request: int = 32  # media items one /v1/encode request may carry
     max_request_bytes: int = 64 << 20  # largest request body
     preprocess_threads: int = 2  # threads hashing, decoding and preprocessing media
-    threads: int = 0  # torch intra-op threads for the vision forward (0: torch default)
+    threads: int = 1  # torch intra-op threads for the vision forward (0: torch default); 1 suits small models
     device: str = "cpu"  # torch device of the vision tower
     dtype: str = "float32"  # weights and activations: float32 | bfloat16 | float16
     limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send

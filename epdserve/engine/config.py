@@ -14,7 +14,7 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + output tokens per request
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
-    threads: int = 0  # torch intra-op threads for the engine (0: leave torch's default)
+    threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_kv_blocks < 1:
