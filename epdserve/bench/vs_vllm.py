@@ -96,6 +96,7 @@ def start_vllm(topology: str, model: Path) -> Running:
     else:
         subprocess.run(["bash", str(PEER / "start_epd.sh")], env=env, check=True, cwd=lab)
         names, url = ["epd_E", "epd_PD", "epd_proxy"], "http://127.0.0.1:8300"
+        _replace_proxy(Path(lab))
     _wait(url, 400)
     startup = time.time() - t0
     pids = [int((Path(lab) / "logs" / f"{n}.pid").read_text()) for n in names]
@@ -110,6 +111,24 @@ def start_vllm(topology: str, model: Path) -> Running:
                 os.kill(pid, signal.SIGKILL)
 
     return Running(url, pids, stop, startup)
+
+
+def _replace_proxy(lab: Path) -> None:
+    """Restart the recipe's E→PD proxy with one fix: its encoder call sets max_tokens=1 but keeps
+    the client's min_tokens, which vLLM rejects, so exact-length workloads failed. The patched
+    copy lives in LAB, outside this repository."""
+    pid_file = lab / "logs" / "epd_proxy.pid"
+    with contextlib.suppress(ProcessLookupError, ValueError, OSError):
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    time.sleep(1)
+    patched = lab / "epd_proxy_min_tokens.py"
+    text = (PEER / "epd_proxy.py").read_text()
+    patched.write_text(text.replace('e["max_tokens"] = 1;', 'e["max_tokens"] = 1; e.pop("min_tokens", None);'))
+    python = lab / "venv" / "bin" / "python"
+    log = open(lab / "logs" / "epd_proxy.log", "ab")  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen([str(python), str(patched), "--port", "8300"], stdout=log, stderr=log)
+    pid_file.write_text(str(proc.pid))
+    _wait("http://127.0.0.1:8300", 60)
 
 
 def main(argv: list[str] | None = None) -> None:
