@@ -85,3 +85,37 @@ def test_registration_and_retry_on_a_dead_pd() -> None:
             assert status == 503 and json.loads(body)["error"]["message"]
         finally:
             stop(router)
+
+
+def test_health_probe_evicts_and_readmits_a_worker() -> None:
+    pd_port, port = free_port(), free_port()
+    pd_url = f"http://127.0.0.1:{pd_port}"
+    args = ["serve", "--port", str(pd_port), "--max-model-len", "256", "--num-kv-blocks", "32"]
+    pd = start_role(args)
+    router = start_role(["router", "--port", str(port), "--pds", pd_url, "--probe-interval", "0.3"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(pd_url, pd)
+        wait_healthy(url, router)
+
+        def healthy() -> bool:
+            return bool(json.loads(http("GET", url + "/v1/workers")[1])["pds"][0]["healthy"])
+
+        def wait_for(state: bool) -> None:
+            deadline = time.time() + 30
+            while healthy() != state and time.time() < deadline:
+                time.sleep(0.1)
+            assert healthy() == state
+
+        stop(pd)
+        wait_for(False)
+        assert http("GET", url + "/health")[0] == 503
+        pd = start_role(args)
+        wait_healthy(pd_url, pd)
+        wait_for(True)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        stop(router)
+        stop(pd)
