@@ -224,3 +224,70 @@ def _children(pid: int) -> list[int]:
             if int(stat[3]) == pid:
                 out.append(int(p.name))
     return out
+
+
+def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
+    """A metadata-only request whose producer hangs waits outside the engine: other requests keep
+    completing; when the producer goes away the waiting request fails alone with 503."""
+    import socket
+    import threading
+
+    from epdserve.transfer.header import PROTOCOL_VERSION
+
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(hang.accept()[0]), daemon=True).start()
+    d = deploy("aggregated")
+    try:
+        handle = {
+            "connector": "tcp",
+            "version": PROTOCOL_VERSION,
+            "key": "k",
+            "model_id": MODEL,
+            "dtype": "float32",
+            "shape": [16, 256],
+            "nbytes": 16 * 256 * 4,
+            "checksum": "0" * 16,
+            "host": "127.0.0.1",
+            "port": hang.getsockname()[1],
+            "token": "t",
+        }
+        body = {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_embeds",
+                            "image_embeds": {"image_grid_thw": [1, 8, 8]},
+                            "uuid": "u",
+                            "ec_handle": handle,
+                        },
+                        {"type": "text", "text": "Describe the image."},
+                    ],
+                }
+            ],
+        }
+        result: list[tuple[int, bytes]] = []
+        waiting = threading.Thread(
+            target=lambda: result.append(http("POST", d.url + "/v1/chat/completions", json.dumps(body).encode()))
+        )
+        waiting.start()
+        deadline = time.time() + 10
+        while not accepted and time.time() < deadline:
+            time.sleep(0.05)
+        assert accepted, "the PD worker never contacted the producer"
+        t0 = time.time()
+        for _ in range(3):
+            assert ask(d.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert time.time() - t0 < 10 and waiting.is_alive()  # served while the other one waits
+        accepted[0].close()  # the producer goes away
+        hang.close()
+        waiting.join(timeout=60)
+        status, raw = result[0]
+        assert status == 503 and "unavailable" in json.loads(raw)["error"]["message"]
+    finally:
+        d.stop()
