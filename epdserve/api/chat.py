@@ -24,7 +24,6 @@ from epdserve.api.protocol import (
     SystemMessage,
     TextPart,
     VideoEmbedsPart,
-    VideoUrlPart,
 )
 from epdserve.engine.inputs import MediaInput
 from epdserve.media.decode import decode_image, decode_video
@@ -111,7 +110,3 @@ class MediaResolver:
         else:
             vi = self.processor.video(decode_video(data, self.limits))
         return MediaInput(uuid, modality, vi.grid_thw, torch.from_numpy(vi.pixel_values))
-
-
-def is_video_part(part: MediaPart) -> bool:
-    return isinstance(part, VideoUrlPart | VideoEmbedsPart)

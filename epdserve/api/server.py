@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +168,7 @@ class ChatService:
                     f"requested ({n} in the messages, {params.max_tokens} in the completion).",
                     param="max_tokens",
                 )
-            params = _replace(params, max_tokens=limit - n)
+            params = dataclasses.replace(params, max_tokens=limit - n)
         rid = new_completion_id()
         engine_req = Request(
             rid,
@@ -180,12 +181,6 @@ class ChatService:
             eos_token_ids=self.eos,
         )
         return req, engine_req
-
-
-def _replace(params, **kw):
-    from dataclasses import replace
-
-    return replace(params, **kw)
 
 
 def _eos_ids(model_dir: Path, tokenizer) -> list[int]:
