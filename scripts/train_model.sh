@@ -7,5 +7,5 @@ set -euo pipefail
 STATE=${STATE:-$HOME/epd-train/state}
 OUT=${OUT:-$HOME/epd-train/final}
 epdserve train-shapes --out "$OUT" --state "$STATE" --steps 10000 --eval-every 500 --mix-v0 --stop-at 2006
-epdserve train-shapes --out "$OUT" --state "$STATE" --steps 13000 --eval-every 500 --focus-until 4000
+epdserve train-shapes --out "$OUT" --state "$STATE" --steps 13000 --eval-every 500 --focus-until 4000 --stop-at 10397
 cp "$OUT"/* "$(epdserve model-path)"/
