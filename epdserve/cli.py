@@ -13,6 +13,13 @@ if TYPE_CHECKING:
     from epdserve.media.limits import MediaLimits
 
 
+def _log_to_stderr() -> None:
+    """One log format for every long-running role."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _model_path(args: argparse.Namespace) -> int:
     print(default_model_dir())
     return 0
@@ -75,14 +82,13 @@ def _train_shapes(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
     from pathlib import Path
 
     from epdserve.api.server import ServerConfig, serve
     from epdserve.engine.config import EngineConfig
     from epdserve.transfer.config import ECConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     limits = media_limits(args)
     engine = EngineConfig(
         block_size=args.block_size,
@@ -108,13 +114,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _encoder(args: argparse.Namespace) -> int:
-    import logging
     from pathlib import Path
 
     from epdserve.encoder.server import EncoderConfig, serve
     from epdserve.transfer.config import ECConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     ec = ECConfig(
         connector=args.ec_connector,
         shm_bytes=args.ec_shm_bytes,
@@ -213,11 +218,9 @@ def media_limits(args: argparse.Namespace) -> MediaLimits:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import logging
-
     from epdserve.router.server import RouterConfig, serve_router
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     serve_router(
         RouterConfig(
             host=args.host,
