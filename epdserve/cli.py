@@ -351,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=20261130, help="held-out seed (training uses other seeds)")
     s.add_argument("--ablations", action="store_true", help="also run with zeroed and swapped vision embeddings")
     s.add_argument("--json", default=None, help="write the report as JSON to this file")
+    s.add_argument(
+        "--no-vision-ids",
+        action="store_true",
+        help="render prompts with add_vision_id=False (no 'Picture N: ' before each image)",
+    )
     commands["eval-shapes"] = _eval_shapes
 
     s = sub.add_parser("serve", help="serve the model: OpenAI-compatible API (aggregated E+P+D)")

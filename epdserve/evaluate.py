@@ -59,7 +59,8 @@ def swap_donor(world: ShapesWorld, s: Sample) -> Sample:
 
 
 def main(args: argparse.Namespace) -> int:
-    ref = HFReference(args.model or default_model_dir())
+    template_kwargs = {"add_vision_id": False} if args.no_vision_ids else {}
+    ref = HFReference(args.model or default_model_dir(), template_kwargs=template_kwargs)
     samples = held_out(args.seed, args.per_type)
     t0 = time.time()
     plain: dict[str, list[bool]] = defaultdict(list)
@@ -68,6 +69,7 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, object] = {
         "model": str(ref.model_dir),
         "seed": args.seed,
+        "template_kwargs": template_kwargs,
         "questions": len(samples),
         "accuracy": accuracy(plain),
         "seconds": round(time.time() - t0, 1),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,10 +21,16 @@ EmbedOverride = Callable[[torch.Tensor], torch.Tensor]
 
 
 class HFReference:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
         self.model_dir = Path(model_dir)
+        self.template_kwargs = dict(template_kwargs or {})
         self.tok = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(self.model_dir, dtype=dtype).eval()
         self.proc = VisionProcessor(ProcessorConfig.from_pretrained(self.model_dir))
@@ -49,7 +56,9 @@ class HFReference:
         videos: list[list[Image.Image]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Model inputs for chat ``messages`` whose image/video parts are filled in order."""
-        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
         ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         imgs = [self.proc.image(im) for im in images or []]
         vids = [self.proc.video(v) for v in videos or []]

@@ -145,6 +145,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     n: int | None = 1
     logprobs: bool | None = False
     user: str | None = None
+    # extra chat-template variables (vLLM's extension), e.g. {"add_vision_id": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:

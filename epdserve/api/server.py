@@ -152,7 +152,9 @@ class ChatService:
         media = await self.resolver.resolve(parts)
         loop = asyncio.get_running_loop()
         try:
-            prompt = await loop.run_in_executor(self.executor, self.builder.build, template_messages(req), media)
+            prompt = await loop.run_in_executor(
+                self.executor, self.builder.build, template_messages(req), media, req.chat_template_kwargs
+            )
         except PromptError as e:
             raise BadRequest(str(e)) from None
         self.prep.observe(time.perf_counter() - t0)

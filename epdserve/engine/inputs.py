@@ -7,7 +7,9 @@ the same prompt and the same M-RoPE positions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +40,30 @@ class Prompt:
     mrope_delta: int
 
 
+# apply_chat_template's own arguments: a request cannot change them through chat_template_kwargs
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+    | {
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+    }
+    | {"tokenizer_kwargs"}
+)
+
+
 class InputBuilder:
     def __init__(self, tokenizer, config: ModelConfig) -> None:
         self.tok = tokenizer
@@ -51,18 +77,28 @@ class InputBuilder:
             raise PromptError(f"invalid grid_thw {list(grid_thw)}: h and w must be positive multiples of {self.merge}")
         return t * h * w // (self.merge * self.merge)
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """Chat template → token ids (one placeholder token per media item)."""
+    def render(self, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Chat template → token ids (one placeholder token per media item).
+
+        ``template_kwargs`` are extra variables for the template (e.g. ``add_vision_id``); they may
+        not override how the prompt is rendered.
+        """
+        kwargs = dict(template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
+        if reserved:
+            raise PromptError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:
             raise PromptError(f"could not apply the chat template: {e}") from e
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
-    def build(self, messages: list[dict], media: list[MediaInput]) -> Prompt:
+    def build(
+        self, messages: list[dict], media: list[MediaInput], template_kwargs: Mapping[str, Any] | None = None
+    ) -> Prompt:
         from epdserve.models.qwen2_vl import mrope_positions
 
-        ids = self.render(messages)
+        ids = self.render(messages, template_kwargs)
         expanded: list[int] = []
         items: list[MediaItem] = []
         pending = iter(media)

@@ -16,6 +16,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--early-steps", type=int, default=500)
     ap.add_argument("--focus-until", type=int, default=3500, help="single-shape curriculum phase ends at this step")
     ap.add_argument("--mix-v0", action="store_true", help="the first run's mix (no focus phase); see docs/model.md")
+    ap.add_argument("--refine", action="store_true", help="the refining mix used when continuing from shipped weights")
+    ap.add_argument(
+        "--plain-frac",
+        type=float,
+        default=0.1,
+        help="fraction of prompts rendered without vision ids (1: none has them, as in runs 1-3)",
+    )
     ap.add_argument("--stop-at", type=int, default=0, help="save the state and stop at this step (0: run to --steps)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(

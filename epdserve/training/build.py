@@ -31,7 +31,10 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 
-# Qwen2-VL's chat template (as published with the Qwen2-VL checkpoints).
+# Qwen2-VL's chat template (as published with the Qwen2-VL checkpoints), with its vision ids on
+# unless the caller passes add_vision_id=False: "Picture 2: " before the second image names it, so
+# "Describe the second image." and "Which image has ...?" bind by content instead of by counting
+# images through positions (which a 4-layer model learns too slowly; see docs/model.md).
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -41,11 +44,11 @@ CHAT_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "{% if add_vision_id is not defined or add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' or 'video' in content %}"
     "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "{% if add_vision_id is not defined or add_vision_id %}Video {{ video_count.value }}: {% endif %}"
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

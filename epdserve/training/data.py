@@ -42,9 +42,11 @@ class SampleEncoder:
         content = [text, *media] if text_first else [*media, text]
         return [{"role": "user", "content": content}]
 
-    def encode(self, sample: Sample, text_first: bool = False, with_answer: bool = True) -> Encoded:
+    def encode(
+        self, sample: Sample, text_first: bool = False, with_answer: bool = True, vision_ids: bool = True
+    ) -> Encoded:
         prompt = self.tok.apply_chat_template(
-            self.messages(sample, text_first), add_generation_prompt=True, tokenize=False
+            self.messages(sample, text_first), add_generation_prompt=True, tokenize=False, add_vision_id=vision_ids
         )
         ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         images = [self._item(self.proc.image(im)) for im in render_images(sample)]
