@@ -23,8 +23,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=0.1,
         help="fraction of prompts rendered without vision ids (1: none has them, as in runs 1-3)",
     )
+    ap.add_argument(
+        "--system-frac",
+        type=float,
+        default=0.0,
+        help="fraction of prompts with a random system message (varies where the media start)",
+    )
     ap.add_argument("--stop-at", type=int, default=0, help="save the state and stop at this step (0: run to --steps)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda); the data is made on the CPU")
     ap.add_argument(
         "--init-from", type=Path, default=None, help="start from this checkpoint's weights (when no state exists yet)"
     )

@@ -34,19 +34,28 @@ class SampleEncoder:
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.merge = processor.config.merge_size
 
-    def messages(self, sample: Sample, text_first: bool = False) -> list[dict]:
+    def messages(self, sample: Sample, text_first: bool = False, system: str | None = None) -> list[dict]:
         media: list[dict] = (
             [{"type": "video"}] if sample.video is not None else [{"type": "image"} for _ in sample.scenes]
         )
         text = {"type": "text", "text": sample.question}
         content = [text, *media] if text_first else [*media, text]
-        return [{"role": "user", "content": content}]
+        head = [] if system is None else [{"role": "system", "content": system}]
+        return [*head, {"role": "user", "content": content}]
 
     def encode(
-        self, sample: Sample, text_first: bool = False, with_answer: bool = True, vision_ids: bool = True
+        self,
+        sample: Sample,
+        text_first: bool = False,
+        with_answer: bool = True,
+        vision_ids: bool = True,
+        system: str | None = None,
     ) -> Encoded:
         prompt = self.tok.apply_chat_template(
-            self.messages(sample, text_first), add_generation_prompt=True, tokenize=False, add_vision_id=vision_ids
+            self.messages(sample, text_first, system),
+            add_generation_prompt=True,
+            tokenize=False,
+            add_vision_id=vision_ids,
         )
         ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         images = [self._item(self.proc.image(im)) for im in render_images(sample)]
@@ -98,6 +107,50 @@ def collate(batch: list[Encoded], pad_id: int, image_token_id: int, video_token_
         out["pixel_values_videos"] = torch.from_numpy(np.concatenate([p for p, _ in vids]))
         out["video_grid_thw"] = torch.tensor([g for _, g in vids], dtype=torch.long)
     return out
+
+
+SYSTEM_WORDS = [
+    "You",
+    "are",
+    "a",
+    "helpful",
+    "assistant.",
+    "Answer",
+    "the",
+    "question",
+    "about",
+    "the",
+    "images",
+    "briefly",
+    "and",
+    "exactly,",
+    "look",
+    "at",
+    "every",
+    "picture",
+    "and",
+    "video",
+    "carefully",
+    "before",
+    "you",
+    "answer,",
+    "the",
+    "user",
+    "may",
+    "ask",
+    "about",
+    "shapes",
+    "colors",
+    "positions",
+    "and",
+    "motion",
+]
+
+
+def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
+    """A system message of random length: the media then start at a different position, so the
+    model cannot tie "left" or "the second" to absolute positions."""
+    return " ".join(rng.choice(SYSTEM_WORDS) for _ in range(rng.randint(0, max_words)))
 
 
 class Mixture:

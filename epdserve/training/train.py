@@ -27,7 +27,7 @@ from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import IMAGE_QUESTIONS, MULTI_QUESTIONS, QUESTION_KIND, VIDEO_QUESTIONS, ShapesWorld
 from epdserve.training.args import add_arguments
 from epdserve.training.build import build_untrained
-from epdserve.training.data import Mixture, SampleEncoder, collate
+from epdserve.training.data import Mixture, SampleEncoder, collate, random_system_prompt
 
 EARLY = {"describe_one": 3.0, "shape": 1.0, "color": 1.0, "where": 1.0, "direction": 0.5, "moving_shape": 0.5}
 # The mix of the first run (steps 500-2006 of the shipped model), kept to reproduce it: with
@@ -115,7 +115,7 @@ def exact_match(model, enc: SampleEncoder, samples, pad_id: int, batch: int = 32
     hits: dict[str, list[int]] = defaultdict(list)
     for i in range(0, len(samples), batch):
         encoded = [enc.encode(s) for s in samples[i : i + batch]]
-        b = collate(encoded, pad_id, enc.image_token_id, enc.video_token_id)
+        b = _to(collate(encoded, pad_id, enc.image_token_id, enc.video_token_id), model.device)
         labels = b.pop("labels")
         logits = model(**b).logits
         pred = logits[:, :-1].argmax(-1)
@@ -125,6 +125,10 @@ def exact_match(model, enc: SampleEncoder, samples, pad_id: int, batch: int = 32
             hits[e.sample.qtype].append(int(k))
     model.train()
     return {q: sum(v) / len(v) for q, v in hits.items()}
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def summarize(per_type: dict[str, float]) -> dict[str, float]:
@@ -158,6 +162,8 @@ def train(args: argparse.Namespace) -> None:
         tok, VisionProcessor(ProcessorConfig.from_pretrained(init_dir)), cfg.image_token_id, cfg.video_token_id
     )
     pad_id = tok.pad_token_id
+    device = torch.device(args.device)
+    model.to(device)  # type: ignore[arg-type]  # (transformers types .to oddly)
     linear_patch_embed(model)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -174,7 +180,7 @@ def train(args: argparse.Namespace) -> None:
         step = args.start_step
         print(f"initialised from {args.init_from} at step {step}", flush=True)
     if state_file.exists():
-        st = torch.load(state_file, weights_only=False)
+        st = torch.load(state_file, weights_only=False, map_location="cpu")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
@@ -185,6 +191,7 @@ def train(args: argparse.Namespace) -> None:
     # a separate stream decides which prompts omit the vision ids, so --plain-frac leaves the rest
     # of the data stream as it was
     plain = random.Random(args.seed * 7 + step)
+    system_rng = random.Random(args.seed * 11 + step)
     probe = ShapesWorld(987_654)  # a small fixed probe set, distinct from the evaluation seed
     held_out = [probe.sample(q) for q in QUESTION_KIND for _ in range(24)]
     log = (args.state / "log.jsonl").open("a")
@@ -204,10 +211,11 @@ def train(args: argparse.Namespace) -> None:
                 mix.draw(weights),
                 text_first=mix.rng.random() < 0.15,
                 vision_ids=args.plain_frac < 1 and plain.random() >= args.plain_frac,
+                system=random_system_prompt(system_rng) if system_rng.random() < args.system_frac else None,
             )
             for _ in range(args.batch)
         ]
-        b = collate(batch, pad_id, enc.image_token_id, enc.video_token_id)
+        b = _to(collate(batch, pad_id, enc.image_token_id, enc.video_token_id), device)
         lr = lr_at(step, args.steps, args.lr)
         for g in opt.param_groups:
             g["lr"] = lr
