@@ -30,11 +30,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="fraction of prompts with a random system message (varies where the media start)",
     )
     ap.add_argument("--stop-at", type=int, default=0, help="save the state and stop at this step (0: run to --steps)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--workers", type=int, default=1, help="data-parallel processes (one per core on CPU)")
     ap.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda); the data is made on the CPU")
     ap.add_argument(
         "--init-from", type=Path, default=None, help="start from this checkpoint's weights (when no state exists yet)"
     )
     ap.add_argument("--start-step", type=int, default=0, help="step number to continue from with --init-from")
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--probe-per-type", type=int, default=24, help="probe questions per type at each evaluation")
     ap.add_argument("--save-every", type=float, default=300.0, help="seconds between state saves")

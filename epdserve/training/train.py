@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import socket
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -148,13 +149,52 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-
+    """Train; with ``--workers N`` as N data-parallel processes (gloo on loopback) that each make
+    and run 1/N of every batch and average their gradients, so a step sees the same batch size."""
+    if args.batch % args.workers:
+        raise SystemExit(f"--batch {args.batch} is not a multiple of --workers {args.workers}")
     args.state.mkdir(parents=True, exist_ok=True)
     init_dir = args.state / "init"
     if not (init_dir / "config.json").exists():
         build_untrained(init_dir, seed=args.seed)
+    if args.workers == 1:
+        _train(0, args, 0)
+        return
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_train, args=(args, port), nprocs=args.workers, join=True)
+
+
+def _average_gradients(params: list[torch.nn.Parameter], loss: torch.Tensor, workers: int) -> float:
+    """All-reduce every gradient (and the loss, for the log) in one flat buffer; returns the mean loss."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+    dist.all_reduce(flat)
+    flat /= workers
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(g)
+        offset += n
+    return float(flat[-1])
+
+
+def _train(rank: int, args: argparse.Namespace, port: int) -> None:
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    workers = args.workers
+    lead = rank == 0
+    if workers > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers)
+    init_dir = args.state / "init"
     tok = AutoTokenizer.from_pretrained(init_dir)
     model = Qwen2VLForConditionalGeneration.from_pretrained(init_dir, dtype=torch.float32)
     cfg = model.config
@@ -178,23 +218,28 @@ def train(args: argparse.Namespace) -> None:
         # continue from shipped weights (the optimizer state starts fresh)
         model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict())
         step = args.start_step
-        print(f"initialised from {args.init_from} at step {step}", flush=True)
+        if lead:
+            print(f"initialised from {args.init_from} at step {step}", flush=True)
     if state_file.exists():
         st = torch.load(state_file, weights_only=False, map_location="cpu")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
-        print(f"resumed at step {step}", flush=True)
-    # the data stream depends on (seed, step) so a resumed run sees fresh, reproducible data
-    world = ShapesWorld(args.seed * 1_000_003 + step)
-    mix = Mixture(world, args.seed + step)
+        if lead:
+            print(f"resumed at step {step}", flush=True)
+    # the data stream depends on (seed, step, rank) so a resumed run sees fresh, reproducible data
+    # (rank 0 draws what a single-process run draws)
+    shift = step + rank * 100_003
+    world = ShapesWorld(args.seed * 1_000_003 + shift)
+    mix = Mixture(world, args.seed + shift)
     # a separate stream decides which prompts omit the vision ids, so --plain-frac leaves the rest
     # of the data stream as it was
-    plain = random.Random(args.seed * 7 + step)
-    system_rng = random.Random(args.seed * 11 + step)
+    plain = random.Random(args.seed * 7 + shift)
+    system_rng = random.Random(args.seed * 11 + shift)
+    params = [p for p in model.parameters() if p.requires_grad]
     probe = ShapesWorld(987_654)  # a small fixed probe set, distinct from the evaluation seed
-    held_out = [probe.sample(q) for q in QUESTION_KIND for _ in range(24)]
-    log = (args.state / "log.jsonl").open("a")
+    held_out = [probe.sample(q) for q in QUESTION_KIND for _ in range(args.probe_per_type)]
+    log = (args.state / "log.jsonl").open("a") if lead else None
     model.train()
     t_start, t_save, losses = time.time(), time.time(), []
     while step < args.steps:
@@ -213,7 +258,7 @@ def train(args: argparse.Namespace) -> None:
                 vision_ids=args.plain_frac < 1 and plain.random() >= args.plain_frac,
                 system=random_system_prompt(system_rng) if system_rng.random() < args.system_frac else None,
             )
-            for _ in range(args.batch)
+            for _ in range(args.batch // workers)
         ]
         b = _to(collate(batch, pad_id, enc.image_token_id, enc.video_token_id), device)
         lr = lr_at(step, args.steps, args.lr)
@@ -222,10 +267,14 @@ def train(args: argparse.Namespace) -> None:
         loss = model(**b).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        losses.append(_average_gradients(params, loss, workers) if workers > 1 else loss.item())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(loss.item())
         step += 1
+        if not lead:
+            if step == args.stop_at:
+                return
+            continue
         if step % 50 == 0:
             rate = (time.time() - t_start) / len(losses)
             print(f"step {step} loss {sum(losses[-50:]) / 50:.4f} lr {lr:.2e} {rate:.3f}s/step", flush=True)
@@ -233,6 +282,7 @@ def train(args: argparse.Namespace) -> None:
             em = exact_match(model, enc, held_out, pad_id)
             rec = {"step": step, "time": time.time(), "loss": sum(losses[-50:]) / 50, **summarize(em), "per_type": em}
             print(json.dumps(rec), flush=True)
+            assert log is not None
             log.write(json.dumps(rec) + "\n")
             log.flush()
         stopping = step == args.stop_at
@@ -243,7 +293,8 @@ def train(args: argparse.Namespace) -> None:
             t_save = time.time()
         if stopping:
             return
-    export(model, init_dir, args.out)
+    if lead:
+        export(model, init_dir, args.out)
 
 
 def export(model, init_dir: Path, out: Path) -> None:

@@ -1,0 +1,79 @@
+"""The trainer: resumable state, export, and data-parallel workers (tiny runs from scratch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from epdserve.training.args import add_arguments
+from epdserve.training.train import _average_gradients, train
+
+
+def _args(tmp: Path, *extra: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    base = ["--out", str(tmp / "out"), "--state", str(tmp / "state"), "--batch", "2", "--early-steps", "0"]
+    return ap.parse_args([*base, "--eval-every", "2", "--probe-per-type", "1", *extra])
+
+
+@pytest.mark.timeout(300)
+def test_stop_resume_and_export(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    train(_args(tmp_path, "--steps", "2", "--stop-at", "1"))
+    assert torch.load(tmp_path / "state" / "state.pt", weights_only=False)["step"] == 1
+    assert not (tmp_path / "out").exists()
+    train(_args(tmp_path, "--steps", "2"))
+    assert "resumed at step 1" in capfd.readouterr().out
+    log = [json.loads(line) for line in (tmp_path / "state" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2] and set(log[0]["per_type"]) >= {"describe", "which_image", "direction"}
+    trained = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    init = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "state" / "init").state_dict()
+    assert trained.keys() == init.keys()
+    assert any(not torch.equal(trained[k], init[k]) for k in init)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        tmp_path / "state" / "init" / "tokenizer.json"
+    ).read_bytes()
+
+
+def _rank(rank: int, port: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    for p in params:
+        p.grad = torch.full_like(p, float(rank + 1))
+    mean_loss = _average_gradients(params, torch.tensor(10.0 * (rank + 1)), workers=2)
+    torch.save({"loss": mean_loss, "grads": [p.grad for p in params]}, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_workers_average_gradients_and_loss(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, tmp_path), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["loss"] == 15.0
+        assert all(torch.equal(g, torch.full_like(g, 1.5)) for g in got["grads"])
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_train_and_export(tmp_path: Path) -> None:
+    train(_args(tmp_path, "--steps", "2", "--workers", "2"))
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    log = [json.loads(line) for line in (tmp_path / "state" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2] and log[0]["loss"] > 0
+
+
+def test_batch_must_split_evenly(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="multiple of --workers"):
+        train(_args(tmp_path, "--steps", "1", "--workers", "3"))
