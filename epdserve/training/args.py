@@ -34,7 +34,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=int, default=1, help="data-parallel processes (one per core on CPU)")
     ap.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda); the data is made on the CPU")
     ap.add_argument(
-        "--init-from", type=Path, default=None, help="start from this checkpoint's weights (when no state exists yet)"
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from these weights (a checkpoint directory or another run's state.pt) when no state exists yet",
     )
     ap.add_argument("--start-step", type=int, default=0, help="step number to continue from with --init-from")
     ap.add_argument("--eval-every", type=int, default=250)

@@ -216,7 +216,11 @@ def _train(rank: int, args: argparse.Namespace, port: int) -> None:
     state_file = args.state / "state.pt"
     if not state_file.exists() and args.init_from is not None:
         # continue from shipped weights (the optimizer state starts fresh)
-        model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict())
+        if args.init_from.is_file():  # another run's state file: its weights only
+            weights = torch.load(args.init_from, weights_only=False, map_location="cpu")["model"]
+        else:
+            weights = Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict()
+        model.load_state_dict(weights)
         step = args.start_step
         if lead:
             print(f"initialised from {args.init_from} at step {step}", flush=True)
