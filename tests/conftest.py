@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epdserve.assets import default_model_dir
+from epdserve.hf_reference import HFReference
 
 torch.set_num_threads(1)
 
@@ -15,6 +16,12 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> HFReference:
+    """transformers' model on the checkpoint: the correctness oracle."""
+    return HFReference(model_dir)
 
 
 def pytest_configure(config: pytest.Config) -> None:

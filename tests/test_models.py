@@ -25,11 +25,6 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir: Path) -> HFReference:
-    return HFReference(model_dir)
-
-
-@pytest.fixture(scope="module")
 def model(model_dir: Path) -> Qwen2VLForConditionalGeneration:
     m, _ = load_model(model_dir)
     assert isinstance(m, Qwen2VLForConditionalGeneration)

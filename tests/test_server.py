@@ -56,6 +56,29 @@ def test_image_answer_matches_transformers(client: openai.OpenAI, model_dir: Pat
         assert r.usage is not None and r.usage.prompt_tokens > 20 and r.usage.completion_tokens >= 1
 
 
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, hf: HFReference) -> None:
+    """The template numbers images ("Picture 2: ") unless add_vision_id=False is passed through."""
+    s = ShapesWorld(8).sample("describe_nth")
+    images = render_images(s)
+    messages = image_message(s.question, images)
+    named = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"chat_template_kwargs": {"add_vision_id": False}}
+    )
+    hf_messages = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": "q"}]}]
+    n_named, n_plain = (
+        len(
+            hf.tok(
+                hf.tok.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False, add_vision_id=v)
+            )["input_ids"]
+        )
+        for v in (True, False)
+    )
+    assert named.usage is not None and plain.usage is not None
+    assert named.usage.prompt_tokens - plain.usage.prompt_tokens == n_named - n_plain > 0
+    assert named.choices[0].message.content == hf.answer(s.question, images=images)
+
+
 def test_video_gif_answer_matches_transformers(client: openai.OpenAI, model_dir: Path) -> None:
     ref = HFReference(model_dir)
     s = ShapesWorld(5).sample("direction")
@@ -164,6 +187,8 @@ def _img_req(url: str, **extra: object) -> dict:
     }
 
 
+BLUE_DOT = data_url(Image.new("RGB", (56, 56), (40, 80, 220)))
+
 BAD_REQUESTS = [
     ("malformed json", b"{not json", 400),
     ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404),
@@ -190,6 +215,8 @@ BAD_REQUESTS = [
     ("top_p", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
     ("max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
     ("n", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("template kwargs override", _img_req(BLUE_DOT, chat_template_kwargs={"add_generation_prompt": False}), 400),
+    ("template kwargs type", _img_req(BLUE_DOT, chat_template_kwargs=["add_vision_id"]), 400),
     ("private url", _img_req("http://127.0.0.1:9/x.png"), 400),
     ("file url", _img_req("file:///etc/passwd"), 400),
 ]
