@@ -160,26 +160,17 @@ def test_encoder_killed_items_retry_on_the_other_encoder(aggregated) -> None:
     assert_clean(pids)
 
 
+def embeds_request(uuid: str, handle: dict) -> dict:
+    """A metadata-only chat request: one 8x8-patch image given by its EC handle."""
+    item = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 8, 8]}, "uuid": uuid, "ec_handle": handle}
+    content = [item, {"type": "text", "text": "Describe the image."}]
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+
+
 def test_metadata_only_with_bad_handle_fails_only_that_request() -> None:
     d = deploy("aggregated")
     try:
-        bad = {
-            "model": MODEL,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image_embeds",
-                            "image_embeds": {"image_grid_thw": [1, 8, 8]},
-                            "uuid": "x",
-                            "ec_handle": {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0},
-                        },
-                        {"type": "text", "text": "Describe the image."},
-                    ],
-                }
-            ],
-        }
+        bad = embeds_request("x", {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0})
         status, body = http("POST", d.url + "/v1/chat/completions", json.dumps(bad).encode())
         assert status == 503, body
         assert json.loads(body)["error"]["message"]
@@ -262,23 +253,7 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
             "port": hang.getsockname()[1],
             "token": "t",
         }
-        body = {
-            "model": MODEL,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "image_embeds",
-                            "image_embeds": {"image_grid_thw": [1, 8, 8]},
-                            "uuid": "u",
-                            "ec_handle": handle,
-                        },
-                        {"type": "text", "text": "Describe the image."},
-                    ],
-                }
-            ],
-        }
+        body = embeds_request("u", handle)
         result: list[tuple[int, bytes]] = []
         waiting = threading.Thread(
             target=lambda: result.append(http("POST", d.url + "/v1/chat/completions", json.dumps(body).encode()))

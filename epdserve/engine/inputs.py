@@ -50,8 +50,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "chat_template",
         "add_generation_prompt",
         "continue_final_message",
-    }
-    | {
         "tokenize",
         "padding",
         "truncation",
@@ -59,8 +57,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_tensors",
         "return_dict",
         "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
     }
-    | {"tokenizer_kwargs"}
 )
 
 

@@ -109,42 +109,11 @@ def collate(batch: list[Encoded], pad_id: int, image_token_id: int, video_token_
     return out
 
 
-SYSTEM_WORDS = [
-    "You",
-    "are",
-    "a",
-    "helpful",
-    "assistant.",
-    "Answer",
-    "the",
-    "question",
-    "about",
-    "the",
-    "images",
-    "briefly",
-    "and",
-    "exactly,",
-    "look",
-    "at",
-    "every",
-    "picture",
-    "and",
-    "video",
-    "carefully",
-    "before",
-    "you",
-    "answer,",
-    "the",
-    "user",
-    "may",
-    "ask",
-    "about",
-    "shapes",
-    "colors",
-    "positions",
-    "and",
-    "motion",
-]
+SYSTEM_TEXT = (
+    "You are a helpful assistant. Answer the question about the images briefly and exactly, look at every "
+    "picture and video carefully before you answer, the user may ask about shapes colors positions and motion"
+)
+SYSTEM_WORDS = tuple(SYSTEM_TEXT.split())
 
 
 def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
