@@ -77,3 +77,50 @@ def test_two_workers_train_and_export(tmp_path: Path) -> None:
 def test_batch_must_split_evenly(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="multiple of --workers"):
         train(_args(tmp_path, "--steps", "1", "--workers", "3"))
+
+
+def test_mix_weight_overrides_are_checked() -> None:
+    from epdserve.training.train import parse_mix_weights
+
+    assert parse_mix_weights(["which_image=6", "which_colour=2.5"]) == {"which_image": 6.0, "which_colour": 2.5}
+    for bad in ("which_image", "no_such_type=1"):
+        with pytest.raises(SystemExit, match="--mix-weight"):
+            parse_mix_weights([bad])
+
+
+def test_which_colour_is_a_spec_question_that_the_colour_alone_answers() -> None:
+    from epdserve.shapes import ORDINALS, ShapesWorld
+    from epdserve.training.data import Mixture
+
+    mix = Mixture(ShapesWorld(3), seed=3)
+    counts = set()
+    for _ in range(200):
+        s = mix.draw({"which_colour": 1.0})
+        color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
+        assert s.qtype == "which_image" and 2 <= len(s.scenes) <= 4
+        holders = [i for i, sc in enumerate(s.scenes) for sh in sc.shapes if sh.color == color]
+        assert len(holders) == 1 and s.scenes[holders[0]].has(color, kind)
+        assert s.answer == f"the {ORDINALS[holders[0]]}"
+        counts.add(len(s.scenes))
+    assert counts == {2, 3, 4}
+
+
+def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
+    from epdserve.training.build import build_untrained
+    from epdserve.training.train import prepare_init, set_rope_theta
+
+    src = tmp_path / "ckpt"
+    build_untrained(src, seed=5)
+    # from a checkpoint directory
+    prepare_init(tmp_path / "a" / "init", src, seed=99)
+    assert (tmp_path / "a" / "init" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    # from another run's state file: the files beside it
+    (tmp_path / "a" / "state.pt").write_bytes(b"")
+    prepare_init(tmp_path / "b" / "init", tmp_path / "a" / "state.pt", seed=99)
+    assert (tmp_path / "b" / "init" / "config.json").read_text() == (src / "config.json").read_text()
+    with pytest.raises(SystemExit, match="no checkpoint files"):
+        prepare_init(tmp_path / "c" / "init", tmp_path / "nowhere" / "state.pt", seed=99)
+    set_rope_theta(tmp_path / "b" / "init", 100.0)
+    config = json.loads((tmp_path / "b" / "init" / "config.json").read_text())
+    assert config["text_config"]["rope_parameters"]["rope_theta"] == 100.0
+    assert config["vision_config"]["rope_parameters"]["rope_theta"] == 10000.0

@@ -18,6 +18,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mix-v0", action="store_true", help="the first run's mix (no focus phase); see docs/model.md")
     ap.add_argument("--refine", action="store_true", help="the refining mix used when continuing from shipped weights")
     ap.add_argument(
+        "--mix-weight",
+        action="append",
+        default=[],
+        metavar="QTYPE=W",
+        help="override one question type's weight in the mix (repeatable), e.g. which_image=6",
+    )
+    ap.add_argument(
         "--plain-frac",
         type=float,
         default=0.1,
@@ -38,6 +45,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="start from these weights (a checkpoint directory or another run's state.pt) when no state exists yet",
+    )
+    ap.add_argument(
+        "--rope-theta",
+        type=float,
+        default=None,
+        help="set the language model's rotary base in the run's config (the weights are kept)",
     )
     ap.add_argument("--start-step", type=int, default=0, help="step number to continue from with --init-from")
     ap.add_argument("--eval-every", type=int, default=250)

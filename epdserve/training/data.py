@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from epdserve.media.processor import VisionProcessor
-from epdserve.shapes import Sample, ShapesWorld, render_images
+from epdserve.shapes import ORDINALS, Sample, ShapesWorld, render_images
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,10 @@ def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
     return " ".join(rng.choice(SYSTEM_WORDS) for _ in range(rng.randint(0, max_words)))
 
 
+# Question types only the trainer draws: easier slices of the spec's distributions, for curricula.
+TRAINER_TYPES = ("describe_one", "which_colour")
+
+
 class Mixture:
     """Draws question types by weight; weights change with the curriculum phase."""
 
@@ -134,8 +138,24 @@ class Mixture:
         q = self.rng.choices(qtypes, weights=[weights[k] for k in qtypes])[0]
         if q == "describe_one":
             return self._describe_one()
+        if q == "which_colour":
+            return self._which_colour()
         return self.world.sample(q)
 
     def _describe_one(self) -> Sample:
         scene = self.world.scene(1)
         return Sample("image", "describe", "Describe the image.", scene.description, scenes=(scene,))
+
+    def _which_colour(self) -> Sample:
+        """ "Which image has the red circle?" where no other shape is red: the colour alone finds
+        the image (a spec question, from the easy end of its distribution)."""
+        w = self.world
+        n = w.rng.randint(2, 4)
+        while True:
+            scenes = tuple(w.scene() for _ in range(n))
+            target = w.rng.choice(w.rng.choice(scenes).shapes)
+            same = [i for i, sc in enumerate(scenes) for s in sc.shapes if s.color == target.color]
+            if len(same) == 1:
+                break
+        q = f"Which image has the {target.color} {target.kind}?"
+        return Sample("multi_image", "which_image", q, f"the {ORDINALS[same[0]]}", scenes=scenes)

@@ -28,7 +28,7 @@ from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import IMAGE_QUESTIONS, MULTI_QUESTIONS, QUESTION_KIND, VIDEO_QUESTIONS, ShapesWorld
 from epdserve.training.args import add_arguments
 from epdserve.training.build import build_untrained
-from epdserve.training.data import Mixture, SampleEncoder, collate, random_system_prompt
+from epdserve.training.data import TRAINER_TYPES, Mixture, SampleEncoder, collate, random_system_prompt
 
 EARLY = {"describe_one": 3.0, "shape": 1.0, "color": 1.0, "where": 1.0, "direction": 0.5, "moving_shape": 0.5}
 # The mix of the first run (steps 500-2006 of the shipped model), kept to reproduce it: with
@@ -86,6 +86,18 @@ REFINE = {
     "direction": 0.3,
     "moving_shape": 0.4,
 }
+
+
+def parse_mix_weights(items: list[str]) -> dict[str, float]:
+    """``["which_image=6", ...]`` as a weight override for the mix (the question types of the spec,
+    plus the trainer's own easier slices, ``TRAINER_TYPES``)."""
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or (name not in QUESTION_KIND and name not in TRAINER_TYPES):
+            raise SystemExit(f"--mix-weight {item!r}: expected QTYPE=W with a known question type")
+        out[name] = float(value)
+    return out
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
@@ -153,10 +165,13 @@ def train(args: argparse.Namespace) -> None:
     and run 1/N of every batch and average their gradients, so a step sees the same batch size."""
     if args.batch % args.workers:
         raise SystemExit(f"--batch {args.batch} is not a multiple of --workers {args.workers}")
+    parse_mix_weights(args.mix_weight)  # fail before any process starts
     args.state.mkdir(parents=True, exist_ok=True)
     init_dir = args.state / "init"
     if not (init_dir / "config.json").exists():
-        build_untrained(init_dir, seed=args.seed)
+        prepare_init(init_dir, args.init_from, args.seed)
+    if args.rope_theta is not None:
+        set_rope_theta(init_dir, args.rope_theta)
     if args.workers == 1:
         _train(0, args, 0)
         return
@@ -166,6 +181,31 @@ def train(args: argparse.Namespace) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(_train, args=(args, port), nprocs=args.workers, join=True)
+
+
+def prepare_init(init_dir: Path, init_from: Path | None, seed: int) -> None:
+    """The run's config, tokenizer and processor files: those of the checkpoint it continues from
+    (a checkpoint directory, or the ``init`` beside another run's state file), else new ones."""
+    import shutil
+
+    source = None if init_from is None else init_from if init_from.is_dir() else init_from.parent / "init"
+    if source is None:
+        build_untrained(init_dir, seed=seed)
+        return
+    if not (source / "config.json").exists():
+        raise SystemExit(f"--init-from {init_from}: no checkpoint files at {source}")
+    shutil.copytree(source, init_dir)
+    for f in init_dir.iterdir():
+        f.chmod(0o644)
+
+
+def set_rope_theta(init_dir: Path, theta: float) -> None:
+    """Set the language model's rotary base (M-RoPE's ``rope_theta``) in the run's config; the
+    weights are kept, so training adapts them to the new positions."""
+    path = init_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["text_config"]["rope_parameters"]["rope_theta"] = theta
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _average_gradients(params: list[torch.nn.Parameter], loss: torch.Tensor, workers: int) -> float:
@@ -240,6 +280,7 @@ def _train(rank: int, args: argparse.Namespace, port: int) -> None:
     # of the data stream as it was
     plain = random.Random(args.seed * 7 + shift)
     system_rng = random.Random(args.seed * 11 + shift)
+    overrides = parse_mix_weights(args.mix_weight)
     params = [p for p in model.parameters() if p.requires_grad]
     probe = ShapesWorld(987_654)  # a small fixed probe set, distinct from the evaluation seed
     held_out = [probe.sample(q) for q in QUESTION_KIND for _ in range(args.probe_per_type)]
@@ -255,6 +296,8 @@ def _train(rank: int, args: argparse.Namespace, port: int) -> None:
             weights = REFINE
         else:
             weights = FOCUS if step < args.focus_until else MAIN
+        if step >= args.early_steps:
+            weights = {**weights, **overrides}
         batch = [
             enc.encode(
                 mix.draw(weights),
