@@ -124,3 +124,40 @@ def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Pat
     config = json.loads((tmp_path / "b" / "init" / "config.json").read_text())
     assert config["text_config"]["rope_parameters"]["rope_theta"] == 100.0
     assert config["vision_config"]["rope_parameters"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.timeout(300)
+def test_workers_end_when_the_trainer_is_killed(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "epdserve.training.train", "--out", str(tmp_path / "out")]
+    cmd += ["--state", str(tmp_path / "state"), "--batch", "2", "--steps", "100000", "--workers", "2"]
+    cmd += ["--early-steps", "0", "--eval-every", "100000"]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children() -> list[int]:
+        path = Path(f"/proc/{trainer.pid}/task/{trainer.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 240
+    workers: list[int] = []
+    while len(workers) < 2 and time.time() < deadline:  # the two ranks (beside the resource tracker)
+        workers = [p for p in children() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        time.sleep(0.5)
+    assert len(workers) == 2, "the trainer did not start its workers"
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    deadline = time.time() + 30
+    while any(alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(p) for p in workers), "workers kept running after the trainer was killed"

@@ -123,7 +123,7 @@ def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
 
 
 # Question types only the trainer draws: easier slices of the spec's distributions, for curricula.
-TRAINER_TYPES = ("describe_one", "which_colour")
+TRAINER_TYPES = ("describe_one", "which_colour", "which_two")
 
 
 class Mixture:
@@ -140,6 +140,8 @@ class Mixture:
             return self._describe_one()
         if q == "which_colour":
             return self._which_colour()
+        if q == "which_two":
+            return self._which_two()
         return self.world.sample(q)
 
     def _describe_one(self) -> Sample:
@@ -159,3 +161,15 @@ class Mixture:
                 break
         q = f"Which image has the {target.color} {target.kind}?"
         return Sample("multi_image", "which_image", q, f"the {ORDINALS[same[0]]}", scenes=scenes)
+
+    def _which_two(self) -> Sample:
+        """The easiest "Which image has ...?": two images of one shape each, in different colours."""
+        w = self.world
+        while True:
+            scenes = (w.scene(1), w.scene(1))
+            if scenes[0].shapes[0].color != scenes[1].shapes[0].color:
+                break
+        i = w.rng.randrange(2)
+        target = scenes[i].shapes[0]
+        q = f"Which image has the {target.color} {target.kind}?"
+        return Sample("multi_image", "which_image", q, f"the {ORDINALS[i]}", scenes=scenes)

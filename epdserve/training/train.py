@@ -173,14 +173,14 @@ def train(args: argparse.Namespace) -> None:
     if args.rope_theta is not None:
         set_rope_theta(init_dir, args.rope_theta)
     if args.workers == 1:
-        _train(0, args, 0)
+        _train(0, args, 0, 0)
         return
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_train, args=(args, port), nprocs=args.workers, join=True)
+    mp.spawn(_train, args=(args, port, os.getpid()), nprocs=args.workers, join=True)
 
 
 def prepare_init(init_dir: Path, init_from: Path | None, seed: int) -> None:
@@ -208,6 +208,19 @@ def set_rope_theta(init_dir: Path, theta: float) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker ends when the process that started it is gone: stopping the trainer (Ctrl-C, kill)
+    must not leave workers training on and writing the state file."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _average_gradients(params: list[torch.nn.Parameter], loss: torch.Tensor, workers: int) -> float:
     """All-reduce every gradient (and the loss, for the log) in one flat buffer; returns the mean loss."""
     import torch.distributed as dist
@@ -224,7 +237,9 @@ def _average_gradients(params: list[torch.nn.Parameter], loss: torch.Tensor, wor
     return float(flat[-1])
 
 
-def _train(rank: int, args: argparse.Namespace, port: int) -> None:
+def _train(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
+    if parent:
+        _exit_with_parent(parent)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
