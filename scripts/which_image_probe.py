@@ -1,0 +1,85 @@
+"""Teacher-forced accuracy on "Which image has the <color> <shape>?", broken down the ways that
+told run 6's experiments apart: by the number of images and the answer's position, and by whether
+the asked colour (or shape) alone picks out the image.
+
+python scripts/which_image_probe.py CHECKPOINT_DIR_OR_STATE_PT [--seed 7] [--n 240] [--slice which_two]
+
+A ``state.pt`` is read with the ``init`` directory beside it. ``--slice`` draws one of the
+trainer's easier slices (``which_two``, ``which_colour``) instead of the spec's question.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.shapes import ORDINALS, Sample, ShapesWorld
+from epdserve.training.data import Mixture, SampleEncoder, collate
+
+
+def load(path: Path):
+    state = None
+    if path.name == "state.pt":
+        state, path = path, path.parent / "init"
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
+    if state is not None:
+        model.load_state_dict(torch.load(state, weights_only=False, map_location="cpu")["model"])
+    cfg = model.config
+    enc = SampleEncoder(
+        tok, VisionProcessor(ProcessorConfig.from_pretrained(path)), cfg.image_token_id, cfg.video_token_id
+    )
+    return tok, model, enc
+
+
+def category(s: Sample) -> str:
+    color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
+    shapes = [sh for sc in s.scenes for sh in sc.shapes]
+    if sum(sh.color == color for sh in shapes) == 1:
+        return "colour alone"
+    if sum(sh.kind == kind for sh in shapes) == 1:
+        return "shape alone"
+    return "both needed"
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--n", type=int, default=240)
+    ap.add_argument("--slice", default=None, choices=("which_two", "which_colour"))
+    args = ap.parse_args()
+    tok, model, enc = load(args.checkpoint)
+    world = ShapesWorld(args.seed)
+    mix = Mixture(world, args.seed)
+    samples = [mix.draw({args.slice: 1.0}) if args.slice else world.sample("which_image") for _ in range(args.n)]
+    hits: dict[str, list[int]] = defaultdict(list)
+    answers: Counter[str] = Counter()
+    for i in range(0, len(samples), 24):
+        encoded = [enc.encode(s) for s in samples[i : i + 24]]
+        batch = collate(encoded, tok.pad_token_id, enc.image_token_id, enc.video_token_id)
+        labels = batch.pop("labels")
+        pred = model(**batch).logits[:, :-1].argmax(-1)
+        target = labels[:, 1:]
+        right = ((pred == target) | (target == -100)).all(-1).tolist()
+        for e, ok, p, t in zip(encoded, right, pred, target, strict=True):
+            s = e.sample
+            n, k = len(s.scenes), ORDINALS.index(s.answer.split()[1]) + 1
+            for key in ("all", category(s), f"{n} images", f"{n} images, answer {k}"):
+                hits[key].append(int(ok))
+            ordinal_at = int((t != -100).nonzero()[1])  # the answer's second token: the ordinal
+            answers[tok.decode([int(p[ordinal_at])]).strip()] += 1
+    for key in sorted(hits, key=lambda k: (k != "all", k)):
+        v = hits[key]
+        print(f"{key:22s} {sum(v) / len(v):.3f}  ({len(v)})")
+    print("ordinals predicted:", dict(answers))
+
+
+if __name__ == "__main__":
+    main()
