@@ -263,8 +263,7 @@ class ShapesWorld:
             holders = [i for i, sc in enumerate(scenes) if sc.has(target.color, target.kind)]
             if len(holders) == 1:
                 break
-        q = f"Which image has the {target.color} {target.kind}?"
-        return Sample("multi_image", qtype, q, f"the {ORDINALS[holders[0]]}", scenes=scenes)
+        return which_image_sample(scenes, target, holders[0])
 
     def _video_question(self, qtype: str) -> Sample:
         v = self.video()
@@ -273,6 +272,12 @@ class ShapesWorld:
         else:
             q, a = "What shape is moving?", f"a {v.kind}"
         return Sample("video", qtype, q, a, video=v)
+
+
+def which_image_sample(scenes: tuple[Scene, ...], target: Shape, index: int) -> Sample:
+    """ "Which image has the <color> <shape>?" asked of ``scenes``; ``target`` is in image ``index``."""
+    q = f"Which image has the {target.color} {target.kind}?"
+    return Sample("multi_image", "which_image", q, f"the {ORDINALS[index]}", scenes=scenes)
 
 
 def render_images(sample: Sample) -> list[Image.Image]:

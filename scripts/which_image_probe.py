@@ -19,20 +19,19 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import ORDINALS, Sample, ShapesWorld
-from epdserve.training.data import Mixture, SampleEncoder, collate
+from epdserve.training.data import Mixture, SampleEncoder
+from epdserve.training.train import checkpoint_files, teacher_forced
 
 
 def load(path: Path):
-    state = None
-    if path.name == "state.pt":
-        state, path = path, path.parent / "init"
-    tok = AutoTokenizer.from_pretrained(path)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
-    if state is not None:
-        model.load_state_dict(torch.load(state, weights_only=False, map_location="cpu")["model"])
+    files = checkpoint_files(path)
+    tok = AutoTokenizer.from_pretrained(files)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(files).eval()
+    if not path.is_dir():  # a run's state file: its weights
+        model.load_state_dict(torch.load(path, weights_only=False, map_location="cpu")["model"])
     cfg = model.config
     enc = SampleEncoder(
-        tok, VisionProcessor(ProcessorConfig.from_pretrained(path)), cfg.image_token_id, cfg.video_token_id
+        tok, VisionProcessor(ProcessorConfig.from_pretrained(files)), cfg.image_token_id, cfg.video_token_id
     )
     return tok, model, enc
 
@@ -47,7 +46,6 @@ def category(s: Sample) -> str:
     return "both needed"
 
 
-@torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path)
@@ -61,20 +59,12 @@ def main() -> None:
     samples = [mix.draw({args.slice: 1.0}) if args.slice else world.sample("which_image") for _ in range(args.n)]
     hits: dict[str, list[int]] = defaultdict(list)
     answers: Counter[str] = Counter()
-    for i in range(0, len(samples), 24):
-        encoded = [enc.encode(s) for s in samples[i : i + 24]]
-        batch = collate(encoded, tok.pad_token_id, enc.image_token_id, enc.video_token_id)
-        labels = batch.pop("labels")
-        pred = model(**batch).logits[:, :-1].argmax(-1)
-        target = labels[:, 1:]
-        right = ((pred == target) | (target == -100)).all(-1).tolist()
-        for e, ok, p, t in zip(encoded, right, pred, target, strict=True):
-            s = e.sample
-            n, k = len(s.scenes), ORDINALS.index(s.answer.split()[1]) + 1
-            for key in ("all", category(s), f"{n} images", f"{n} images, answer {k}"):
-                hits[key].append(int(ok))
-            ordinal_at = int((t != -100).nonzero()[1])  # the answer's second token: the ordinal
-            answers[tok.decode([int(p[ordinal_at])]).strip()] += 1
+    for e, ok, pred in teacher_forced(model, enc, samples, tok.pad_token_id, batch=24):
+        s = e.sample
+        n, k = len(s.scenes), ORDINALS.index(s.answer.split()[1]) + 1
+        for key in ("all", category(s), f"{n} images", f"{n} images, answer {k}"):
+            hits[key].append(int(ok))
+        answers[tok.decode([pred[1]]).strip()] += 1  # the answer's second token: the ordinal
     for key in sorted(hits, key=lambda k: (k != "all", k)):
         v = hits[key]
         print(f"{key:22s} {sum(v) / len(v):.3f}  ({len(v)})")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from epdserve.media.processor import VisionProcessor
-from epdserve.shapes import ORDINALS, Sample, ShapesWorld, render_images
+from epdserve.shapes import Sample, ShapesWorld, render_images, which_image_sample
 
 
 @dataclass(frozen=True)
@@ -132,17 +132,17 @@ class Mixture:
     def __init__(self, world: ShapesWorld, seed: int) -> None:
         self.world = world
         self.rng = random.Random(seed)
+        self._own = {
+            "describe_one": self._describe_one,
+            "which_colour": self._which_colour,
+            "which_two": self._which_two,
+        }
 
     def draw(self, weights: dict[str, float]) -> Sample:
         qtypes = list(weights)
         q = self.rng.choices(qtypes, weights=[weights[k] for k in qtypes])[0]
-        if q == "describe_one":
-            return self._describe_one()
-        if q == "which_colour":
-            return self._which_colour()
-        if q == "which_two":
-            return self._which_two()
-        return self.world.sample(q)
+        own = self._own.get(q)
+        return own() if own is not None else self.world.sample(q)
 
     def _describe_one(self) -> Sample:
         scene = self.world.scene(1)
@@ -159,8 +159,7 @@ class Mixture:
             same = [i for i, sc in enumerate(scenes) for s in sc.shapes if s.color == target.color]
             if len(same) == 1:
                 break
-        q = f"Which image has the {target.color} {target.kind}?"
-        return Sample("multi_image", "which_image", q, f"the {ORDINALS[same[0]]}", scenes=scenes)
+        return which_image_sample(scenes, target, same[0])
 
     def _which_two(self) -> Sample:
         """The easiest "Which image has ...?": two images of one shape each, in different colours."""
@@ -170,6 +169,4 @@ class Mixture:
             if scenes[0].shapes[0].color != scenes[1].shapes[0].color:
                 break
         i = w.rng.randrange(2)
-        target = scenes[i].shapes[0]
-        q = f"Which image has the {target.color} {target.kind}?"
-        return Sample("multi_image", "which_image", q, f"the {ORDINALS[i]}", scenes=scenes)
+        return which_image_sample(scenes, scenes[i].shapes[0], i)

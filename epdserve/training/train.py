@@ -123,20 +123,27 @@ def linear_patch_embed(model) -> None:
 
 
 @torch.no_grad()
-def exact_match(model, enc: SampleEncoder, samples, pad_id: int, batch: int = 32) -> dict[str, float]:
+def teacher_forced(model, enc: SampleEncoder, samples, pad_id: int, batch: int = 32):
+    """Per sample: (encoded, right, predicted ids at the answer positions). A greedy decode
+    reproduces the answer exactly when the argmax at every answer position is right."""
+    was_training = model.training
     model.eval()
-    hits: dict[str, list[int]] = defaultdict(list)
     for i in range(0, len(samples), batch):
         encoded = [enc.encode(s) for s in samples[i : i + batch]]
         b = _to(collate(encoded, pad_id, enc.image_token_id, enc.video_token_id), model.device)
         labels = b.pop("labels")
-        logits = model(**b).logits
-        pred = logits[:, :-1].argmax(-1)
+        pred = model(**b).logits[:, :-1].argmax(-1)
         tgt = labels[:, 1:]
         ok = ((pred == tgt) | (tgt == -100)).all(-1)
-        for e, k in zip(encoded, ok.tolist(), strict=True):
-            hits[e.sample.qtype].append(int(k))
-    model.train()
+        for j, (e, k) in enumerate(zip(encoded, ok.tolist(), strict=True)):
+            yield e, k, pred[j][tgt[j] != -100].tolist()
+    model.train(was_training)
+
+
+def exact_match(model, enc: SampleEncoder, samples, pad_id: int, batch: int = 32) -> dict[str, float]:
+    hits: dict[str, list[int]] = defaultdict(list)
+    for e, ok, _ in teacher_forced(model, enc, samples, pad_id, batch):
+        hits[e.sample.qtype].append(int(ok))
     return {q: sum(v) / len(v) for q, v in hits.items()}
 
 
@@ -188,15 +195,21 @@ def prepare_init(init_dir: Path, init_from: Path | None, seed: int) -> None:
     (a checkpoint directory, or the ``init`` beside another run's state file), else new ones."""
     import shutil
 
-    source = None if init_from is None else init_from if init_from.is_dir() else init_from.parent / "init"
-    if source is None:
+    if init_from is None:
         build_untrained(init_dir, seed=seed)
         return
+    source = checkpoint_files(init_from)
     if not (source / "config.json").exists():
         raise SystemExit(f"--init-from {init_from}: no checkpoint files at {source}")
     shutil.copytree(source, init_dir)
     for f in init_dir.iterdir():
         f.chmod(0o644)
+
+
+def checkpoint_files(weights: Path) -> Path:
+    """The directory with the config and tokenizer that go with ``weights``: the checkpoint
+    directory itself, or the ``init`` beside a run's ``state.pt``."""
+    return weights if weights.is_dir() else weights.parent / "init"
 
 
 def set_rope_theta(init_dir: Path, theta: float) -> None:
