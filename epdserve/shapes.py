@@ -256,7 +256,11 @@ class ShapesWorld:
             return Sample(
                 "multi_image", qtype, f"Describe the {ORDINALS[i]} image.", scenes[i].description, scenes=scenes
             )
-        # which_image: exactly one image has the target shape
+        return self.which_image(n)
+
+    def which_image(self, n: int) -> Sample:
+        """ "Which image has the <color> <shape>?" over ``n`` images, exactly one of which has it."""
+        r = self.rng
         while True:
             scenes = tuple(self.scene() for _ in range(n))
             target = r.choice(r.choice(scenes).shapes)

@@ -123,7 +123,7 @@ def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
 
 
 # Question types only the trainer draws: easier slices of the spec's distributions, for curricula.
-TRAINER_TYPES = ("describe_one", "which_colour", "which_two")
+TRAINER_TYPES = ("describe_one", "which_colour", "which_two", "which_many")
 
 
 class Mixture:
@@ -136,6 +136,7 @@ class Mixture:
             "describe_one": self._describe_one,
             "which_colour": self._which_colour,
             "which_two": self._which_two,
+            "which_many": self._which_many,
         }
 
     def draw(self, weights: dict[str, float]) -> Sample:
@@ -170,3 +171,7 @@ class Mixture:
                 break
         i = w.rng.randrange(2)
         return which_image_sample(scenes, scenes[i].shapes[0], i)
+
+    def _which_many(self) -> Sample:
+        """The spec's "Which image has ...?" with only its hardest image counts, 3 and 4."""
+        return self.world.which_image(self.world.rng.randint(3, 4))
