@@ -5,7 +5,7 @@ the asked colour (or shape) alone picks out the image.
 python scripts/which_image_probe.py CHECKPOINT_DIR_OR_STATE_PT [--seed 7] [--n 240] [--slice which_two]
 
 A ``state.pt`` is read with the ``init`` directory beside it. ``--slice`` draws one of the
-trainer's easier slices (``which_two``, ``which_colour``) instead of the spec's question.
+trainer's slices (``which_two``, ``which_colour``, ``which_many``) instead of the spec's question.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import ORDINALS, Sample, ShapesWorld
-from epdserve.training.data import Mixture, SampleEncoder
+from epdserve.training.data import TRAINER_TYPES, Mixture, SampleEncoder
 from epdserve.training.train import checkpoint_files, teacher_forced
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--n", type=int, default=240)
-    ap.add_argument("--slice", default=None, choices=("which_two", "which_colour"))
+    ap.add_argument("--slice", default=None, choices=[t for t in TRAINER_TYPES if t.startswith("which_")])
     args = ap.parse_args()
     tok, model, enc = load(args.checkpoint)
     world = ShapesWorld(args.seed)
