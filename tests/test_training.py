@@ -121,6 +121,26 @@ def test_which_many_is_the_spec_question_over_three_or_four_images() -> None:
     assert counts == {3, 4}
 
 
+def test_which_both_needs_the_colour_and_the_shape_together() -> None:
+    from epdserve.shapes import ORDINALS, ShapesWorld
+    from epdserve.training.data import Mixture
+
+    mix = Mixture(ShapesWorld(5), seed=5)
+    counts = set()
+    for _ in range(200):
+        s = mix.draw({"which_both": 1.0})
+        color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
+        holders = [i for i, sc in enumerate(s.scenes) if sc.has(color, kind)]
+        assert s.qtype == "which_image" and len(holders) == 1
+        assert s.answer == f"the {ORDINALS[holders[0]]}"
+        # another image shares the colour, and another (maybe the same one) the shape
+        others = [sc for i, sc in enumerate(s.scenes) if i != holders[0]]
+        assert any(sh.color == color for sc in others for sh in sc.shapes)
+        assert any(sh.kind == kind for sc in others for sh in sc.shapes)
+        counts.add(len(s.scenes))
+    assert counts == {2, 3, 4}
+
+
 def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
     from epdserve.training.build import build_untrained
     from epdserve.training.train import prepare_init, set_rope_theta

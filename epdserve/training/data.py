@@ -123,7 +123,7 @@ def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
 
 
 # Question types only the trainer draws: easier slices of the spec's distributions, for curricula.
-TRAINER_TYPES = ("describe_one", "which_colour", "which_two", "which_many")
+TRAINER_TYPES = ("describe_one", "which_colour", "which_two", "which_many", "which_both")
 
 
 class Mixture:
@@ -137,6 +137,7 @@ class Mixture:
             "which_colour": self._which_colour,
             "which_two": self._which_two,
             "which_many": self._which_many,
+            "which_both": self._which_both,
         }
 
     def draw(self, weights: dict[str, float]) -> Sample:
@@ -175,3 +176,15 @@ class Mixture:
     def _which_many(self) -> Sample:
         """The spec's "Which image has ...?" with only its hardest image counts, 3 and 4."""
         return self.world.which_image(self.world.rng.randint(3, 4))
+
+    def _which_both(self) -> Sample:
+        """The spec's "Which image has the red circle?" where another image has something red and
+        another has a circle: only the colour and the shape together, on one shape, find the image."""
+        w = self.world
+        while True:
+            s = w.which_image(w.rng.randint(2, 4))
+            color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
+            with_color = sum(any(sh.color == color for sh in sc.shapes) for sc in s.scenes)
+            with_kind = sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes)
+            if with_color > 1 and with_kind > 1:
+                return s
