@@ -48,7 +48,7 @@ $T --out "$OUT-7" --state "$STATE-7" --init-from "$OUT-6" --refine --early-steps
   --lr 1e-4 --steps 1200 --seed 784 --workers 2 $W
 # Run 8: from run 7's weights, the spec's which-image question over 3-4 images (which_many), then
 # also the questions only colour and shape together answer (which_both); the last stretch
-# lengthens the schedule to 12000 steps (the learning rate steps back up from 1.3e-4 to 1.8e-4).
+# lengthens the schedule to 12000 steps (the learning rate steps back up from 1.2e-4 to 1.8e-4).
 R8="--refine --early-steps 0 --system-frac 0.5 --lr 2e-4 --workers 2"
 $T --out "$OUT-8" --state "$STATE-8" --init-from "$OUT-7" $R8 --steps 10000 --seed 6789 --stop-at 5329 \
   --mix-weight which_two=0.3 --mix-weight which_colour=2 --mix-weight which_image=3.7 --mix-weight which_many=2.5
