@@ -284,6 +284,12 @@ def which_image_sample(scenes: tuple[Scene, ...], target: Shape, index: int) -> 
     return Sample("multi_image", "which_image", q, f"the {ORDINALS[index]}", scenes=scenes)
 
 
+def which_image_target(sample: Sample) -> tuple[str, str]:
+    """The (color, kind) a which_image ``sample`` asks for: the inverse of ``which_image_sample``."""
+    color, kind = sample.question.removeprefix("Which image has the ").removesuffix("?").split()
+    return color, kind
+
+
 def render_images(sample: Sample) -> list[Image.Image]:
     """The still images of a sample, in order (empty for a video sample)."""
     return [sc.render() for sc in sample.scenes]

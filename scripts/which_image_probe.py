@@ -5,7 +5,7 @@ the asked colour (or shape) alone picks out the image.
 python scripts/which_image_probe.py CHECKPOINT_DIR_OR_STATE_PT [--seed 7] [--n 240] [--slice which_two]
 
 A ``state.pt`` is read with the ``init`` directory beside it. ``--slice`` draws one of the
-trainer's slices (``which_two``, ``which_colour``, ``which_many``) instead of the spec's question.
+trainer's which-image slices (``which_two``, ``which_colour``, ``which_many``, ``which_both``) instead of the spec's question.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
-from epdserve.shapes import ORDINALS, Sample, ShapesWorld
+from epdserve.shapes import ORDINALS, Sample, ShapesWorld, which_image_target
 from epdserve.training.data import TRAINER_TYPES, Mixture, SampleEncoder
 from epdserve.training.train import checkpoint_files, teacher_forced
 
@@ -37,7 +37,7 @@ def load(path: Path):
 
 
 def category(s: Sample) -> str:
-    color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
+    color, kind = which_image_target(s)
     shapes = [sh for sc in s.scenes for sh in sc.shapes]
     if sum(sh.color == color for sh in shapes) == 1:
         return "colour alone"

@@ -88,57 +88,51 @@ def test_mix_weight_overrides_are_checked() -> None:
             parse_mix_weights([bad])
 
 
-def test_which_colour_is_a_spec_question_that_the_colour_alone_answers() -> None:
-    from epdserve.shapes import ORDINALS, ShapesWorld
+def _which_slice(name: str, seed: int) -> list:
+    """200 questions of one of the trainer's which-image slices, each checked to be a valid spec
+    question: exactly one image has the asked shape, and the answer names that image."""
+    from epdserve.shapes import ORDINALS, ShapesWorld, which_image_target
     from epdserve.training.data import Mixture
 
-    mix = Mixture(ShapesWorld(3), seed=3)
-    counts = set()
+    mix = Mixture(ShapesWorld(seed), seed=seed)
+    out = []
     for _ in range(200):
-        s = mix.draw({"which_colour": 1.0})
-        color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
-        assert s.qtype == "which_image" and 2 <= len(s.scenes) <= 4
-        holders = [i for i, sc in enumerate(s.scenes) for sh in sc.shapes if sh.color == color]
-        assert len(holders) == 1 and s.scenes[holders[0]].has(color, kind)
+        s = mix.draw({name: 1.0})
+        color, kind = which_image_target(s)
+        holders = [i for i, sc in enumerate(s.scenes) if sc.has(color, kind)]
+        assert s.qtype == "which_image" and len(holders) == 1
         assert s.answer == f"the {ORDINALS[holders[0]]}"
-        counts.add(len(s.scenes))
-    assert counts == {2, 3, 4}
+        out.append((s, color, kind, holders[0]))
+    return out
+
+
+def test_which_colour_is_a_spec_question_that_the_colour_alone_answers() -> None:
+    drawn = _which_slice("which_colour", 3)
+    for s, color, _, holder in drawn:
+        assert [i for i, sc in enumerate(s.scenes) for sh in sc.shapes if sh.color == color] == [holder]
+    assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
+
+
+def test_which_two_is_two_one_shape_images_in_different_colours() -> None:
+    drawn = _which_slice("which_two", 6)
+    for s, *_ in drawn:
+        assert [len(sc.shapes) for sc in s.scenes] == [1, 1]
+        assert s.scenes[0].shapes[0].color != s.scenes[1].shapes[0].color
+    assert {holder for *_, holder in drawn} == {0, 1}
 
 
 def test_which_many_is_the_spec_question_over_three_or_four_images() -> None:
-    from epdserve.shapes import ORDINALS, ShapesWorld
-    from epdserve.training.data import Mixture
-
-    mix = Mixture(ShapesWorld(4), seed=4)
-    counts = set()
-    for _ in range(200):
-        s = mix.draw({"which_many": 1.0})
-        color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
-        holders = [i for i, sc in enumerate(s.scenes) if sc.has(color, kind)]
-        assert s.qtype == "which_image" and len(holders) == 1
-        assert s.answer == f"the {ORDINALS[holders[0]]}"
-        counts.add(len(s.scenes))
-    assert counts == {3, 4}
+    assert {len(s.scenes) for s, *_ in _which_slice("which_many", 4)} == {3, 4}
 
 
 def test_which_both_needs_the_colour_and_the_shape_together() -> None:
-    from epdserve.shapes import ORDINALS, ShapesWorld
-    from epdserve.training.data import Mixture
-
-    mix = Mixture(ShapesWorld(5), seed=5)
-    counts = set()
-    for _ in range(200):
-        s = mix.draw({"which_both": 1.0})
-        color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
-        holders = [i for i, sc in enumerate(s.scenes) if sc.has(color, kind)]
-        assert s.qtype == "which_image" and len(holders) == 1
-        assert s.answer == f"the {ORDINALS[holders[0]]}"
+    drawn = _which_slice("which_both", 5)
+    for s, color, kind, holder in drawn:
         # another image shares the colour, and another (maybe the same one) the shape
-        others = [sc for i, sc in enumerate(s.scenes) if i != holders[0]]
+        others = [sc for i, sc in enumerate(s.scenes) if i != holder]
         assert any(sh.color == color for sc in others for sh in sc.shapes)
         assert any(sh.kind == kind for sc in others for sh in sc.shapes)
-        counts.add(len(s.scenes))
-    assert counts == {2, 3, 4}
+    assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
 
 
 def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:

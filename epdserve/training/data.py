@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from epdserve.media.processor import VisionProcessor
-from epdserve.shapes import Sample, ShapesWorld, render_images, which_image_sample
+from epdserve.shapes import Sample, ShapesWorld, render_images, which_image_sample, which_image_target
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Mixture:
         w = self.world
         while True:
             s = w.which_image(w.rng.randint(2, 4))
-            color, kind = s.question.removeprefix("Which image has the ").removesuffix("?").split()
+            color, kind = which_image_target(s)
             with_color = sum(any(sh.color == color for sh in sc.shapes) for sc in s.scenes)
             with_kind = sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes)
             if with_color > 1 and with_kind > 1:
