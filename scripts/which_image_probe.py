@@ -5,7 +5,8 @@ the asked colour (or shape) alone picks out the image.
 python scripts/which_image_probe.py CHECKPOINT_DIR_OR_STATE_PT [--seed 7] [--n 240] [--slice which_two]
 
 A ``state.pt`` is read with the ``init`` directory beside it. ``--slice`` draws one of the
-trainer's which-image slices (``which_two``, ``which_colour``, ``which_many``, ``which_both``) instead of the spec's question.
+trainer's which-image slices (``which_two``, ``which_colour``, ``which_many``,
+``which_both``) instead of the spec's question.
 """
 
 from __future__ import annotations
@@ -14,26 +15,16 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-
-from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import ORDINALS, Sample, ShapesWorld, which_image_target
-from epdserve.training.data import TRAINER_TYPES, Mixture, SampleEncoder
-from epdserve.training.train import checkpoint_files, teacher_forced
+from epdserve.training.data import TRAINER_TYPES, Mixture
+from epdserve.training.train import checkpoint_files, load_checkpoint, state_weights, teacher_forced
 
 
 def load(path: Path):
-    files = checkpoint_files(path)
-    tok = AutoTokenizer.from_pretrained(files)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(files).eval()
+    tok, model, enc = load_checkpoint(checkpoint_files(path))
     if not path.is_dir():  # a run's state file: its weights
-        model.load_state_dict(torch.load(path, weights_only=False, map_location="cpu")["model"])
-    cfg = model.config
-    enc = SampleEncoder(
-        tok, VisionProcessor(ProcessorConfig.from_pretrained(files)), cfg.image_token_id, cfg.video_token_id
-    )
-    return tok, model, enc
+        model.load_state_dict(state_weights(path))
+    return tok, model.eval(), enc
 
 
 def category(s: Sample) -> str:

@@ -212,6 +212,24 @@ def checkpoint_files(weights: Path) -> Path:
     return weights if weights.is_dir() else weights.parent / "init"
 
 
+def load_checkpoint(files: Path):
+    """Tokenizer, float32 model and sample encoder from a checkpoint directory."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(files)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(files, dtype=torch.float32)
+    cfg = model.config
+    enc = SampleEncoder(
+        tok, VisionProcessor(ProcessorConfig.from_pretrained(files)), cfg.image_token_id, cfg.video_token_id
+    )
+    return tok, model, enc
+
+
+def state_weights(state_file: Path) -> dict[str, torch.Tensor]:
+    """The model weights in a run's ``state.pt``."""
+    return torch.load(state_file, weights_only=False, map_location="cpu")["model"]
+
+
 def set_rope_theta(init_dir: Path, theta: float) -> None:
     """Set the language model's rotary base (M-RoPE's ``rope_theta``) in the run's config; the
     weights are kept, so training adapts them to the new positions."""
@@ -254,7 +272,7 @@ def _train(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
     if parent:
         _exit_with_parent(parent)
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     workers = args.workers
     lead = rank == 0
@@ -263,12 +281,7 @@ def _train(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers)
     init_dir = args.state / "init"
-    tok = AutoTokenizer.from_pretrained(init_dir)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(init_dir, dtype=torch.float32)
-    cfg = model.config
-    enc = SampleEncoder(
-        tok, VisionProcessor(ProcessorConfig.from_pretrained(init_dir)), cfg.image_token_id, cfg.video_token_id
-    )
+    tok, model, enc = load_checkpoint(init_dir)
     pad_id = tok.pad_token_id
     device = torch.device(args.device)
     model.to(device)  # type: ignore[arg-type]  # (transformers types .to oddly)
@@ -285,10 +298,9 @@ def _train(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
     if not state_file.exists() and args.init_from is not None:
         # continue from shipped weights (the optimizer state starts fresh)
         if args.init_from.is_file():  # another run's state file: its weights only
-            weights = torch.load(args.init_from, weights_only=False, map_location="cpu")["model"]
+            model.load_state_dict(state_weights(args.init_from))
         else:
-            weights = Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict()
-        model.load_state_dict(weights)
+            model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict())
         step = args.start_step
         if lead:
             print(f"initialised from {args.init_from} at step {step}", flush=True)
