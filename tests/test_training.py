@@ -136,6 +136,8 @@ def test_which_both_needs_the_colour_and_the_shape_together() -> None:
 
 
 def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
     from epdserve.training.build import build_untrained
     from epdserve.training.train import prepare_init, set_rope_theta
 
@@ -144,10 +146,15 @@ def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Pat
     # from a checkpoint directory
     prepare_init(tmp_path / "a" / "init", src, seed=99)
     assert (tmp_path / "a" / "init" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    # from another run's state file: the files beside it
-    (tmp_path / "a" / "state.pt").write_bytes(b"")
+    # from another run's state file: the files beside it, and the weights in it
+    model = Qwen2VLForConditionalGeneration.from_pretrained(src)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    torch.save({"model": model.state_dict()}, tmp_path / "a" / "state.pt")
     prepare_init(tmp_path / "b" / "init", tmp_path / "a" / "state.pt", seed=99)
     assert (tmp_path / "b" / "init" / "config.json").read_text() == (src / "config.json").read_text()
+    started = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "b" / "init").state_dict()
+    assert all(torch.equal(started[k], v) for k, v in model.state_dict().items())
     with pytest.raises(SystemExit, match="no checkpoint files"):
         prepare_init(tmp_path / "c" / "init", tmp_path / "nowhere" / "state.pt", seed=99)
     set_rope_theta(tmp_path / "b" / "init", 100.0)
@@ -191,3 +198,59 @@ def test_workers_end_when_the_trainer_is_killed(tmp_path: Path) -> None:
     while any(alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.5)
     assert not any(alive(p) for p in workers), "workers kept running after the trainer was killed"
+
+
+def test_layer_sources_spread_the_trained_layers_and_copy_the_one_before() -> None:
+    from epdserve.training.grow import layer_sources
+
+    assert layer_sources(4, 4) == [(0, False), (1, False), (2, False), (3, False)]
+    assert layer_sources(4, 8) == [(i // 2, i % 2 == 1) for i in range(8)]
+    assert layer_sources(4, 6) == [(0, False), (1, False), (1, True), (2, False), (3, False), (3, True)]
+    with pytest.raises(ValueError, match="cannot grow"):
+        layer_sources(4, 3)
+
+
+@pytest.mark.timeout(300)
+def test_a_grown_model_answers_exactly_as_the_trained_one(tmp_path: Path) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from epdserve.shapes import ShapesWorld
+    from epdserve.training.build import build_untrained
+    from epdserve.training.data import collate
+    from epdserve.training.train import load_checkpoint, prepare_init
+
+    src = tmp_path / "run" / "init"  # a run's init, with its state file beside it
+    build_untrained(src, seed=5)  # random weights: every block changes the residual stream
+    trained = Qwen2VLForConditionalGeneration.from_pretrained(src).state_dict()
+    torch.save({"model": trained}, tmp_path / "run" / "state.pt")
+    for source, name in ((src, "from-dir"), (tmp_path / "run" / "state.pt", "from-state")):
+        prepare_init(tmp_path / name / "init", source, seed=99, layers=6)
+    tok, small, enc = load_checkpoint(src)
+    _, grown, _ = load_checkpoint(tmp_path / "from-dir" / "init")
+    _, grown_from_state, _ = load_checkpoint(tmp_path / "from-state" / "init")
+    assert grown.config.text_config.num_hidden_layers == 6
+    layers = grown.model.language_model.layers
+    assert torch.equal(
+        layers[2].self_attn.q_proj.weight, trained["model.language_model.layers.1.self_attn.q_proj.weight"]
+    )
+    assert not layers[2].self_attn.o_proj.weight.any() and not layers[2].mlp.down_proj.weight.any()
+    assert torch.equal(layers[4].mlp.down_proj.weight, trained["model.language_model.layers.3.mlp.down_proj.weight"])
+    world = ShapesWorld(3)
+    samples = [enc.encode(world.sample(q)) for q in ("which_image", "describe", "direction")]
+    batch = collate(samples, tok.pad_token_id, enc.image_token_id, enc.video_token_id)
+    batch.pop("labels")
+    with torch.no_grad():
+        want = small(**batch).logits
+        assert want.abs().max() > 0
+        assert torch.equal(grown(**batch).logits, want)
+        assert torch.equal(grown_from_state(**batch).logits, want)
+    with pytest.raises(SystemExit, match="cannot grow"):
+        prepare_init(tmp_path / "shrunk" / "init", src, seed=99, layers=2)
+
+
+def test_a_new_model_takes_the_layer_count(tmp_path: Path) -> None:
+    from epdserve.training.train import prepare_init
+
+    prepare_init(tmp_path / "init", None, seed=1, layers=2)
+    config = json.loads((tmp_path / "init" / "config.json").read_text())["text_config"]
+    assert config["num_hidden_layers"] == 2 and config["layer_types"] == ["full_attention"] * 2

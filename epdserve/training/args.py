@@ -47,6 +47,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="start from these weights (a checkpoint directory or another run's state.pt) when no state exists yet",
     )
     ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="language-model layers: of a new model, or what --init-from's trained stack grows to "
+        "(inserted blocks start as the identity, so the grown model answers as the trained one)",
+    )
+    ap.add_argument(
         "--rope-theta",
         type=float,
         default=None,

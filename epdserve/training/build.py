@@ -152,17 +152,17 @@ PROCESSOR = {
 }
 
 
-def build_config(ids: dict[str, int]) -> dict:
+def build_config(ids: dict[str, int], layers: int = 4) -> dict:
     text = {
         "model_type": "qwen2_vl_text",
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 256,
         "intermediate_size": 768,
-        "num_hidden_layers": 4,
+        "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 4096,
-        "max_window_layers": 4,
+        "max_window_layers": layers,
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
@@ -199,14 +199,15 @@ def build_config(ids: dict[str, int]) -> dict:
     }
 
 
-def build_untrained(out_dir: Path, seed: int = 0) -> None:
-    """Write a complete, randomly initialised checkpoint directory."""
+def build_untrained(out_dir: Path, seed: int = 0, layers: int | None = None) -> None:
+    """Write a complete, randomly initialised checkpoint directory (``layers`` language-model
+    layers; 4 unless given)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = build_tokenizer(out_dir, seed)
     torch.manual_seed(seed)
-    cfg = Qwen2VLConfig(**build_config(ids))
+    cfg = Qwen2VLConfig(**build_config(ids, layers or 4))
     model = Qwen2VLForConditionalGeneration(cfg)
     model.save_pretrained(out_dir)
     write_processor_files(out_dir, ids)

@@ -29,6 +29,7 @@ from epdserve.shapes import IMAGE_QUESTIONS, MULTI_QUESTIONS, QUESTION_KIND, VID
 from epdserve.training.args import add_arguments
 from epdserve.training.build import build_untrained
 from epdserve.training.data import TRAINER_TYPES, Mixture, SampleEncoder, collate, random_system_prompt
+from epdserve.training.grow import grow_state_dict, grow_text_config
 
 EARLY = {"describe_one": 3.0, "shape": 1.0, "color": 1.0, "where": 1.0, "direction": 0.5, "moving_shape": 0.5}
 # The mix of the first run (steps 500-2006 of the shipped model), kept to reproduce it: with
@@ -176,7 +177,7 @@ def train(args: argparse.Namespace) -> None:
     args.state.mkdir(parents=True, exist_ok=True)
     init_dir = args.state / "init"
     if not (init_dir / "config.json").exists():
-        prepare_init(init_dir, args.init_from, args.seed)
+        prepare_init(init_dir, args.init_from, args.seed, args.layers)
     if args.rope_theta is not None:
         set_rope_theta(init_dir, args.rope_theta)
     if args.workers == 1:
@@ -190,13 +191,14 @@ def train(args: argparse.Namespace) -> None:
     mp.spawn(_train, args=(args, port, os.getpid()), nprocs=args.workers, join=True)
 
 
-def prepare_init(init_dir: Path, init_from: Path | None, seed: int) -> None:
-    """The run's config, tokenizer and processor files: those of the checkpoint it continues from
-    (a checkpoint directory, or the ``init`` beside another run's state file), else new ones."""
+def prepare_init(init_dir: Path, init_from: Path | None, seed: int, layers: int | None = None) -> None:
+    """The run's starting checkpoint: new (``layers`` language-model layers, else the default),
+    or the one it continues from (a checkpoint directory, or another run's ``state.pt`` with the
+    files of its ``init``), grown to ``layers`` layers if that is more than it has."""
     import shutil
 
     if init_from is None:
-        build_untrained(init_dir, seed=seed)
+        build_untrained(init_dir, seed=seed, layers=layers)
         return
     source = checkpoint_files(init_from)
     if not (source / "config.json").exists():
@@ -204,6 +206,30 @@ def prepare_init(init_dir: Path, init_from: Path | None, seed: int) -> None:
     shutil.copytree(source, init_dir)
     for f in init_dir.iterdir():
         f.chmod(0o644)
+    config = json.loads((init_dir / "config.json").read_text())
+    trained = config["text_config"]["num_hidden_layers"]
+    if init_from.is_file() or (layers is not None and layers != trained):
+        _write_start_weights(init_dir, init_from, trained, layers or trained)
+
+
+def _write_start_weights(init_dir: Path, init_from: Path, trained: int, layers: int) -> None:
+    """Save the weights of ``init_from`` as the run's starting checkpoint, grown to ``layers``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    if init_from.is_file():
+        weights = state_weights(init_from)
+    else:
+        weights = Qwen2VLForConditionalGeneration.from_pretrained(init_from, dtype=torch.float32).state_dict()
+    if layers != trained:
+        try:
+            weights = grow_state_dict(weights, trained, layers)
+        except ValueError as e:
+            raise SystemExit(f"--layers {layers}: {e}") from None
+        path = init_dir / "config.json"
+        path.write_text(json.dumps(grow_text_config(json.loads(path.read_text()), layers), indent=2) + "\n")
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig.from_pretrained(init_dir))
+    model.load_state_dict(weights)
+    model.save_pretrained(init_dir)
 
 
 def checkpoint_files(weights: Path) -> Path:
@@ -272,8 +298,6 @@ def _train(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
     if parent:
         _exit_with_parent(parent)
     torch.set_num_threads(args.threads)
-    from transformers import Qwen2VLForConditionalGeneration
-
     workers = args.workers
     lead = rank == 0
     if workers > 1:
@@ -296,11 +320,7 @@ def _train(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
     step = 0
     state_file = args.state / "state.pt"
     if not state_file.exists() and args.init_from is not None:
-        # continue from shipped weights (the optimizer state starts fresh)
-        if args.init_from.is_file():  # another run's state file: its weights only
-            model.load_state_dict(state_weights(args.init_from))
-        else:
-            model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict())
+        # the run's init holds the weights it continues from (the optimizer state starts fresh)
         step = args.start_step
         if lead:
             print(f"initialised from {args.init_from} at step {step}", flush=True)
