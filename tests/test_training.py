@@ -135,6 +135,14 @@ def test_which_both_needs_the_colour_and_the_shape_together() -> None:
     assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
 
 
+def test_which_by_colour_needs_the_colour_to_pick_among_images_with_the_shape() -> None:
+    drawn = _which_slice("which_by_colour", 5)
+    for s, _, kind, holder in drawn:
+        others = [sc for i, sc in enumerate(s.scenes) if i != holder]
+        assert any(sh.kind == kind for sc in others for sh in sc.shapes)
+    assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
+
+
 def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 

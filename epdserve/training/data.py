@@ -123,7 +123,7 @@ def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
 
 
 # Question types only the trainer draws: easier slices of the spec's distributions, for curricula.
-TRAINER_TYPES = ("describe_one", "which_colour", "which_two", "which_many", "which_both")
+TRAINER_TYPES = ("describe_one", "which_colour", "which_two", "which_many", "which_both", "which_by_colour")
 
 
 class Mixture:
@@ -138,6 +138,7 @@ class Mixture:
             "which_two": self._which_two,
             "which_many": self._which_many,
             "which_both": self._which_both,
+            "which_by_colour": self._which_by_colour,
         }
 
     def draw(self, weights: dict[str, float]) -> Sample:
@@ -187,4 +188,14 @@ class Mixture:
             with_color = sum(any(sh.color == color for sh in sc.shapes) for sc in s.scenes)
             with_kind = sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes)
             if with_color > 1 and with_kind > 1:
+                return s
+
+    def _which_by_colour(self) -> Sample:
+        """The spec's "Which image has the red circle?" where another image has a circle (in
+        another colour): the shape alone does not find the image, the colour must pick it."""
+        w = self.world
+        while True:
+            s = w.which_image(w.rng.randint(2, 4))
+            _, kind = which_image_target(s)
+            if sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes) > 1:
                 return s
