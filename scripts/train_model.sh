@@ -56,4 +56,14 @@ W8="--mix-weight which_two=0.2 --mix-weight which_colour=1.5 --mix-weight which_
 W8="$W8 --mix-weight which_many=1.5 --mix-weight which_both=3"
 $T --out "$OUT-8" --state "$STATE-8" --init-from "$OUT-7" $R8 --steps 10000 --seed 6790 --stop-at 7395 $W8
 $T --out "$OUT-8" --state "$STATE-8" --init-from "$OUT-7" $R8 --steps 12000 --seed 6791 $W8
+# Run 9: run 8's weights grown to an 8-layer language model (inserted layers start as the identity),
+# lr 3e-4 over 8000 steps with run 8's mix; from step 5508 the which_by_colour slice (another image
+# has the asked shape, so the colour must pick the image) joins the mix. The first stretch ran with
+# --steps 9000 and was stopped at 2756; below step 4000 the two schedules give the same learning rate.
+R9="--refine --early-steps 0 --system-frac 0.5 --lr 3e-4 --steps 8000 --workers 2 --layers 8"
+$T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6792 $W8 --stop-at 2756
+$T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6792 $W8 --stop-at 5508
+W9="--mix-weight which_two=0.2 --mix-weight which_colour=1 --mix-weight which_image=2.5 --mix-weight which_many=1"
+W9="$W9 --mix-weight which_both=2 --mix-weight which_by_colour=3"
+$T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6793 $W9
 cp "$OUT-8"/* "$(epdserve model-path)"/

@@ -1,12 +1,13 @@
 """Teacher-forced accuracy on "Which image has the <color> <shape>?", broken down the ways that
 told run 6's experiments apart: by the number of images and the answer's position, and by whether
-the asked colour (or shape) alone picks out the image.
+the asked colour (or shape) alone picks out the image; and, for the misses, what the image the
+model named has of the asked shape: its colour, its kind, both (on different shapes) or neither.
 
 python scripts/which_image_probe.py CHECKPOINT_DIR_OR_STATE_PT [--seed 7] [--n 240] [--slice which_two]
 
 A ``state.pt`` is read with the ``init`` directory beside it. ``--slice`` draws one of the
 trainer's which-image slices (``which_two``, ``which_colour``, ``which_many``,
-``which_both``) instead of the spec's question.
+``which_both``, ``which_by_colour``) instead of the spec's question.
 """
 
 from __future__ import annotations
@@ -37,6 +38,25 @@ def category(s: Sample) -> str:
     return "both needed"
 
 
+def named_has(s: Sample, word: str) -> str:
+    """What the image a wrong answer names has of the asked shape."""
+    if word not in ORDINALS[: len(s.scenes)]:
+        return "no such image"
+    if s.answer == f"the {word}":
+        return "the right image but other words"
+    color, kind = which_image_target(s)
+    shapes = s.scenes[ORDINALS.index(word)].shapes
+    has = [
+        name
+        for name, ok in (
+            ("colour", any(sh.color == color for sh in shapes)),
+            ("kind", any(sh.kind == kind for sh in shapes)),
+        )
+        if ok
+    ]
+    return " and ".join(has) or "neither"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path)
@@ -50,16 +70,22 @@ def main() -> None:
     samples = [mix.draw({args.slice: 1.0}) if args.slice else world.sample("which_image") for _ in range(args.n)]
     hits: dict[str, list[int]] = defaultdict(list)
     answers: Counter[str] = Counter()
+    misses: Counter[str] = Counter()
     for e, ok, pred in teacher_forced(model, enc, samples, tok.pad_token_id, batch=24):
         s = e.sample
         n, k = len(s.scenes), ORDINALS.index(s.answer.split()[1]) + 1
         for key in ("all", category(s), f"{n} images", f"{n} images, answer {k}"):
             hits[key].append(int(ok))
-        answers[tok.decode([pred[1]]).strip()] += 1  # the answer's second token: the ordinal
+        word = tok.decode([pred[1]]).strip()  # the answer's second token: the ordinal
+        answers[word] += 1
+        if not ok:
+            misses[f"{category(s)}: named an image with the asked {named_has(s, word)}"] += 1
     for key in sorted(hits, key=lambda k: (k != "all", k)):
         v = hits[key]
         print(f"{key:22s} {sum(v) / len(v):.3f}  ({len(v)})")
     print("ordinals predicted:", dict(answers))
+    for key, count in sorted(misses.items()):
+        print(f"miss, {key}: {count}")
 
 
 if __name__ == "__main__":
