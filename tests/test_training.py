@@ -237,6 +237,9 @@ def test_a_grown_model_answers_exactly_as_the_trained_one(tmp_path: Path) -> Non
     _, grown, _ = load_checkpoint(tmp_path / "from-dir" / "init")
     _, grown_from_state, _ = load_checkpoint(tmp_path / "from-state" / "init")
     assert grown.config.text_config.num_hidden_layers == 6
+    for name in ("from-dir", "from-state"):  # the checkpoint's generation settings are kept
+        kept = json.loads((tmp_path / name / "init" / "generation_config.json").read_text())
+        assert kept["eos_token_id"] == json.loads((src / "generation_config.json").read_text())["eos_token_id"]
     layers = grown.model.language_model.layers
     assert torch.equal(
         layers[2].self_attn.q_proj.weight, trained["model.language_model.layers.1.self_attn.q_proj.weight"]

@@ -214,7 +214,7 @@ def prepare_init(init_dir: Path, init_from: Path | None, seed: int, layers: int 
 
 def _write_start_weights(init_dir: Path, init_from: Path, trained: int, layers: int) -> None:
     """Save the weights of ``init_from`` as the run's starting checkpoint, grown to ``layers``."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     if init_from.is_file():
         weights = state_weights(init_from)
@@ -229,6 +229,7 @@ def _write_start_weights(init_dir: Path, init_from: Path, trained: int, layers: 
         path.write_text(json.dumps(grow_text_config(json.loads(path.read_text()), layers), indent=2) + "\n")
     model = Qwen2VLForConditionalGeneration(Qwen2VLConfig.from_pretrained(init_dir))
     model.load_state_dict(weights)
+    model.generation_config = GenerationConfig.from_pretrained(init_dir)  # keep the checkpoint's
     model.save_pretrained(init_dir)
 
 
