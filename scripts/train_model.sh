@@ -66,4 +66,4 @@ $T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6792 $W8 --
 W9="--mix-weight which_two=0.2 --mix-weight which_colour=1 --mix-weight which_image=2.5 --mix-weight which_many=1"
 W9="$W9 --mix-weight which_both=2 --mix-weight which_by_colour=3"
 $T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6793 $W9
-cp "$OUT-8"/* "$(epdserve model-path)"/
+cp "$OUT-9"/* "$(epdserve model-path)"/
