@@ -46,15 +46,11 @@ def named_has(s: Sample, word: str) -> str:
         return "the right image but other words"
     color, kind = which_image_target(s)
     shapes = s.scenes[ORDINALS.index(word)].shapes
-    has = [
-        name
-        for name, ok in (
-            ("colour", any(sh.color == color for sh in shapes)),
-            ("kind", any(sh.kind == kind for sh in shapes)),
-        )
-        if ok
-    ]
-    return " and ".join(has) or "neither"
+    has_colour = any(sh.color == color for sh in shapes)
+    has_kind = any(sh.kind == kind for sh in shapes)
+    return {(True, True): "colour and kind", (True, False): "colour", (False, True): "kind"}.get(
+        (has_colour, has_kind), "neither"
+    )
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,21 +182,21 @@ class Mixture:
     def _which_both(self) -> Sample:
         """The spec's "Which image has the red circle?" where another image has something red and
         another has a circle: only the colour and the shape together, on one shape, find the image."""
+        return self._which_image_where(lambda with_color, with_kind: with_color > 1 and with_kind > 1)
+
+    def _which_by_colour(self) -> Sample:
+        """The spec's "Which image has the red circle?" where another image has a circle (in
+        another colour): the shape alone does not find the image, the colour must pick it."""
+        return self._which_image_where(lambda with_color, with_kind: with_kind > 1)
+
+    def _which_image_where(self, keep: Callable[[int, int], bool]) -> Sample:
+        """The spec's which-image question over 2-4 images, drawn until ``keep(images with the
+        asked colour, images with the asked shape)`` holds."""
         w = self.world
         while True:
             s = w.which_image(w.rng.randint(2, 4))
             color, kind = which_image_target(s)
             with_color = sum(any(sh.color == color for sh in sc.shapes) for sc in s.scenes)
             with_kind = sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes)
-            if with_color > 1 and with_kind > 1:
-                return s
-
-    def _which_by_colour(self) -> Sample:
-        """The spec's "Which image has the red circle?" where another image has a circle (in
-        another colour): the shape alone does not find the image, the colour must pick it."""
-        w = self.world
-        while True:
-            s = w.which_image(w.rng.randint(2, 4))
-            _, kind = which_image_target(s)
-            if sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes) > 1:
+            if keep(with_color, with_kind):
                 return s
