@@ -39,18 +39,21 @@ def category(s: Sample) -> str:
 
 
 def named_has(s: Sample, word: str) -> str:
-    """What the image a wrong answer names has of the asked shape."""
+    """What a wrong answer names: an image with (or without) the asked colour and kind."""
     if word not in ORDINALS[: len(s.scenes)]:
         return "no such image"
     if s.answer == f"the {word}":
-        return "the right image but other words"
+        return "the right image, in other words"
     color, kind = which_image_target(s)
     shapes = s.scenes[ORDINALS.index(word)].shapes
     has_colour = any(sh.color == color for sh in shapes)
     has_kind = any(sh.kind == kind for sh in shapes)
-    return {(True, True): "colour and kind", (True, False): "colour", (False, True): "kind"}.get(
-        (has_colour, has_kind), "neither"
-    )
+    has = {
+        (True, True): "the asked colour and kind",
+        (True, False): "the asked colour",
+        (False, True): "the asked kind",
+    }
+    return "an image with " + has.get((has_colour, has_kind), "neither")
 
 
 def main() -> None:
@@ -75,7 +78,7 @@ def main() -> None:
         word = tok.decode([pred[1]]).strip()  # the answer's second token: the ordinal
         answers[word] += 1
         if not ok:
-            misses[f"{category(s)}: named an image with the asked {named_has(s, word)}"] += 1
+            misses[f"{category(s)}: named {named_has(s, word)}"] += 1
     for key in sorted(hits, key=lambda k: (k != "all", k)):
         v = hits[key]
         print(f"{key:22s} {sum(v) / len(v):.3f}  ({len(v)})")

@@ -59,6 +59,7 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+DEFAULT_LAYERS = 4  # language-model decoder layers of a new model
 VOCAB_SIZE = 512  # model vocabulary (BPE tokens + specials, padded)
 BPE_SIZE = 420
 
@@ -152,7 +153,7 @@ PROCESSOR = {
 }
 
 
-def build_config(ids: dict[str, int], layers: int = 4) -> dict:
+def build_config(ids: dict[str, int], layers: int = DEFAULT_LAYERS) -> dict:
     text = {
         "model_type": "qwen2_vl_text",
         "vocab_size": VOCAB_SIZE,
@@ -199,15 +200,14 @@ def build_config(ids: dict[str, int], layers: int = 4) -> dict:
     }
 
 
-def build_untrained(out_dir: Path, seed: int = 0, layers: int | None = None) -> None:
-    """Write a complete, randomly initialised checkpoint directory (``layers`` language-model
-    layers; 4 unless given)."""
+def build_untrained(out_dir: Path, seed: int = 0, layers: int = DEFAULT_LAYERS) -> None:
+    """Write a complete, randomly initialised checkpoint directory (``layers`` language-model layers)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = build_tokenizer(out_dir, seed)
     torch.manual_seed(seed)
-    cfg = Qwen2VLConfig(**build_config(ids, layers or 4))
+    cfg = Qwen2VLConfig(**build_config(ids, layers))
     model = Qwen2VLForConditionalGeneration(cfg)
     model.save_pretrained(out_dir)
     write_processor_files(out_dir, ids)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.shapes import IMAGE_QUESTIONS, MULTI_QUESTIONS, QUESTION_KIND, VIDEO_QUESTIONS, ShapesWorld
 from epdserve.training.args import add_arguments
-from epdserve.training.build import build_untrained
+from epdserve.training.build import DEFAULT_LAYERS, build_untrained
 from epdserve.training.data import TRAINER_TYPES, Mixture, SampleEncoder, collate, random_system_prompt
 from epdserve.training.grow import grow_state_dict, grow_text_config
 
@@ -198,7 +198,7 @@ def prepare_init(init_dir: Path, init_from: Path | None, seed: int, layers: int 
     import shutil
 
     if init_from is None:
-        build_untrained(init_dir, seed=seed, layers=layers)
+        build_untrained(init_dir, seed=seed, layers=layers or DEFAULT_LAYERS)
         return
     source = checkpoint_files(init_from)
     if not (source / "config.json").exists():
@@ -209,24 +209,25 @@ def prepare_init(init_dir: Path, init_from: Path | None, seed: int, layers: int 
     config = json.loads((init_dir / "config.json").read_text())
     trained = config["text_config"]["num_hidden_layers"]
     if init_from.is_file() or (layers is not None and layers != trained):
-        _write_start_weights(init_dir, init_from, trained, layers or trained)
+        _write_start_weights(init_dir, init_from, config, layers or trained)
 
 
-def _write_start_weights(init_dir: Path, init_from: Path, trained: int, layers: int) -> None:
-    """Save the weights of ``init_from`` as the run's starting checkpoint, grown to ``layers``."""
+def _write_start_weights(init_dir: Path, init_from: Path, config: dict, layers: int) -> None:
+    """Save the weights of ``init_from`` (whose ``config.json`` is ``config``) as the run's
+    starting checkpoint, grown to ``layers``."""
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     if init_from.is_file():
         weights = state_weights(init_from)
     else:
         weights = Qwen2VLForConditionalGeneration.from_pretrained(init_from, dtype=torch.float32).state_dict()
+    trained = config["text_config"]["num_hidden_layers"]
     if layers != trained:
         try:
             weights = grow_state_dict(weights, trained, layers)
         except ValueError as e:
             raise SystemExit(f"--layers {layers}: {e}") from None
-        path = init_dir / "config.json"
-        path.write_text(json.dumps(grow_text_config(json.loads(path.read_text()), layers), indent=2) + "\n")
+        (init_dir / "config.json").write_text(json.dumps(grow_text_config(config, layers), indent=2) + "\n")
     model = Qwen2VLForConditionalGeneration(Qwen2VLConfig.from_pretrained(init_dir))
     model.load_state_dict(weights)
     model.generation_config = GenerationConfig.from_pretrained(init_dir)  # keep the checkpoint's
