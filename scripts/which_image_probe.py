@@ -7,7 +7,7 @@ python scripts/which_image_probe.py CHECKPOINT_DIR_OR_STATE_PT [--seed 7] [--n 2
 
 A ``state.pt`` is read with the ``init`` directory beside it. ``--slice`` draws one of the
 trainer's which-image slices (``which_two``, ``which_colour``, ``which_many``,
-``which_both``, ``which_by_colour``) instead of the spec's question.
+``which_both``, ``which_by_colour``, ``which_same_kind``) instead of the spec's question.
 """
 
 from __future__ import annotations

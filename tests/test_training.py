@@ -143,6 +143,13 @@ def test_which_by_colour_needs_the_colour_to_pick_among_images_with_the_shape() 
     assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
 
 
+def test_which_same_kind_has_the_asked_shape_in_every_image() -> None:
+    drawn = _which_slice("which_same_kind", 5)
+    for s, _, kind, _ in drawn:
+        assert all(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes)
+    assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
+
+
 def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 

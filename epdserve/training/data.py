@@ -124,7 +124,15 @@ def random_system_prompt(rng: random.Random, max_words: int = 30) -> str:
 
 
 # Question types only the trainer draws: easier slices of the spec's distributions, for curricula.
-TRAINER_TYPES = ("describe_one", "which_colour", "which_two", "which_many", "which_both", "which_by_colour")
+TRAINER_TYPES = (
+    "describe_one",
+    "which_colour",
+    "which_two",
+    "which_many",
+    "which_both",
+    "which_by_colour",
+    "which_same_kind",
+)
 
 
 class Mixture:
@@ -140,6 +148,7 @@ class Mixture:
             "which_many": self._which_many,
             "which_both": self._which_both,
             "which_by_colour": self._which_by_colour,
+            "which_same_kind": self._which_same_kind,
         }
 
     def draw(self, weights: dict[str, float]) -> Sample:
@@ -182,21 +191,26 @@ class Mixture:
     def _which_both(self) -> Sample:
         """The spec's "Which image has the red circle?" where another image has something red and
         another has a circle: only the colour and the shape together, on one shape, find the image."""
-        return self._which_image_where(lambda with_color, with_kind: with_color > 1 and with_kind > 1)
+        return self._which_image_where(lambda with_color, with_kind, n: with_color > 1 and with_kind > 1)
 
     def _which_by_colour(self) -> Sample:
         """The spec's "Which image has the red circle?" where another image has a circle (in
         another colour): the shape alone does not find the image, the colour must pick it."""
-        return self._which_image_where(lambda with_color, with_kind: with_kind > 1)
+        return self._which_image_where(lambda with_color, with_kind, n: with_kind > 1)
 
-    def _which_image_where(self, keep: Callable[[int, int], bool]) -> Sample:
+    def _which_same_kind(self) -> Sample:
+        """The spec's "Which image has the red circle?" where every image has a circle: only the
+        colour picks the image."""
+        return self._which_image_where(lambda with_color, with_kind, n: with_kind == n)
+
+    def _which_image_where(self, keep: Callable[[int, int, int], bool]) -> Sample:
         """The spec's which-image question over 2-4 images, drawn until ``keep(images with the
-        asked colour, images with the asked shape)`` holds."""
+        asked colour, images with the asked shape, images)`` holds."""
         w = self.world
         while True:
             s = w.which_image(w.rng.randint(2, 4))
             color, kind = which_image_target(s)
             with_color = sum(any(sh.color == color for sh in sc.shapes) for sc in s.scenes)
             with_kind = sum(any(sh.kind == kind for sh in sc.shapes) for sc in s.scenes)
-            if keep(with_color, with_kind):
+            if keep(with_color, with_kind, len(s.scenes)):
                 return s
