@@ -245,6 +245,25 @@ def test_closed_loop_against_trivial_server() -> None:
     assert "[bench] 24/24 done, 0 failed" in progress.getvalue()
 
 
+def test_side_by_side_loop_sends_every_payload_and_gives_one_row() -> None:
+    from epdserve.bench import closed_loop
+
+    body = {"model": "trivial", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    payloads = [("text", body)] * 5 + [("image", body)] * 2
+
+    async def go():
+        async with TrivialServer(tokens=5) as url:
+            return await closed_loop.closed_loop(url, payloads, 3)
+
+    results, wall = asyncio.run(go())
+    assert [r.kind for r in results] == ["text"] * 5 + ["image"] * 2  # send order
+    assert all(r.ok and r.output_tokens == 5 for r in results)
+    row = closed_loop.summarize(results, wall)
+    assert (row["ok"], row["errors"]) == (7, 0)
+    assert row["req_per_s"] == pytest.approx(7 / wall) and row["out_tok_per_s"] == pytest.approx(35 / wall)
+    assert 0 < row["ttft_p50_ms"] <= row["e2e_p50_ms"] and row["tpot_p50_ms"] > 0
+
+
 def test_open_loop_follows_the_poisson_schedule() -> None:
     async def go():
         async with TrivialServer(tokens=4) as url:

@@ -18,10 +18,10 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import aiohttp
 from aiohttp import web
@@ -149,10 +149,20 @@ class Progress:
         self._show(final=True)
 
 
+class Sendable(Protocol):
+    """What the load loops send: a label and a pre-encoded streaming body (``BenchRequest`` is one)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def body(self) -> bytes: ...
+
+
 async def closed_loop(
     session: aiohttp.ClientSession,
     url: str,
-    requests: list[BenchRequest],
+    requests: Sequence[Sendable],
     concurrency: int,
     on_done: Callable[[RequestResult], None],
 ) -> list[RequestResult]:
