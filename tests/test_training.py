@@ -150,6 +150,22 @@ def test_which_same_kind_has_the_asked_shape_in_every_image() -> None:
     assert {len(s.scenes) for s, *_ in drawn} == {2, 3, 4}
 
 
+def test_where_same_kind_asks_where_one_of_two_same_kind_shapes_is() -> None:
+    from epdserve.shapes import LOCATION_PHRASE, ShapesWorld
+    from epdserve.training.data import Mixture
+
+    mix = Mixture(ShapesWorld(8), seed=8)
+    answers = set()
+    for _ in range(100):
+        s = mix.draw({"where_same_kind": 1.0})
+        a, b = s.scenes[0].shapes
+        assert s.qtype == "where_is" and a.kind == b.kind and a.color != b.color
+        asked = next(sh for sh in (a, b) if s.question == f"Where is the {sh.color} {sh.kind}?")
+        assert s.answer == LOCATION_PHRASE[asked.location]
+        answers.add(s.answer)
+    assert answers == set(LOCATION_PHRASE.values())
+
+
 def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 

@@ -132,6 +132,7 @@ TRAINER_TYPES = (
     "which_both",
     "which_by_colour",
     "which_same_kind",
+    "where_same_kind",
 )
 
 
@@ -149,6 +150,7 @@ class Mixture:
             "which_both": self._which_both,
             "which_by_colour": self._which_by_colour,
             "which_same_kind": self._which_same_kind,
+            "where_same_kind": self._where_same_kind,
         }
 
     def draw(self, weights: dict[str, float]) -> Sample:
@@ -202,6 +204,15 @@ class Mixture:
         """The spec's "Which image has the red circle?" where every image has a circle: only the
         colour picks the image."""
         return self._which_image_where(lambda with_color, with_kind, n: with_kind == n)
+
+    def _where_same_kind(self) -> Sample:
+        """The spec's "Where is the red circle?" where both shapes are circles: only the colour
+        picks the shape."""
+        while True:
+            s = self.world.sample("where_is")
+            a, b = s.scenes[0].shapes
+            if a.kind == b.kind:
+                return s
 
     def _which_image_where(self, keep: Callable[[int, int, int], bool]) -> Sample:
         """The spec's which-image question over 2-4 images, drawn until ``keep(images with the
