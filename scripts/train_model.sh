@@ -66,4 +66,16 @@ $T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6792 $W8 --
 W9="--mix-weight which_two=0.2 --mix-weight which_colour=1 --mix-weight which_image=2.5 --mix-weight which_many=1"
 W9="$W9 --mix-weight which_both=2 --mix-weight which_by_colour=3"
 $T --out "$OUT-9" --state "$STATE-9" --init-from "$OUT-8" $R9 --seed 6793 $W9
-cp "$OUT-9"/* "$(epdserve model-path)"/
+# Run 10: from run 9's weights (fresh optimizer, lr 2e-4 over 6500 steps) with run 9's last mix; from
+# step 580 the which_same_kind slice (every image has the asked shape: only the colour picks the
+# image) joins it, from step 2081 it weighs twice as much, and from step 3894 where_same_kind (the
+# spec's "Where is the red circle?" with two circles) joins too; at step 4811 the schedule is
+# lengthened to 7700 steps (the learning rate steps back up from 1.2e-4 to 1.7e-4).
+R10="--refine --early-steps 0 --system-frac 0.5 --lr 2e-4 --steps 6500 --workers 2"
+$T --out "$OUT-10" --state "$STATE-10" --init-from "$OUT-9" $R10 --seed 6794 $W9 --stop-at 580
+$T --out "$OUT-10" --state "$STATE-10" --init-from "$OUT-9" $R10 --seed 6794 $W9 --mix-weight which_same_kind=3 --stop-at 2081
+$T --out "$OUT-10" --state "$STATE-10" --init-from "$OUT-9" $R10 --seed 6795 $W9 --mix-weight which_same_kind=6 --stop-at 3894
+W10="$W9 --mix-weight which_same_kind=4 --mix-weight where_same_kind=5"
+$T --out "$OUT-10" --state "$STATE-10" --init-from "$OUT-9" $R10 --seed 6796 $W10 --stop-at 4811
+$T --out "$OUT-10" --state "$STATE-10" --init-from "$OUT-9" ${R10/--steps 6500/--steps 7700} --seed 6796 $W10
+cp "$OUT-10"/* "$(epdserve model-path)"/
