@@ -1,5 +1,7 @@
-"""EC connectors: round trips, validation, lifecycle (release, TTL, cleanup) and authentication,
-with producer and consumer in separate processes where it matters (shm, tcp)."""
+"""EC connectors: round trips, validation, lifecycle (release, TTL, cleanup, leases), signed handles
+and authentication, with producer and consumer in separate processes where it matters (shm, tcp).
+The attacks of the security review (forged, foreign, expired and replayed handles, relayed tcp
+handshakes, shared fs directories) live in tests/test_transfer_security.py."""
 
 from __future__ import annotations
 
@@ -21,17 +23,26 @@ import pytest
 import torch
 
 from epdserve.transfer import header as wire
-from epdserve.transfer import shm
-from epdserve.transfer.base import PROTOCOL_VERSION, ECConsumer, ECProducer, Handle, TransferError
-from epdserve.transfer.config import ECConfig
+from epdserve.transfer import shm, signing
+from epdserve.transfer.base import (
+    PROTOCOL_VERSION,
+    ECConsumer,
+    ECProducer,
+    Handle,
+    InvalidHandle,
+    ProducerFull,
+    TransferError,
+)
+from epdserve.transfer.config import HANDLE_PURPOSE, TCP_PURPOSE, ECConfig
 from epdserve.transfer.factory import make_consumer, make_producer
 from epdserve.transfer.fs import FsProducer
 from epdserve.transfer.shm import ShmProducer, slab_name
-from epdserve.transfer.tcp import TcpProducer
+from epdserve.transfer.tcp import TcpConsumer, TcpProducer
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "qwen2-vl-test@abc123"
-SECRET = "test-secret"
+SECRET = "test-secret-0123456789"
+KEY = ECConfig(secret=SECRET).key(HANDLE_PURPOSE)
 T = TypeVar("T")
 
 # A producer in its own process: reads JSON commands on stdin, answers one JSON line each.
@@ -48,7 +59,7 @@ for line in sys.stdin:
         t = torch.randn(cmd["rows"], cmd["width"], generator=gen).to(getattr(torch, cmd["dtype"]))
         print(json.dumps(producer.put(cmd["key"], t, cmd["model_id"])), flush=True)
     elif cmd["op"] == "live":
-        print(json.dumps(producer.live_handles), flush=True)
+        print(json.dumps([producer.live_handles, producer.live_entries]), flush=True)
     elif cmd["op"] == "close":
         producer.close()
         print("null", flush=True)
@@ -58,6 +69,12 @@ for line in sys.stdin:
 def embeddings(rows: int, width: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=gen).to(dtype)
+
+
+def resign(handle: Handle, **changes: Any) -> Handle:
+    """``handle`` with ``changes``, signed again with the cluster key: what a (buggy) producer of the
+    cluster could issue, so the checks behind the signature get exercised."""
+    return signing.sign({**handle, **changes}, KEY)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -187,7 +204,15 @@ def test_round_trip_across_processes(kind: str, tmp_path: Path) -> None:
                 await consumer.release(handle)
             # releases reached the producer: it can reclaim everything
             child.put("probe", 1, 8, "float32", 0)
-            assert child.ask({"op": "live"}) == 1
+            assert child.ask({"op": "live"}) == [1, 1]
+            # a cache hit in another process is a second lease on the same payload
+            again = [child.put("same", 16, 64, "float32", 7) for _ in range(2)]
+            assert again[0]["lease"] != again[1]["lease"]
+            assert child.ask({"op": "live"}) == [3, 2]
+            for handle in again:
+                assert torch.equal(await consumer.get(handle, 16, 64, MODEL), embeddings(16, 64, torch.float32, 7))
+                await consumer.release(handle)
+            assert child.ask({"op": "live"}) == [1, 1]
 
         run(go())
         assert child.ask({"op": "close"}) is None
@@ -200,7 +225,7 @@ def test_round_trip_across_processes(kind: str, tmp_path: Path) -> None:
 def test_killed_shm_producer_leaves_a_slab_the_next_start_removes(tmp_path: Path) -> None:
     cfg = config("shm", tmp_path)
     child = ProducerProcess(
-        {"connector": "shm", "shm_bytes": cfg.shm_bytes, "shm_dir": cfg.shm_dir, "instance": "crashy"}
+        {"connector": "shm", "shm_bytes": cfg.shm_bytes, "shm_dir": cfg.shm_dir, "secret": SECRET, "instance": "crashy"}
     )
     consumer = make_consumer(cfg)
     try:
@@ -232,12 +257,13 @@ def test_mismatches_fail_with_clear_errors(pair: tuple[ECProducer, ECConsumer]) 
     assert fails(handle, 9, 256, MODEL) == "embeddings have shape [16, 256] but the prompt has 9 placeholders"
     assert "expects width 512" in fails(handle, 16, 512, MODEL)
     assert "this instance serves 'other-model'" in fails(handle, 16, 256, "other-model")
-    assert "protocol version 99" in fails({**handle, "version": 99}, 16, 256, MODEL)
-    assert "dtype int8" in fails({**handle, "dtype": "int8"}, 16, 256, MODEL)
-    assert "bytes" in fails({**handle, "nbytes": 10**12}, 16, 256, MODEL)
-    assert "malformed" in fails({**handle, "shape": "16x256"}, 16, 256, MODEL)
+    # what a signed handle says is still checked, whoever signed it
+    assert "protocol version 99" in fails(resign(handle, version=99), 16, 256, MODEL)
+    assert "dtype int8" in fails(resign(handle, dtype="int8"), 16, 256, MODEL)
+    assert "bytes" in fails(resign(handle, nbytes=10**12), 16, 256, MODEL)
+    assert "malformed" in fails(resign(handle, shape="16x256"), 16, 256, MODEL)
     # a handle that lies about the checksum no longer matches what the producer stored
-    assert "not the ones the handle describes" in fails({**handle, "checksum": "0" * 16}, 16, 256, MODEL)
+    assert "not the ones the handle describes" in fails(resign(handle, checksum="0" * 16), 16, 256, MODEL)
     # and the real one still works after all those failures
     assert run(consumer.get(handle, 16, 256, MODEL)).shape == (16, 256)
 
@@ -260,7 +286,7 @@ def _corrupt_payload(producer: ECProducer, handle: Handle) -> None:
             mm[at] ^= 0xFF
     elif handle["connector"] == "tcp":
         assert isinstance(producer, TcpProducer)
-        entry = producer._store.get(handle["token"])
+        entry = producer._store.get(handle["lease"])
         assert entry is not None
         entry.payload[5] ^= 0xFF
     else:
@@ -280,25 +306,22 @@ def test_corrupted_payload_is_detected(pair: tuple[ECProducer, ECConsumer]) -> N
 
 
 def test_handles_cannot_point_outside_the_configured_places(tmp_path: Path) -> None:
+    """Even a validly signed handle (a misconfigured producer of the cluster) only reaches slabs and
+    files under the consumer's own directories."""
     consumer = make_consumer(config("shm", tmp_path))
+    (tmp_path / "fs").mkdir(mode=0o700)
     header = wire.to_handle(wire.make_header("k", MODEL, torch.zeros(1, 4), "0" * 16), "shm")
+    header = signing.issue(header, KEY, 60.0, signing.new_lease())
 
     async def go() -> None:
-        shm_handle = {
-            **header,
-            "connector": "shm",
-            "path": "/etc/passwd",
-            "slab": "0" * 16,
-            "offset": 64,
-            "generation": 1,
-        }
+        shm_handle = resign(header, path="/etc/passwd", slab="0" * 16, offset=128, generation=1, slot=0)
         with pytest.raises(TransferError, match="not an EC slab"):
             await consumer.get(shm_handle, 1, 4, MODEL)
-        fs_handle = {**header, "connector": "fs", "path": str(tmp_path / "fs" / "../x.safetensors")}
+        fs_handle = resign(header, connector="fs", path=str(tmp_path / "fs" / "../x.safetensors"))
         with pytest.raises(TransferError, match="not an EC file"):
             await consumer.get(fs_handle, 1, 4, MODEL)
-        with pytest.raises(TransferError, match="unknown connector"):
-            await consumer.get({**header, "connector": "carrier-pigeon"}, 1, 4, MODEL)
+        with pytest.raises(InvalidHandle, match="unknown connector"):
+            await consumer.get(resign(header, connector="carrier-pigeon"), 1, 4, MODEL)
         with pytest.raises(TransferError, match="no fs_dir"):
             await make_consumer(config("shm", tmp_path, fs_dir="")).get(fs_handle, 1, 4, MODEL)
         await consumer.close()
@@ -332,11 +355,20 @@ def test_config_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         ECConfig(instance="a/b")
     with pytest.raises(ValueError, match="fs_dir"):
         ECConfig(connector="fs")
-    monkeypatch.setenv("EPD_EC_SECRET", "from-env")
-    assert ECConfig().secret == "from-env" and not ECConfig().uses_dev_secret
-    monkeypatch.delenv("EPD_EC_SECRET")
-    assert ECConfig().uses_dev_secret
-    assert "from-env" not in repr(ECConfig(secret="from-env"))
+    with pytest.raises(ValueError, match="at least 1 MiB"):
+        ECConfig(shm_bytes=4096)
+    assert ECConfig().shm_bytes == 0  # automatic
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        ECConfig(secret="short")
+    monkeypatch.setenv("EPD_CLUSTER_SECRET", "from-env-0123456789")
+    assert ECConfig().secret == "from-env-0123456789"
+    assert "from-env" not in repr(ECConfig())
+    monkeypatch.delenv("EPD_CLUSTER_SECRET")
+    monkeypatch.delenv("EPD_EC_SECRET", raising=False)
+    assert ECConfig().secret == "" and not ECConfig().has_secret  # no built-in development secret
+    with pytest.raises(TransferError, match="EPD_CLUSTER_SECRET or --cluster-secret-file"):
+        ECConfig().key(HANDLE_PURPOSE)
+    assert ECConfig(secret=SECRET).key(HANDLE_PURPOSE) != ECConfig(secret=SECRET).key(TCP_PURPOSE)
 
 
 # --- lifecycle -----------------------------------------------------------------------------------
@@ -349,7 +381,7 @@ def test_released_handle_is_gone(pair: tuple[ECProducer, ECConsumer]) -> None:
         handle = producer.put("k", embeddings(2, 8, torch.float32), MODEL)
         await consumer.get(handle, 2, 8, MODEL)
         await consumer.release(handle)
-        with pytest.raises(TransferError, match="released"):
+        with pytest.raises(InvalidHandle, match="released"):
             await consumer.get(handle, 2, 8, MODEL)
 
     run(go())
@@ -366,15 +398,12 @@ def test_many_cycles_reuse_the_same_memory(pair: tuple[ECProducer, ECConsumer], 
             await consumer.release(handle)
 
     run(go())
+    assert producer.live_handles == 0 and producer.live_entries == 0 and producer.held_bytes == 0
     if isinstance(producer, ShmProducer):
-        assert producer.path.stat().st_size == producer.slab_bytes == 4 << 20
+        assert producer.path.stat().st_size == producer.capacity_bytes == 4 << 20
+        assert producer.free_bytes == producer.capacity_bytes - shm.SLAB_HEADER_BYTES
         assert [p.name for p in producer.path.parent.iterdir()] == [producer.path.name]
-        producer.put("last", embeddings(1, 8, torch.float32), MODEL)  # reclaims the 300th
-        assert producer.live_handles == 1
-    elif isinstance(producer, TcpProducer):
-        assert producer.live_handles == 0 and producer.held_bytes == 0
-    else:
-        assert isinstance(producer, FsProducer)
+    elif isinstance(producer, FsProducer):
         assert not list(Path(producer._dir).iterdir())
 
 
@@ -382,12 +411,15 @@ def test_shm_slab_full_of_live_regions_refuses_then_recovers_on_release(tmp_path
     with ShmProducer(config("shm", tmp_path, shm_bytes=1 << 20)) as producer:
         consumer = make_consumer(config("shm", tmp_path))
         handles = []
-        with pytest.raises(TransferError, match="slab is full"):
+        with pytest.raises(ProducerFull, match="slab is full"):
             for i in range(10):
                 handles.append(producer.put(f"k{i}", embeddings(64, 1024, torch.float32), MODEL))
         assert len(handles) == 3  # 3 x 256 KiB (+ headers) fit in 1 MiB, a 4th does not
-        with pytest.raises(TransferError, match="do not fit"):
+        # a put of a key already stored still succeeds: it is a lease, not a copy
+        handles.append(producer.put("k0", embeddings(64, 1024, torch.float32), MODEL))
+        with pytest.raises(TransferError, match="do not fit") as never:
             producer.put("huge", embeddings(512, 1024, torch.float32), MODEL)
+        assert not isinstance(never.value, ProducerFull)  # retrying would not help: not a 429
         run(consumer.release(handles[1]))
         handles[1] = producer.put("again", embeddings(64, 1024, torch.float32, seed=3), MODEL)
         for h in handles:
@@ -398,8 +430,10 @@ def test_shm_slab_full_of_live_regions_refuses_then_recovers_on_release(tmp_path
 def test_tcp_producer_is_bounded_by_bytes(tmp_path: Path) -> None:
     with TcpProducer(config("tcp", tmp_path, tcp_bytes=100_000)) as producer:
         producer.put("a", embeddings(64, 256, torch.float32), MODEL)  # 64 KiB
-        with pytest.raises(TransferError, match="tcp_bytes=100000"):
+        with pytest.raises(ProducerFull, match="tcp_bytes=100000"):
             producer.put("b", embeddings(64, 256, torch.float32), MODEL)
+        producer.put("a", embeddings(64, 256, torch.float32), MODEL)  # a lease on the stored one fits
+        assert producer.held_bytes == 64 * 256 * 4
 
 
 def test_unreleased_handles_are_reclaimed_after_ttl(kind: str, tmp_path: Path) -> None:
@@ -411,24 +445,27 @@ def test_unreleased_handles_are_reclaimed_after_ttl(kind: str, tmp_path: Path) -
         time.sleep(0.45)
         fresh = [producer.put(f"new{i}", big, MODEL) for i in range(3)]  # only fits if reclaimed
         for handle in stale:
-            with pytest.raises(TransferError, match=r"reclaimed|gone"):
+            with pytest.raises(InvalidHandle, match="expired"):
                 run(consumer.get(handle, 64, 1024, MODEL))
+        assert producer.live_handles == 3 and producer.live_entries == 3
         for handle in fresh:
             assert torch.equal(run(consumer.get(handle, 64, 1024, MODEL)), big)
         run(consumer.close())
 
 
 def test_reclaimed_region_reused_by_other_data_is_detected(tmp_path: Path) -> None:
-    cfg = config("shm", tmp_path, ttl_s=0.2)
+    cfg = config("shm", tmp_path)
     with ShmProducer(cfg) as producer:
         consumer = make_consumer(cfg)
         stale = producer.put("old", embeddings(64, 64, torch.float32, seed=1), MODEL)
-        time.sleep(0.3)
+        run(consumer.release(stale))
         reuse = producer.put("new", embeddings(64, 64, torch.float32, seed=2), MODEL)
         assert reuse["offset"] == stale["offset"]  # same bytes, now someone else's
-        with pytest.raises(TransferError, match="reclaimed"):
+        assert reuse["generation"] != stale["generation"]
+        with pytest.raises(InvalidHandle, match="released"):
             run(consumer.get(stale, 64, 64, MODEL))
         run(consumer.release(stale))  # a late release must not free the new region
+        assert producer.live_handles == 1
         producer.put("third", embeddings(1, 8, torch.float32), MODEL)
         assert torch.equal(run(consumer.get(reuse, 64, 64, MODEL)), embeddings(64, 64, torch.float32, seed=2))
         run(consumer.close())
@@ -437,7 +474,8 @@ def test_reclaimed_region_reused_by_other_data_is_detected(tmp_path: Path) -> No
 def test_tcp_bad_secret_is_refused(tmp_path: Path) -> None:
     with TcpProducer(config("tcp", tmp_path)) as producer:
         handle = producer.put("k", embeddings(2, 8, torch.float32), MODEL)
-        intruder = make_consumer(config("tcp", tmp_path, secret="guess"))
+        intruder = TcpConsumer(config("tcp", tmp_path))
+        intruder._tcp_key = b"guess" * 8  # holds a valid handle but not the connection key
         with pytest.raises(TransferError, match="refused authentication"):
             run(intruder.get(handle, 2, 8, MODEL))
         run(intruder.close())
@@ -499,7 +537,7 @@ def test_stale_slab_of_dead_pid_is_removed_on_start(tmp_path: Path) -> None:
 
 
 def test_shm_close_leaves_nothing_in_dev_shm() -> None:
-    cfg = ECConfig(connector="shm", shm_bytes=2 << 20, instance=f"pytest-close-{os.getpid()}")
+    cfg = ECConfig(connector="shm", shm_bytes=2 << 20, secret=SECRET, instance=f"pytest-close-{os.getpid()}")
     before = set(os.listdir("/dev/shm"))
     producer = ShmProducer(cfg)
     assert producer.path.parent == Path("/dev/shm") and producer.path.name not in before
@@ -516,7 +554,7 @@ def test_shm_close_leaves_nothing_in_dev_shm() -> None:
 def test_fs_files_of_dead_producers_are_removed_and_writes_are_atomic(tmp_path: Path) -> None:
     cfg = config("fs", tmp_path)
     fs_dir = Path(cfg.fs_dir)
-    fs_dir.mkdir()
+    fs_dir.mkdir(mode=0o700)
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
     )
@@ -524,8 +562,9 @@ def test_fs_files_of_dead_producers_are_removed_and_writes_are_atomic(tmp_path: 
 
     stale = fs_dir / f"epd-ec-x-{int(dead.stdout)}-{host_tag()}-0.safetensors"
     half = fs_dir / f".tmp-epd-ec-x-{int(dead.stdout)}-{host_tag()}-1.safetensors"
+    lease = fs_dir / f"{stale.name}.{'ab' * 16}.lease"
     other_host = fs_dir / f"epd-ec-x-{int(dead.stdout)}-00000000-0.safetensors"
-    for p in (stale, half, other_host):
+    for p in (stale, half, lease, other_host):
         p.write_bytes(b"")
     with FsProducer(cfg) as producer:
         assert {p.name for p in fs_dir.iterdir()} == {other_host.name}

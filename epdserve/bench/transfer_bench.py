@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import secrets
 import socket
 import statistics
 import tempfile
@@ -168,7 +169,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [mb * MB for mb in args.sizes_mb]
-    base = ECConfig(shm_bytes=max(256 * MB, 2 * max(sizes) + MB), tcp_bytes=4 * max(sizes), secret="bench-secret")
+    base = ECConfig(
+        shm_bytes=max(256 * MB, 2 * max(sizes) + MB), tcp_bytes=4 * max(sizes), secret=secrets.token_hex(32)
+    )
 
     rows: list[tuple[str, dict[int, float]]] = []
     for name, by_size in bench_memcpy(sizes, args.repeats).items():

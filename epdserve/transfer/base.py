@@ -1,15 +1,21 @@
 """The EC connector interface: the encoder (producer) puts embeddings, the LM instance (consumer)
 gets them by handle and releases them.
 
-A handle is plain JSON (it travels inside the metadata-only request as ``ec_handle``)::
+A handle is plain JSON (it travels inside the metadata-only request as ``ec_handle``), signed by the
+producer with a key derived from the cluster secret (``signing``)::
 
-    {"connector": "shm" | "tcp" | "fs", "version": 1, "key": "<uuid>", "model_id": "...",
+    {"connector": "shm" | "tcp" | "fs", "version": 2, "key": "<content id>", "model_id": "...",
      "dtype": "float32", "shape": [rows, width], "nbytes": N, "checksum": "<xxh3-64 hex>",
-     ...connector-specific location fields...}
+     "issued_at": <unix s>, "expires_at": <unix s>, "lease": "<32 hex>",
+     ...connector-specific location fields..., "mac": "<HMAC-SHA256 hex of every other field>"}
 
-The consumer validates everything against what it expects (rows = placeholder count, width = the
-model's embedding width, dtype, checksum, model identity, protocol version) before the tensor is
-used; any mismatch or transfer failure raises ``TransferError`` and fails only that request.
+A handle is a *lease* on a stored payload: putting the same key again issues a new lease on the same
+payload (no copy), and the payload is freed when all its leases are released or expired.
+
+The consumer verifies the MAC before any I/O, so it only ever acts on handles a producer holding the
+cluster secret issued; then it validates everything against what it expects (rows = placeholder
+count, width = the model's embedding width, dtype, checksum, model identity, protocol version).
+Errors are typed so that each side can answer the client correctly (see the classes below).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Handle = dict[str, Any]
 
@@ -27,19 +33,55 @@ class TransferError(RuntimeError):
     """Embeddings could not be fetched or failed validation (the request fails with 503)."""
 
 
+class InvalidHandle(TransferError):
+    """The handle is malformed, forged, tampered with, signed by another cluster, expired, or its lease
+    was already released (the client sent something wrong: 400). Messages never name paths, hosts or
+    ports, since they go back to whoever sent the handle."""
+
+
+class ProducerFull(TransferError):
+    """A put does not fit until consumers release what the producer holds (the encoder answers 429)."""
+
+
 class ECProducer(Protocol):
-    """Encoder side. ``put`` copies the tensor out, so the caller may reuse its memory."""
+    """Encoder side. ``put`` copies the tensor out (or leases an identical stored payload), so the
+    caller may reuse its memory."""
 
     name: str
 
     def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle: ...
+
+    def release(self, handle: Handle) -> bool:
+        """Release one lease this producer issued (e.g. the router abandoned the request); True when
+        a live lease was released, False for a foreign, unknown or already released one."""
+        ...
+
+    @property
+    def live_handles(self) -> int:
+        """Leases issued and neither released nor expired."""
+        ...
+
+    @property
+    def live_entries(self) -> int:
+        """Payloads stored (one per distinct key with live leases)."""
+        ...
+
+    @property
+    def held_bytes(self) -> int:
+        """Payload bytes of the stored entries."""
+        ...
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the producer can hold at most (slab size, tcp_bytes, or the fs free space)."""
+        ...
 
     def close(self) -> None: ...
 
 
 class ECConsumer(Protocol):
     """Language-model side. ``get`` validates and returns the tensor (a private copy);
-    ``release`` tells the producer the handle's memory can be reused (idempotent)."""
+    ``release`` gives up the handle's lease (idempotent)."""
 
     async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor: ...
 

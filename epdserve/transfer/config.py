@@ -1,5 +1,6 @@
 """EC connector configuration (frozen, validated): which backend a producer uses, where its
-memory and files live, how long unreleased handles survive, and the tcp shared secret."""
+memory and files live, how long unreleased leases survive, and the cluster secret that signs
+handles and authenticates tcp connections."""
 
 from __future__ import annotations
 
@@ -7,30 +8,32 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
+from epdserve.transfer.base import TransferError
+
 CONNECTORS = ("shm", "tcp", "fs")
-SECRET_ENV = "EPD_EC_SECRET"
-# Lets a single-machine dev setup work out of the box; anything reachable from another host must
-# set EPD_EC_SECRET (the tcp connector logs a warning while this one is in use).
-DEV_SECRET = "epdserve-dev-secret-change-me"
+HANDLE_PURPOSE = "ec-handle"  # the key that signs handles
+TCP_PURPOSE = "ec-tcp"  # the key of the tcp connector's mutual authentication
+MISSING_SECRET = "the EC connector needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file"
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _secret_from_env() -> str:
-    return os.environ.get(SECRET_ENV) or DEV_SECRET
+    return os.environ.get(CLUSTER_SECRET_ENV, "")
 
 
 @dataclass(frozen=True)
 class ECConfig:
     connector: str = "shm"  # producer backend: "shm" (same host), "tcp" (any host) or "fs" (debugging)
-    shm_bytes: int = 256 << 20  # bytes of the producer's one /dev/shm slab (reserved at start)
+    shm_bytes: int = 0  # bytes of the producer's one /dev/shm slab (0 = auto from the free space of shm_dir)
     shm_dir: str = "/dev/shm"  # where slabs live; a consumer only maps slabs under this directory
-    fs_dir: str = ""  # shared directory of the fs connector ("" = fs handles are refused)
+    fs_dir: str = ""  # private directory of the fs connector ("" = fs handles are refused)
     tcp_host: str = "127.0.0.1"  # host the tcp data server binds to and advertises in handles
     tcp_port: int = 0  # port of the tcp data server (0 = any free port)
     tcp_advertise_host: str = ""  # host put in tcp handles when it differs from tcp_host ("" = tcp_host)
-    tcp_bytes: int = 1 << 30  # bound on the bytes the tcp producer holds for unreleased handles
-    secret: str = field(default_factory=_secret_from_env, repr=False)  # tcp shared secret (HMAC key)
-    ttl_s: float = 120.0  # handles not released within this many seconds are reclaimed
+    tcp_bytes: int = 1 << 30  # bound on the bytes the tcp producer holds for unreleased leases
+    secret: str = field(default_factory=_secret_from_env, repr=False)  # cluster secret ("" = no EC at all)
+    ttl_s: float = 120.0  # leases not released within this many seconds expire and are reclaimed
     timeout_s: float = 30.0  # a consumer's get/release gives up after this many seconds
     instance: str = "ec"  # name of this instance, used in slab and file names
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # dtypes a consumer accepts
@@ -38,16 +41,16 @@ class ECConfig:
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
             raise ValueError(f"unknown EC connector {self.connector!r} (choose from {', '.join(CONNECTORS)})")
-        if self.shm_bytes < 1 << 20:
-            raise ValueError("shm_bytes must be at least 1 MiB")
+        if self.shm_bytes != 0 and self.shm_bytes < 1 << 20:
+            raise ValueError("shm_bytes must be at least 1 MiB (or 0 for automatic)")
         if self.tcp_bytes < 1:
             raise ValueError("tcp_bytes must be positive")
         if not 0 <= self.tcp_port <= 65535:
             raise ValueError(f"tcp_port {self.tcp_port} is not a port number")
         if self.ttl_s <= 0 or self.timeout_s <= 0:
             raise ValueError("ttl_s and timeout_s must be positive")
-        if not self.secret:
-            raise ValueError("the EC secret must not be empty")
+        if self.secret:
+            ClusterCredential.from_text(self.secret)  # raises CredentialError (a ValueError) if too short
         if not _INSTANCE_RE.fullmatch(self.instance):
             raise ValueError(f"instance {self.instance!r} must be 1-64 characters of [A-Za-z0-9_.-]")
         if self.connector == "fs" and not self.fs_dir:
@@ -59,6 +62,11 @@ class ECConfig:
         return self.tcp_advertise_host or self.tcp_host
 
     @property
-    def uses_dev_secret(self) -> bool:
-        """True while the built-in development secret is in use (fine on loopback only)."""
-        return self.secret == DEV_SECRET
+    def has_secret(self) -> bool:
+        return bool(self.secret)
+
+    def key(self, purpose: str) -> bytes:
+        """The subkey of the cluster secret for ``purpose``; TransferError without a secret."""
+        if not self.secret:
+            raise TransferError(MISSING_SECRET)
+        return ClusterCredential.from_text(self.secret).derive(purpose)

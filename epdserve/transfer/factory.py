@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.transfer.base import ECConsumer, ECProducer, Handle, TransferError
-from epdserve.transfer.config import CONNECTORS, ECConfig
+from epdserve.transfer import signing
+from epdserve.transfer.base import ECConsumer, ECProducer, Handle, InvalidHandle
+from epdserve.transfer.config import CONNECTORS, HANDLE_PURPOSE, ECConfig
 from epdserve.transfer.fs import FsConsumer, FsProducer
 from epdserve.transfer.shm import ShmConsumer, ShmProducer
 from epdserve.transfer.tcp import TcpConsumer, TcpProducer
 
 
 def make_producer(cfg: ECConfig) -> ECProducer:
-    """The producer of ``cfg.connector``; it acquires its slab, port or directory now."""
+    """The producer of ``cfg.connector``; it acquires its slab, port or directory now. Raises
+    TransferError without a cluster secret: handles must be signed."""
+    cfg.key(HANDLE_PURPOSE)
     if cfg.connector == "shm":
         return ShmProducer(cfg)
     if cfg.connector == "tcp":
@@ -26,27 +29,33 @@ def make_consumer(cfg: ECConfig) -> ECConsumer:
 
 
 class RoutingConsumer:
-    """Sends each handle to the consumer of its ``connector``, built on first use, so one LM
-    instance can take embeddings from shm, tcp and fs producers at once."""
+    """Verifies each handle's signature, then sends it to the consumer of its ``connector``, built on
+    first use, so one LM instance can take embeddings from shm, tcp and fs producers at once.
+    Nothing of a handle is acted on before its MAC verifies (no slab mapped, no socket dialed, no
+    file touched), so a client cannot steer this instance anywhere with a handle of its own."""
 
     def __init__(self, cfg: ECConfig) -> None:
         self._cfg = cfg
+        self._key = cfg.key(HANDLE_PURPOSE) if cfg.has_secret else None
         self._consumers: dict[str, ECConsumer] = {}
 
-    def _consumer(self, handle: Handle) -> ECConsumer:
-        kind = handle.get("connector") if isinstance(handle, dict) else None
+    def _consumer(self, handle: object) -> tuple[Handle, ECConsumer]:
+        verified = signing.verify_with(handle, self._key)
+        kind = verified.get("connector")
         if kind not in CONNECTORS:
-            raise TransferError(f"EC handle names an unknown connector {kind!r}")
+            raise InvalidHandle(f"the EC handle names an unknown connector {str(kind)[:32]!r}")
         consumer = self._consumers.get(kind)
         if consumer is None:
             consumer = self._consumers[kind] = _new_consumer(kind, self._cfg)
-        return consumer
+        return verified, consumer
 
     async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
-        return await self._consumer(handle).get(handle, rows, width, model_id)
+        verified, consumer = self._consumer(handle)
+        return await consumer.get(verified, rows, width, model_id)
 
     async def release(self, handle: Handle) -> None:
-        await self._consumer(handle).release(handle)
+        verified, consumer = self._consumer(handle)
+        await consumer.release(verified)
 
     async def close(self) -> None:
         consumers, self._consumers = list(self._consumers.values()), {}

@@ -3,7 +3,8 @@ encoding (JSON through msgspec), the checksum of the payload, and the consumer-s
 against what the prompt expects.
 
 The header is also the common part of every handle: a handle is the header's JSON object plus
-``connector`` and the backend's location fields.
+``connector``, the backend's location fields and the lease fields ``signing`` adds (``issued_at``,
+``expires_at``, ``lease``, ``mac``). Validation here runs only after the MAC verified.
 """
 
 from __future__ import annotations

@@ -4,22 +4,31 @@ consumer on the host, so a handoff is two memcpys and no system call.
 Slab layout (every region starts 64-byte aligned)::
 
     0             64
-    | slab header | region | region |  free  | region |  free ...  | shm_bytes
+    | slab header | region | region |  free  | region |  free ...  | slab size
                   |
-                  +-> | region header (64 B) | wire header JSON, padded to 64 | payload |
+                  +-> | region header (128 B) | wire header JSON, padded to 64 | payload |
 
     slab header:   magic "EPDECSLB" | layout u32 | pad u32 | nonce u64 | size u64 | owner pid u64
-    region header: magic "EPDR" | header_len u32 | generation u64 | released u64 | unused
+    region header: magic "EPDR" | header_len u32 | generation u64 | released u64 x 8 (lease slots) | unused
+
+A region is one stored payload; every handle issued on it is a lease with its own slot. Putting the
+same key (same model, dtype and shape) again issues a new lease on the live region instead of a
+copy, until its 8 slots are used up (then the next put stores a new copy).
 
 Invariants that make a handle safe to read and release without any RPC:
 
-- ``generation`` is non-zero exactly while the region is live; generations are never reused
-  within a slab, and the producer writes 0 *before* any byte of a reclaimed region is reused.
-  A consumer checks the generation before and after copying, so a reclaimed region is reported
-  as such (and the checksum catches anything that slips between the checks).
-- A consumer releases by writing the generation it read into ``released``; the producer frees a
-  region only when ``released == generation``. One aligned 8-byte store, no lock: a late release
-  of a reclaimed region writes a stale generation and frees nothing.
+- ``generation`` is a random non-zero word while the region is live, and the producer writes 0
+  *before* any byte of a freed region is reused. A consumer checks the generation (and that the
+  stored wire header is the handle's) before and after copying, so a freed region is reported as
+  such, and the checksum catches anything that slips between the checks.
+- A lease's token starts with a random non-zero 64-bit word; a consumer releases by writing that
+  word into the lease's slot, one aligned 8-byte store, no lock. The producer keeps the issued
+  words privately and counts a lease as released only when its slot holds its own word. Slots are
+  never reused within a generation, so a replayed release rewrites the word already there and
+  cannot touch another lease; a late release of a freed region fails the generation check (or, in
+  the race after it, writes a word no lease of the new region has).
+- A region is freed when every lease issued on it is released or older than ``ttl_s``.
+- Handles are signed (``signing``): a consumer only reads or releases what a producer issued.
 - The producer holds an exclusive flock on its slab for its lifetime. A slab is stale when the
   pid in its name is gone and nobody holds its lock; the next producer start removes it.
 """
@@ -37,7 +46,8 @@ import struct
 import threading
 import time
 from bisect import insort
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -46,23 +56,28 @@ import numpy as np
 import torch
 
 from epdserve.transfer import header as wire
-from epdserve.transfer.base import Handle, TransferError
-from epdserve.transfer.config import ECConfig
+from epdserve.transfer import signing
+from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError
+from epdserve.transfer.config import HANDLE_PURPOSE, ECConfig
 from epdserve.transfer.owners import pid_alive
 
 ALIGN = 64
 SLAB_MAGIC = b"EPDECSLB"
-SLAB_LAYOUT = 1
+SLAB_LAYOUT = 2
 SLAB_HEADER = struct.Struct("<8sIIQQQ")  # magic, layout, pad, nonce, size, pid
 SLAB_HEADER_BYTES = 64
 REGION_MAGIC = b"EPDR"
 REGION_PREFIX = struct.Struct("<4sI")  # magic, header_len
 WORD = struct.Struct("@Q")  # native order: one aligned store, never torn byte by byte
 GENERATION_AT = 8
-RELEASED_AT = 16
-REGION_HEADER_BYTES = 64
+RELEASED_AT = 16  # lease slot i's released word is at RELEASED_AT + 8 * i
+LEASE_SLOTS = 8
+REGION_HEADER_BYTES = 128
+MIN_SLAB_BYTES = 1 << 20
+MAX_AUTO_SLAB_BYTES = 256 << 20
 SLAB_RE = re.compile(r"epd-ec-(?P<instance>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<nonce>[0-9a-f]{16})")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_GONE = "the embeddings of this EC handle were released or have expired"
 
 
 def slab_name(instance: str, pid: int, nonce: int) -> str:
@@ -73,12 +88,60 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def remove_stale_slabs(shm_dir: Path) -> list[Path]:
-    """Unlink the slabs of producers that died without closing; returns what was removed."""
+def _random_word() -> int:
+    while True:
+        word = secrets.randbits(64)
+        if word:
+            return word
+
+
+def _lease_word(lease: object) -> int:
+    """The release word of a lease token (its first 64 bits)."""
+    try:
+        word = int(str(lease)[:16], 16)
+    except ValueError:
+        word = 0
+    if not word:
+        raise InvalidHandle("the EC handle has a malformed lease")
+    return word
+
+
+def _slot_at(offset: int, slot: int) -> int:
+    return offset + RELEASED_AT + 8 * slot
+
+
+def slab_bytes(cfg: ECConfig) -> int:
+    """The slab size for ``cfg``: ``shm_bytes`` when set, else min(256 MiB, half the free space of
+    ``shm_dir``) and at least 1 MiB. A container's /dev/shm is 64 MiB by default, so a fixed
+    256 MiB slab would not even start there."""
+    try:
+        st = os.statvfs(cfg.shm_dir)
+    except OSError as e:
+        raise TransferError(f"cannot inspect {cfg.shm_dir} for the EC slab: {e.strerror or e}") from e
+    free = st.f_bavail * st.f_frsize
+    advice = "give the container a larger /dev/shm (e.g. docker run --shm-size=1g)"
+    if cfg.shm_bytes:
+        if cfg.shm_bytes > free:
+            raise TransferError(
+                f"--ec-shm-bytes {cfg.shm_bytes} does not fit in the {free} bytes free in {cfg.shm_dir}: "
+                f"lower --ec-shm-bytes or {advice}"
+            )
+        return cfg.shm_bytes // ALIGN * ALIGN
+    if free < MIN_SLAB_BYTES:
+        raise TransferError(
+            f"{cfg.shm_dir} has only {free} bytes free, less than the 1 MiB the EC slab needs: {advice}, "
+            f"or set --ec-shm-bytes"
+        )
+    return max(MIN_SLAB_BYTES, min(MAX_AUTO_SLAB_BYTES, free // 2) // ALIGN * ALIGN)
+
+
+def remove_stale_slabs(shm_dir: Path, pids: Collection[int] | None = None) -> list[Path]:
+    """Unlink the slabs of producers that died without closing; returns what was removed. With
+    ``pids``, only slabs named with one of those pids (a supervisor cleaning up after its roles)."""
     removed = []
-    for path in shm_dir.glob("epd-ec-*"):
+    for path in shm_dir.glob("epd-ec-*") if shm_dir.is_dir() else ():
         m = SLAB_RE.fullmatch(path.name)
-        if m is None or pid_alive(int(m["pid"])):
+        if m is None or (int(m["pid"]) not in pids if pids is not None else pid_alive(int(m["pid"]))):
             continue
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -133,12 +196,27 @@ class _FreeList:
         return max((size for _, size in self._extents), default=0)
 
 
-@dataclass(frozen=True)
+@dataclass
+class _Lease:
+    word: int  # what a consumer writes into the lease's slot to release it
+    deadline: float  # time.monotonic() after which the lease has expired
+    done: bool = False  # released or expired
+
+
+CacheKey = tuple[str, str, str, tuple[int, ...]]  # key, model_id, dtype, shape
+
+
+@dataclass
 class _Region:
     offset: int
     size: int
     generation: int
-    put_at: float  # time.monotonic() of the put, for the TTL
+    header: wire.WireHeader
+    leases: list[_Lease] = field(default_factory=list)  # leases[i] owns slot i
+
+    @property
+    def cache_key(self) -> CacheKey:
+        return (self.header.key, self.header.model_id, self.header.dtype, self.header.shape)
 
 
 class ShmLocation(msgspec.Struct):
@@ -147,21 +225,24 @@ class ShmLocation(msgspec.Struct):
     path: str  # the slab file
     slab: str  # the slab's nonce (hex), so a handle never reads another producer's slab
     offset: int  # where the region starts in the slab
-    generation: int  # the region's generation when it was put
+    generation: int  # the region's generation when the lease was issued
+    slot: int  # the lease's release slot in the region header
 
 
 class ShmProducer:
-    """Owns one slab; ``put`` copies a tensor into a free region. Thread-safe."""
+    """Owns one slab; ``put`` copies a tensor into a free region, or leases an identical live one.
+    Thread-safe."""
 
     name = "shm"
 
     def __init__(self, cfg: ECConfig) -> None:
+        self._key = cfg.key(HANDLE_PURPOSE)
         self._cfg = cfg
         shm_dir = Path(cfg.shm_dir)
         remove_stale_slabs(shm_dir)
-        self._nonce = secrets.randbits(64)
+        self._size = slab_bytes(cfg)
+        self._nonce = _random_word()
         self.path = shm_dir / slab_name(cfg.instance, os.getpid(), self._nonce)
-        self._size = cfg.shm_bytes // ALIGN * ALIGN
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
@@ -175,84 +256,159 @@ class ShmProducer:
         except OSError as e:
             os.close(fd)
             self.path.unlink(missing_ok=True)
-            raise TransferError(f"cannot allocate the {self._size}-byte EC slab {self.path}: {e}") from e
+            raise TransferError(
+                f"cannot allocate the {self._size}-byte EC slab {self.path}: {e} "
+                f"(lower --ec-shm-bytes, or give the container a larger /dev/shm, e.g. --shm-size)"
+            ) from e
         SLAB_HEADER.pack_into(mm, 0, SLAB_MAGIC, SLAB_LAYOUT, 0, self._nonce, self._size, os.getpid())
         self._fd = fd  # kept open for the lifetime lock
         self._mm: mmap.mmap | None = mm
         self._free = _FreeList(SLAB_HEADER_BYTES, self._size)
-        self._live: dict[int, _Region] = {}
-        self._generation = 0
+        self._live: dict[int, _Region] = {}  # by offset
+        self._index: dict[CacheKey, int] = {}  # newest region of each key, by offset
         self._lock = threading.Lock()
 
     def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle:
         src = wire.raw_bytes(tensor)
         # Checksums are fixed-length hex, so the header's size is known before the payload is hashed.
-        header_len = len(wire.encode(wire.make_header(key, model_id, tensor, "0" * 16)))
+        draft = wire.make_header(key, model_id, tensor, "0" * 16)
+        with self._lock:
+            mm = self._mapped()
+            self._reclaim(mm)
+            region = self._reusable((key, model_id, draft.dtype, draft.shape))
+            if region is None:
+                region = self._store(mm, draft, tensor, src)
+            return self._lease(mm, region)
+
+    def _mapped(self) -> mmap.mmap:
+        if self._mm is None:
+            raise TransferError("the shm EC producer is closed")
+        return self._mm
+
+    def _reusable(self, cache_key: CacheKey) -> _Region | None:
+        offset = self._index.get(cache_key)
+        region = self._live.get(offset) if offset is not None else None
+        if region is None or len(region.leases) >= LEASE_SLOTS:
+            return None
+        return region
+
+    def _store(self, mm: mmap.mmap, draft: wire.WireHeader, tensor: torch.Tensor, src: wire.Bytes) -> _Region:
+        header_len = len(wire.encode(draft))
         data_at = REGION_HEADER_BYTES + _align(header_len)
         size = _align(data_at + src.nbytes)
-        with self._lock:
-            mm = self._mm
-            if mm is None:
-                raise TransferError("the shm EC producer is closed")
-            offset = self._allocate(size)
-            self._generation += 1
-            generation = self._generation
-            try:
-                dst = np.frombuffer(mm, np.uint8, src.nbytes, offset + data_at)
-                header = wire.make_header(key, model_id, tensor, wire.copy_and_checksum(dst, src))
-                del dst  # a live numpy view would keep the mapping from closing
-            except BaseException:
-                self._free.free(offset, size)
-                raise
-            encoded = wire.encode(header)
-            mm[offset + REGION_HEADER_BYTES : offset + REGION_HEADER_BYTES + len(encoded)] = encoded
-            REGION_PREFIX.pack_into(mm, offset, REGION_MAGIC, len(encoded))
-            WORD.pack_into(mm, offset + RELEASED_AT, 0)
-            WORD.pack_into(mm, offset + GENERATION_AT, generation)  # last: publishes the region
-            self._live[offset] = _Region(offset, size, generation, time.monotonic())
-        location = ShmLocation(str(self.path), f"{self._nonce:016x}", offset, generation)
-        return wire.to_handle(header, self.name, **msgspec.structs.asdict(location))
+        offset = self._allocate(size)
+        try:
+            dst = np.frombuffer(mm, np.uint8, src.nbytes, offset + data_at)
+            header = wire.make_header(draft.key, draft.model_id, tensor, wire.copy_and_checksum(dst, src))
+            del dst  # a live numpy view would keep the mapping from closing
+        except BaseException:
+            self._free.free(offset, size)
+            raise
+        encoded = wire.encode(header)
+        mm[offset + REGION_HEADER_BYTES : offset + REGION_HEADER_BYTES + len(encoded)] = encoded
+        REGION_PREFIX.pack_into(mm, offset, REGION_MAGIC, len(encoded))
+        mm[_slot_at(offset, 0) : _slot_at(offset, LEASE_SLOTS)] = bytes(8 * LEASE_SLOTS)
+        region = _Region(offset, size, _random_word(), header)
+        WORD.pack_into(mm, offset + GENERATION_AT, region.generation)  # last: publishes the region
+        self._live[offset] = region
+        self._index[region.cache_key] = offset
+        return region
+
+    def _lease(self, mm: mmap.mmap, region: _Region) -> Handle:
+        lease = signing.new_lease()
+        slot = len(region.leases)
+        region.leases.append(_Lease(_lease_word(lease), time.monotonic() + self._cfg.ttl_s))
+        location = ShmLocation(str(self.path), f"{self._nonce:016x}", region.offset, region.generation, slot)
+        handle = wire.to_handle(region.header, self.name, **msgspec.structs.asdict(location))
+        return signing.issue(handle, self._key, self._cfg.ttl_s, lease)
 
     def _allocate(self, size: int) -> int:
         if size > self._size - SLAB_HEADER_BYTES:
+            # Never fits, so not ProducerFull: retrying would not help.
             raise TransferError(
-                f"{size} bytes of embeddings do not fit in the {self._size}-byte EC slab (raise shm_bytes)"
+                f"{size} bytes of embeddings do not fit in the {self._size}-byte EC slab (raise --ec-shm-bytes)"
             )
-        self._reclaim()
         offset = self._free.alloc(size)
         if offset is None:
-            raise TransferError(
-                f"the EC slab is full: {len(self._live)} unreleased embeddings hold "
+            raise ProducerFull(
+                f"the EC slab is full: {len(self._live)} stored embeddings hold "
                 f"{self._size - self._free.free_bytes} of {self._size} bytes, {size} more needed "
-                f"(consumers are not releasing, or shm_bytes is too small)"
+                f"(consumers are not releasing, or --ec-shm-bytes is too small)"
             )
         return offset
 
-    def _reclaim(self) -> None:
-        """Free released regions and regions older than the TTL (their consumers crashed or hung)."""
-        mm = self._mm
-        if mm is None:
-            return
-        deadline = time.monotonic() - self._cfg.ttl_s
+    def _reclaim(self, mm: mmap.mmap) -> None:
+        """Mark released and expired leases done; free regions with no live lease left."""
+        now = time.monotonic()
         for region in list(self._live.values()):
-            (released,) = WORD.unpack_from(mm, region.offset + RELEASED_AT)
-            if released == region.generation or region.put_at < deadline:
-                WORD.pack_into(mm, region.offset + GENERATION_AT, 0)  # invalidate before reuse
-                del self._live[region.offset]
-                self._free.free(region.offset, region.size)
+            for slot, lease in enumerate(region.leases):
+                if not lease.done and (
+                    lease.deadline < now or WORD.unpack_from(mm, _slot_at(region.offset, slot))[0] == lease.word
+                ):
+                    lease.done = True
+            if all(lease.done for lease in region.leases):
+                self._free_region(mm, region)
+
+    def _free_region(self, mm: mmap.mmap, region: _Region) -> None:
+        WORD.pack_into(mm, region.offset + GENERATION_AT, 0)  # invalidate before reuse
+        del self._live[region.offset]
+        if self._index.get(region.cache_key) == region.offset:
+            del self._index[region.cache_key]
+        self._free.free(region.offset, region.size)
+
+    def release(self, handle: Handle) -> bool:
+        handle = signing.verify(handle, self._key)
+        loc = wire.location_of(handle, ShmLocation)
+        if handle.get("connector") != self.name or loc.slab != f"{self._nonce:016x}":
+            return False
+        word = _lease_word(handle["lease"])
+        with self._lock:
+            mm = self._mm
+            region = self._live.get(loc.offset)
+            if mm is None or region is None or region.generation != loc.generation:
+                return False
+            if not 0 <= loc.slot < len(region.leases) or region.leases[loc.slot].word != word:
+                return False
+            lease = region.leases[loc.slot]
+            at = _slot_at(region.offset, loc.slot)
+            was_live = not lease.done and WORD.unpack_from(mm, at)[0] != word
+            lease.done = True
+            WORD.pack_into(mm, at, word)  # a consumer holding the handle now sees it released
+            if all(lease.done for lease in region.leases):
+                self._free_region(mm, region)
+            return was_live
+
+    def _counted(self) -> list[_Region]:
+        """The live regions, after taking the releases consumers wrote into account."""
+        if self._mm is not None:
+            self._reclaim(self._mm)
+        return list(self._live.values())
 
     @property
     def live_handles(self) -> int:
-        """Regions put and not yet reclaimed (reclaiming happens lazily, at the next put)."""
-        return len(self._live)
+        with self._lock:
+            return sum(not lease.done for region in self._counted() for lease in region.leases)
 
     @property
-    def slab_bytes(self) -> int:
+    def live_entries(self) -> int:
+        with self._lock:
+            return len(self._counted())
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(region.header.nbytes for region in self._counted())
+
+    @property
+    def capacity_bytes(self) -> int:
         return self._size
 
     @property
     def free_bytes(self) -> int:
-        return self._free.free_bytes
+        """Bytes of the slab not taken by regions (headers included), after reclaiming."""
+        with self._lock:
+            self._counted()
+            return self._free.free_bytes
 
     def close(self) -> None:
         with self._lock:
@@ -264,6 +420,7 @@ class ShmProducer:
             self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._live.clear()
+            self._index.clear()
 
     def __enter__(self) -> ShmProducer:
         return self
@@ -280,54 +437,56 @@ class _Mapping:
 
 
 class ShmConsumer:
-    """Reads shm handles of any producer on the host; keeps one mapping per slab."""
+    """Reads shm handles of any producer of the cluster on the host; keeps one mapping per slab."""
 
     def __init__(self, cfg: ECConfig) -> None:
+        self._key = cfg.key(HANDLE_PURPOSE) if cfg.has_secret else None
         self._dir = os.path.realpath(cfg.shm_dir)
         self._dtypes = cfg.dtypes
         self._maps: dict[str, _Mapping] = {}
         self._lock = threading.Lock()
 
     async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+        handle = signing.verify_with(handle, self._key)
         header = wire.from_handle(handle)
         wire.validate(header, rows, width, model_id, self._dtypes)
         location = wire.location_of(handle, ShmLocation)
+        word = _lease_word(handle["lease"])
         if header.nbytes >= wire.THREAD_BYTES:
-            return await asyncio.to_thread(self._read, header, location)
-        return self._read(header, location)
+            return await asyncio.to_thread(self._read, header, location, word)
+        return self._read(header, location, word)
 
-    def _read(self, header: wire.WireHeader, loc: ShmLocation) -> torch.Tensor:
+    def _read(self, header: wire.WireHeader, loc: ShmLocation, word: int) -> torch.Tensor:
         mm = self._mapping(loc.path, loc.slab)
-        header_len = self._check_region(mm, loc, header.key)
-        stored_at = loc.offset + REGION_HEADER_BYTES
-        wire.check_same(header, wire.decode(mm[stored_at : stored_at + header_len]), f"{loc.path}@{loc.offset}")
-        data_at = stored_at + _align(header_len)
+        data_at = self._check_region(mm, loc, header, word)
         if data_at + header.nbytes > len(mm):
             raise TransferError(f"shm handle for key {header.key!r} points past the end of its slab")
         out = wire.new_buffer(header.nbytes)
         src = np.frombuffer(mm, np.uint8, header.nbytes, data_at)
         digest = wire.copy_and_checksum(out, src)
         del src
-        self._check_region(mm, loc, header.key)  # reclaimed while we copied?
+        self._check_region(mm, loc, header, word)  # freed while we copied?
         wire.check_checksum(header, digest)
         return wire.as_tensor(header, out)
 
     @staticmethod
-    def _check_region(mm: mmap.mmap, loc: ShmLocation, key: str) -> int:
-        """The region's wire-header length, if the region is still the one the handle names."""
+    def _check_region(mm: mmap.mmap, loc: ShmLocation, header: wire.WireHeader, word: int) -> int:
+        """Where the payload starts, if the region is still the one the handle names and the
+        handle's lease is not released."""
         if loc.offset < SLAB_HEADER_BYTES or loc.offset % ALIGN or loc.offset + REGION_HEADER_BYTES > len(mm):
-            raise TransferError(f"shm handle for key {key!r} has an invalid offset {loc.offset}")
+            raise TransferError(f"shm handle for key {header.key!r} has an invalid offset")
+        if not 0 <= loc.slot < LEASE_SLOTS:
+            raise TransferError(f"shm handle for key {header.key!r} has an invalid lease slot")
         magic, header_len = REGION_PREFIX.unpack_from(mm, loc.offset)
         (generation,) = WORD.unpack_from(mm, loc.offset + GENERATION_AT)
-        (released,) = WORD.unpack_from(mm, loc.offset + RELEASED_AT)
-        if magic != REGION_MAGIC or generation != loc.generation or released == generation:
-            raise TransferError(
-                f"embeddings for key {key!r} were reclaimed before they were read "
-                f"(already released, or older than the producer's ttl_s)"
-            )
-        if header_len > wire.MAX_WIRE_HEADER or loc.offset + REGION_HEADER_BYTES + header_len > len(mm):
-            raise TransferError(f"shm region for key {key!r} has a corrupt header length {header_len}")
-        return int(header_len)
+        (released,) = WORD.unpack_from(mm, _slot_at(loc.offset, loc.slot))
+        if magic != REGION_MAGIC or generation != loc.generation or released == word:
+            raise InvalidHandle(_GONE)
+        stored_at = loc.offset + REGION_HEADER_BYTES
+        if header_len > wire.MAX_WIRE_HEADER or stored_at + header_len > len(mm):
+            raise TransferError(f"shm region for key {header.key!r} has a corrupt header length {header_len}")
+        wire.check_same(header, wire.decode(mm[stored_at : stored_at + header_len]), f"shm@{loc.offset}")
+        return stored_at + _align(header_len)
 
     def _mapping(self, path: str, nonce: str) -> mmap.mmap:
         with self._lock:
@@ -379,13 +538,17 @@ class ShmConsumer:
                     mapping.mm.close()
 
     async def release(self, handle: Handle) -> None:
+        """Release this handle's lease only; other leases on the same payload keep it alive."""
+        handle = signing.verify_with(handle, self._key)
+        header = wire.from_handle(handle)
         loc = wire.location_of(handle, ShmLocation)
+        word = _lease_word(handle["lease"])
         try:
             mm = self._mapping(loc.path, loc.slab)
-            self._check_region(mm, loc, str(handle.get("key")))
+            self._check_region(mm, loc, header, word)
         except TransferError:
-            return  # slab gone or region already reclaimed: nothing left to release
-        WORD.pack_into(mm, loc.offset + RELEASED_AT, loc.generation)
+            return  # slab gone, region freed, or lease already released: nothing left to release
+        WORD.pack_into(mm, _slot_at(loc.offset, loc.slot), word)
 
     async def close(self) -> None:
         with self._lock:
