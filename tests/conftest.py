@@ -1,7 +1,10 @@
-"""Shared fixtures: the model directory under test."""
+"""Shared fixtures: the model directory under test, and one cluster secret for every role a test
+starts (they inherit the environment, as the roles of one deployment share the secret)."""
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from epdserve.assets import default_model_dir
 from epdserve.hf_reference import HFReference
 
 torch.set_num_threads(1)
+os.environ.setdefault("EPD_CLUSTER_SECRET", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.security.credentials import ClusterCredential
+
+
+def internal_headers() -> dict[str, str]:
+    """Headers proving the test session's cluster credential (what the router sends its workers)."""
+    cred = ClusterCredential.load()
+    assert cred is not None, "tests/conftest.py sets EPD_CLUSTER_SECRET"
+    return cred.headers()
 
 
 @contextmanager
@@ -24,9 +32,13 @@ def running(args: list[str]) -> Iterator[str]:
         stop(proc)
 
 
-def http(method: str, url: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+def http(
+    method: str, url: str, body: bytes | None = None, timeout: float = 60.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     """One plain HTTP request; returns (status, body) for error statuses too."""
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -34,6 +46,6 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 60.0
         return e.code, e.read()
 
 
-def post_json(url: str, payload: object) -> tuple[int, dict]:
-    status, body = http("POST", url, json.dumps(payload).encode())
+def post_json(url: str, payload: object, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    status, body = http("POST", url, json.dumps(payload).encode(), headers=headers)
     return status, json.loads(body)

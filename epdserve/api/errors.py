@@ -20,11 +20,18 @@ class ApiError(Exception):
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
+        self.retry_after_s = retry_after_s  # sent as ``Retry-After`` (429 and 503)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def to_dict(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -41,6 +48,22 @@ class BadRequest(ApiError):
 
     status = 400
     error_type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    """The request lacks the credential the endpoint needs (401, OpenAI's ``invalid_api_key``)."""
+
+    status = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    """The endpoint exists but is switched off on this instance (403)."""
+
+    status = 403
+    error_type = "invalid_request_error"
+    default_code = "forbidden"
 
 
 class NotFound(ApiError):

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from epdserve.api.auth import Access, AuthConfig, guard
 from epdserve.api.errors import ApiError, PayloadTooLarge
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as e:
-        return json_response(e.to_json(), e.status)
+        resp = json_response(e.to_json(), e.status)
+        resp.headers.update(e.headers)
+        return resp
     except web.HTTPRequestEntityTooLarge:
         return json_response(PayloadTooLarge("The request body is too large.").to_json(), 413)
     except web.HTTPException as e:  # unknown route, wrong method, ...
@@ -34,7 +37,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_response(ApiError(f"Internal server error: {type(e).__name__}").to_json(), 500)
 
 
-Route = tuple[str, str, Handler]  # (method, path, handler)
+Route = tuple[str, str, Handler, Access]  # (method, path, handler, who may call it)
 
 
 def role_app(
@@ -42,11 +45,13 @@ def role_app(
     routes: list[Route],
     start: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]],
+    auth: AuthConfig,
 ) -> web.Application:
-    """The aiohttp app of one role: its routes behind the error middleware, with lifecycle hooks."""
+    """The aiohttp app of one role: its routes behind the error middleware and their access
+    checks, with lifecycle hooks."""
     app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
-    for method, path, handler in routes:
-        app.router.add_route(method, path, handler)
+    for method, path, handler, access in routes:
+        app.router.add_route(method, path, guard(handler, access, auth))
 
     async def on_startup(app: web.Application) -> None:
         await start()
@@ -61,4 +66,5 @@ def role_app(
 
 def run_app(app: web.Application, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM; handlers are cancelled when their client disconnects."""
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None)
+    # a short shutdown grace: a supervisor's SIGTERM must end the role (and unlink its slab) promptly
+    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None, shutdown_timeout=5.0)
