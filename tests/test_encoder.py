@@ -27,7 +27,8 @@ from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.shapes import ShapesWorld
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_consumer
-from tests.server_utils import http, post_json
+from tests.numerics import assert_close_rel
+from tests.server_utils import http, internal_headers, post_json
 
 torch.set_num_threads(1)
 
@@ -43,7 +44,8 @@ class Encoder:
         self.log = log
 
     def encode(self, items: list[dict[str, str]], **extra: Any) -> tuple[int, dict]:
-        return post_json(self.url + "/v1/encode", {"version": 1, "model": MODEL, "items": items, **extra})
+        payload = {"version": 1, "model": MODEL, "items": items, **extra}
+        return post_json(self.url + "/v1/encode", payload, internal_headers())
 
     def metric(self, name: str) -> float:
         status, body = http("GET", self.url + "/metrics")
@@ -139,7 +141,8 @@ def test_loads_only_the_vision_tower(model_dir: Path, encoder: Encoder) -> None:
 
 
 def test_models_and_health(encoder: Encoder) -> None:
-    status, body = http("GET", encoder.url + "/v1/models")
+    assert http("GET", encoder.url + "/v1/models")[0] == 401  # an internal role
+    status, body = http("GET", encoder.url + "/v1/models", headers=internal_headers())
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL]
     status, body = http("GET", encoder.url + "/health")
     assert status == 200 and json.loads(body)["role"] == "encoder"
@@ -166,7 +169,7 @@ def test_image_matches_the_in_process_tower_then_hits_the_cache(
     assert set(item["timings"]) == {"fetch_ms", "preprocess_ms", "queue_ms", "encode_ms", "put_ms"}
     assert item["timings"]["encode_ms"] > 0
     first = read_back(item)
-    torch.testing.assert_close(first, expected, atol=1e-5, rtol=0)
+    assert_close_rel(first, expected)
 
     hits = encoder.metric('epd_encoder_items_total{status="cache_hit"}')
     status, body = encoder.encode([{"modality": "image", "url": data_url(data, "image/png")}])
@@ -191,7 +194,7 @@ def test_video_gif(encoder: Encoder, tower: torch.nn.Module, processor: VisionPr
     assert tuple(item["grid_thw"]) == vi.grid_thw and vi.grid_thw[0] >= 2
     assert item["uuid"] == lm_server_uuid(processor, "video", data)
     assert item["num_embeddings"] == expected.shape[0]
-    torch.testing.assert_close(read_back(item), expected, atol=1e-5, rtol=0)
+    assert_close_rel(read_back(item), expected)
 
 
 def test_concurrent_requests_are_batched(encoder: Encoder, tower: torch.nn.Module, processor: VisionProcessor) -> None:
@@ -209,7 +212,7 @@ def test_concurrent_requests_are_batched(encoder: Encoder, tower: torch.nn.Modul
     assert 1 <= ran < 8  # several items shared a forward
     for data, item in zip(images, items, strict=True):  # and the batch was split back correctly
         expected = reference(tower, processor.image(decode_image(data, MediaLimits())))
-        torch.testing.assert_close(read_back(item), expected, atol=1e-5, rtol=0)
+        assert_close_rel(read_back(item), expected)
 
 
 def test_several_items_in_one_request_keep_their_order(encoder: Encoder) -> None:
@@ -254,7 +257,7 @@ def test_one_bad_item_fails_the_request_and_names_the_item(encoder: Encoder) -> 
 
 
 def test_not_json_and_unknown_routes(encoder: Encoder) -> None:
-    status, body = http("POST", encoder.url + "/v1/encode", b"{not json")
+    status, body = http("POST", encoder.url + "/v1/encode", b"{not json", headers=internal_headers())
     assert status == 400 and "JSON" in json.loads(body)["error"]["message"]
     status, body = http("GET", encoder.url + "/v1/chat/completions")
     assert status in (404, 405) and "error" in json.loads(body)

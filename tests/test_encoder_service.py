@@ -12,11 +12,14 @@ import aiohttp
 import torch
 from aiohttp import web
 
+from epdserve.api.auth import AuthConfig
 from epdserve.encoder.server import EncoderConfig, EncoderService, build_app
 from epdserve.launcher import free_port
+from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.transfer.base import TransferError
 from epdserve.transfer.config import ECConfig
+from tests.server_utils import internal_headers
 
 torch.set_num_threads(1)
 
@@ -41,7 +44,8 @@ def run(model_dir: Path, scenario: Scenario, **config: object) -> None:
 
     async def main() -> None:
         ec = ECConfig(shm_bytes=1 << 20, instance="test-encoder-service")
-        service = EncoderService(EncoderConfig(model=model_dir, threads=1, ec=ec, **config))  # type: ignore[arg-type]
+        auth = AuthConfig(cluster=ClusterCredential.load())
+        service = EncoderService(EncoderConfig(model=model_dir, threads=1, ec=ec, auth=auth, **config))  # type: ignore[arg-type]
         runner = web.AppRunner(build_app(service))
         await runner.setup()
         port = free_port()
@@ -50,8 +54,9 @@ def run(model_dir: Path, scenario: Scenario, **config: object) -> None:
             async with aiohttp.ClientSession() as session:
 
                 async def post(payload: dict) -> tuple[int, dict]:
-                    async with session.post(f"http://127.0.0.1:{port}/v1/encode", json=payload) as r:
-                        return r.status, await r.json()
+                    url = f"http://127.0.0.1:{port}/v1/encode"
+                    async with session.post(url, json=payload, headers=internal_headers()) as r:
+                        return r.status, {**await r.json(), "retry_after": r.headers.get("Retry-After")}
 
                 await scenario(service, post)
         finally:
@@ -105,19 +110,23 @@ def test_a_failing_put_is_a_503_and_the_next_request_works(model_dir: Path) -> N
     run(model_dir, scenario)
 
 
-def test_a_full_shm_slab_is_a_503_not_a_crash(model_dir: Path) -> None:
-    """Handles nobody releases fill the real slab; the encoder refuses cleanly and keeps serving."""
+def test_a_full_shm_slab_is_a_429_not_a_crash(model_dir: Path) -> None:
+    """Handles nobody releases fill the real slab; the encoder says "retry later" and keeps serving."""
 
     async def scenario(service: EncoderService, post) -> None:
         statuses = []
-        for _ in range(200):  # ~13 KiB per put, 1 MiB slab
-            status, resp = await post(body(3))
+        for seed in range(300):  # ~13 KiB per put, 1 MiB slab
+            status, resp = await post(body(1000 + seed))
             statuses.append(status)
             if status != 200:
                 break
-        assert statuses[-1] == 503 and set(statuses[:-1]) == {200}
-        assert "slab is full" in resp["error"]["message"]
+        assert statuses[-1] == 429 and set(statuses[:-1]) == {200}
+        assert resp["error"]["type"] == "rate_limit_error" and resp["retry_after"] == "1"
+        assert "/dev/shm" not in resp["error"]["message"]
         assert service.batcher.alive
+        # a repeat of a stored item leases the stored copy: it still fits
+        status, ok = await post(body(1000))
+        assert status == 200 and ok["items"][0]["status"] == "cache_hit"
 
     run(model_dir, scenario)
 

@@ -13,6 +13,8 @@ from epdserve.router.pool import NoWorker, WorkerPool
 from tests.server_utils import http, running
 
 MODEL = "shapes-qwen2vl"
+ADMIN_KEY = "test-admin-key-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def test_pool_policies() -> None:
@@ -51,19 +53,31 @@ def test_registration_and_retry_on_a_dead_pd() -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with running(["serve", "--max-model-len", "512", "--num-kv-blocks", "64"]) as pd:
         port = free_port()
-        router = start_role(["router", "--port", str(port), "--policy", "round_robin", "--probe-interval", "30"])
+        router = start_role(
+            ["router", "--port", str(port), "--policy", "round_robin", "--probe-interval", "30"],
+            env={"EPD_ADMIN_KEY": ADMIN_KEY},
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + 60
             while time.time() < deadline:
                 try:
-                    if http("GET", url + "/v1/workers")[0] == 200:
+                    if http("GET", url + "/v1/workers", headers=ADMIN)[0] == 200:
                         break
                 except OSError:
                     time.sleep(0.2)
             assert http("GET", url + "/health")[0] == 503  # no PD worker yet
+            # registration is an admin act: without the key, or with a wrong one, nothing changes
+            rogue = json.dumps({"role": "pd", "url": "http://127.0.0.1:9"}).encode()
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {ADMIN_KEY}"}):
+                for method in ("POST", "DELETE", "GET"):
+                    status, body = http(method, url + "/v1/workers", rogue, headers=headers)
+                    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", body
+            assert json.loads(http("GET", url + "/v1/workers", headers=ADMIN)[1])["pds"] == []
             for u in (dead, pd):
-                status, _ = http("POST", url + "/v1/workers", json.dumps({"role": "pd", "url": u}).encode())
+                status, _ = http(
+                    "POST", url + "/v1/workers", json.dumps({"role": "pd", "url": u}).encode(), headers=ADMIN
+                )
                 assert status == 200
             wait_healthy(url, router)
             c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -71,12 +85,14 @@ def test_registration_and_retry_on_a_dead_pd() -> None:
             for _ in range(4):
                 r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
                 assert r.choices[0].finish_reason in ("stop", "length")
-            workers = json.loads(http("GET", url + "/v1/workers")[1])["pds"]
+            workers = json.loads(http("GET", url + "/v1/workers", headers=ADMIN)[1])["pds"]
             assert {w["url"]: w["healthy"] for w in workers} == {dead: False, pd: True}
-            status, body = http("POST", url + "/v1/workers", json.dumps({"role": "db", "url": pd}).encode())
+            status, body = http(
+                "POST", url + "/v1/workers", json.dumps({"role": "db", "url": pd}).encode(), headers=ADMIN
+            )
             assert status == 400 and json.loads(body)["error"]["param"] == "role"
-            http("DELETE", url + "/v1/workers", json.dumps({"role": "pd", "url": pd}).encode())
-            http("DELETE", url + "/v1/workers", json.dumps({"role": "pd", "url": dead}).encode())
+            for u in (pd, dead):
+                http("DELETE", url + "/v1/workers", json.dumps({"role": "pd", "url": u}).encode(), headers=ADMIN)
             status, body = http(
                 "POST",
                 url + "/v1/chat/completions",
@@ -92,14 +108,16 @@ def test_health_probe_evicts_and_readmits_a_worker() -> None:
     pd_url = f"http://127.0.0.1:{pd_port}"
     args = ["serve", "--port", str(pd_port), "--max-model-len", "256", "--num-kv-blocks", "32"]
     pd = start_role(args)
-    router = start_role(["router", "--port", str(port), "--pds", pd_url, "--probe-interval", "0.3"])
+    router = start_role(
+        ["router", "--port", str(port), "--pds", pd_url, "--probe-interval", "0.3"], env={"EPD_ADMIN_KEY": ADMIN_KEY}
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(pd_url, pd)
         wait_healthy(url, router)
 
         def healthy() -> bool:
-            return bool(json.loads(http("GET", url + "/v1/workers")[1])["pds"][0]["healthy"])
+            return bool(json.loads(http("GET", url + "/v1/workers", headers=ADMIN)[1])["pds"][0]["healthy"])
 
         def wait_for(state: bool) -> None:
             deadline = time.time() + 30
@@ -119,3 +137,22 @@ def test_health_probe_evicts_and_readmits_a_worker() -> None:
     finally:
         stop(router)
         stop(pd)
+
+
+def test_registration_is_off_without_an_admin_key() -> None:
+    port = free_port()
+    router = start_role(["router", "--port", str(port), "--probe-interval", "30"], env={"EPD_ADMIN_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if http("GET", url + "/metrics")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        body = json.dumps({"role": "pd", "url": "http://127.0.0.1:9"}).encode()
+        status, raw = http("POST", url + "/v1/workers", body, headers={"Authorization": "Bearer "})
+        assert status == 403 and "admin-key" in json.loads(raw)["error"]["message"]
+    finally:
+        stop(router)

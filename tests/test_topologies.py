@@ -16,8 +16,9 @@ import pytest
 from epdserve.bench.workload import gif_data_url
 from epdserve.bench.workload import image_data_url as data_url
 from epdserve.shapes import ShapesWorld, render_images
+from epdserve.transfer.shm import SLAB_RE
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http
+from tests.server_utils import http, internal_headers
 
 MODEL = "shapes-qwen2vl"
 PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
@@ -131,8 +132,8 @@ def assert_clean(pids: list[int]) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    leftovers = [f for f in Path("/dev/shm").glob("epd-ec-*") if any(f.name.endswith(f"-{p}") for p in pids)]
-    assert leftovers == []
+    slabs = [SLAB_RE.fullmatch(f.name) for f in Path("/dev/shm").glob("epd-ec-*")]
+    assert [m.string for m in slabs if m is not None and int(m["pid"]) in pids] == []
 
 
 def test_encoder_killed_items_retry_on_the_other_encoder(aggregated) -> None:
@@ -148,12 +149,11 @@ def test_encoder_killed_items_retry_on_the_other_encoder(aggregated) -> None:
         # by the next health probe (every 2 s)
         deadline = time.monotonic() + 10
         while True:
-            workers = json.loads(http("GET", d.url + "/v1/workers")[1])
-            health = [w["healthy"] for w in workers["encoders"] if w["url"] == victim.url]
-            if health == [False] or time.monotonic() > deadline:
+            healthy = http("GET", d.url + "/metrics")[1].decode()
+            if "epd_router_encoders_healthy 1" in healthy or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert health == [False]
+        assert "epd_router_encoders_healthy 1" in healthy
     finally:
         pids = [r.proc.pid for r in d.roles]
         d.stop()
@@ -171,9 +171,15 @@ def test_metadata_only_with_bad_handle_fails_only_that_request() -> None:
     d = deploy("aggregated")
     try:
         bad = embeds_request("x", {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0})
-        status, body = http("POST", d.url + "/v1/chat/completions", json.dumps(bad).encode())
-        assert status == 503, body
-        assert json.loads(body)["error"]["message"]
+        url = d.url + "/v1/chat/completions"
+        # from a client: refused outright, without a word about internal places
+        status, body = http("POST", url, json.dumps(bad).encode())
+        assert status == 400, body
+        assert "/dev/shm" not in body.decode() and json.loads(body)["error"]["type"] == "invalid_request_error"
+        # from a caller with the cluster credential: the handle does not verify, so nothing is read
+        status, body = http("POST", url, json.dumps(bad).encode(), headers=internal_headers())
+        assert status == 400, body
+        assert "/dev/shm" not in body.decode() and "not valid" in json.loads(body)["error"]["message"]
         assert ask(d.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) is not None
     finally:
         d.stop()
@@ -231,7 +237,9 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
     import socket
     import threading
 
+    from epdserve.security.credentials import ClusterCredential
     from epdserve.transfer.header import PROTOCOL_VERSION
+    from epdserve.transfer.signing import issue, new_lease
 
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
@@ -253,10 +261,15 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
             "port": hang.getsockname()[1],
             "token": "t",
         }
+        cred = ClusterCredential.load()
+        assert cred is not None
+        # a producer of this cluster that hangs: the handle is signed, so the PD worker dials it
+        handle = issue({**handle, "key": "u"}, cred.derive("ec-handle"), 120.0, new_lease())
         body = embeds_request("u", handle)
         result: list[tuple[int, bytes]] = []
+        url = d.url + "/v1/chat/completions"
         waiting = threading.Thread(
-            target=lambda: result.append(http("POST", d.url + "/v1/chat/completions", json.dumps(body).encode()))
+            target=lambda: result.append(http("POST", url, json.dumps(body).encode(), headers=internal_headers()))
         )
         waiting.start()
         deadline = time.time() + 10

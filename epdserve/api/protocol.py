@@ -18,7 +18,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from epdserve.api.errors import ApiError, BadRequest
+from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.media.limits import MediaLimits
 
@@ -27,6 +27,9 @@ GridTHW = tuple[PositiveInt, PositiveInt, PositiveInt]
 FinishReason = Literal["stop", "length"]
 
 MAX_STOP_STRINGS: Final = 4  # OpenAI's limit on `stop`
+# Far more text than any context this server is configured for holds, far less than a body that
+# would stall templating and tokenization (a 50 MB prompt once held a worker for 38 s).
+DEFAULT_MAX_PROMPT_CHARS: Final = 1 << 20
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _GREEDY_EPS: Final = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
@@ -54,8 +57,13 @@ class VideoUrlPart(msgspec.Struct, tag_field="type", tag="video_url"):
     video_url: VideoUrl
 
 
+EmbedsDtype = Literal["float32", "bfloat16", "float16"]
+
+
 class ImageEmbeds(msgspec.Struct):
     image_grid_thw: GridTHW  # (1, h, w) in patches
+    data: str | None = None  # inline embeddings: base64 of rows x width little-endian values (--enable-mm-embeds)
+    dtype: EmbedsDtype = "float32"  # of ``data``
 
 
 class ImageEmbedsPart(msgspec.Struct, tag_field="type", tag="image_embeds"):
@@ -68,6 +76,8 @@ class ImageEmbedsPart(msgspec.Struct, tag_field="type", tag="image_embeds"):
 
 class VideoEmbeds(msgspec.Struct):
     video_grid_thw: GridTHW  # (t, h, w) in patches
+    data: str | None = None  # inline embeddings, as in ``ImageEmbeds``
+    dtype: EmbedsDtype = "float32"
 
 
 class VideoEmbedsPart(msgspec.Struct, tag_field="type", tag="video_embeds"):
@@ -84,6 +94,38 @@ MediaPart = ImageUrlPart | VideoUrlPart | ImageEmbedsPart | VideoEmbedsPart
 
 def part_modality(part: MediaPart) -> Literal["image", "video"]:
     return "image" if isinstance(part, ImageUrlPart | ImageEmbedsPart) else "video"
+
+
+def embeds_of(part: ImageEmbedsPart | VideoEmbedsPart) -> ImageEmbeds | VideoEmbeds:
+    return part.image_embeds if isinstance(part, ImageEmbedsPart) else part.video_embeds
+
+
+def check_embeds_trust(req: ChatRequest, internal: bool, enable_mm_embeds: bool) -> None:
+    """Who may send which metadata-only parts: connector handles only come from the router's
+    authenticated internal call; a public client may send inline embeddings, and only where the
+    operator switched them on (``--enable-mm-embeds``). Runs before anything acts on a part."""
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, UserMessage) or isinstance(m.content, str):
+            continue
+        for j, part in enumerate(m.content):
+            if not isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
+                continue
+            where, kind = f"messages[{i}].content[{j}]", f"{part_modality(part)}_embeds"
+            inline = embeds_of(part).data is not None
+            if not internal:
+                if not enable_mm_embeds:
+                    raise BadRequest(
+                        f"{kind} parts are not accepted: send the media as a URL (this server was not started "
+                        "with --enable-mm-embeds).",
+                        param=where,
+                    )
+                if part.ec_handle is not None:
+                    raise BadRequest(
+                        f"ec_handle is internal to the deployment; a client may send {kind} only as inline data.",
+                        param=f"{where}.ec_handle",
+                    )
+            if inline == (part.ec_handle is not None):
+                raise BadRequest(f"A {kind} part needs exactly one of inline data or an ec_handle.", param=where)
 
 
 # --------------------------------------------------------------------------- messages
@@ -177,8 +219,23 @@ def param_of(message: str) -> str | None:
     return path or None
 
 
-def decode_chat_request(body: bytes, limits: MediaLimits) -> ChatRequest:
-    """Parse and validate a chat request body; every failure is a ``BadRequest``."""
+def prompt_chars(req: ChatRequest) -> int:
+    """Characters of text in every message (what templating and tokenization will work through)."""
+    n = 0
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, str):
+            n += len(content)
+        elif content is not None:
+            n += sum(len(p.text) for p in content if isinstance(p, TextPart))
+    return n
+
+
+def decode_chat_request(
+    body: bytes, limits: MediaLimits, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+) -> ChatRequest:
+    """Parse and validate a chat request body; every failure is a ``BadRequest``. The text is bounded
+    by characters here, before any templating or tokenization can spend time on it."""
     try:
         req = msgspec.json.decode(body, type=ChatRequest)
     except msgspec.ValidationError as e:
@@ -187,6 +244,12 @@ def decode_chat_request(body: bytes, limits: MediaLimits) -> ChatRequest:
     except msgspec.DecodeError as e:
         raise BadRequest(f"Request body is not valid JSON: {e}") from None
 
+    chars = prompt_chars(req)
+    if chars > max_prompt_chars:
+        raise PayloadTooLarge(
+            f"The messages hold {chars} characters of text; this server accepts at most {max_prompt_chars}.",
+            param="messages",
+        )
     if req.n is not None and req.n != 1:
         raise BadRequest(f"Only n=1 is supported, got n={req.n}.", param="n")
     if req.stream_options is not None and not req.stream:

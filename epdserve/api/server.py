@@ -18,15 +18,18 @@ from pathlib import Path
 
 from aiohttp import web
 
+from epdserve.api.auth import AuthConfig, is_internal
 from epdserve.api.chat import MediaResolver, template_messages
 from epdserve.api.embeds import ConnectorEmbeds
 from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
+    DEFAULT_MAX_PROMPT_CHARS,
     SSE_DONE,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatRequest,
     Choice,
     ChunkChoice,
     Delta,
@@ -37,6 +40,7 @@ from epdserve.api.protocol import (
     ResponseMessage,
     Usage,
     VideoUrlPart,
+    check_embeds_trust,
     decode_chat_request,
     encode_json,
     new_completion_id,
@@ -67,7 +71,11 @@ class ServerConfig:
     port: int = 8000  # listen port (0: any free port)
     default_max_tokens: int = 256  # max_tokens when the request sets none
     max_request_bytes: int = 64 << 20  # largest request body
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     preprocess_threads: int = 2  # threads decoding and preprocessing media
+    template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)
+    enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
+    auth: AuthConfig = field(default_factory=AuthConfig)  # API key, cluster credential, internal-only
     vision: bool = True  # load the vision tower (False: metadata-only requests only)
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
@@ -90,6 +98,9 @@ class ChatService:
         self.builder = InputBuilder(self.engine.tokenizer, self.model_config)
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
+        # prompts render and tokenize in their own pool: a long prompt never queues media work, nor
+        # media work a prompt
+        self.template_executor = ThreadPoolExecutor(config.template_threads, thread_name_prefix="epd-template")
         self.consumer = make_consumer(config.ec)
         self.embeds = ConnectorEmbeds(
             self.consumer,
@@ -114,6 +125,7 @@ class ChatService:
         self.async_engine.close()
         await self.consumer.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.template_executor.shutdown(wait=False, cancel_futures=True)
 
     def _init_metrics(self) -> None:
         m, sch = self.metrics, self.engine.scheduler
@@ -138,9 +150,21 @@ class ChatService:
             "ec_failures", "metadata-only items whose embeddings could not be fetched", lambda: self.embeds.failures
         )
 
-    async def prepare(self, body: bytes) -> tuple[object, Request]:
+    async def prepare(self, body: bytes, internal: bool = False) -> tuple[object, Request]:
+        """Validate, resolve media and build the engine request. Handles of a request that fails
+        here are released at once: nothing a rejected request was given stays held."""
         cfg = self.config
-        req = decode_chat_request(body, cfg.limits)
+        req = decode_chat_request(body, cfg.limits, cfg.max_prompt_chars)
+        check_embeds_trust(req, internal, cfg.enable_mm_embeds)
+        try:
+            return await self._prepare(req)
+        except BaseException:
+            if internal:
+                await self.embeds.release_all(req)
+            raise
+
+    async def _prepare(self, req: ChatRequest) -> tuple[object, Request]:
+        cfg = self.config
         if req.model != cfg.model_name:
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
@@ -153,7 +177,7 @@ class ChatService:
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(
-                self.executor, self.builder.build, template_messages(req), media, req.chat_template_kwargs
+                self.template_executor, self.builder.build, template_messages(req), media, req.chat_template_kwargs
             )
         except PromptError as e:
             raise BadRequest(str(e)) from None
@@ -214,7 +238,7 @@ class ChatHandlers:
             raise PayloadTooLarge(f"The request body exceeds {s.config.max_request_bytes} bytes.") from None
         s.metrics.inc("requests_total", help_text="chat requests received")
         try:
-            req, ereq = await s.prepare(body)
+            req, ereq = await s.prepare(body, is_internal(request))
         except ApiError as e:
             s.metrics.inc("request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")
             raise
@@ -324,12 +348,12 @@ def _engine_error(out: RequestOutput) -> ApiError:
 def build_app(service: ChatService) -> web.Application:
     h = ChatHandlers(service)
     routes: list[Route] = [
-        ("POST", "/v1/chat/completions", h.chat),
-        ("GET", "/v1/models", h.models),
-        ("GET", "/health", h.health),
-        ("GET", "/metrics", h.metrics),
+        ("POST", "/v1/chat/completions", h.chat, "public"),
+        ("GET", "/v1/models", h.models, "public"),
+        ("GET", "/health", h.health, "open"),
+        ("GET", "/metrics", h.metrics, "open"),
     ]
-    return role_app(service.config.max_request_bytes, routes, service.start, service.close)
+    return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
 
 
 def serve(config: ServerConfig) -> None:

@@ -28,6 +28,7 @@ from epdserve.api.protocol import param_of
 
 ENCODER_PROTOCOL_VERSION: Final = 1  # bump on any incompatible change of the messages below
 
+MAX_RELEASE_HANDLES: Final = 1024  # handles one /v1/release call may carry
 Modality = Literal["image", "video"]
 ItemStatus = Literal["computed", "cache_hit"]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -106,6 +107,14 @@ class EncodeResponse(msgspec.Struct, kw_only=True):
     version: int = ENCODER_PROTOCOL_VERSION
 
 
+class ReleaseRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/release: the router gives back the leases of a request that will not consume them
+    (rejected by the PD worker, retried elsewhere, or abandoned by its client)."""
+
+    handles: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_RELEASE_HANDLES)]
+    version: int = ENCODER_PROTOCOL_VERSION
+
+
 # --------------------------------------------------------------------------- encoding
 
 
@@ -139,6 +148,20 @@ def decode_request(body: bytes, max_items: int) -> EncodeRequest:
         raise BadRequest(
             f"At most {max_items} items may be encoded in one request, got {len(req.items)}.", param="items"
         )
+    return req
+
+
+def encode_release(req: ReleaseRequest) -> bytes:
+    return msgspec.json.encode(req)
+
+
+def decode_release(body: bytes) -> ReleaseRequest:
+    try:
+        req = msgspec.json.decode(body, type=ReleaseRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise BadRequest(f"Invalid release request: {e}", param=param_of(str(e))) from None
+    if req.version != ENCODER_PROTOCOL_VERSION:
+        raise BadRequest(f"Unsupported encoder protocol version {req.version}.", param="version")
     return req
 
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 from aiohttp import web
 
+from epdserve.api.auth import AuthConfig
 from epdserve.api.chat import MediaResolver
 from epdserve.api.errors import ApiError, BadRequest, NotFound, Overloaded, PayloadTooLarge, Unavailable
 from epdserve.api.http import Route, json_response, role_app, run_app
@@ -38,6 +39,7 @@ from epdserve.encoder.protocol import (
     EncodeResponse,
     ItemStatus,
     ItemTimings,
+    decode_release,
     decode_request,
     encode_response,
 )
@@ -47,7 +49,7 @@ from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
-from epdserve.transfer.base import ECProducer, Handle, TransferError
+from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_producer
 
@@ -76,6 +78,8 @@ class EncoderConfig:
     dtype: str = "float32"  # weights and activations: float32 | bfloat16 | float16
     limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send
     ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
+    auth: AuthConfig = field(default_factory=AuthConfig)  # the cluster credential /v1/encode needs
+    retry_after_s: int = 1  # Retry-After of a 429 when the queue or the connector is full
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -200,6 +204,11 @@ class EncoderService:
             m.inc("encoder_items_total", 0, f'status="{status}"', "media items encoded, by how")
         m.inc("encoder_batches_total", 0, help_text="batched vision forwards run")
         m.inc("encode_requests_total", 0, help_text="/v1/encode requests received")
+        p = self.producer
+        m.gauge("encoder_ec_live_handles", "leases issued and not yet released or expired", lambda: p.live_handles)
+        m.gauge("encoder_ec_live_entries", "embedding payloads held for consumers", lambda: p.live_entries)
+        m.gauge("encoder_ec_held_bytes", "payload bytes held for consumers", lambda: p.held_bytes)
+        m.gauge("encoder_ec_capacity_bytes", "bytes the EC connector can hold", lambda: p.capacity_bytes)
 
     def _on_batch(self, report: BatchReport) -> None:
         m = self.metrics
@@ -276,7 +285,7 @@ class EncoderService:
         try:
             res = await self.batcher.encode(uuid, media.grid_thw, media.pixel_values)
         except QueueFull as e:
-            raise Overloaded(f"The encoder is overloaded: {e}.") from None
+            raise Overloaded(f"The encoder is overloaded: {e}.", retry_after_s=self.config.retry_after_s) from None
         except BatcherClosed as e:
             raise Unavailable(f"The encoder is not accepting work: {e}.") from None
         except EncodeError as e:
@@ -297,10 +306,37 @@ class EncoderService:
             t0 = time.perf_counter()
             try:
                 handles.append(self.producer.put(r.uuid, r.embeddings, model_id))
+            except ProducerFull as e:
+                # consumers hold everything the connector can store: a load signal, not a failure,
+                # so the encoder stays healthy and the router spreads or sheds the load
+                self._release_all(handles)
+                log.warning("EC connector full: %s", e)
+                raise Overloaded(
+                    "The encoder's embedding store is full; retry shortly.",
+                    param=f"items[{i}]",
+                    retry_after_s=self.config.retry_after_s,
+                ) from None
             except TransferError as e:
+                self._release_all(handles)
                 raise Unavailable(f"The embeddings could not be published: {e}", param=f"items[{i}]") from None
             r.timings.put_ms = _ms(time.perf_counter() - t0)
         return handles
+
+    def _release_all(self, handles: list[Handle]) -> int:
+        """Producer-side release of leases this encoder issued (abandoned requests); returns how many
+        were live. Handles that do not verify or are not this producer's are ignored."""
+        released = 0
+        for h in handles:
+            try:
+                released += bool(self.producer.release(h))
+            except TransferError as e:
+                log.warning("refused a release: %s", e)
+        return released
+
+    async def release(self, body: bytes) -> int:
+        req = decode_release(body)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.put_executor, self._release_all, req.handles)
 
 
 def handle_nbytes(handle: Handle, tensor: torch.Tensor) -> int:
@@ -336,6 +372,11 @@ class EncoderHandlers:
         s.request_seconds.observe(time.perf_counter() - t0)
         return json_response(encode_response(resp))
 
+    async def release(self, request: web.Request) -> web.Response:
+        released = await self.s.release(await request.read())
+        self.s.metrics.inc("encoder_released_by_router_total", released, help_text="leases the router gave back")
+        return web.json_response({"released": released})
+
     async def models(self, request: web.Request) -> web.Response:
         card = ModelCard(id=self.s.config.model_name, created=int(self.s.started))
         return json_response(encode_json(ModelList(data=[card])))
@@ -352,12 +393,13 @@ class EncoderHandlers:
 def build_app(service: EncoderService) -> web.Application:
     h = EncoderHandlers(service)
     routes: list[Route] = [
-        ("POST", "/v1/encode", h.encode),
-        ("GET", "/v1/models", h.models),
-        ("GET", "/health", h.health),
-        ("GET", "/metrics", h.metrics),
+        ("POST", "/v1/encode", h.encode, "internal"),
+        ("POST", "/v1/release", h.release, "internal"),
+        ("GET", "/v1/models", h.models, "internal"),
+        ("GET", "/health", h.health, "open"),
+        ("GET", "/metrics", h.metrics, "open"),
     ]
-    return role_app(service.config.max_request_bytes, routes, service.start, service.close)
+    return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
 
 
 def serve(config: EncoderConfig) -> None:

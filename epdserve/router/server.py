@@ -1,13 +1,24 @@
 """The router: public OpenAI endpoint of an E+PD deployment.
 
-Per chat request: validate; extract the media parts; assign each item an encoder (the pool's
-policy) and send the items of one encoder in one ``/v1/encode`` call, all encoders concurrently;
-rewrite the parts to metadata-only ``image_embeds`` / ``video_embeds``; forward to a PD worker and
-pass its response bytes through untouched (SSE included). Text-only requests skip the encoders.
+Per chat request: validate all of it (body and text size, model, sampling parameters, media
+limits, who may send metadata-only parts) *before* any encoder spends time on it; extract the
+media parts; assign each item an encoder (the pool's policy) and send the items of one encoder in
+one ``/v1/encode`` call, all encoders concurrently; rewrite the parts to metadata-only
+``image_embeds`` / ``video_embeds``; forward to a PD worker and pass its response bytes through
+untouched (SSE included). Text-only requests skip the encoders. Every internal call carries the
+cluster credential; the client's own credentials never leave the router.
 
-Failures: an encoder that fails (connection, 5xx) gets its items retried on another encoder; a PD
-worker that fails before the first byte is retried once on another (with a fresh encode, since
-the first worker may have consumed the handles); otherwise the client gets 502/503/504 JSON.
+Failures:
+
+- an encoder that fails (connection, 5xx) gets its items retried on another encoder; one that
+  answers 429 (queue or embedding store full) is skipped for this request but stays healthy; when
+  every encoder is busy the client gets 429 with ``Retry-After``;
+- a PD worker that fails before the first byte (connection, 5xx, or 503 ``embeddings_unavailable``
+  because an encoder died) is retried once with a fresh encode on another worker;
+- leases on embeddings the PD worker will not consume (it rejected the request, the request was
+  retried, the client left) are given back to their encoders at once (``/v1/release``);
+- a worker that dies mid-stream ends the client's stream with an OpenAI-style error event and
+  ``[DONE]``; a non-streaming request never sees a partial body (502 JSON instead).
 """
 
 from __future__ import annotations
@@ -16,23 +27,52 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge, Timeout, Unavailable, WorkerFailed
+from epdserve.api.auth import AuthConfig
+from epdserve.api.embeds import EMBEDS_UNAVAILABLE
+from epdserve.api.errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Timeout,
+    Unavailable,
+    WorkerFailed,
+)
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.metrics import Metrics
-from epdserve.api.protocol import decode_chat_request
-from epdserve.encoder.protocol import EncodedItem, EncodeItem, EncodeRequest, decode_response, encode_request
+from epdserve.api.protocol import (
+    DEFAULT_MAX_PROMPT_CHARS,
+    SSE_DONE,
+    ChatRequest,
+    check_embeds_trust,
+    decode_chat_request,
+    sse_error,
+    to_sampling_params,
+)
+from epdserve.encoder.protocol import (
+    EncodedItem,
+    EncodeItem,
+    EncodeRequest,
+    ReleaseRequest,
+    decode_response,
+    encode_release,
+    encode_request,
+)
 from epdserve.media.limits import MediaLimits
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
 MEDIA_TYPES = {"image_url": "image", "video_url": "video"}
+_TAIL = len(SSE_DONE)
 
 
 @dataclass(frozen=True)
@@ -47,9 +87,20 @@ class RouterConfig:
     encode_timeout_s: float = 120.0  # one /v1/encode call
     request_timeout_s: float = 600.0  # one forwarded chat request, end to end
     max_request_bytes: int = 64 << 20  # largest request body
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
     forward_raw_media: bool = False  # skip the encoders: PD workers decode and encode media themselves
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
+    enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
+    retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
+    auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
+
+    def __post_init__(self) -> None:
+        if self.auth.cluster is None:
+            raise ValueError(
+                "the router needs the cluster credential to call its workers: set EPD_CLUSTER_SECRET "
+                "or --cluster-secret-file"
+            )
 
 
 @dataclass
@@ -61,16 +112,27 @@ class MediaRef:
     modality: str
     url: str
     result: EncodedItem | None = None
+    encoder: str = ""  # the encoder that issued ``result``'s lease
+
+
+class _Outcome(Enum):
+    OK = "ok"
+    FAILED = "failed"  # the encoder is broken: mark it and retry elsewhere
+    BUSY = "busy"  # the encoder is saturated (429): retry elsewhere, keep it healthy
 
 
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        assert config.auth.cluster is not None  # checked by RouterConfig
+        self.internal_headers = config.auth.cluster.headers()
         self.encoders = WorkerPool("encoder", list(config.encoders), config.encoder_policy)
         self.pds = WorkerPool("pd", list(config.pds), config.policy)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
+        self._releases: set[asyncio.Task] = set()
+        self._model: tuple[str, int] | None = None  # (served name, max_model_len) of the PD workers
         m = self.metrics
         m.gauge("router_encoders_healthy", "healthy encoder workers", lambda: len(self.encoders.healthy))
         m.gauge("router_pds_healthy", "healthy PD workers", lambda: len(self.pds.healthy))
@@ -85,6 +147,8 @@ class Router:
     async def close(self) -> None:
         if self._probe_task:
             self._probe_task.cancel()
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=5)
         if self.session:
             await self.session.close()
 
@@ -93,15 +157,59 @@ class Router:
         while True:
             try:
                 await asyncio.gather(self.encoders.probe(self.session), self.pds.probe(self.session))
+                if self._model is None:
+                    await self._learn_model()
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
+
+    # ---- validation --------------------------------------------------------------------------
+    async def _pd_models(self) -> tuple[int, bytes] | None:
+        """``GET /v1/models`` of the first healthy PD worker that answers: (status, body)."""
+        assert self.session is not None
+        for pd in self.pds.healthy:
+            try:
+                async with self.session.get(
+                    pd.url + "/v1/models", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=5)
+                ) as r:
+                    return r.status, await r.read()
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                continue
+        return None
+
+    async def _learn_model(self) -> tuple[str, int] | None:
+        """The served model's name and context length, as the PD workers report them."""
+        answer = await self._pd_models()
+        if answer is None or answer[0] != 200:
+            return None
+        try:
+            card = msgspec.json.decode(answer[1])["data"][0]
+            self._model = (str(card["id"]), int(card.get("max_model_len") or 0))
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError):
+            return None
+        return self._model
+
+    async def validate(self, raw: bytes) -> ChatRequest:
+        """Everything a PD worker would refuse without running the model, checked here so that no
+        encoder works (and no lease is taken) for a request that cannot run."""
+        cfg = self.config
+        req = decode_chat_request(raw, cfg.limits, cfg.max_prompt_chars)
+        check_embeds_trust(req, internal=False, enable_mm_embeds=cfg.enable_mm_embeds)
+        model = self._model or await self._learn_model()
+        if model is None:
+            raise Unavailable("No healthy prefill/decode worker is available.")
+        name, max_model_len = model
+        if req.model != name:
+            raise NotFound.model(req.model)
+        to_sampling_params(req, 1, max_model_len or 1 << 30)
+        return req
 
     # ---- encode ------------------------------------------------------------------------------
     async def encode(self, model: str, refs: list[MediaRef]) -> None:
         """Fill ``ref.result`` for every ref, grouping items per encoder, retrying failed groups."""
         pending = list(refs)
         tried: set[str] = set()
+        busy = False
         while pending:
             try:
                 groups: dict[str, tuple[Worker, list[MediaRef]]] = {}
@@ -109,19 +217,24 @@ class Router:
                     w = self.encoders.pick(exclude=tried, key=r.url)
                     groups.setdefault(w.url, (w, []))[1].append(r)
             except NoWorker:
+                if busy:
+                    self.metrics.inc("router_overloaded_total", help_text="requests refused because encoders were busy")
+                    raise Overloaded(
+                        "Every encoder is busy; retry shortly.", retry_after_s=self.config.retry_after_s
+                    ) from None
                 raise Unavailable("No healthy encoder worker is available.") from None
             n = self.config.max_items_per_encode
             calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
             results = await asyncio.gather(*(self._encode_on(model, w, rs) for w, rs in calls))
             pending = []
-            for (w, rs), ok in zip(calls, results, strict=True):
-                if not ok:
+            for (w, rs), outcome in zip(calls, results, strict=True):
+                if outcome is not _Outcome.OK:
                     tried.add(w.url)
+                    busy |= outcome is _Outcome.BUSY
                     self.metrics.inc("router_encoder_retries_total", help_text="encoder calls retried elsewhere")
                     pending += rs
 
-    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef]) -> bool:
-        """True when the items were encoded; False when the worker failed (retry elsewhere)."""
+    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef]) -> _Outcome:
         assert self.session is not None
         body = encode_request(EncodeRequest(model=model, items=[EncodeItem(r.modality, r.url) for r in refs]))  # type: ignore[arg-type]
         w.outstanding += 1
@@ -129,60 +242,122 @@ class Router:
             async with self.session.post(
                 w.url + "/v1/encode",
                 data=body,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **self.internal_headers},
                 timeout=aiohttp.ClientTimeout(total=self.config.encode_timeout_s),
             ) as resp:
                 raw = await resp.read()
+                if resp.status == 429:
+                    return _Outcome.BUSY
+                if resp.status in (401, 403):  # a worker that does not know our credential is misconfigured
+                    log.error("encoder %s refused the cluster credential", w.url)
+                    self.encoders.mark_failed(w)
+                    return _Outcome.FAILED
                 if 400 <= resp.status < 500:  # the media itself is bad: the client's error
                     raise _passthrough_error(resp.status, raw)
                 if resp.status != 200:
                     self.encoders.mark_failed(w)
-                    return False
+                    return _Outcome.FAILED
                 out = decode_response(raw)
         except TimeoutError:
             raise Timeout("An encoder did not answer in time.") from None
         except (aiohttp.ClientError, OSError):
             self.encoders.mark_failed(w)
-            return False
+            return _Outcome.FAILED
         finally:
             w.outstanding -= 1
         if len(out.items) != len(refs):
+            self._release({w.url: [item.ec_handle for item in out.items]})
             raise WorkerFailed("An encoder returned a different number of items than requested.")
         for r, item in zip(refs, out.items, strict=True):
-            r.result = item
-        return True
+            r.result, r.encoder = item, w.url
+        return _Outcome.OK
+
+    async def _encode_shielded(self, model: str, refs: list[MediaRef]) -> None:
+        """``encode``, finishing in the background if the client leaves meanwhile: the leases the
+        encoders issue for it are then given back as soon as they arrive, not after their TTL."""
+        task = asyncio.ensure_future(self.encode(model, refs))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def release(t: asyncio.Future) -> None:
+                if not t.cancelled():
+                    t.exception()  # retrieved: the client is gone, nobody else will read it
+                self._release(self._take_leases(refs))
+
+            task.add_done_callback(release)
+            raise
+
+    def _take_leases(self, refs: list[MediaRef]) -> dict[str, list[dict]]:
+        """The leases the refs hold, per encoder; the refs forget them."""
+        leases: dict[str, list[dict]] = {}
+        for r in refs:
+            if r.result is not None:
+                leases.setdefault(r.encoder, []).append(r.result.ec_handle)
+                r.result = None
+        return leases
+
+    def _release(self, leases: dict[str, list[dict]]) -> None:
+        """Give leases back to their encoders in the background (it must outlive a cancelled handler)."""
+        for url, handles in leases.items():
+            if handles:
+                task = asyncio.create_task(self._release_on(url, handles))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _release_on(self, url: str, handles: list[dict]) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.post(
+                url + "/v1/release",
+                data=encode_release(ReleaseRequest(handles=handles)),
+                headers={"Content-Type": "application/json", **self.internal_headers},
+                timeout=aiohttp.ClientTimeout(total=10),
+            ) as r:
+                await r.read()
+            self.metrics.inc("router_leases_released_total", len(handles), help_text="leases given back to encoders")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            log.warning("could not release %d leases on %s (they expire by TTL): %s", len(handles), url, e)
 
     # ---- chat --------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.metrics.inc("router_requests_total", help_text="chat requests received")
-        req = decode_chat_request(raw, self.config.limits)  # same 400s as the workers would give
+        req = await self.validate(raw)
         body: dict[str, Any] = msgspec.json.decode(raw)
         refs = [] if self.config.forward_raw_media else _media_refs(body)
         attempts_left = 2
         exclude: set[str] = set()
         while True:
             attempts_left -= 1
-            if refs:
-                t0 = time.perf_counter()
-                await self.encode(req.model, refs)
-                self.encode_hist.observe(time.perf_counter() - t0)
-                for r in refs:
-                    assert r.result is not None
-                    body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
+            consumed = False  # once the PD worker accepted the request, its leases are its own
             try:
-                pd = self.pds.pick(exclude=exclude)
-            except NoWorker:
-                raise Unavailable("No healthy prefill/decode worker is available.") from None
-            try:
-                return await self._forward(request, pd, msgspec.json.encode(body))
+                if refs:
+                    t0 = time.perf_counter()
+                    await self._encode_shielded(req.model, refs)
+                    self.encode_hist.observe(time.perf_counter() - t0)
+                    for r in refs:
+                        assert r.result is not None
+                        body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
+                try:
+                    pd = self.pds.pick(exclude=exclude)
+                except NoWorker:
+                    raise Unavailable("No healthy prefill/decode worker is available.") from None
+                resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
+                return resp
             except _RetryablePD as e:
-                exclude.add(pd.url)
+                exclude.add(e.url)
                 self.metrics.inc("router_pd_retries_total", help_text="PD calls retried before the first byte")
                 if attempts_left <= 0:
                     raise WorkerFailed(f"The prefill/decode worker failed: {e}") from None
+            finally:
+                if not consumed:
+                    self._release(self._take_leases(refs))
 
-    async def _forward(self, request: web.Request, pd: Worker, body: bytes) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, pd: Worker, body: bytes, stream: bool
+    ) -> tuple[web.StreamResponse, bool]:
+        """The client's response, and whether the PD worker accepted the request (took its leases)."""
         assert self.session is not None
         t0 = time.perf_counter()
         pd.outstanding += 1
@@ -191,34 +366,67 @@ class Router:
                 upstream = await self.session.post(
                     pd.url + "/v1/chat/completions",
                     data=body,
-                    headers={"Content-Type": "application/json"},
+                    headers={"Content-Type": "application/json", **self.internal_headers},
                     timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
                 )
             except TimeoutError:
                 raise Timeout("The prefill/decode worker did not answer in time.") from None
             except (aiohttp.ClientError, OSError) as e:
                 self.pds.mark_failed(pd)
-                raise _RetryablePD(str(e)) from None
+                raise _RetryablePD(pd.url, str(e)) from None
             async with upstream:
-                if upstream.status >= 500 and upstream.status != 503:
-                    raise _RetryablePD(f"HTTP {upstream.status}")
+                if upstream.status == 503:
+                    raw = await upstream.read()
+                    if _error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
+                        raise _RetryablePD(pd.url, "embeddings unavailable")
+                    return _error_response(upstream, raw), False
+                if upstream.status >= 500:
+                    raise _RetryablePD(pd.url, f"HTTP {upstream.status}")
+                if upstream.status != 200 or not stream:
+                    try:
+                        raw = await upstream.read()
+                    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                        self.pds.mark_failed(pd)  # died mid-body: nothing reached the client yet
+                        raise _RetryablePD(pd.url, f"failed mid-response: {e}") from None
+                    self.ttfb_hist.observe(time.perf_counter() - t0)
+                    return _error_response(upstream, raw), upstream.status == 200
                 self.ttfb_hist.observe(time.perf_counter() - t0)
-                resp = web.StreamResponse(status=upstream.status)
-                for h in ("Content-Type", "Cache-Control"):
-                    if h in upstream.headers:
-                        resp.headers[h] = upstream.headers[h]
-                await resp.prepare(request)
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                except ConnectionResetError:
-                    pass  # the client left: closing upstream makes the PD worker abort the request
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    log.warning("PD %s failed mid-response: %s", pd.url, e)  # bytes already sent: just end
-                return resp
+                return await self._relay_stream(request, upstream, pd), True
         finally:
             pd.outstanding -= 1
+
+    async def _relay_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200)
+        for h in ("Content-Type", "Cache-Control"):
+            if h in upstream.headers:
+                resp.headers[h] = upstream.headers[h]
+        await resp.prepare(request)
+        tail = b""
+        failure: str | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+                tail = (tail + chunk)[-_TAIL:]
+            if tail != SSE_DONE:
+                failure = "the stream ended early"
+        except ConnectionResetError:
+            return resp  # the client left: closing upstream makes the PD worker abort the request
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            failure = str(e) or type(e).__name__
+        if failure is not None:
+            # a worker that died mid-stream: say so in the stream, then end it cleanly
+            log.warning("PD %s failed mid-stream: %s", pd.url, failure)
+            self.pds.mark_failed(pd)
+            self.metrics.inc("router_streams_failed_total", help_text="streams a worker broke off")
+            err = WorkerFailed("The prefill/decode worker failed while streaming; the answer is incomplete.")
+            try:
+                await resp.write(sse_error(err) + SSE_DONE)
+            except ConnectionResetError:
+                return resp
+        await resp.write_eof()
+        return resp
 
     # ---- admin -------------------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
@@ -246,14 +454,10 @@ class Router:
         return web.json_response({"encoders": rows(self.encoders), "pds": rows(self.pds)})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        assert self.session is not None
-        for pd in self.pds.healthy:
-            try:
-                async with self.session.get(pd.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return json_response(await r.read(), r.status)
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                continue
-        raise Unavailable("No healthy prefill/decode worker is available.")
+        answer = await self._pd_models()
+        if answer is None:
+            raise Unavailable("No healthy prefill/decode worker is available.")
+        return json_response(answer[1], answer[0])
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.pds.healthy:
@@ -265,7 +469,25 @@ class Router:
 
 
 class _RetryablePD(Exception):
-    pass
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(reason)
+        self.url = url
+
+
+def _error_code(raw: bytes) -> str | None:
+    try:
+        code = msgspec.json.decode(raw)["error"]["code"]
+    except Exception:
+        return None
+    return code if isinstance(code, str) else None
+
+
+def _error_response(upstream: aiohttp.ClientResponse, raw: bytes) -> web.Response:
+    resp = web.Response(body=raw, status=upstream.status)
+    for h in ("Content-Type", "Retry-After"):
+        if h in upstream.headers:
+            resp.headers[h] = upstream.headers[h]
+    return resp
 
 
 def _passthrough_error(status: int, raw: bytes) -> ApiError:
@@ -276,6 +498,8 @@ def _passthrough_error(status: int, raw: bytes) -> ApiError:
         message = raw[:200].decode(errors="replace")
     if status == 413:
         return PayloadTooLarge(message)
+    if status == 404:
+        return NotFound(message, param="model", code="model_not_found")
     if status == 504:
         return Timeout(message)
     return BadRequest(message)
@@ -306,15 +530,15 @@ def _media_refs(body: dict[str, Any]) -> list[MediaRef]:
 
 def build_app(router: Router) -> web.Application:
     routes: list[Route] = [
-        ("POST", "/v1/chat/completions", router.chat),
-        ("GET", "/v1/models", router.models),
-        ("GET", "/health", router.health),
-        ("GET", "/metrics", router.metrics_text),
-        ("GET", "/v1/workers", router.workers),
-        ("POST", "/v1/workers", router.register),
-        ("DELETE", "/v1/workers", router.register),
+        ("POST", "/v1/chat/completions", router.chat, "public"),
+        ("GET", "/v1/models", router.models, "public"),
+        ("GET", "/health", router.health, "open"),
+        ("GET", "/metrics", router.metrics_text, "open"),
+        ("GET", "/v1/workers", router.workers, "admin"),
+        ("POST", "/v1/workers", router.register, "admin"),
+        ("DELETE", "/v1/workers", router.register, "admin"),
     ]
-    return role_app(router.config.max_request_bytes, routes, router.start, router.close)
+    return role_app(router.config.max_request_bytes, routes, router.start, router.close, router.config.auth)
 
 
 def serve_router(config: RouterConfig) -> None:
