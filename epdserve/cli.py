@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from epdserve.assets import default_model_dir
 
 if TYPE_CHECKING:
     from epdserve.media.limits import MediaLimits
+    from epdserve.security.credentials import ClusterCredential
 
 
 def _log_to_stderr() -> None:
@@ -84,11 +85,14 @@ def _train_shapes(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from epdserve.api.auth import AuthConfig
     from epdserve.api.server import ServerConfig, serve
     from epdserve.engine.config import EngineConfig
+    from epdserve.security.credentials import api_key_from
     from epdserve.transfer.config import ECConfig
 
     _log_to_stderr()
+    cluster = _cluster_credential(args)
     limits = media_limits(args)
     engine = EngineConfig(
         block_size=args.block_size,
@@ -107,7 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
         engine=engine,
         limits=limits,
         vision=not args.no_vision_tower,
-        ec=ECConfig(fs_dir=args.ec_fs_dir),
+        max_prompt_chars=args.max_prompt_chars,
+        enable_mm_embeds=args.enable_mm_embeds,
+        ec=ECConfig(fs_dir=args.ec_fs_dir, secret=cluster.secret.decode() if cluster else ""),
+        auth=AuthConfig(api_key=api_key_from(args.api_key), cluster=cluster, internal_only=args.internal_only),
     )
     serve(config)
     return 0
@@ -116,11 +123,16 @@ def _serve(args: argparse.Namespace) -> int:
 def _encoder(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from epdserve.api.auth import AuthConfig
     from epdserve.encoder.server import EncoderConfig, serve
     from epdserve.transfer.config import ECConfig
 
     _log_to_stderr()
+    cluster = _cluster_credential(args)
+    if cluster is None:
+        _usage_error("the encoder needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file")
     ec = ECConfig(
+        secret=cluster.secret.decode(),
         connector=args.ec_connector,
         shm_bytes=args.ec_shm_bytes,
         fs_dir=args.ec_fs_dir,
@@ -140,6 +152,7 @@ def _encoder(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         limits=media_limits(args),
         ec=ec,
+        auth=AuthConfig(cluster=cluster),
     )
     serve(config)
     return 0
@@ -152,7 +165,12 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8100)
     s.add_argument("--ec-connector", choices=("shm", "tcp", "fs"), default="shm", help="how embeddings reach the LM")
-    s.add_argument("--ec-shm-bytes", type=int, default=256 << 20, help="size of the shm connector's slab")
+    s.add_argument(
+        "--ec-shm-bytes",
+        type=int,
+        default=0,
+        help="size of the shm connector's slab (0: 256 MiB, or half of the free space of /dev/shm if less)",
+    )
     s.add_argument("--ec-fs-dir", default="", help="shared directory of the fs connector")
     s.add_argument("--ec-tcp-port", type=int, default=0, help="port of the tcp connector's data server (0: any)")
     s.add_argument("--ec-instance", default=None, help="name in slab/file names (default: encoder-<port>)")
@@ -164,6 +182,7 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--device", default="cpu", help="torch device of the vision tower")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_cluster_args(s)
     add_media_args(s)
 
 
@@ -188,7 +207,59 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
         "2 threads made the embedded model 1.55x slower here (docs/benchmarks.md)",
     )
     s.add_argument("--no-vision-tower", action="store_true", help="metadata-only media: do not load the vision tower")
+    add_public_args(s)
+    s.add_argument(
+        "--internal-only",
+        action="store_true",
+        help="serve only callers that hold the cluster credential (a worker behind a router)",
+    )
+    add_cluster_args(s)
     add_media_args(s)
+
+
+def add_public_args(s: argparse.ArgumentParser) -> None:
+    """Flags of a role that serves the public OpenAI API."""
+    from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
+
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer <key>' (default: $EPD_API_KEY; unset: no key needed)",
+    )
+    s.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="most characters of text in one request; longer requests get 413 before any tokenization",
+    )
+    s.add_argument(
+        "--enable-mm-embeds",
+        action="store_true",
+        help="accept clients' own image/video embeddings, inline only (never connector handles)",
+    )
+
+
+def add_cluster_args(s: argparse.ArgumentParser) -> None:
+    """The internal credential every role of one deployment shares."""
+    s.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="file holding the deployment's internal secret (default: $EPD_CLUSTER_SECRET; 'up' makes one)",
+    )
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(f"epdserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _cluster_credential(args: argparse.Namespace) -> ClusterCredential | None:
+    from epdserve.security.credentials import ClusterCredential, CredentialError
+
+    try:
+        return ClusterCredential.load(args.cluster_secret_file)
+    except CredentialError as e:
+        _usage_error(str(e))
 
 
 def add_media_args(s: argparse.ArgumentParser) -> None:
@@ -218,9 +289,17 @@ def media_limits(args: argparse.Namespace) -> MediaLimits:
 
 
 def _router(args: argparse.Namespace) -> int:
+    from epdserve.api.auth import AuthConfig
     from epdserve.router.server import RouterConfig, serve_router
+    from epdserve.security.credentials import ADMIN_KEY_ENV, api_key_from
 
     _log_to_stderr()
+    cluster = _cluster_credential(args)
+    if cluster is None:
+        _usage_error("the router needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file")
+    auth = AuthConfig(
+        api_key=api_key_from(args.api_key), admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV), cluster=cluster
+    )
     serve_router(
         RouterConfig(
             host=args.host,
@@ -232,6 +311,9 @@ def _router(args: argparse.Namespace) -> int:
             probe_interval_s=args.probe_interval,
             forward_raw_media=args.forward_raw_media,
             limits=media_limits(args),
+            max_prompt_chars=args.max_prompt_chars,
+            enable_mm_embeds=args.enable_mm_embeds,
+            auth=auth,
         )
     )
     return 0
@@ -240,16 +322,36 @@ def _router(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from epdserve.up import Deployment, Topology, run_up
+    from epdserve.security.credentials import ADMIN_KEY_ENV, ClusterCredential, CredentialError, api_key_from
+    from epdserve.up import Deployment, run_up
 
+    try:
+        # a fresh secret per run unless given: never one inherited from the shell's environment
+        cluster = ClusterCredential.from_file(args.cluster_secret_file) if args.cluster_secret_file else None
+    except CredentialError as e:
+        print(f"epdserve up: {e}", file=sys.stderr)
+        return 2
+    cluster = cluster or ClusterCredential.generate()
+    lm_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    lm_args += ["--threads", str(args.threads)] if args.threads is not None else []
+    media_args = ["--allowed-media-domains", *args.allowed_media_domains] if args.allowed_media_domains else []
+    media_args += ["--allow-private-media"] if args.allow_private_media else []
+    pd_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
     deployment = Deployment(
-        Topology.parse(args.topology),
+        args.topology,
         args.model,
         host=args.host,
         port=args.port,
         pin=args.pin_cores,
         ec_connector=args.ec_connector,
+        extra_pd_args=[*lm_args, *pd_args],
+        extra_encoder_args=lm_args,
+        extra_args=media_args,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        api_key=api_key_from(args.api_key),
+        admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),
+        cluster=cluster,
+        verbose=True,
     )
     return run_up(deployment)
 
@@ -384,17 +486,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--forward-raw-media", action="store_true", help="skip the encoders; PD workers process media (baseline)"
     )
+    add_public_args(s)
+    s.add_argument(
+        "--admin-key",
+        default=None,
+        help="key that worker registration (/v1/workers) needs (default: $EPD_ADMIN_KEY; unset: registration off)",
+    )
+    add_cluster_args(s)
     add_media_args(s)
     commands["router"] = _router
 
-    s = sub.add_parser("up", help="start a whole topology locally (aggregated, 1e+1pd, 2e+1pd, <N>e+<M>pd)")
-    s.add_argument("--topology", default="1e+1pd", help="aggregated | <N>e+<M>pd (default 1e+1pd)")
+    s = sub.add_parser(
+        "up",
+        help="start a whole topology locally (aggregated, 1e+1pd, 2e+1pd, <N>e+<M>pd) and keep it running",
+        description="Start every role, restart any that dies (same port, back-off 0.5 s doubling to 10 s), "
+        "stop all on SIGINT/SIGTERM/SIGHUP (a second signal kills at once). Exit codes: 0 stopped by a "
+        "signal, 1 a role failed to start, 2 bad flags or the public port is in use.",
+    )
+    from epdserve.up import topology_arg
+
+    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help="aggregated | <N>e+<M>pd (default 1e+1pd)")
     s.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
     s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
     s.add_argument("--ec-connector", choices=["shm", "tcp", "fs"], default="shm")
     s.add_argument("--log-dir", default=None, help="write each role's log here")
+    s.add_argument("--api-key", default=None, help="key public clients must send (default: $EPD_API_KEY; none: open)")
+    s.add_argument("--admin-key", default=None, help="key of the router's admin API (default: $EPD_ADMIN_KEY)")
+    s.add_argument(
+        "--cluster-secret-file", default=None, help="secret shared by the roles (default: a new one per run)"
+    )
+    s.add_argument("--max-model-len", type=int, default=None, help="of every LM instance (default: serve's)")
+    s.add_argument("--served-model-name", default=None, help="model name clients use (default: directory name)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads per encoder and LM instance")
+    s.add_argument("--allowed-media-domains", nargs="*", default=None, help="hosts allowed for http(s) media")
+    s.add_argument("--allow-private-media", action="store_true", help="allow media from private/loopback addresses")
     commands["up"] = _up
 
     s = sub.add_parser("bench", help="load-test an OpenAI-compatible chat endpoint (TTFT/TPOT/ITL/E2E, goodput)")

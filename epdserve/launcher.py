@@ -1,21 +1,45 @@
-"""Start epdserve role processes locally and wait for them to become healthy."""
+"""Start epdserve role processes locally, tie their lives to ours, and wait for them to become healthy."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class Cancelled(Exception):
+    """A wait was abandoned because a stop was requested."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_available(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as the roles' servers set it,
+    so a port whose old connections linger in TIME_WAIT counts as free, one with a listener does not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
 
 
 def is_healthy(url: str, timeout: float = 1.0) -> bool:
@@ -26,30 +50,72 @@ def is_healthy(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel send the child SIGTERM when its parent dies, however the
+    parent dies (SIGKILL included). SIGTERM rather than SIGKILL so the role still runs its shutdown
+    and unlinks its shared-memory slab. The setting survives exec (of ``taskset`` and of python).
+    Everything is looked up here, in the parent: between fork and exec the child may only call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would tell us
+            os._exit(1)
+
+    return preexec
+
+
 def start_role(
-    args: Sequence[str], cpus: Sequence[int] | None = None, log_path: str | None = None, env: dict | None = None
+    args: Sequence[str],
+    cpus: Sequence[int] | None = None,
+    log_path: str | None = None,
+    env: Mapping[str, str | None] | None = None,
 ) -> subprocess.Popen:
-    """``epdserve <args>`` as a child process in its own process group (optionally pinned to cpus)."""
+    """``epdserve <args>`` as a child process in its own process group (optionally pinned to cpus).
+
+    ``env`` adds variables to ours; a value of None removes one. The child gets SIGTERM when the
+    thread that started it ends (PR_SET_PDEATHSIG follows the creating thread): start roles from a
+    thread that lives as long as they should, normally the main thread."""
     cmd = [sys.executable, "-m", "epdserve.cli", *args]
     if cpus:
         cmd = ["taskset", "-c", ",".join(str(c) for c in cpus), *cmd]
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    return subprocess.Popen(
-        cmd,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-        stdout=out,
-        stderr=subprocess.STDOUT if log_path else None,
-        start_new_session=True,
-    )
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k, v in (env or {}).items():
+        if v is None:
+            child_env.pop(k, None)
+        else:
+            child_env[k] = v
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed below, the child has its copy
+    try:
+        return subprocess.Popen(
+            cmd,
+            env=child_env,
+            stdout=log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if log else None,
+            # its own group: a terminal's Ctrl-C reaches only the parent, which stops roles in order
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
+    finally:
+        if log:
+            log.close()
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> float:
-    """Seconds until ``url`` answered /health; raises if the process died or time ran out."""
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout: float = 180.0, cancelled: Callable[[], bool] | None = None
+) -> float:
+    """Seconds until ``url`` answered /health; raises if the process died, time ran out, or
+    ``cancelled()`` became true (``Cancelled``)."""
     t0 = time.time()
     while time.time() - t0 < timeout:
+        if cancelled is not None and cancelled():
+            raise Cancelled(url)
         if proc.poll() is not None:
             raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
-        if is_healthy(url):
+        if is_healthy(url, timeout=0.5):
             return time.time() - t0
         time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")

@@ -1,28 +1,48 @@
-"""``epdserve up``: start a whole topology on this machine, wait for health, stop it cleanly.
+"""``epdserve up``: start a whole topology on this machine, keep it running, stop it cleanly.
 
 Topologies: ``aggregated`` (one ``serve`` process doing E+P+D) or ``<N>e+<M>pd`` (N encoder
 instances, M prefill+decode instances, one router on the public port). Every role is its own
-process (its own process group), optionally pinned to cores. On Ctrl-C / SIGTERM every child is
-stopped and any shared-memory slab a child left behind is removed.
+process (its own process group), optionally pinned to cores.
+
+- Only the public role (router, or the aggregated server) binds ``host``; the roles behind it bind
+  and are addressed at 127.0.0.1, and PD workers behind a router accept only cluster callers.
+- Every role gets the cluster secret in its environment (never on a command line, where ``ps``
+  shows it); the API key reaches only the public role, the admin key only the router.
+- A role that dies after start-up is restarted on its port (``epdserve.supervisor``); one that
+  fails during start-up stops everything.
+- Children cannot outlive ``up``: each gets SIGTERM from the kernel when ``up`` dies, however it
+  dies, and SIGINT/SIGTERM/SIGHUP stop everything at any time (a second one kills at once).
+
+Exit codes of ``run_up``: 0 after a stop asked for by a signal, 1 when a role failed to start,
+2 when the public port is taken (argparse also exits 2 on bad flags).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.launcher import Cancelled, free_port, port_available, wait_healthy
+from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
+from epdserve.supervisor import RestartPolicy, Role, Supervisor
+
+__all__ = ["Deployment", "PortInUseError", "Role", "StartupError", "Topology", "plan_cores", "run_up"]
 
 TOPOLOGY = re.compile(r"^(?:(?P<agg>aggregated)|(?P<e>\d+)e\+(?P<pd>\d+)pd)$")
+INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable from this machine only
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_TIMEOUT_S = 8.0  # grace for all roles together after SIGTERM, then SIGKILL
 
 
 @dataclass(frozen=True)
@@ -47,11 +67,20 @@ class Topology:
         return cls(e, pd)
 
 
-@dataclass
-class Role:
-    name: str
-    url: str
-    proc: subprocess.Popen
+def topology_arg(text: str) -> Topology:
+    """``Topology.parse`` as an argparse ``type=``: a bad value is a usage error, not a traceback."""
+    try:
+        return Topology.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class StartupError(RuntimeError):
+    """A role did not come up; everything started has been stopped."""
+
+
+class PortInUseError(StartupError):
+    """The public port cannot be bound; nothing was started."""
 
 
 def plan_cores(topo: Topology, cores: list[int]) -> dict[str, list[int]]:
@@ -70,7 +99,19 @@ def plan_cores(topo: Topology, cores: list[int]) -> dict[str, list[int]]:
     return plan
 
 
+def http_host(host: str) -> str:
+    """How to reach a server bound to ``host`` from this machine, as a URL host."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 class Deployment:
+    """The roles of one topology on this machine. ``start`` blocks until all are healthy,
+    ``supervise`` keeps them running until ``request_stop``, ``stop`` ends them."""
+
     def __init__(
         self,
         topology: Topology,
@@ -82,6 +123,14 @@ class Deployment:
         extra_pd_args: list[str] | None = None,
         log_dir: Path | None = None,
         extra_router_args: list[str] | None = None,
+        extra_encoder_args: list[str] | None = None,
+        extra_args: list[str] | None = None,
+        api_key: str = "",
+        admin_key: str = "",
+        cluster: ClusterCredential | None = None,
+        restart: RestartPolicy | None = None,
+        startup_timeout_s: float = 180.0,
+        verbose: bool = False,
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -89,118 +138,190 @@ class Deployment:
         self.port = port
         self.pin = pin
         self.ec_connector = ec_connector
-        self.extra_pd_args = extra_pd_args or []
+        self.extra_pd_args = extra_pd_args or []  # PD workers and the aggregated server
         self.extra_router_args = extra_router_args or []
+        self.extra_encoder_args = extra_encoder_args or []
+        self.extra_args = extra_args or []  # every role (media limits: each role that fetches media has them)
         self.log_dir = log_dir
+        self.api_key = api_key
+        self.admin_key = admin_key
+        # in-process callers (tests, benchmarks) talk to internal roles with the environment's
+        # credential when there is one; ``epdserve up`` passes its own (generated or from a file)
+        self.cluster = cluster or ClusterCredential.load() or ClusterCredential.generate()
+        self.restart = restart or RestartPolicy()
+        self.startup_timeout_s = startup_timeout_s
+        self.verbose = verbose  # one line per role start and restart on stderr
         self.roles: list[Role] = []
-        self.secret = secrets.token_hex(16)
-        self.fs_dir = Path("/tmp") / f"epd-ec-fs-{os.getpid()}"
+        self.fs_dir: Path | None = None
         self.startup_s = 0.0
+        self.stop_signal = 0  # the signal that asked us to stop (0: none yet)
+        self.stopping = False
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{http_host(self.host)}:{self.port}"
 
-    def _start(self, name: str, args: list[str], port: int, cpus: list[int] | None) -> Role:
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Make ``start`` and ``supervise`` return soon (safe from a signal handler)."""
+        self.stop_signal = self.stop_signal or signum
+
+    def _say(self, text: str) -> None:
+        if self.verbose:
+            print(f"epdserve up: {text}", file=sys.stderr, flush=True)
+
+    def _env(self, public: bool, router: bool) -> dict[str, str | None]:
+        return {
+            CLUSTER_SECRET_ENV: self.cluster.secret.decode(),
+            API_KEY_ENV: (self.api_key or None) if public else None,
+            ADMIN_KEY_ENV: (self.admin_key or None) if router else None,
+        }
+
+    def _launch(self, name: str, args: list[str], port: int, cpus: list[int] | None, public: bool = False) -> Role:
+        if self.stop_signal:
+            raise Cancelled(name)
+        host = self.host if public else INTERNAL_HOST
         log = str(self.log_dir / f"{name}.log") if self.log_dir else None
-        proc = start_role([*args, "--host", self.host, "--port", str(port)], cpus, log, {"EPD_EC_SECRET": self.secret})
-        role = Role(name, f"http://{self.host}:{port}", proc)
+        env = self._env(public, router=name == "router")
+        role = Role(
+            name, f"http://{http_host(host)}:{port}", [*args, "--host", host, "--port", str(port)], cpus, log, env
+        )
+        try:
+            role.launch()
+        except OSError as e:  # e.g. taskset missing for --pin-cores
+            raise StartupError(f"could not start {name}: {e}") from None
         self.roles.append(role)
+        self._say(f"{name} pid {role.proc.pid} at {role.url}" + (f" (log {log})" if log else ""))
         return role
+
+    def _wait(self, roles: list[Role]) -> None:
+        for r in roles:
+            try:
+                wait_healthy(r.url, r.proc, self.startup_timeout_s, cancelled=lambda: bool(self.stop_signal))
+            except RuntimeError:
+                where = f"its log: {r.log}" if r.log else "its output is above"
+                raise StartupError(f"{r.name} exited with code {r.proc.returncode} during start-up ({where})") from None
+            except TimeoutError:
+                raise StartupError(f"{r.name} was not healthy at {r.url} after {self.startup_timeout_s:.0f}s") from None
 
     def start(self) -> None:
         t0 = time.time()
+        if not port_available(self.host, self.port):
+            raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         topo = self.topology
         try:
             if topo.aggregated:
-                self._start("serve", ["serve", *self.model_args, *self.extra_pd_args], self.port, None)
+                args = ["serve", *self.model_args, *self.extra_pd_args, *self.extra_args]
+                self._wait([self._launch("serve", args, self.port, None, public=True)])
             else:
-                cores = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else {}
-                enc_urls, pd_urls = [], []
-                for i in range(topo.encoders):
-                    args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector]
-                    if self.ec_connector == "tcp":
-                        args += ["--ec-tcp-port", str(free_port())]
-                    elif self.ec_connector == "fs":
-                        args += ["--ec-fs-dir", str(self.fs_dir)]
-                    enc_urls.append(self._start(f"encoder{i}", args, free_port(), cores.get(f"encoder{i}")).url)
-                # behind encoders the PD workers only see metadata-only media: no vision weights,
-                # unless the router forwards raw media (the baseline of the metadata-only benchmark)
-                no_vision = [] if "--forward-raw-media" in self.extra_router_args else ["--no-vision-tower"]
-                for i in range(topo.pds):
-                    args = ["serve", *self.model_args, *self.extra_pd_args, *no_vision]
-                    if self.ec_connector == "fs":
-                        args += ["--ec-fs-dir", str(self.fs_dir)]
-                    pd_urls.append(self._start(f"pd{i}", args, free_port(), cores.get(f"pd{i}")).url)
-                for r in self.roles:
-                    wait_healthy(r.url, r.proc)
-                args = ["router", "--encoders", *enc_urls, "--pds", *pd_urls, *self.extra_router_args]
-                self._start("router", args, self.port, None)
-            for r in self.roles:
-                wait_healthy(r.url, r.proc)
+                self._start_disaggregated(topo)
         except BaseException:
             self.stop()
             raise
         self.startup_s = time.time() - t0
 
+    def _start_disaggregated(self, topo: Topology) -> None:
+        cores = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else {}
+        fs_args: list[str] = []
+        if self.ec_connector == "fs":
+            # private (0700) and unpredictable: nobody else can plant or read embeddings there
+            self.fs_dir = Path(tempfile.mkdtemp(prefix="epd-ec-fs-"))
+            fs_args = ["--ec-fs-dir", str(self.fs_dir)]
+        encoders, pds = [], []
+        for i in range(topo.encoders):
+            args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector, *fs_args]
+            if self.ec_connector == "tcp":
+                args += ["--ec-tcp-port", str(free_port())]
+            args += [*self.extra_encoder_args, *self.extra_args]
+            encoders.append(self._launch(f"encoder{i}", args, free_port(), cores.get(f"encoder{i}")))
+        # behind encoders the PD workers only see metadata-only media: no vision weights,
+        # unless the router forwards raw media (the baseline of the metadata-only benchmark)
+        no_vision = [] if "--forward-raw-media" in self.extra_router_args else ["--no-vision-tower"]
+        for i in range(topo.pds):
+            args = ["serve", *self.model_args, *self.extra_pd_args, *no_vision, *fs_args, "--internal-only"]
+            pds.append(self._launch(f"pd{i}", [*args, *self.extra_args], free_port(), cores.get(f"pd{i}")))
+        self._wait([*encoders, *pds])
+        args = ["router", "--encoders", *(r.url for r in encoders), "--pds", *(r.url for r in pds)]
+        args += [*self.extra_router_args, *self.extra_args]
+        self._wait([self._launch("router", args, self.port, None, public=True)])
+
+    def supervise(self) -> None:
+        """Restart roles that die, until ``request_stop``."""
+        supervisor = Supervisor(self.roles, self.restart, self._say)
+        while not self.stop_signal:
+            supervisor.check()
+            time.sleep(self.restart.poll_s)
+
+    def kill(self) -> None:
+        """SIGKILL every role's process group now (the answer to a second stop signal)."""
+        for r in self.roles:
+            r.kill_group(signal.SIGKILL)
+
     def stop(self) -> None:
-        # the public endpoint first, then the workers behind it
-        for r in reversed(self.roles):
+        self.stopping = True
+        # the public endpoint first, then the workers behind it; SIGTERM lets each close its EC producer
+        roles = list(reversed(self.roles))
+        for r in roles:
             if r.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(r.proc.pid, signal.SIGTERM)
-        for r in reversed(self.roles):
-            stop(r.proc)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(r.proc.pid, signal.SIGKILL)  # anything the role left in its group
-        remove_stale_segments([r.proc.pid for r in self.roles])
-        if self.fs_dir.is_dir():
+                r.kill_group(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for r in roles:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for r in roles:
+            r.kill_group(signal.SIGKILL)  # a role past its grace, and anything a role left in its group
+            r.proc.wait()
+        remove_slabs_of({pid for r in roles for pid in r.pids})
+        if self.fs_dir is not None:
             shutil.rmtree(self.fs_dir, ignore_errors=True)
+            self.fs_dir = None
         self.roles = []
 
 
-def remove_stale_segments(pids: list[int], shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove EC slabs left by the given (now dead) processes."""
-    removed: list[str] = []
-    d = Path(shm_dir)
-    if not d.is_dir():
-        return removed
-    for f in d.glob("epd-ec-*"):
-        m = re.search(r"-(\d+)$", f.name)
-        if m and int(m.group(1)) in pids:
-            f.unlink(missing_ok=True)
-            removed.append(str(f))
-    return removed
+def remove_slabs_of(pids: Collection[int], shm_dir: Path = Path("/dev/shm")) -> list[Path]:
+    """Unlink the EC slabs these (now dead) processes left: a slab named with one of their pids
+    whose exclusive flock nobody holds (a live producer always holds its own)."""
+    if not shm_dir.is_dir() or not any(shm_dir.glob("epd-ec-*")):
+        return []
+    from epdserve.transfer.shm import remove_stale_slabs  # imports torch: only when there is something to do
+
+    return remove_stale_slabs(shm_dir, pids)
 
 
 def run_up(deployment: Deployment) -> int:
-    """Start, print the URL, block until SIGINT/SIGTERM, stop everything."""
-    stopping = False
+    """Start, print the URL, keep the roles running until SIGINT/SIGTERM/SIGHUP, stop everything.
+    A signal stops at any time, start-up included; a second one while stopping kills at once."""
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        if deployment.stopping:
+            deployment.kill()
+        else:
+            deployment.request_stop(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
-        deployment.start()
+        try:
+            deployment.start()
+        except Cancelled:
+            return 0
+        except PortInUseError as e:
+            print(f"epdserve up: {e}", file=sys.stderr, flush=True)
+            return 2
+        except StartupError as e:
+            print(f"epdserve up: {e}; stopped everything", file=sys.stderr, flush=True)
+            return 1
         print(
             f"epdserve up: {describe(deployment.topology)} ready in {deployment.startup_s:.1f}s at "
             f"{deployment.url}/v1  (Ctrl-C to stop)",
             flush=True,
         )
-        while not stopping:
-            for r in deployment.roles:
-                if r.proc.poll() is not None:
-                    print(f"epdserve up: {r.name} exited with {r.proc.returncode}; stopping", file=sys.stderr)
-                    stopping = True
-            time.sleep(0.2)
+        deployment.supervise()
+        return 0
     finally:
         deployment.stop()
-    return 0
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def describe(t: Topology) -> str:

@@ -1,0 +1,339 @@
+"""``epdserve up`` as an operator runs it: a real process with real roles, real signals, loopback only.
+
+What must hold (issue 13): a role that dies is restarted on its port and serves again while the
+others keep serving; no role outlives ``up`` however it dies, and none leaves its shm slab; a
+signal stops it at any time, start-up included; a busy port or a bad flag is a clear usage error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from epdserve.bench.workload import image_data_url
+from epdserve.launcher import free_port, is_healthy
+from epdserve.shapes import ShapesWorld
+from epdserve.supervisor import RestartPolicy
+from tests.server_utils import http
+
+READY = re.compile(r"ready in [\d.]+s at (?P<url>http://\S+)/v1")
+ROLE = re.compile(r"(?:restarted )?(?P<name>\w+)(?: \(attempt \d+\):)? pid (?P<pid>\d+) at (?P<url>http://\S+)")
+STARTUP_S = 120.0  # generous: the 2 cores here are shared with the rest of the suite
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet has already stopped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def slabs_of(pids: set[int]) -> list[str]:
+    from epdserve.transfer.shm import SLAB_RE
+
+    names = [p.name for p in Path("/dev/shm").glob("epd-ec-*")]
+    return [n for n in names if (m := SLAB_RE.fullmatch(n)) and int(m["pid"]) in pids]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+class Up:
+    """``epdserve up`` in its own session, its stdout and stderr in files."""
+
+    def __init__(self, tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.out, self.err = tmp / "up.out", tmp / "up.err"
+        self.logs = tmp / "logs"
+        cmd = [sys.executable, "-m", "epdserve.cli", "up", *args, "--port", str(self.port), "--log-dir", str(self.logs)]
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            # no key of the caller's shell: the tests talk to the public endpoint without one
+            clean = {k: v for k, v in os.environ.items() if k not in ("EPD_API_KEY", "EPD_ADMIN_KEY")}
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, start_new_session=True, env={**clean, **(env or {})}
+            )
+        self.seen: set[int] = set()  # every role pid ever reported, for the clean-up checks
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def roles(self) -> dict[str, tuple[int, str]]:
+        """name -> (pid, url), the latest start of each role as ``up`` reported it."""
+        found: dict[str, tuple[int, str]] = {}
+        for m in ROLE.finditer(self.stderr()):
+            found[m["name"]] = (int(m["pid"]), m["url"])
+            self.seen.add(int(m["pid"]))
+        return found
+
+    def wait_ready(self, timeout: float = STARTUP_S) -> str:
+        def ready() -> bool:
+            return READY.search(self.out.read_text()) is not None or self.proc.poll() is not None
+
+        wait_for(ready, timeout, 0.2)
+        m = READY.search(self.out.read_text())
+        assert m, f"up did not get ready (rc {self.proc.poll()}):\n{self.stderr()}\n{self.role_logs()}"
+        self.roles()
+        return m["url"]
+
+    def role_logs(self) -> str:
+        logs = sorted(self.logs.glob("*.log")) if self.logs.is_dir() else []
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+
+    def wait_restarted(self, name: str, old_pid: int, timeout: float = STARTUP_S) -> tuple[int, str]:
+        """The new (pid, url) of ``name`` once it was restarted and answers /health."""
+
+        def healthy_again() -> bool:
+            pid, url = self.roles().get(name, (old_pid, ""))
+            return pid != old_pid and is_healthy(url)
+
+        assert wait_for(healthy_again, timeout, 0.2), f"{name} not restarted:\n{self.stderr()}\n{self.role_logs()}"
+        return self.roles()[name]
+
+    def kill_all(self) -> None:
+        """Whatever happened in the test: nothing of ours survives it, not even a slab."""
+        from epdserve.up import remove_slabs_of
+
+        self.roles()
+        if self.proc.poll() is None:  # the polite way first: up stops its roles, they unlink their slabs
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        wait_for(lambda: not any(alive(p) for p in self.seen), 10)
+        remove_slabs_of(self.seen)
+
+
+@contextlib.contextmanager
+def up(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Iterator[Up]:
+    u = Up(tmp, *args, port=port, env=env)
+    try:
+        yield u
+    finally:
+        u.kill_all()
+
+
+def assert_all_gone(u: Up, timeout: float = 10.0) -> None:
+    pids = set(u.seen)
+    assert pids, "no role was reported started"
+    assert wait_for(lambda: not any(alive(p) for p in pids), timeout), (
+        f"still running after {timeout}s: {[p for p in pids if alive(p)]}"
+    )
+    assert slabs_of(pids) == [], "a role left its shm slab behind"
+
+
+def chat(url: str, content: object, timeout: float = 60.0) -> tuple[int, str]:
+    body = {"model": "shapes-qwen2vl", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    status, raw = http("POST", url + "/v1/chat/completions", json.dumps(body).encode(), timeout=timeout)
+    return status, raw.decode(errors="replace")
+
+
+def image_content(seed: int) -> list[dict]:
+    img = ShapesWorld(seed).scene().render()
+    return [{"type": "image_url", "image_url": {"url": image_data_url(img)}}, {"type": "text", "text": "Describe."}]
+
+
+def test_restart_backoff_doubles_to_the_cap() -> None:
+    p = RestartPolicy()
+    assert [p.delay(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    with pytest.raises(ValueError):
+        RestartPolicy(first_delay_s=20.0, max_delay_s=10.0)
+
+
+def test_slab_cleanup_removes_only_unlocked_slabs_of_our_roles(tmp_path: Path) -> None:
+    import fcntl
+
+    from epdserve.transfer.shm import slab_name
+    from epdserve.up import remove_slabs_of
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(done.stdout)  # a role that died without closing its producer
+    left = tmp_path / slab_name("encoder-1", pid, 1)
+    held = tmp_path / slab_name("encoder-2", pid, 2)  # the pid reused by a live producer: it holds the lock
+    foreign = tmp_path / slab_name("encoder-3", pid + 1, 3)  # not one of our roles
+    for p in (left, held, foreign):
+        p.write_bytes(b"x")
+    with held.open("rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        assert remove_slabs_of({pid}, tmp_path) == [left]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([held.name, foreign.name])
+
+
+def test_busy_port_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with up(tmp_path, "--topology", "1e+1pd", port=port) as u:
+            assert u.proc.wait(timeout=30) == 2
+            err = u.stderr()
+            assert f"port {port} on 127.0.0.1 is in use; choose another with --port" in err
+            assert u.roles() == {}, "a role was started on a busy port"
+            assert "ready" not in u.out.read_text()
+
+
+def test_bad_topology_is_a_usage_error(tmp_path: Path) -> None:
+    with up(tmp_path, "--topology", "3e") as u:
+        assert u.proc.wait(timeout=30) == 2
+        err = u.stderr()
+        assert "usage: epdserve up" in err and "argument --topology" in err
+        assert "Traceback" not in err
+
+
+def test_role_failing_at_startup_names_it_and_stops_everything(tmp_path: Path) -> None:
+    with up(tmp_path, "--topology", "1e+1pd", "--model", str(tmp_path / "no-such-model")) as u:
+        assert u.proc.wait(timeout=60) == 1
+        err = u.stderr()
+        m = re.search(r"(encoder0|pd0) exited with code \d+ during start-up \(its log: (\S+)\)", err)
+        assert m, err
+        assert Path(m[2]) == u.logs / f"{m[1]}.log" and Path(m[2]).is_file()
+        assert "router" not in u.roles() and "ready" not in u.out.read_text()
+        assert_all_gone(u, timeout=5)
+
+
+def test_sigint_during_startup_stops_promptly(tmp_path: Path) -> None:
+    with up(tmp_path, "--topology", "1e+1pd") as u:
+        assert wait_for(lambda: len(u.roles()) >= 2, 60), u.stderr()
+        time.sleep(1.0)  # the roles are loading their models, up is waiting for their health
+        assert "ready" not in u.out.read_text(), "too slow a machine to interrupt the start-up"
+        t0 = time.monotonic()
+        u.proc.send_signal(signal.SIGINT)
+        assert u.proc.wait(timeout=15) == 0
+        assert time.monotonic() - t0 < 10
+        assert "router" not in u.roles(), "up went on starting roles after SIGINT"
+        assert_all_gone(u, timeout=5)
+
+
+def proc_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
+def proc_args(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_sighup_of_up_stops_every_role(tmp_path: Path) -> None:
+    keys = {"EPD_API_KEY": "public-key-for-test", "EPD_ADMIN_KEY": "admin-key-for-test"}
+    # 127.0.0.2 is loopback too: enough to tell the public host from the internal one
+    with up(tmp_path, "--topology", "1e+1pd", "--host", "127.0.0.2", env=keys) as u:
+        assert u.wait_ready() == f"http://127.0.0.2:{u.port}"
+        roles = u.roles()
+        assert sorted(roles) == ["encoder0", "pd0", "router"]
+        assert roles["router"][1] == f"http://127.0.0.2:{u.port}"
+        # credentials: one cluster secret in every environment and on no command line; the API key
+        # only where the public endpoint is, the admin key only in the router; workers internal-only
+        envs = {name: proc_env(pid) for name, (pid, _) in roles.items()}
+        secrets = {env["EPD_CLUSTER_SECRET"] for env in envs.values()}
+        assert len(secrets) == 1
+        secret = secrets.pop()
+        assert len(secret) >= 32 and secret != os.environ.get("EPD_CLUSTER_SECRET"), "not generated by up"
+        assert all(secret not in " ".join(proc_args(pid)) for pid, _ in roles.values())
+        assert envs["router"]["EPD_API_KEY"] == keys["EPD_API_KEY"]
+        assert envs["router"]["EPD_ADMIN_KEY"] == keys["EPD_ADMIN_KEY"]
+        for name in ("encoder0", "pd0"):
+            assert "EPD_API_KEY" not in envs[name] and "EPD_ADMIN_KEY" not in envs[name]
+            args = proc_args(roles[name][0])
+            assert args[args.index("--host") + 1] == "127.0.0.1"
+            assert roles[name][1].startswith("http://127.0.0.1:")
+        assert "--internal-only" in proc_args(roles["pd0"][0])
+        assert slabs_of(u.seen), "the encoder has no shm slab to leave behind: the check below proves nothing"
+        u.proc.send_signal(signal.SIGHUP)
+        assert u.proc.wait(timeout=15) == 0
+        assert_all_gone(u)
+
+
+def test_killed_roles_are_restarted_and_killed_up_leaves_nothing(tmp_path: Path) -> None:
+    with up(tmp_path, "--topology", "1e+1pd") as u:
+        url = u.wait_ready()
+        enc_pid, enc_url = u.roles()["encoder0"]
+
+        # the encoder: text keeps working while it is down, images work again once it is back
+        os.kill(enc_pid, signal.SIGKILL)
+        down_since = time.monotonic()
+        texts = 0
+        while not is_healthy(enc_url) or u.roles()["encoder0"][0] == enc_pid:
+            status, body = chat(url, "Say hi.")
+            assert status == 200, body
+            texts += 1
+            assert time.monotonic() - down_since < STARTUP_S, u.stderr()
+        assert texts >= 1
+        new_pid, new_url = u.wait_restarted("encoder0", enc_pid)
+        assert new_url == enc_url and new_pid != enc_pid
+        assert "restarted encoder0 (attempt 1)" in u.stderr()
+        # the router re-admits it on its next probe (every 2 s)
+        assert wait_for(lambda: chat(url, image_content(1))[0] == 200, 15, 0.5), chat(url, image_content(1))
+
+        # the PD worker and the router: each comes back on its port and serves again
+        for name in ("pd0", "router"):
+            pid, role_url = u.roles()[name]
+            os.kill(pid, signal.SIGKILL)
+            _, again_url = u.wait_restarted(name, pid)
+            assert again_url == role_url
+            assert wait_for(lambda: chat(url, image_content(2))[0] == 200, 15, 0.5), f"not serving after {name}"
+
+        # up itself, killed: every role (restarted ones too) gets SIGTERM from the kernel and ends
+        u.roles()
+        os.kill(u.proc.pid, signal.SIGKILL)
+        u.proc.wait(timeout=10)
+        assert_all_gone(u)
+
+
+def test_killing_an_encoder_under_image_load_fails_no_request(tmp_path: Path) -> None:
+    with up(tmp_path, "--topology", "2e+1pd") as u:
+        url = u.wait_ready()
+        results: list[tuple[int, str]] = []
+        stop = threading.Event()
+
+        def load(offset: int) -> None:
+            seed = offset
+            while not stop.is_set():
+                results.append(chat(url, image_content(1000 + seed)))  # distinct images: no cache hits
+                seed += 2
+
+        workers = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+        for w in workers:
+            w.start()
+        try:
+            assert wait_for(lambda: len(results) >= 2, 60), results
+            pid, _ = u.roles()["encoder0"]
+            os.kill(pid, signal.SIGKILL)
+            at_kill = len(results)
+            u.wait_restarted("encoder0", pid)
+            done = len(results)
+            assert done - at_kill >= 2, "too few requests while the encoder was down to prove anything"
+            assert wait_for(lambda: len(results) >= done + 4, 60)  # and it serves after the restart
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(timeout=70)
+        failed = [r for r in results if r[0] != 200]
+        assert failed == [], f"{len(failed)} of {len(results)} failed, e.g. {failed[:2]}"
+        u.proc.send_signal(signal.SIGTERM)
+        assert u.proc.wait(timeout=15) == 0
+        assert_all_gone(u)
