@@ -20,6 +20,7 @@ from epdserve.models.loader import load_model
 from epdserve.models.qwen2_vl import MediaPlaceholderError, Qwen2VLForConditionalGeneration, mrope_positions
 from epdserve.models.registry import UnknownArchitectureError, model_class
 from epdserve.shapes import ShapesWorld
+from tests.numerics import assert_close_rel
 
 torch.set_num_threads(1)
 
@@ -66,7 +67,7 @@ def test_vision_tower_matches_hf_images(hf: HFReference, vision_only: Qwen2VLFor
     assert vision_only.visual is not None
     ours = vision_only.visual(pixels, grid)
     assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert_close_rel(ours, ref)
 
 
 @torch.inference_mode()
@@ -76,7 +77,7 @@ def test_vision_tower_matches_hf_video(hf: HFReference, vision_only: Qwen2VLForC
     assert all(t == 2 for t in grid[:, 0].tolist())  # attention is per frame: two frames per item
     ref = torch.cat(hf.model.model.get_video_features(pixels, grid).pooler_output)
     assert vision_only.visual is not None
-    torch.testing.assert_close(vision_only.visual(pixels, grid), ref, atol=1e-5, rtol=1e-5)
+    assert_close_rel(vision_only.visual(pixels, grid), ref)
 
 
 def test_vision_tower_rejects_inconsistent_grid(hf: HFReference, vision_only: Qwen2VLForConditionalGeneration) -> None:
@@ -180,7 +181,7 @@ def test_prompt_logits_match_hf(hf: HFReference, model: Qwen2VLForConditionalGen
     embeds, positions, _ = _prompt_embeds(model, inputs)
     assert model.language_model is not None
     hidden = model.language_model(embeds, positions, DenseCausalAttention())
-    torch.testing.assert_close(model.language_model.compute_logits(hidden), ref, atol=1e-4, rtol=0)
+    assert_close_rel(model.language_model.compute_logits(hidden), ref)
 
 
 @torch.inference_mode()
@@ -204,7 +205,7 @@ def test_greedy_decode_matches_hf_generate(hf: HFReference, model: Qwen2VLForCon
     for step in range(steps):
         logits = lm.compute_logits(hidden[-1:])[0]
         # every step's logits, not only the argmax: a random-init model repeats one token
-        torch.testing.assert_close(logits, ref.logits[step][0], atol=1e-4, rtol=0)
+        assert_close_rel(logits, ref.logits[step][0])
         token = int(logits.argmax())
         ours.append(token)
         if token in eos:
