@@ -1,0 +1,83 @@
+"""Metadata-only parts: who may send which (handles only internally; inline data only with
+--enable-mm-embeds), and inline embeddings decoded and validated, their uuid taken from their bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import msgspec
+import pytest
+import torch
+
+from epdserve.api.embeds import ConnectorEmbeds
+from epdserve.api.errors import BadRequest
+from epdserve.api.protocol import ImageEmbedsPart, check_embeds_trust, decode_chat_request
+from epdserve.media.limits import MediaLimits
+from epdserve.transfer.config import ECConfig
+from epdserve.transfer.factory import make_consumer
+
+WIDTH, MERGE = 8, 2
+
+
+def request(part: dict) -> bytes:
+    return msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+
+
+def inline(t: torch.Tensor, uuid: str = "client-chosen", grid: tuple = (1, 2, 4)) -> dict:
+    data = base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(grid), "data": data}, "uuid": uuid}
+
+
+HANDLE = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 4]}, "uuid": "u", "ec_handle": {"k": 1}}
+
+
+@pytest.mark.parametrize(
+    ("part", "internal", "enabled", "ok"),
+    [
+        (HANDLE, False, False, False),  # a client's handle: never
+        (HANDLE, False, True, False),  # not even with --enable-mm-embeds
+        (HANDLE, True, False, True),  # the router's authenticated call
+        (inline(torch.zeros(2, WIDTH)), False, False, False),  # inline only where switched on
+        (inline(torch.zeros(2, WIDTH)), False, True, True),
+        ({**HANDLE, "image_embeds": {"image_grid_thw": [1, 2, 4], "data": "AA=="}}, True, True, False),  # both
+        ({**HANDLE, "ec_handle": None}, True, True, False),  # neither
+    ],
+)
+def test_who_may_send_which_part(part: dict, internal: bool, enabled: bool, ok: bool) -> None:
+    req = decode_chat_request(request(part), MediaLimits())
+    if ok:
+        check_embeds_trust(req, internal, enabled)
+    else:
+        with pytest.raises(BadRequest) as e:
+            check_embeds_trust(req, internal, enabled)
+        assert e.value.param is not None and e.value.param.startswith("messages[0].content[0]")
+
+
+def resolve(part: dict):
+    parsed = msgspec.convert(part, ImageEmbedsPart)
+    resolver = ConnectorEmbeds(make_consumer(ECConfig(secret="")), "m", WIDTH, MERGE)
+    return asyncio.run(resolver(parsed))
+
+
+def test_inline_embeddings_are_decoded_and_keyed_by_their_content() -> None:
+    t = torch.randn(2, WIDTH)
+    got = resolve(inline(t))
+    assert torch.equal(got.embeddings, t) and got.grid_thw == (1, 2, 4)
+    # the prefix-cache key comes from the bytes: a client cannot borrow another item's uuid
+    assert got.uuid.startswith("inline-") and got.uuid != "client-chosen"
+    assert resolve(inline(t, uuid="other")).uuid == got.uuid
+    assert resolve(inline(t + 1)).uuid != got.uuid
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        (inline(torch.zeros(3, WIDTH)), "needs 2 rows"),  # wrong size for the grid
+        (inline(torch.full((2, WIDTH), float("nan"))), "NaN"),
+        ({**inline(torch.zeros(2, WIDTH)), "image_embeds": {"image_grid_thw": [1, 2, 4], "data": "%%"}}, "base64"),
+    ],
+)
+def test_bad_inline_embeddings_are_400(part: dict, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        resolve(part)
