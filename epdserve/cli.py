@@ -86,8 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from epdserve.api.auth import AuthConfig
-    from epdserve.api.server import ServerConfig, serve
     from epdserve.engine.config import EngineConfig
+    from epdserve.pd.server import ServerConfig, serve
     from epdserve.security.credentials import api_key_from
     from epdserve.transfer.config import ECConfig
 

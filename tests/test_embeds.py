@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import torch
 
-from epdserve.api.embeds import ConnectorEmbeds
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import ImageEmbedsPart, check_embeds_trust, decode_chat_request
 from epdserve.media.limits import MediaLimits
+from epdserve.pd.embeds import ConnectorEmbeds
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_consumer
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from epdserve.api.chat import MediaResolver
+from epdserve.api.media import MediaResolver
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.media.decode import decode_image, decode_video
 from epdserve.media.hashing import media_uuid

@@ -12,6 +12,10 @@ from typing import ClassVar
 
 import msgspec
 
+from epdserve.media.errors import InvalidMedia, MediaError, MediaTimeout, MediaTooLarge
+
+EMBEDS_UNAVAILABLE = "embeddings_unavailable"  # 503 code: the router retries with a fresh encode
+
 
 class ApiError(Exception):
     """Base of all errors that reach the client; unexpected failures map to 500 server_error."""
@@ -115,3 +119,14 @@ class Timeout(ApiError):
     status = 504
     error_type = "server_error"
     default_code = "timeout"
+
+
+def from_media_error(e: MediaError) -> ApiError:
+    """The HTTP answer to a media error (the edge is the only place media errors meet statuses)."""
+    if isinstance(e, MediaTooLarge):
+        return PayloadTooLarge(e.message)
+    if isinstance(e, MediaTimeout):
+        return Timeout(e.message)
+    if isinstance(e, InvalidMedia):
+        return BadRequest(e.message)
+    return BadRequest(e.message)

@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from epdserve.api.auth import Access, AuthConfig, guard
-from epdserve.api.errors import ApiError, PayloadTooLarge
+from epdserve.api.errors import ApiError, PayloadTooLarge, from_media_error
+from epdserve.media.errors import MediaError
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,8 @@ def json_response(body: bytes, status: int = 200) -> web.Response:
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as e:
+    except (ApiError, MediaError) as exc:
+        e = from_media_error(exc) if isinstance(exc, MediaError) else exc
         resp = json_response(e.to_json(), e.status)
         resp.headers.update(e.headers)
         return resp

@@ -26,9 +26,17 @@ import torch
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig
-from epdserve.api.chat import MediaResolver
-from epdserve.api.errors import ApiError, BadRequest, NotFound, Overloaded, PayloadTooLarge, Unavailable
+from epdserve.api.errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+    from_media_error,
+)
 from epdserve.api.http import Route, json_response, role_app, run_app
+from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import ModelCard, ModelList, encode_json
 from epdserve.cache.embedding_cache import EmbeddingCache
@@ -43,6 +51,7 @@ from epdserve.encoder.protocol import (
     decode_request,
     encode_response,
 )
+from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
@@ -228,6 +237,8 @@ class EncoderService:
         outcomes = await asyncio.gather(*(self._item(it) for it in req.items), return_exceptions=True)
         ready: list[_Ready] = []
         for i, out in enumerate(outcomes):
+            if isinstance(out, MediaError):
+                out = from_media_error(out)
             if isinstance(out, ApiError):  # client errors are about the media the URL names
                 raise _with_param(out, f"items[{i}].url" if out.status in (400, 413, 504) else f"items[{i}]")
             if isinstance(out, BaseException):

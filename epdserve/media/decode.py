@@ -14,7 +14,7 @@ import av
 import av.error
 from PIL import Image, UnidentifiedImageError
 
-from epdserve.api.errors import BadRequest, PayloadTooLarge
+from epdserve.media.errors import InvalidMedia, MediaTooLarge
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import sample_frame_indices
 
@@ -36,9 +36,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 def _check_pixels(width: int, height: int, limits: MediaLimits, what: str) -> None:
     if width <= 0 or height <= 0:
-        raise BadRequest(f"The {what} has an empty size {width}x{height}.")
+        raise InvalidMedia(f"The {what} has an empty size {width}x{height}.")
     if width * height > limits.max_image_pixels:
-        raise PayloadTooLarge(
+        raise MediaTooLarge(
             f"The {what} is {width}x{height} = {width * height} pixels; at most {limits.max_image_pixels} are accepted."
         )
 
@@ -51,9 +51,7 @@ def _open_image(data: bytes, limits: MediaLimits, formats: tuple[str, ...] | Non
     try:
         img = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError:
-        raise PayloadTooLarge(
-            f"The image is too large; at most {limits.max_image_pixels} pixels are accepted."
-        ) from None
+        raise MediaTooLarge(f"The image is too large; at most {limits.max_image_pixels} pixels are accepted.") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         # SyntaxError is how several Pillow plugins report a corrupt header
         return None
@@ -63,19 +61,19 @@ def _open_image(data: bytes, limits: MediaLimits, formats: tuple[str, ...] | Non
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Decode an image (first frame of animated formats) into an RGB image."""
     if len(data) > limits.max_bytes:
-        raise PayloadTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
+        raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
     img = _open_image(data, limits)
     if img is None:
-        raise BadRequest("The media is not a decodable image.")
+        raise InvalidMedia("The media is not a decodable image.")
     with img:
         _check_pixels(img.width, img.height, limits, "image")
         try:
             img.load()
             return to_rgb(img)
         except Image.DecompressionBombError:
-            raise PayloadTooLarge(f"The image exceeds {limits.max_image_pixels} pixels.") from None
+            raise MediaTooLarge(f"The image exceeds {limits.max_image_pixels} pixels.") from None
         except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise BadRequest(f"The image could not be decoded: {e}") from None
+            raise InvalidMedia(f"The image could not be decoded: {e}") from None
 
 
 def decode_video(data: bytes, limits: MediaLimits) -> list[Image.Image]:
@@ -85,7 +83,7 @@ def decode_video(data: bytes, limits: MediaLimits) -> list[Image.Image]:
     other containers through PyAV.
     """
     if len(data) > limits.max_bytes:
-        raise PayloadTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
+        raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
     img = _open_image(data, limits, _PILLOW_VIDEO_FORMATS)
     if img is not None:
         with img:
@@ -98,15 +96,15 @@ def _decode_animated(img: Image.Image, limits: MediaLimits) -> list[Image.Image]
     try:
         total = int(getattr(img, "n_frames", 1))
         if total > limits.max_video_frames:
-            raise PayloadTooLarge(f"The video has {total} frames; at most {limits.max_video_frames} are accepted.")
+            raise MediaTooLarge(f"The video has {total} frames; at most {limits.max_video_frames} are accepted.")
         frames = []
         for i in sample_frame_indices(total, limits.video_frames):
             img.seek(i)
             frames.append(to_rgb(img))
     except Image.DecompressionBombError:
-        raise PayloadTooLarge(f"The video frame exceeds {limits.max_image_pixels} pixels.") from None
+        raise MediaTooLarge(f"The video frame exceeds {limits.max_image_pixels} pixels.") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise BadRequest(f"The animated image could not be decoded: {e}") from None
+        raise InvalidMedia(f"The animated image could not be decoded: {e}") from None
     return frames
 
 
@@ -123,7 +121,7 @@ def _decode_container(data: bytes, limits: MediaLimits) -> list[Image.Image]:
             wanted_set = set(wanted)
             for i, frame in enumerate(container.decode(stream)):
                 if i >= limits.max_video_frames:
-                    raise PayloadTooLarge(f"The video has more than {limits.max_video_frames} frames.")
+                    raise MediaTooLarge(f"The video has more than {limits.max_video_frames} frames.")
                 _check_pixels(frame.width, frame.height, limits, "video frame")
                 last = frame
                 if i in wanted_set:
@@ -135,9 +133,9 @@ def _decode_container(data: bytes, limits: MediaLimits) -> list[Image.Image]:
                 tail = last.to_image()
                 frames.extend(tail.copy() for _ in range(len(wanted) - len(frames)))
     except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
-        raise BadRequest(f"The media is not a decodable video: {e}") from None
+        raise InvalidMedia(f"The media is not a decodable video: {e}") from None
     if not frames:
-        raise BadRequest("The video contains no decodable frames.")
+        raise InvalidMedia("The video contains no decodable frames.")
     return [to_rgb(f) for f in frames]
 
 
@@ -145,7 +143,7 @@ def _count_video_packets(data: bytes, limits: MediaLimits) -> int:
     """Frames of the first video stream, counted from packets without decoding them."""
     with av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.video:
-            raise BadRequest("The media has no video stream.")
+            raise InvalidMedia("The media has no video stream.")
         stream = container.streams.video[0]
         ctx = stream.codec_context
         if ctx.width and ctx.height:
@@ -155,7 +153,7 @@ def _count_video_packets(data: bytes, limits: MediaLimits) -> int:
             if packet.size:
                 count += 1
                 if count > limits.max_video_frames:
-                    raise PayloadTooLarge(f"The video has more than {limits.max_video_frames} frames.")
+                    raise MediaTooLarge(f"The video has more than {limits.max_video_frames} frames.")
     if count == 0:
-        raise BadRequest("The video contains no frames.")
+        raise InvalidMedia("The video contains no frames.")
     return count

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
-from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge, Timeout
+from epdserve.media.errors import InvalidMedia, MediaError, MediaTimeout, MediaTooLarge
 from epdserve.media.limits import MediaLimits
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -60,9 +60,9 @@ def address_is_public(address: str) -> bool:
     )
 
 
-def _refuse_address(host: str, address: str) -> BadRequest:
+def _refuse_address(host: str, address: str) -> InvalidMedia:
     shown = host if host == address else f"{host} ({address})"
-    return BadRequest(f"Media URL host {shown} is a private, loopback, link-local or reserved address; refused.")
+    return InvalidMedia(f"Media URL host {shown} is a private, loopback, link-local or reserved address; refused.")
 
 
 def _check_addresses(host: str, addresses: list[str], limits: MediaLimits) -> None:
@@ -100,15 +100,15 @@ def media_session(limits: MediaLimits) -> aiohttp.ClientSession:
 async def check_url(url: URL, limits: MediaLimits) -> None:
     """Refuse URLs the policy does not allow; never opens a connection (only resolves names)."""
     if url.scheme not in ("http", "https"):
-        raise BadRequest(
+        raise InvalidMedia(
             f"Unsupported media URL scheme {url.scheme + ':' if url.scheme else '(none)'}; use http(s) or data:."
         )
     host = url.raw_host
     if not host:
-        raise BadRequest(f"Media URL {_short(str(url))} has no host.")
+        raise InvalidMedia(f"Media URL {_short(str(url))} has no host.")
     host = host.rstrip(".").lower()
     if not limits.domain_allowed(host):
-        raise BadRequest(f"Media domain {host} is not in the allowed media domains.")
+        raise InvalidMedia(f"Media domain {host} is not in the allowed media domains.")
     if limits.allow_private_addresses:
         return
     try:
@@ -122,7 +122,7 @@ async def check_url(url: URL, limits: MediaLimits) -> None:
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise BadRequest(f"Could not resolve media host {host}: {e}") from None
+        raise InvalidMedia(f"Could not resolve media host {host}: {e}") from None
     _check_addresses(host, [str(info[4][0]) for info in infos], limits)
 
 
@@ -130,7 +130,7 @@ def decode_data_url(url: str, limits: MediaLimits) -> bytes:
     """Bytes of ``data:[<mime>][;base64],<payload>`` (base64 or percent-encoded)."""
     header, sep, payload = url[len("data:") :].partition(",")
     if not sep:
-        raise BadRequest("Malformed data URL: missing ','.")
+        raise InvalidMedia("Malformed data URL: missing ','.")
     is_base64 = header.split(";")[-1].strip().lower() == "base64"
     if not is_base64:
         data = urllib.parse.unquote_to_bytes(payload)
@@ -138,30 +138,30 @@ def decode_data_url(url: str, limits: MediaLimits) -> bytes:
         # tolerate line breaks and URL-safe alphabet, refuse everything else
         text = "".join(payload.split()).replace("-", "+").replace("_", "/")
         if len(text) * 3 // 4 > limits.max_bytes + 3:
-            raise PayloadTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
+            raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
         if len(text) % 4:
             text += "=" * (-len(text) % 4)
         try:
             data = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
-            raise BadRequest("Invalid base64 payload in data URL.") from None
+            raise InvalidMedia("Invalid base64 payload in data URL.") from None
     if len(data) > limits.max_bytes:
-        raise PayloadTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
+        raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
     if not data:
-        raise BadRequest("Empty media in data URL.")
+        raise InvalidMedia("Empty media in data URL.")
     return data
 
 
 async def _read_limited(resp: aiohttp.ClientResponse, limits: MediaLimits) -> bytes:
     if resp.content_length is not None and resp.content_length > limits.max_bytes:
-        raise PayloadTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
+        raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
     buf = bytearray()
     async for chunk in resp.content.iter_chunked(_CHUNK):
         buf += chunk
         if len(buf) > limits.max_bytes:
-            raise PayloadTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
+            raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
     if not buf:
-        raise BadRequest("Media URL returned an empty body.")
+        raise InvalidMedia("Media URL returned an empty body.")
     return bytes(buf)
 
 
@@ -173,13 +173,13 @@ async def _fetch(url: URL, limits: MediaLimits, session: aiohttp.ClientSession) 
             if resp.status in _REDIRECTS:
                 location = resp.headers.get("Location")
                 if not location:
-                    raise BadRequest(f"Media URL {_short(str(url))} redirected without a Location.")
+                    raise InvalidMedia(f"Media URL {_short(str(url))} redirected without a Location.")
                 url = url.join(URL(location))
                 continue
             if not 200 <= resp.status < 300:
-                raise BadRequest(f"Fetching media from {_short(str(url))} failed with HTTP {resp.status}.")
+                raise InvalidMedia(f"Fetching media from {_short(str(url))} failed with HTTP {resp.status}.")
             return await _read_limited(resp, limits)
-    raise BadRequest(f"Media URL made more than {limits.max_redirects} redirects.")
+    raise InvalidMedia(f"Media URL made more than {limits.max_redirects} redirects.")
 
 
 async def load_media_bytes(url: str, limits: MediaLimits, session: aiohttp.ClientSession | None = None) -> bytes:
@@ -193,7 +193,7 @@ async def load_media_bytes(url: str, limits: MediaLimits, session: aiohttp.Clien
     try:
         parsed = URL(url)
     except (ValueError, TypeError):
-        raise BadRequest(f"Malformed media URL {_short(url)}.") from None
+        raise InvalidMedia(f"Malformed media URL {_short(url)}.") from None
     if parsed.scheme not in ("http", "https"):
         await check_url(parsed, limits)  # raises the scheme error
     try:
@@ -202,13 +202,13 @@ async def load_media_bytes(url: str, limits: MediaLimits, session: aiohttp.Clien
                 async with media_session(limits) as own:
                     return await _fetch(parsed, limits, own)
             return await _fetch(parsed, limits, session)
-    except ApiError:
+    except MediaError:
         raise
     except TimeoutError:
-        raise Timeout(f"Fetching media from {_short(url)} took longer than {limits.fetch_timeout_s} s.") from None
+        raise MediaTimeout(f"Fetching media from {_short(url)} took longer than {limits.fetch_timeout_s} s.") from None
     except aiohttp.ClientConnectorDNSError as e:
-        if isinstance(e.__cause__, ApiError):
+        if isinstance(e.__cause__, MediaError):
             raise e.__cause__ from None
-        raise BadRequest(f"Could not resolve media host of {_short(url)}.") from None
+        raise InvalidMedia(f"Could not resolve media host of {_short(url)}.") from None
     except (aiohttp.ClientError, OSError, ValueError) as e:
-        raise BadRequest(f"Could not fetch media from {_short(url)}: {type(e).__name__}: {e}") from None
+        raise InvalidMedia(f"Could not fetch media from {_short(url)}: {type(e).__name__}: {e}") from None

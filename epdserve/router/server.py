@@ -35,8 +35,8 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig
-from epdserve.api.embeds import EMBEDS_UNAVAILABLE
 from epdserve.api.errors import (
+    EMBEDS_UNAVAILABLE,
     ApiError,
     BadRequest,
     NotFound,

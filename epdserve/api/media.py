@@ -1,4 +1,4 @@
-"""Turn a validated chat request into engine input: template messages plus resolved media.
+"""Resolve a request's media parts into engine media inputs (shared by the PD and encoder roles).
 
 Raw media (``image_url`` / ``video_url``) is fetched, decoded, hashed and preprocessed here, off
 the event loop. Metadata-only parts (``image_embeds`` / ``video_embeds``) are resolved by an
@@ -14,49 +14,22 @@ from concurrent.futures import Executor
 import aiohttp
 import torch
 
-from epdserve.api.errors import BadRequest
+from epdserve.api.errors import BadRequest, from_media_error
 from epdserve.api.protocol import (
-    AssistantMessage,
-    ChatRequest,
     ImageEmbedsPart,
     ImageUrlPart,
     MediaPart,
-    SystemMessage,
-    TextPart,
     VideoEmbedsPart,
 )
 from epdserve.engine.inputs import MediaInput
 from epdserve.media.decode import decode_image, decode_video
+from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import VisionProcessor
 
 EmbedsResolver = Callable[[ImageEmbedsPart | VideoEmbedsPart], Awaitable[MediaInput]]
-
-
-def template_messages(req: ChatRequest) -> list[dict]:
-    """Messages in the shape the chat template expects (one placeholder part per media item)."""
-    out: list[dict] = []
-    for m in req.messages:
-        if isinstance(m, SystemMessage | AssistantMessage):
-            content = m.content or ""
-            text = content if isinstance(content, str) else "".join(p.text for p in content)
-            out.append({"role": m.role, "content": text})
-            continue
-        if isinstance(m.content, str):
-            out.append({"role": "user", "content": m.content})
-            continue
-        parts: list[dict] = []
-        for p in m.content:
-            if isinstance(p, TextPart):
-                parts.append({"type": "text", "text": p.text})
-            elif isinstance(p, ImageUrlPart | ImageEmbedsPart):
-                parts.append({"type": "image"})
-            else:
-                parts.append({"type": "video"})
-        out.append({"role": "user", "content": parts})
-    return out
 
 
 class MediaResolver:
@@ -97,10 +70,13 @@ class MediaResolver:
                 raise BadRequest("This server does not accept metadata-only media (no EC connector configured).")
             return await self.embeds(part)
         url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url
-        data = await load_media_bytes(url, self.limits, self.session)
         modality = "image" if isinstance(part, ImageUrlPart) else "video"
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.process_bytes, modality, data)
+        try:
+            data = await load_media_bytes(url, self.limits, self.session)
+            return await loop.run_in_executor(self.executor, self.process_bytes, modality, data)
+        except MediaError as e:  # the edge: media errors become HTTP errors here
+            raise from_media_error(e) from None
 
     def process_bytes(self, modality: str, data: bytes) -> MediaInput:
         """Decode + preprocess (CPU work, runs in the executor)."""

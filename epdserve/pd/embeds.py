@@ -23,14 +23,13 @@ import time
 import numpy as np
 import torch
 
-from epdserve.api.errors import BadRequest, Unavailable
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, BadRequest, Unavailable
 from epdserve.api.protocol import ChatRequest, ImageEmbedsPart, VideoEmbedsPart, embeds_of
 from epdserve.engine.inputs import MediaInput
 from epdserve.transfer.base import ECConsumer, InvalidHandle, TransferError
 
 log = logging.getLogger(__name__)
 
-EMBEDS_UNAVAILABLE = "embeddings_unavailable"  # the error code the router retries on
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -19,10 +19,9 @@ from pathlib import Path
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig, is_internal
-from epdserve.api.chat import MediaResolver, template_messages
-from epdserve.api.embeds import ConnectorEmbeds
 from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
 from epdserve.api.http import Route, json_response, role_app, run_app
+from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
     DEFAULT_MAX_PROMPT_CHARS,
@@ -57,6 +56,8 @@ from epdserve.media.fetch import media_session
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
+from epdserve.pd.embeds import ConnectorEmbeds
+from epdserve.pd.messages import template_messages
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_consumer
 
