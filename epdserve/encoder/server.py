@@ -58,13 +58,12 @@ from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
+from epdserve.models.precision import DType, torch_dtype
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_producer
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -84,15 +83,14 @@ class EncoderConfig:
     preprocess_threads: int = 2  # threads hashing, decoding and preprocessing media
     threads: int = 1  # torch intra-op threads for the vision forward (0: torch default); 1 suits small models
     device: str = "cpu"  # torch device of the vision tower
-    dtype: str = "float32"  # weights and activations: float32 | bfloat16 | float16
+    dtype: DType = "float32"  # weights and activations: float32 | bfloat16 | float16
     limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send
     ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
     auth: AuthConfig = field(default_factory=AuthConfig)  # the cluster credential /v1/encode needs
     retry_after_s: int = 1  # Retry-After of a 429 when the queue or the connector is full
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EncoderConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        torch_dtype(self.dtype)  # raises for an unknown name
         for name in ("max_items_per_request", "max_request_bytes", "preprocess_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -107,7 +105,7 @@ class EncoderConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def batcher(self) -> BatcherConfig:

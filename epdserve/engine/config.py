@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epdserve.models.precision import DType, torch_dtype
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,8 +17,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models
+    device: str = "cpu"  # torch device of the model and KV cache: cpu | cuda | cuda:N
+    dtype: DType = "float32"  # weights, activations and KV cache: float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # raises for an unknown name
         if self.block_size < 1 or self.num_kv_blocks < 1:
             raise ValueError("block_size and num_kv_blocks must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

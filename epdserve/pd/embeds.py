@@ -26,11 +26,10 @@ import torch
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, BadRequest, Unavailable
 from epdserve.api.protocol import ChatRequest, ImageEmbedsPart, VideoEmbedsPart, embeds_of
 from epdserve.engine.inputs import MediaInput
+from epdserve.models.precision import TORCH_DTYPES
 from epdserve.transfer.base import ECConsumer, InvalidHandle, TransferError
 
 log = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ConnectorEmbeds:
@@ -88,7 +87,7 @@ class ConnectorEmbeds:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise BadRequest(f"Inline {modality} embeddings are not valid base64.") from None
-        torch_dtype = _TORCH_DTYPES[dtype]
+        torch_dtype = TORCH_DTYPES[dtype]
         expected = rows * self.width * torch_dtype.itemsize
         if len(raw) != expected:
             raise BadRequest(

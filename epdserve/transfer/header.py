@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from types import MappingProxyType
 from typing import Any, TypeVar
 
 import msgspec
@@ -20,11 +19,11 @@ import numpy.typing as npt
 import torch
 import xxhash
 
+from epdserve.models.precision import TORCH_DTYPES
 from epdserve.transfer.base import PROTOCOL_VERSION, Handle, TransferError
 
 Bytes = npt.NDArray[np.uint8]
 
-TORCH_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 # Copying and hashing chunk by chunk hashes each chunk while it is still in L2, which is roughly
 # twice as fast as a full copy followed by a full hash on large payloads.
 CHUNK_BYTES = 256 << 10
