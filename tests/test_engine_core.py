@@ -125,12 +125,12 @@ def test_preemption_instead_of_crash_when_blocks_run_out() -> None:
 def test_not_ready_requests_wait_without_blocking_others() -> None:
     sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=64))
     a, b = make_request("a", 4), make_request("b", 4)
-    a.ready = False
+    a.pending_fetches = 1
     sch.add(a)
     sch.add(b)
     assert [s.request.request_id for s in sch.schedule().scheduled] == ["b"]
     assert list(sch.waiting) == [a]
-    a.ready = True
+    a.pending_fetches = 0
     assert [s.request.request_id for s in sch.schedule().scheduled] == ["b", "a"]
 
 

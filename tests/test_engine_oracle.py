@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.engine import LLMEngine
+from epdserve.engine.core import EngineCore
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
@@ -65,8 +65,8 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
 def test_greedy_tokens_match_transformers_alone_and_batched(model_dir: Path, ref: HFReference) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
-    eng = LLMEngine.from_pretrained(model_dir, EngineConfig(max_num_batched_tokens=64, num_kv_blocks=256))
-    builder = InputBuilder(eng.tokenizer, cfg)
+    eng = EngineCore.from_pretrained(model_dir, EngineConfig(max_num_batched_tokens=64, num_kv_blocks=256))
+    builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)
     expected = {}
     for name, messages, images, videos in cases():
@@ -84,7 +84,7 @@ def test_greedy_tokens_match_transformers_alone_and_batched(model_dir: Path, ref
     eng.scheduler.blocks.check_integrity()
 
 
-def run(eng: LLMEngine) -> dict[str, list[int]]:
+def run(eng: EngineCore) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     while eng.has_work:
         for o in eng.step():
@@ -96,8 +96,8 @@ def run(eng: LLMEngine) -> dict[str, list[int]]:
 def test_prefix_cache_never_reuses_blocks_across_different_images(model_dir: Path, ref: HFReference) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
-    eng = LLMEngine.from_pretrained(model_dir, EngineConfig(block_size=4, num_kv_blocks=256, max_model_len=1024))
-    builder = InputBuilder(eng.tokenizer, cfg)
+    eng = EngineCore.from_pretrained(model_dir, EngineConfig(block_size=4, num_kv_blocks=256, max_model_len=1024))
+    builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)
     world = ShapesWorld(4)
     a = world.sample("describe")
@@ -143,11 +143,11 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: 
         for m, s in zip(msgs, samples, strict=True)
     )
     blocks = -(-lengths[-1] // bs) + -(-lengths[-2] // bs)
-    eng = LLMEngine.from_pretrained(
+    eng = EngineCore.from_pretrained(
         model_dir,
         EngineConfig(block_size=bs, num_kv_blocks=blocks, max_model_len=blocks * bs, enable_prefix_caching=False),
     )
-    builder = InputBuilder(eng.tokenizer, cfg)
+    builder = InputBuilder(ref.tok, cfg)
     for i, (m, s) in enumerate(zip(msgs, samples, strict=True)):
         eng.add_request(engine_request(f"r{i}", builder, proc, m, render_images(s), [], eos))
     got = run(eng)

@@ -1,11 +1,14 @@
-"""Paged attention on CPU with PyTorch SDPA.
+"""Paged attention with PyTorch SDPA (CPU and CUDA).
 
-The KV cache of a layer is two flat tensors ``[num_blocks * block_size, kv_heads, head_dim]``; a
-token's slot is ``block_id * block_size + offset``. Per step the runner builds one
-``PagedAttention`` with the slots of every scheduled sequence; each layer then
+The KV cache of a layer is two tensors ``[num_blocks, block_size, kv_heads, head_dim]``; a token's
+slot is ``block_id * block_size + offset``. The runner keeps every running request's block table
+as a row of one int tensor (``BlockTable``), updated as blocks are added, so a step's metadata is
+built with tensor ops, not rebuilt per sequence. Per step the runner builds one ``PagedAttention``;
+each layer then
 
   1. writes the new k/v into their slots,
-  2. attends: decode-only sequences (one new token) together in one padded SDPA call, prefill
+  2. attends: all decode sequences (one new token each) together in one padded SDPA call over
+     their blocks gathered block-wise — no Python loop over sequences per layer — and prefill
      chunks one sequence at a time with a causal mask offset by the tokens already cached.
 """
 
@@ -18,18 +21,38 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
-class SeqSlice:
+class PrefillSlice:
     q_start: int  # first row of this sequence in the step's token batch
     q_len: int  # new tokens this step
     ctx_len: int  # cached + new tokens
-    slots: torch.Tensor  # [ctx_len] slot of every context token
+    row: int  # its row in the block table
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where every new token of a step goes and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [N] cache slot of each new token
+    prefills: list[PrefillSlice]
+    decode_rows: torch.Tensor  # [B] token-batch row of each decode sequence's new token
+    decode_table_rows: torch.Tensor  # [B] block-table row of each decode sequence
+    decode_ctx: torch.Tensor  # [B] context length (cached + the new token)
+    max_decode_ctx: int
 
 
 class KVCache:
     def __init__(
-        self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        shape = (num_slots, kv_heads, head_dim)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.block_size = block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -38,50 +61,99 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+class BlockTable:
+    """Block ids of the requests the runner has seen, one row each, grown as blocks are added.
+
+    A request's row is rewritten only from the first block that changed: a decode step appends at
+    most one block id, so the table costs nothing per step in steady state. A request whose block
+    list was replaced (preemption, prefix-cache admission) is rewritten whole."""
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+        self.device = device
+        self.max_blocks = max_blocks
+        self.table = torch.zeros((rows, max_blocks), dtype=torch.long, device=device)
+        self._rows: dict[str, int] = {}
+        self._free: list[int] = list(range(rows - 1, -1, -1))
+        self._synced: dict[str, tuple[list[int], int]] = {}  # request id -> (block list object, ids written)
+
+    def row(self, request_id: str, block_ids: list[int]) -> int:
+        r = self._rows.get(request_id)
+        if r is None:
+            if not self._free:
+                self._grow()
+            r = self._rows[request_id] = self._free.pop()
+        seen, n = self._synced.get(request_id, (None, 0))
+        if seen is not block_ids or n > len(block_ids):
+            n = 0
+        if n < len(block_ids):
+            self.table[r, n : len(block_ids)] = torch.tensor(block_ids[n:], dtype=torch.long).to(self.device)
+        self._synced[request_id] = (block_ids, len(block_ids))
+        return r
+
+    def release(self, request_id: str) -> None:
+        r = self._rows.pop(request_id, None)
+        self._synced.pop(request_id, None)
+        if r is not None:
+            self._free.append(r)
+
+    def _grow(self) -> None:
+        old = self.table.shape[0]
+        self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def slots(self, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Slots of positions ``starts[i] .. ends[i]-1`` of each row, concatenated."""
+        lens = ends - starts
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=self.device), lens)
+        offs = torch.arange(int(lens.sum()), device=self.device) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens
+        )
+        pos = starts[seq] + offs
+        return self.table[rows[seq], pos // block_size] * block_size + pos % block_size
+
+
 class PagedAttention:
     """The ``AttentionBackend`` for one engine step."""
 
-    def __init__(self, cache: KVCache, seqs: list[SeqSlice], device: torch.device) -> None:
+    def __init__(self, cache: KVCache, table: BlockTable, layout: StepLayout) -> None:
         self.cache = cache
-        self.slot_mapping = torch.cat([s.slots[s.ctx_len - s.q_len :] for s in seqs]).to(device)
-        self.prefills = [s for s in seqs if s.q_len > 1 or s.ctx_len == 1]
-        decodes = [s for s in seqs if not (s.q_len > 1 or s.ctx_len == 1)]
-        self.decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long, device=device)
-        if decodes:
-            max_ctx = max(s.ctx_len for s in decodes)
-            pad = torch.zeros((len(decodes), max_ctx), dtype=torch.long)
-            mask = torch.zeros((len(decodes), max_ctx), dtype=torch.bool)
-            for i, s in enumerate(decodes):
-                pad[i, : s.ctx_len] = s.slots
-                mask[i, : s.ctx_len] = True
-            self.decode_slots = pad.to(device)
-            self.decode_mask = mask[:, None, None, :].to(device)
-        self.num_decodes = len(decodes)
+        self.layout = layout
+        self.table = table
+        bs = cache.block_size
+        self.num_decodes = len(layout.decode_rows)
+        if self.num_decodes:
+            nb = -(-layout.max_decode_ctx // bs)
+            self.decode_blocks = table.table[layout.decode_table_rows, :nb]  # [B, nb]
+            span = torch.arange(nb * bs, device=table.device)
+            self.decode_mask = (span[None, :] < layout.decode_ctx[:, None])[:, None, None, :]
+        self.prefill_blocks = [table.table[s.row, : -(-s.ctx_len // bs)] for s in layout.prefills]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
+        lay = self.layout
+        flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+        flat_k.index_copy_(0, lay.slot_mapping, k.to(kc.dtype))
+        flat_v.index_copy_(0, lay.slot_mapping, v.to(vc.dtype))
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        for s in self.prefills:
+        for s, blocks in zip(lay.prefills, self.prefill_blocks, strict=True):
             qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
             if s.q_len == s.ctx_len:  # whole sequence in this step: no cache read needed
                 ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
                 vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = kc[s.slots].transpose(0, 1).to(q.dtype)
-                vs = vc[s.slots].transpose(0, 1).to(q.dtype)
+                ks = kc[blocks].flatten(0, 1)[: s.ctx_len].transpose(0, 1).to(q.dtype)
+                vs = vc[blocks].flatten(0, 1)[: s.ctx_len].transpose(0, 1).to(q.dtype)
                 # query i sits at absolute position ctx_len - q_len + i
-                qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len)[:, None]
-                mask = torch.arange(s.ctx_len)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.to(q.device), enable_gqa=gqa)
+                qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
+                mask = torch.arange(s.ctx_len, device=q.device)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
             out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
         if self.num_decodes:
-            qd = q[self.decode_rows][:, :, None, :]  # [B, H, 1, D]
-            kd = kc[self.decode_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-            vd = vc[self.decode_slots].transpose(1, 2).to(q.dtype)
+            qd = q[lay.decode_rows][:, :, None, :]  # [B, H, 1, D]
+            kd = kc[self.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, nb*bs, D]
+            vd = vc[self.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
-            out[self.decode_rows] = o[:, :, 0, :]
+            out[lay.decode_rows] = o[:, :, 0, :]
         return out

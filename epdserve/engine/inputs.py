@@ -30,6 +30,7 @@ class MediaInput:
     grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
+    handle: dict[str, Any] | None = None  # signed EC handle: the engine core fetches the embeddings
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,9 @@ class InputBuilder:
             n = self.num_tokens(m.grid_thw)
             if m.embeddings is not None and m.embeddings.shape[0] != n:
                 raise PromptError(f"embeddings have {m.embeddings.shape[0]} rows, grid {list(m.grid_thw)} needs {n}")
-            items.append(MediaItem(m.uuid, modality, len(expanded), n, m.grid_thw, m.pixel_values, m.embeddings))
+            items.append(
+                MediaItem(m.uuid, modality, len(expanded), n, m.grid_thw, m.pixel_values, m.embeddings, m.handle)
+            )
             expanded += [t] * n
         if seen != len(media):
             raise PromptError(f"{len(media)} media items but {seen} placeholders in the prompt")

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from epdserve.cache.embedding_cache import EmbeddingCache
-from epdserve.engine.attention import KVCache, PagedAttention, SeqSlice
+from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, PrefillSlice, StepLayout
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.request import MediaItem
-from epdserve.engine.sampler import sample
+from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
+from epdserve.models.precision import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -28,30 +29,35 @@ class MediaError(RuntimeError):
 
 @dataclass
 class StepResult:
-    sampled: dict[str, tuple[int, float]]  # request id -> (token, logprob)
+    sampled: dict[str, Sampled]  # request id -> (token, logprob, top logprobs)
     failed: dict[str, str]  # request id -> error message
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model, config: EngineConfig) -> None:
         self.model = model
         self.config = config
-        self.dtype = dtype
-        self.device = device
+        self.dtype = torch_dtype(config.dtype)
+        self.device = torch.device(config.device)
         lm = model.language_model
         tc = lm.config
         self.kv = KVCache(
             tc.num_hidden_layers,
-            config.num_kv_blocks * config.block_size,
+            config.num_kv_blocks,
+            config.block_size,
             tc.num_key_value_heads,
             tc.head_dim,
-            dtype,
-            device,
+            self.dtype,
+            self.device,
         )
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self.table = BlockTable(config.max_num_seqs, max_blocks, self.device)
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
         self.hidden_size = tc.hidden_size
-        bs = config.block_size
-        self._offsets = torch.arange(bs)
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine: its block-table row is free again."""
+        self.table.release(request_id)
 
     # ---- vision ------------------------------------------------------------------------------
     def _ensure_embeddings(self, items: list[MediaItem]) -> None:
@@ -72,7 +78,7 @@ class ModelRunner:
         if self.model.visual is None:
             raise MediaError("this instance has no vision tower; send metadata-only media items")
         pixels = torch.cat([it.pixel_values for it in todo]).to(self.device, self.dtype)  # type: ignore[misc]
-        grid = torch.tensor([it.grid_thw for it in todo], dtype=torch.long)
+        grid = torch.tensor([it.grid_thw for it in todo], dtype=torch.long, device=self.device)
         emb = self.model.visual(pixels, grid)
         for it, e in zip(todo, emb.split([it.length for it in todo]), strict=True):
             it.embeddings = e
@@ -101,36 +107,70 @@ class ModelRunner:
             return StepResult({}, failed)
 
         lm = self.model.language_model
-        ids, pos, seqs = [], [], []
+        ids: list[int] = []
+        pos_parts: list[torch.Tensor] = []
+        dec_pos: list[int] = []  # positions of decode tokens past the prompt (all three M-RoPE rows equal)
+        rows, starts, ends = [], [], []
+        prefills: list[PrefillSlice] = []
+        dec_q, dec_rows, dec_ctx = [], [], []
         q = 0
-        bs = self.config.block_size
         for s in scheduled:
             req = s.request
+            row = self.table.row(req.request_id, req.block_ids)
+            rows.append(row)
+            starts.append(s.start)
+            ends.append(s.end)
             ids.extend(req.token_ids(s.start, s.end))
-            pos.append(req.positions(s.start, s.end))
-            blocks = torch.tensor(req.block_ids, dtype=torch.long)
-            slots = (blocks[:, None] * bs + self._offsets[None, :]).reshape(-1)[: s.end]
-            seqs.append(SeqSlice(q, s.num_new_tokens, s.end, slots))
+            if s.num_new_tokens == 1 and s.start >= req.prompt_len:
+                dec_pos.append(s.start + req.mrope_delta)
+            else:
+                if dec_pos:
+                    pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
+                    dec_pos = []
+                pos_parts.append(req.positions(s.start, s.end))
+            if s.num_new_tokens > 1 or s.end == 1:
+                prefills.append(PrefillSlice(q, s.num_new_tokens, s.end, row))
+            else:
+                dec_q.append(q)
+                dec_rows.append(row)
+                dec_ctx.append(s.end)
             q += s.num_new_tokens
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if dec_pos:
+            pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
+        dev = self.device
+        t = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev)  # noqa: E731
+        layout = StepLayout(
+            slot_mapping=self.table.slots(t(rows), t(starts), t(ends), self.config.block_size),
+            prefills=prefills,
+            decode_rows=t(dec_q),
+            decode_table_rows=t(dec_rows),
+            decode_ctx=t(dec_ctx),
+            max_decode_ctx=max(dec_ctx, default=0),
+        )
+        tokens = t(ids)
         embeds = lm.embed_tokens(tokens).to(self.dtype)
-        for s, sl in zip(scheduled, seqs, strict=True):
+        q = 0
+        for s in scheduled:
             for it in s.request.mm_items:
                 a, b = max(it.offset, s.start), min(it.end, s.end)
                 if a < b:
                     assert it.embeddings is not None
-                    rows = it.embeddings[a - it.offset : b - it.offset]
-                    embeds[sl.q_start + a - s.start : sl.q_start + b - s.start] = rows.to(self.dtype)
-        positions = torch.cat(pos, dim=1).to(self.device)
-        attention = PagedAttention(self.kv, seqs, self.device)
+                    rows_e = it.embeddings[a - it.offset : b - it.offset]
+                    embeds[q + a - s.start : q + b - s.start] = rows_e.to(dev, self.dtype)
+            q += s.num_new_tokens
+        positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
+        attention = PagedAttention(self.kv, self.table, layout)
         hidden = lm(embeds, positions, attention)
-        sampling = [(s, sl) for s, sl in zip(scheduled, seqs, strict=True) if s.samples]
-        sampled: dict[str, tuple[int, float]] = {}
+        last_rows, sampling = [], []
+        q = 0
+        for s in scheduled:
+            q += s.num_new_tokens
+            if s.samples:
+                last_rows.append(q - 1)
+                sampling.append(s.request)
+        sampled: dict[str, Sampled] = {}
         if sampling:
-            rows = torch.tensor([sl.q_start + sl.q_len - 1 for _, sl in sampling], device=self.device)
-            logits = lm.compute_logits(hidden[rows])
-            reqs = [s.request for s, _ in sampling]
-            toks, lps = sample(logits, reqs)
-            for r, t, lp in zip(reqs, toks, lps, strict=True):
-                sampled[r.request_id] = (t, lp)
+            logits = lm.compute_logits(hidden[t(last_rows)])
+            for r, out in zip(sampling, sample(logits, sampling), strict=True):
+                sampled[r.request_id] = out
         return StepResult(sampled, failed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ class MediaItem:
     grid_thw: tuple[int, int, int]
     pixel_values: torch.Tensor | None = None  # raw path: patches for the local vision tower
     embeddings: torch.Tensor | None = None  # metadata-only path (or after encoding): [length, hidden]
+    handle: dict[str, Any] | None = None  # signed EC handle the core fetches the embeddings by
 
     @property
     def end(self) -> int:
@@ -51,14 +53,18 @@ class Request:
 
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    ready: bool = True  # False while its embeddings are still being fetched
+    pending_fetches: int = 0  # media items whose embeddings are still being fetched by handle
+
+    @property
+    def ready(self) -> bool:
+        """Schedulable: every embedding it needs is here."""
+        return self.pending_fetches == 0
 
     @property
     def prompt_len(self) -> int:

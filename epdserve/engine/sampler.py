@@ -6,15 +6,23 @@ import torch
 
 from epdserve.engine.request import Request
 
+Sampled = tuple[int, float, list[tuple[int, float]] | None]  # token, its logprob, top logprobs
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` [B, V] for the matching request; returns ids and logprobs."""
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
+    """One token per row of ``logits`` [B, V] for the matching request.
+
+    Logprobs are those of the model's own distribution (before min_tokens masking, temperature and
+    truncation, as vLLM's default and transformers' raw scores) and are computed only for the
+    requests that asked: a full-vocabulary log-softmax is not free. Others get NaN as their logprob.
+    """
     logits = logits.float()
+    want = [i for i, r in enumerate(requests) if r.params.logprobs]
+    logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
     for i, req in enumerate(requests):
         # end-of-sequence is not allowed before min_tokens
         if len(req.output_token_ids) < req.params.min_tokens and req.eos_token_ids:
             logits[i, list(req.eos_token_ids)] = float("-inf")
-    logprobs = torch.log_softmax(logits, dim=-1)
     greedy = [i for i, r in enumerate(requests) if r.params.greedy]
     tokens = [0] * len(requests)
     if greedy:
@@ -22,11 +30,19 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
         for i, t in zip(greedy, ids, strict=True):
             tokens[i] = t
     for i, req in enumerate(requests):
-        if req.params.greedy:
-            continue
-        tokens[i] = _sample_one(logits[i], req)
-    chosen = logprobs[torch.arange(len(requests)), torch.tensor(tokens)].tolist()
-    return tokens, chosen
+        if not req.params.greedy:
+            tokens[i] = _sample_one(logits[i], req)
+    out: list[Sampled] = [(t, float("nan"), None) for t in tokens]
+    if logprobs is not None:
+        chosen = logprobs[torch.arange(len(want)), torch.tensor([tokens[i] for i in want])].tolist()
+        for j, i in enumerate(want):
+            k = requests[i].params.top_logprobs
+            top = None
+            if k > 0:
+                vals, idx = torch.topk(logprobs[j], min(k, logprobs.shape[-1]))
+                top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+            out[i] = (tokens[i], chosen[j], top)
+    return out
 
 
 def _sample_one(row: torch.Tensor, req: Request) -> int:

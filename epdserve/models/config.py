@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from epdserve.models.registry import check_architecture
+
 # which halves of the model a process loads: the encoder role needs only "vision", a
 # metadata-only prefill/decode role only "language", an aggregated server both
 ALL_PARTS: frozenset[str] = frozenset({"vision", "language"})
@@ -169,6 +171,7 @@ class ModelConfig:
         architectures = d.get("architectures") or []
         if not architectures:
             raise ConfigError("config.json: 'architectures' is missing or empty")
+        check_architecture(str(architectures[0]))  # before parsing fields another architecture names otherwise
         # the original layout keeps the text fields at the top level
         text = d.get("text_config") or d
         # transformers 5 writes it at both levels; the top level wins, like in transformers

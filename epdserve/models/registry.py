@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     {
@@ -27,13 +29,18 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    """The class implementing ``architecture``; raises UnknownArchitectureError for others."""
-    target = _ARCHITECTURES.get(architecture)
-    if target is None:
+def check_architecture(architecture: str) -> None:
+    """Raise UnknownArchitectureError, naming what is supported, unless ``architecture`` is."""
+    if architecture not in _ARCHITECTURES:
         raise UnknownArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
         )
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class implementing ``architecture``; raises UnknownArchitectureError for others."""
+    check_architecture(architecture)
+    target = _ARCHITECTURES[architecture]
     module_name, class_name = target.split(":")
     cls: type[nn.Module] = getattr(importlib.import_module(module_name), class_name)
     return cls

@@ -1,0 +1,278 @@
+"""The engine core: schedule → execute → update, with nothing of HTTP, text or the event loop.
+
+It takes ``AddRequest``/abort messages and returns ``EngineOutput`` token ids per step; the front
+end (``client``) owns detokenization, stop strings and streaming. Metadata-only media items carry a
+signed EC handle: the core fetches it (``EmbeddingFetcher``) while the request waits in the
+scheduler, not ready, so a slow fetch never stalls the running batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.embeddings import EmbeddingFetcher, Fetched
+from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, ErrorKind, FinishReason
+from epdserve.engine.model_runner import ModelRunner
+from epdserve.engine.request import MediaItem, Request, Status
+from epdserve.engine.scheduler import Scheduler
+from epdserve.transfer.config import ECConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self, model, config: EngineConfig, ec: ECConfig | None = None, model_id: str = "", on_wake=None
+    ) -> None:
+        self.config = config
+        self.runner = ModelRunner(model, config)
+        self.scheduler = Scheduler(config)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.last_step_idle = False
+        self._fetched: deque[Fetched] = deque()
+        self._on_wake = on_wake  # called (any thread) when a fetch finished: the loop should step
+        self._fetcher: EmbeddingFetcher | None = None
+        self._fetch_lock = threading.Lock()
+        self._ec, self._model_id = ec, model_id
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        config: EngineConfig,
+        vision: bool = True,
+        ec: ECConfig | None = None,
+        model_id: str = "",
+        on_wake=None,
+    ) -> EngineCore:
+        from epdserve.models.loader import load_model
+        from epdserve.models.precision import torch_dtype
+
+        parts = frozenset({"vision", "language"} if vision else {"language"})
+        model, _ = load_model(model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device)
+        return cls(model, config, ec, model_id or Path(model_dir).name, on_wake)
+
+    @property
+    def vision(self) -> bool:
+        return self.runner.model.visual is not None
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add(self, msg: AddRequest) -> list[EngineOutput]:
+        """Admit a request; returns its error output at once if it cannot run at all."""
+        if msg.request_id in self.requests:
+            return [_error(msg.request_id, f"duplicate request id {msg.request_id}", "invalid_request")]
+        items = [
+            MediaItem(
+                m.uuid,
+                m.modality,
+                m.offset,
+                m.length,
+                m.grid_thw,
+                m.pixels.to_torch() if m.pixels is not None else None,
+                m.embeddings.to_torch() if m.embeddings is not None else None,
+                m.handle,
+            )
+            for m in msg.media
+        ]
+        req = Request(
+            msg.request_id,
+            list(msg.prompt_token_ids),
+            msg.params,
+            items,
+            msg.mrope_positions.to_torch() if msg.mrope_positions is not None else None,
+            msg.mrope_delta,
+            arrival=msg.arrival,
+            eos_token_ids=frozenset(msg.eos_token_ids),
+        )
+        try:
+            _check(req, self.config)
+        except ValueError as e:
+            self._release_handles(req)
+            return [_error(req.request_id, str(e), "invalid_request")]
+        self.requests[req.request_id] = req
+        for i, it in enumerate(items):
+            if it.handle is not None and it.embeddings is None:
+                req.pending_fetches += 1
+                self._fetcher_for_handles().fetch(req.request_id, i, it.handle, it.length, self.runner.hidden_size)
+        self.scheduler.add(req)
+        return []
+
+    def add_request(self, req: Request) -> None:
+        """Admit an already built request (in-process tools and tests)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+            self.runner.release(request_id)
+
+    def release_handles(self, handles: list[dict]) -> None:
+        """Give back leases of a request that will never run here."""
+        for h in handles:
+            self._fetcher_for_handles().release(h)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        outputs = self._apply_fetched()
+        plan = self.scheduler.schedule()
+        self.last_step_idle = not plan.scheduled
+        if not plan.scheduled:
+            return outputs
+        try:
+            result = self.runner.execute(plan)
+        except Exception as e:  # never let one bad step kill the engine: fail this step's requests
+            log.exception("engine step failed")
+            return outputs + [self._fail(s.request, f"internal error: {e}", "internal") for s in plan.scheduled]
+        self.num_steps += 1
+        outputs += [self._fail(self.requests[rid], msg, "media") for rid, msg in result.failed.items()]
+        for s in plan.scheduled:
+            req = s.request
+            if req.request_id in result.failed:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            self.scheduler.blocks.commit(req)
+            sampled = result.sampled.get(req.request_id)
+            if sampled is not None:
+                outputs.append(self._append(req, sampled))
+        return outputs
+
+    def _append(self, req: Request, sampled) -> EngineOutput:
+        token, logprob, top = sampled
+        req.output_token_ids.append(token)
+        p = req.params
+        n_out = len(req.output_token_ids)
+        reason: FinishReason | None = None
+        if token in req.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
+            reason = "stop"
+        elif n_out >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        out = EngineOutput(
+            req.request_id,
+            [token],
+            logprobs=[logprob] if p.logprobs else None,
+            top_logprobs=[top] if top is not None else None,
+            finish_reason=reason,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.num_cached_tokens,
+        )
+        if reason is not None:
+            self._retire(req, reason)
+        return out
+
+    def _fail(self, req: Request, message: str, kind: ErrorKind) -> EngineOutput:
+        self._retire(req, "error")
+        out = _error(req.request_id, message, kind)
+        out.prompt_tokens = req.prompt_len
+        return out
+
+    def _retire(self, req: Request, reason: str) -> None:
+        if req.status is not Status.FINISHED:
+            self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        self.runner.release(req.request_id)
+
+    # ---- embeddings by handle ----------------------------------------------------------------
+    def _fetcher_for_handles(self) -> EmbeddingFetcher:
+        if self._fetcher is None:
+            from epdserve.transfer.factory import make_consumer
+
+            ec = self._ec or ECConfig()
+            self._fetcher = EmbeddingFetcher(lambda: make_consumer(ec), self._model_id, self._fetch_done)
+        return self._fetcher
+
+    def _fetch_done(self, f: Fetched) -> None:  # on the fetcher's thread
+        with self._fetch_lock:
+            self._fetched.append(f)
+        if self._on_wake is not None:
+            self._on_wake()
+
+    @property
+    def fetches_pending(self) -> bool:
+        return any(r.pending_fetches for r in self.requests.values())
+
+    def _apply_fetched(self) -> list[EngineOutput]:
+        with self._fetch_lock:
+            done, self._fetched = list(self._fetched), deque()
+        outputs = []
+        for f in done:
+            req = self.requests.get(f.request_id)
+            if req is None:
+                continue  # aborted or failed meanwhile; the fetch has released its lease
+            req.pending_fetches -= 1
+            item = req.mm_items[f.index]
+            item.handle = None  # consumed (read and released)
+            if f.embeddings is None:
+                outputs.append(self._fail(req, f.error or "embeddings unavailable", f.kind or "internal"))
+            else:
+                item.embeddings = f.embeddings
+        return outputs
+
+    def _release_handles(self, req: Request) -> None:
+        """Give back the handles of a request refused before its fetches began. (Once begun, each
+        fetch releases its own lease when it ends, whatever happened to the request meanwhile.)"""
+        for it in req.mm_items:
+            if it.handle is not None:
+                self._fetcher_for_handles().release(it.handle)
+                it.handle = None
+
+    # ---- observability -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        sch, enc, f = self.scheduler, self.runner.encoder_cache, self._fetcher
+        return EngineStats(
+            running=len(sch.running),
+            waiting=len(sch.waiting),
+            kv_blocks_free=sch.blocks.num_free,
+            kv_blocks_total=sch.blocks.num_blocks,
+            prefix_cache_hit_tokens=sch.blocks.hits,
+            prefix_cache_query_tokens=sch.blocks.queries,
+            preemptions=sch.num_preemptions,
+            steps=self.num_steps,
+            encoder_cache_hits=enc.hits,
+            encoder_cache_bytes=enc.nbytes,
+            ec_bytes=f.bytes if f else 0,
+            ec_seconds=f.seconds if f else 0.0,
+            ec_failures=f.failures if f else 0,
+            vision=self.vision,
+        )
+
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.close()
+
+
+def _error(request_id: str, message: str, kind: ErrorKind) -> EngineOutput:
+    return EngineOutput(request_id, [], finish_reason="error", error=message, error_kind=kind)
+
+
+def _check(req: Request, config: EngineConfig) -> None:
+    """What the front end already validated, checked again: the core trusts no channel blindly."""
+    n = req.prompt_len
+    if n < 1:
+        raise ValueError("empty prompt")
+    if n >= config.max_model_len:
+        raise ValueError(f"prompt of {n} tokens does not fit max_model_len {config.max_model_len}")
+    for it in req.mm_items:
+        if it.offset < 0 or it.end > n or it.length < 1:
+            raise ValueError(f"media item {it.uuid} lies outside the prompt")
+        if it.embeddings is not None and it.embeddings.shape[0] != it.length:
+            raise ValueError(f"media item {it.uuid} has {it.embeddings.shape[0]} rows, not {it.length}")
+        if it.pixel_values is None and it.embeddings is None and it.handle is None:
+            raise ValueError(f"media item {it.uuid} has no pixels, embeddings or handle")
+    pos = req.mrope_positions
+    if pos is not None and (tuple(pos.shape) != (3, n) or pos.dtype != torch.long):
+        raise ValueError("M-RoPE positions do not match the prompt")

@@ -1,0 +1,144 @@
+"""The engine core process: ``python -m epdserve.engine.core_proc <fd> <parent pid>``.
+
+Started by ``MPClient`` with one end of a private socket pair. It reads ``CoreStart``, loads the
+model, answers ``CoreReady`` (or ``CoreFailed``), then loops: a reader thread moves incoming
+messages to an inbox, the main thread drains it, steps the engine and sends each step's outputs.
+It exits when told to, when the channel closes, or when its parent dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+from epdserve.engine.core import EngineCore
+from epdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Channel,
+    ChannelClosed,
+    CoreFailed,
+    CoreReady,
+    CoreStart,
+    EngineOutput,
+    Outputs,
+    ReleaseHandles,
+    Shutdown,
+    StatsRequest,
+    ToCore,
+)
+
+log = logging.getLogger("epdserve.engine.core")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when the front end dies (its stream never ends otherwise)."""
+    # not Linux: the closed channel still ends the process
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class CoreLoop:
+    def __init__(self, channel: Channel, core: EngineCore) -> None:
+        self.channel = channel
+        self.core = core
+        self._cv = threading.Condition()
+        self._inbox: list[ToCore] = []
+        self._closed = False
+        core._on_wake = self._wake
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.channel.recv()
+                with self._cv:
+                    self._inbox.append(msg)
+                    self._cv.notify()
+                if isinstance(msg, Shutdown):
+                    return
+        except (ChannelClosed, OSError, ValueError) as e:
+            log.info("engine core channel closed: %s", e)
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def run(self) -> None:
+        threading.Thread(target=self._read, name="epd-core-reader", daemon=True).start()
+        core = self.core
+        while True:
+            with self._cv:
+                while not self._inbox and not core.has_work and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                inbox, self._inbox = self._inbox, []
+            outputs: list[EngineOutput] = []
+            for msg in inbox:
+                if isinstance(msg, AddRequest):
+                    outputs += core.add(msg)
+                elif isinstance(msg, AbortRequests):
+                    for rid in msg.request_ids:
+                        core.abort(rid)
+                elif isinstance(msg, ReleaseHandles):
+                    core.release_handles(msg.handles)
+                elif isinstance(msg, StatsRequest):
+                    self.channel.send(core.stats())
+                elif isinstance(msg, Shutdown):
+                    return
+            if core.has_work:
+                outputs += core.step()
+                if core.last_step_idle:  # only requests waiting for embeddings: sleep until a fetch ends
+                    with self._cv:
+                        self._cv.wait(0.05)
+            if outputs:
+                self.channel.send(Outputs(outputs))
+
+
+def main(argv: list[str]) -> int:
+    fd, parent = int(argv[0]), int(argv[1])
+    _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the core stops
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    channel = Channel(socket.socket(fileno=fd), ToCore)
+    try:
+        start = channel.recv()
+    except ChannelClosed:
+        return 1
+    if not isinstance(start, CoreStart):
+        channel.send(CoreFailed(f"expected a start message, got {type(start).__name__}"))
+        return 1
+    try:
+        import torch
+
+        if start.engine.threads:
+            torch.set_num_threads(start.engine.threads)
+        core = EngineCore.from_pretrained(start.model, start.engine, start.vision, start.ec, start.model_id)
+    except Exception as e:  # a bad checkpoint or device must reach the server as a clear message
+        log.exception("engine core failed to start")
+        channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
+        return 1
+    channel.send(CoreReady(pid=os.getpid(), vision=core.vision, num_kv_blocks=start.engine.num_kv_blocks))
+    try:
+        CoreLoop(channel, core).run()
+    except (ChannelClosed, OSError) as e:
+        log.info("engine core stops: %s", e)
+    finally:
+        core.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

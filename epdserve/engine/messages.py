@@ -1,0 +1,233 @@
+"""Messages between a server's front end and its engine core: typed, versioned msgspec structs.
+
+The front end validates, renders the prompt and detokenizes; the core schedules, fetches
+embeddings and runs the model. They exchange only these structs, as length-prefixed msgpack
+frames (``Channel``); tensors travel as raw bytes with dtype and shape, never pickled::
+
+    front end                              engine core
+      CoreStart ─────────────────────────▶   (loads the model)
+                ◀───────────────────────── CoreReady
+      AddRequest / AbortRequests ────────▶
+      StatsRequest ──────────────────────▶
+                ◀───────────────────────── Outputs (token ids, logprobs, finish, errors)
+                ◀───────────────────────── EngineStats
+      Shutdown ──────────────────────────▶   (or the socket closes: the core exits)
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.models.precision import TORCH_DTYPES
+from epdserve.transfer.config import ECConfig
+
+ENGINE_PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+# why a request failed inside the core; the front end maps each kind to its HTTP answer
+ErrorKind = Literal["invalid_handle", "embeddings_unavailable", "media", "invalid_request", "internal"]
+
+
+class WireTensor(msgspec.Struct, frozen=True):
+    """A tensor by value: dtype name, shape and the C-contiguous bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> WireTensor:
+        t = t.detach().cpu().contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _WIRE_DTYPES:
+            raise ValueError(f"unsupported tensor dtype {name!r}")
+        return cls(name, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def to_torch(self) -> torch.Tensor:
+        dtype = _WIRE_DTYPES.get(self.dtype)
+        if dtype is None:
+            raise ValueError(f"unsupported tensor dtype {self.dtype!r}")
+        raw = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8).copy())
+        return raw.view(dtype).reshape(self.shape)
+
+
+_WIRE_DTYPES = {**TORCH_DTYPES, "int64": torch.int64, "int32": torch.int32}
+
+
+class MediaSpec(msgspec.Struct, frozen=True):
+    """One media item of a prompt: its placeholder run and where its embeddings come from —
+    pixels for the local vision tower, embeddings by value, or a signed EC handle the core fetches."""
+
+    uuid: str
+    modality: str
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
+    pixels: WireTensor | None = None
+    embeddings: WireTensor | None = None
+    handle: dict[str, Any] | None = None
+
+
+# ---- front end → core --------------------------------------------------------------------------
+
+
+class CoreStart(msgspec.Struct, frozen=True, tag="start"):
+    """What the core loads and how it runs (the first message on a new channel)."""
+
+    model: str  # checkpoint directory
+    model_id: str  # served model name (EC handles are checked against it)
+    engine: EngineConfig
+    vision: bool
+    ec: ECConfig
+    version: int = ENGINE_PROTOCOL_VERSION
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    media: list[MediaSpec] = []
+    mrope_positions: WireTensor | None = None
+    mrope_delta: int = 0
+    eos_token_ids: list[int] = []
+    arrival: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
+    request_ids: list[str]
+
+
+class ReleaseHandles(msgspec.Struct, frozen=True, tag="release"):
+    """Leases of a request the front end rejected before it reached the core: give them back."""
+
+    handles: list[dict[str, Any]]
+
+
+class StatsRequest(msgspec.Struct, frozen=True, tag="stats?"):
+    pass
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+ToCore = CoreStart | AddRequest | AbortRequests | ReleaseHandles | StatsRequest | Shutdown
+
+
+# ---- core → front end --------------------------------------------------------------------------
+
+
+class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
+    pid: int
+    vision: bool  # the vision tower is loaded
+    num_kv_blocks: int
+    version: int = ENGINE_PROTOCOL_VERSION
+
+
+class CoreFailed(msgspec.Struct, frozen=True, tag="failed"):
+    """The core could not start (bad checkpoint, device, ...); it exits after sending this."""
+
+    message: str
+
+
+class EngineOutput(msgspec.Struct):
+    """What one step produced for one request: new token ids (with logprobs when asked), or its end."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # the chosen tokens' logprobs (params.logprobs)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), best first
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # set with finish_reason "error"
+    error_kind: ErrorKind | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Outputs(msgspec.Struct, frozen=True, tag="outputs"):
+    outputs: list[EngineOutput]
+
+
+class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_bytes: int = 0
+    ec_bytes: int = 0  # embedding bytes fetched through the EC connector
+    ec_seconds: float = 0.0
+    ec_failures: int = 0
+    vision: bool = False
+
+
+FromCore = CoreReady | CoreFailed | Outputs | EngineStats
+
+
+# ---- framing -----------------------------------------------------------------------------------
+
+_LEN = struct.Struct(">I")
+MAX_FRAME = 1 << 30
+
+
+class ChannelClosed(ConnectionError):
+    """The other side closed the channel (or died)."""
+
+
+class Channel:
+    """Blocking length-prefixed msgpack frames over a stream socket (the core's side)."""
+
+    def __init__(self, sock: socket.socket, recv_type: Any) -> None:
+        self.sock = sock
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(recv_type)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        payload = self._enc.encode(msg)
+        self.sock.sendall(_LEN.pack(len(payload)) + payload)
+
+    def recv(self) -> Any:
+        (n,) = _LEN.unpack(self._read(_LEN.size))
+        if n > MAX_FRAME:
+            raise ChannelClosed(f"frame of {n} bytes exceeds the limit")
+        return self._dec.decode(self._read(n))
+
+    def _read(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise ChannelClosed("the channel was closed")
+            buf += chunk
+        return bytes(buf)
+
+
+def frame(encoder: msgspec.msgpack.Encoder, msg: msgspec.Struct) -> bytes:
+    payload = encoder.encode(msg)
+    return _LEN.pack(len(payload)) + payload
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = _LEN.unpack(header)
+    if n > MAX_FRAME:
+        raise ChannelClosed(f"frame of {n} bytes exceeds the limit")
+    return int(n)
+
+
+FRAME_HEADER = _LEN.size

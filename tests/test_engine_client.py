@@ -1,0 +1,169 @@
+"""The engine core behind its client: in-process and in its own process give the same tokens; the
+core fetches embeddings by handle; a dead core fails every open stream and reports itself."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from epdserve.engine.client import CoreStartError, InprocClient, MPClient
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core import EngineCore
+from epdserve.engine.inputs import InputBuilder, MediaInput
+from epdserve.engine.messages import AddRequest, CoreStart, EngineOutput, MediaSpec, WireTensor
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.hf_reference import HFReference
+from epdserve.models.config import ModelConfig
+from epdserve.transfer.config import ECConfig
+from epdserve.transfer.factory import make_producer
+
+ENGINE = EngineConfig(num_kv_blocks=256, max_model_len=2048)
+PROMPTS = ["Describe the image.", "What colour is the sky?", "Count to five.", "Name a shape."]
+
+
+def text_request(hf: HFReference, rid: str, text: str, max_tokens: int = 10, **params) -> AddRequest:
+    ids = hf.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return AddRequest(rid, list(ids), sp)
+
+
+async def collect(stream: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
+    return [o async for o in stream]
+
+
+def tokens(outs: list[EngineOutput]) -> list[int]:
+    assert outs[-1].finished and outs[-1].error is None, outs[-1].error
+    return [t for o in outs for t in o.token_ids]
+
+
+def start_msg(model_dir: Path) -> CoreStart:
+    return CoreStart(str(model_dir), model_dir.name, ENGINE, True, ECConfig())
+
+
+def test_process_core_equals_inprocess_core_and_transformers(model_dir: Path, hf: HFReference) -> None:
+    reqs = [text_request(hf, f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    expected = {
+        r.request_id: hf.generate_ids(hf.inputs([{"role": "user", "content": p}]), max_new_tokens=10)
+        for r, p in zip(reqs, PROMPTS, strict=True)
+    }
+
+    async def run(client) -> dict[str, list[int]]:
+        await client.start()
+        try:
+            outs = await asyncio.gather(*(collect(client.generate(r)) for r in reqs))
+            return {r.request_id: tokens(o) for r, o in zip(reqs, outs, strict=True)}
+        finally:
+            await client.close()
+
+    inproc = asyncio.run(run(InprocClient(EngineCore.from_pretrained(model_dir, ENGINE))))
+    mp = asyncio.run(run(MPClient(start_msg(model_dir))))
+    assert mp == inproc
+    # the ignore_eos oracle: transformers stops at EOS, so compare the common prefix it produced
+    for rid, want in expected.items():
+        assert mp[rid][: len(want)] == want, rid
+
+
+def test_dead_core_fails_open_streams_and_reports_unhealthy(model_dir: Path, hf: HFReference) -> None:
+    deaths: list[str] = []
+
+    async def scenario() -> tuple[list[EngineOutput], bool, list[EngineOutput]]:
+        client = MPClient(start_msg(model_dir), on_death=deaths.append)
+        await client.start()
+        assert client.healthy
+        long = text_request(hf, "long", PROMPTS[0], max_tokens=1500)
+        stream = client.generate(long)
+        first = await anext(stream)  # it is running
+        os.kill(client.pid, signal.SIGKILL)
+        rest = await asyncio.wait_for(collect(stream), 30)
+        healthy = client.healthy
+        after = await collect(client.generate(text_request(hf, "after", PROMPTS[1])))
+        await client.close()
+        return [first, *rest], healthy, after
+
+    outs, healthy, after = asyncio.run(scenario())
+    assert outs[-1].finish_reason == "error" and outs[-1].error_kind == "internal"
+    assert not healthy
+    assert len(deaths) == 1 and "exit" in deaths[0]
+    assert after[-1].finish_reason == "error"  # a request after the death fails at once
+
+
+def test_core_that_cannot_start_says_why(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
+    bad = CoreStart(str(tmp_path), "x", ENGINE, True, ECConfig())
+    with pytest.raises(CoreStartError, match="NoSuchModel.*supported: Qwen2VLForConditionalGeneration"):
+        asyncio.run(MPClient(bad, ready_timeout_s=120).start())
+
+
+def test_closing_a_stream_aborts_the_request_in_the_core(model_dir: Path, hf: HFReference) -> None:
+    async def scenario() -> tuple[int, int]:
+        client = MPClient(start_msg(model_dir))
+        await client.start()
+        try:
+            stream = client.generate(text_request(hf, "a", PROMPTS[0], max_tokens=1500))
+            await anext(stream)
+            running = (await client.stats()).running
+            await stream.aclose()  # type: ignore[attr-defined]
+            for _ in range(100):
+                if (await client.stats()).running == 0:
+                    break
+                await asyncio.sleep(0.02)
+            return running, (await client.stats()).running
+        finally:
+            await client.close()
+
+    assert asyncio.run(scenario()) == (1, 0)
+
+
+def test_core_fetches_embeddings_by_handle(model_dir: Path, hf: HFReference) -> None:
+    """A metadata-only item waits in the scheduler for its embeddings; the tokens equal the same
+    request with the embeddings inline, and a forged handle fails only its own request (400)."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    builder = InputBuilder(hf.tok, cfg)
+    grid = (1, 8, 8)
+    rows = builder.num_tokens(grid)
+    emb = torch.randn(rows, cfg.text.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.05
+    ec = ECConfig(shm_bytes=8 << 20, instance="t-core")
+    producer = make_producer(ec)
+    try:
+        handle = producer.put("img-1", emb, model_dir.name)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+        by_value = builder.build(messages, [MediaInput("img-1", "image", grid, embeddings=emb)])
+        item = by_value.mm_items[0]
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        pos = WireTensor.of(by_value.mrope_positions)
+
+        def add(rid: str, spec: MediaSpec) -> AddRequest:
+            return AddRequest(rid, by_value.token_ids, sp, [spec], pos, by_value.mrope_delta)
+
+        inline = MediaSpec("img-inline", "image", item.offset, item.length, grid, embeddings=WireTensor.of(emb))
+        fetched = MediaSpec(item.uuid, "image", item.offset, item.length, grid, handle=handle)
+        forged = MediaSpec(item.uuid, "image", item.offset, item.length, grid, handle={**handle, "nbytes": 1})
+
+        async def run() -> tuple[list[EngineOutput], ...]:
+            client = MPClient(CoreStart(str(model_dir), model_dir.name, ENGINE, False, ec))
+            await client.start()
+            try:
+                return tuple(
+                    await asyncio.gather(
+                        collect(client.generate(add("inline", inline))),
+                        collect(client.generate(add("handle", fetched))),
+                        collect(client.generate(add("forged", forged))),
+                    )
+                )
+            finally:
+                await client.close()
+
+        a, b, c = asyncio.run(run())
+        assert tokens(a) == tokens(b)
+        assert c[-1].finish_reason == "error" and c[-1].error_kind == "invalid_handle"
+        assert producer.live_handles == 0  # the fetched lease was released by the core
+    finally:
+        producer.close()
