@@ -41,6 +41,11 @@ class HFReference:
         self._override: EmbedOverride | None = None
         self.model.model.visual.register_forward_hook(self._hook)
 
+    def _count(self, grid_thw: tuple[int, int, int]) -> int:
+        """Placeholders per item, counted here independently of the model code under test."""
+        t, h, w = grid_thw
+        return t * h * w // (self.merge * self.merge)
+
     def _hook(self, module, args, output):
         if self._override is None:
             return output
@@ -66,9 +71,9 @@ class HFReference:
         expanded: list[int] = []
         for t in ids:
             if t == self.image_token_id:
-                expanded += [t] * next(it_i).num_embeddings(self.merge)
+                expanded += [t] * self._count(next(it_i).grid_thw)
             elif t == self.video_token_id:
-                expanded += [t] * next(it_v).num_embeddings(self.merge)
+                expanded += [t] * self._count(next(it_v).grid_thw)
             else:
                 expanded.append(t)
         input_ids = torch.tensor([expanded])

@@ -47,7 +47,9 @@ def expected(pixels: torch.Tensor) -> torch.Tensor:
 
 
 def make(tower: FakeTower, cache_bytes: int = 1 << 20, **kw) -> EncodeBatcher:
-    return EncodeBatcher(tower, BatcherConfig(**kw), EmbeddingCache(cache_bytes), merge_size=MERGE)
+    return EncodeBatcher(
+        tower, BatcherConfig(**kw), EmbeddingCache(cache_bytes), rows_of=lambda g: g[0] * g[1] * g[2] // (MERGE * MERGE)
+    )
 
 
 async def _wait_for(pred, timeout: float = 5.0) -> None:

@@ -32,8 +32,8 @@ def test_matches_transformers_image_processor(ours: VisionProcessor) -> None:
 
 def test_token_counts_for_spec_sizes(ours: VisionProcessor) -> None:
     # 84 px -> 6x6 patches -> 9 tokens; 112 px and larger squares are capped at 112x112 -> 16 tokens
-    assert ours.image(Image.new("RGB", (84, 84))).num_embeddings(2) == 9
-    assert ours.image(Image.new("RGB", (168, 168))).num_embeddings(2) == 16
+    assert ours.image(Image.new("RGB", (84, 84))).grid_thw == (1, 6, 6)
+    assert ours.image(Image.new("RGB", (168, 168))).grid_thw == (1, 8, 8)
 
 
 def test_video_groups_frames_in_time(ours: VisionProcessor) -> None:

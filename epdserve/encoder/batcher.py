@@ -112,8 +112,8 @@ class _Job:
 class EncodeBatcher:
     """Asyncio-facing queue in front of one vision-forward worker thread.
 
-    ``visual`` is called only from the worker thread; it maps an item of t*h*w patch rows to
-    t*h*w / merge_size² embeddings. ``device``/``dtype`` are where and how the pixels go in.
+    ``visual`` is called only from the worker thread; it maps an item to ``rows_of(grid)``
+    embeddings (the model's ``PromptLayout.num_placeholders``). ``device``/``dtype`` are where and how the pixels go in.
     Embeddings come back (and are cached) on the CPU in the tower's output dtype.
     """
 
@@ -122,7 +122,7 @@ class EncodeBatcher:
         visual: VisionForward,
         config: BatcherConfig,
         cache: EmbeddingCache,
-        merge_size: int,
+        rows_of: Callable[[tuple[int, int, int]], int],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         on_batch: Callable[[BatchReport], None] | None = None,
@@ -133,7 +133,7 @@ class EncodeBatcher:
         self.device = torch.device(device)
         self.dtype = dtype
         self.on_batch = on_batch
-        self._merge2 = merge_size * merge_size
+        self._rows_of = rows_of
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: deque[_Job] = deque()
@@ -261,7 +261,7 @@ class EncodeBatcher:
                 pixels = torch.cat([j.pixel_values for j in batch]).to(self.device, self.dtype)
                 grid = torch.tensor([j.grid_thw for j in batch], dtype=torch.long)
                 out = self.visual(pixels, grid)
-                sizes = [j.rows // self._merge2 for j in batch]
+                sizes = [self._rows_of(j.grid_thw) for j in batch]
                 if out.shape[0] != sum(sizes):
                     raise EncodeError(f"the vision tower returned {out.shape[0]} rows for {sum(sizes)} embeddings")
                 # own storage per item, so a cached item does not pin the whole batch's output

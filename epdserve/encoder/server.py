@@ -59,6 +59,7 @@ from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.models.precision import DType, torch_dtype
+from epdserve.models.registry import prompt_layout
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_producer
@@ -154,7 +155,7 @@ class EncoderService:
             self.checkpoint_tensors,
             self.load_report.seconds,
         )
-        vc = ModelConfig.from_pretrained(config.model).vision
+        model_config = ModelConfig.from_pretrained(config.model)
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
         # one thread: puts are short copies, kept off the event loop and the forward thread
@@ -165,7 +166,7 @@ class EncoderService:
             visual,
             config.batcher,
             EmbeddingCache(config.encoder_cache_bytes),
-            merge_size=vc.spatial_merge_size,
+            rows_of=prompt_layout(model_config).num_placeholders,
             device=config.device,
             dtype=config.torch_dtype,
             on_batch=self._on_batch,

@@ -1,8 +1,8 @@
 """From chat messages with media to an engine request's prompt.
 
 The chat template renders one placeholder token per media item; each is expanded here to the
-item's embedding count (t*h*w / merge²), taken from its grid — pixels or metadata alone give
-the same prompt and the same M-RoPE positions.
+item's embedding count, taken from its grid by the model's ``PromptLayout`` — pixels or metadata
+alone give the same prompt and the same rotary positions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from epdserve.engine.request import MediaItem
 from epdserve.models.config import ModelConfig
+from epdserve.models.registry import prompt_layout
 
 
 class PromptError(ValueError):
@@ -67,14 +68,14 @@ class InputBuilder:
     def __init__(self, tokenizer, config: ModelConfig) -> None:
         self.tok = tokenizer
         self.config = config
-        self.merge = config.vision.spatial_merge_size
+        self.layout = prompt_layout(config)
         self.placeholder = {"image": config.image_token_id, "video": config.video_token_id}
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        t, h, w = grid_thw
-        if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-            raise PromptError(f"invalid grid_thw {list(grid_thw)}: h and w must be positive multiples of {self.merge}")
-        return t * h * w // (self.merge * self.merge)
+        try:
+            return self.layout.num_placeholders(grid_thw)
+        except ValueError as e:
+            raise PromptError(f"invalid grid_thw {list(grid_thw)}: {e}") from None
 
     def render(self, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Chat template → token ids (one placeholder token per media item).
@@ -95,8 +96,6 @@ class InputBuilder:
     def build(
         self, messages: list[dict], media: list[MediaInput], template_kwargs: Mapping[str, Any] | None = None
     ) -> Prompt:
-        from epdserve.models.qwen2_vl import mrope_positions
-
         ids = self.render(messages, template_kwargs)
         expanded: list[int] = []
         items: list[MediaItem] = []
@@ -122,14 +121,7 @@ class InputBuilder:
             expanded += [t] * n
         if seen != len(media):
             raise PromptError(f"{len(media)} media items but {seen} placeholders in the prompt")
-        if not items:
-            return Prompt(expanded, [], None, 0)
         grids_i = [it.grid_thw for it in items if it.modality == "image"]
         grids_v = [it.grid_thw for it in items if it.modality == "video"]
-        pos, delta = mrope_positions(
-            expanded,
-            torch.tensor(grids_i, dtype=torch.long) if grids_i else None,
-            torch.tensor(grids_v, dtype=torch.long) if grids_v else None,
-            self.config,
-        )
-        return Prompt(expanded, items, pos, int(delta))
+        pos, delta = self.layout.positions(expanded, grids_i, grids_v)
+        return Prompt(expanded, items, pos, delta)

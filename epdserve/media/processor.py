@@ -40,10 +40,6 @@ class VisionInput:
     pixel_values: np.ndarray  # (t*h*w, C*temporal_patch*patch*patch) float32
     grid_thw: tuple[int, int, int]
 
-    def num_embeddings(self, merge_size: int) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // (merge_size * merge_size)
-
 
 @dataclass(frozen=True)
 class ProcessorConfig:

@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+Grid = tuple[int, int, int]  # (t, h, w) in patches
+
 
 class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -18,4 +20,21 @@ class AttentionBackend(Protocol):
         concatenated, in scheduling order, positional rotation already applied).
         Returns the attention output [N, Hq, D] (causal within each sequence, over its cached
         context plus the new tokens)."""
+        ...
+
+
+class PromptLayout(Protocol):
+    """A model's rules for media in the prompt, owned by the model file (the engine, the encoder
+    and the front end ask it; none of them knows a formula of its own)."""
+
+    def num_placeholders(self, grid_thw: Grid) -> int:
+        """Placeholder tokens (= embedding rows) of one media item; ValueError for a grid the
+        model cannot take."""
+        ...
+
+    def positions(
+        self, token_ids: list[int], image_grids: list[Grid], video_grids: list[Grid]
+    ) -> tuple[torch.Tensor | None, int]:
+        """Rotary positions of an expanded prompt ([rows, N], None when plain 1-D positions do)
+        and the offset that positions of generated tokens continue from (position = index + delta)."""
         ...

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.models.base import AttentionBackend
+from epdserve.models.base import AttentionBackend, Grid
 from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
 
 GridLike = torch.Tensor | Sequence[Sequence[int]]
@@ -479,6 +479,33 @@ def mrope_positions(
     return torch.cat(pieces, dim=1), next_pos - len(ids)
 
 
+class Qwen2VLLayout:
+    """Qwen2-VL's prompt rules: t*h*w / merge² placeholders per item, 3-row M-RoPE positions."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.merge = config.vision.spatial_merge_size
+
+    def num_placeholders(self, grid_thw: Grid) -> int:
+        t, h, w = grid_thw
+        if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
+            raise ValueError(f"h and w must be positive multiples of {self.merge}")
+        return t * h * w // (self.merge * self.merge)
+
+    def positions(
+        self, token_ids: list[int], image_grids: list[Grid], video_grids: list[Grid]
+    ) -> tuple[torch.Tensor | None, int]:
+        if not image_grids and not video_grids:
+            return None, 0
+        pos, delta = mrope_positions(
+            token_ids,
+            torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
+            torch.tensor(video_grids, dtype=torch.long) if video_grids else None,
+            self.config,
+        )
+        return pos, int(delta)
+
+
 # ---------------------------------------------------------------------------------------------
 # the whole model and its checkpoint
 # ---------------------------------------------------------------------------------------------
@@ -496,6 +523,8 @@ _NAME_PREFIXES: tuple[tuple[str, str], ...] = (
 
 class Qwen2VLForConditionalGeneration(nn.Module):
     """Holds the parts a process needs: ``visual`` (vision tower) and/or ``language_model``."""
+
+    prompt_layout = Qwen2VLLayout  # the registry's way to the prompt rules without building the model
 
     def __init__(self, config: ModelConfig, parts: frozenset[str] = ALL_PARTS) -> None:
         super().__init__()

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
+    from epdserve.models.base import PromptLayout
+    from epdserve.models.config import ModelConfig
+
 _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     {
         "Qwen2VLForConditionalGeneration": "epdserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
@@ -44,3 +47,9 @@ def model_class(architecture: str) -> type[nn.Module]:
     module_name, class_name = target.split(":")
     cls: type[nn.Module] = getattr(importlib.import_module(module_name), class_name)
     return cls
+
+
+def prompt_layout(config: ModelConfig) -> PromptLayout:
+    """The prompt rules (placeholder counts, rotary positions) of ``config``'s architecture."""
+    layout: PromptLayout = model_class(config.architecture).prompt_layout(config)  # type: ignore[attr-defined]
+    return layout
