@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -10,6 +11,15 @@ from contextlib import contextmanager
 
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.security.credentials import ClusterCredential
+
+# scripts/gpu_check.sh runs some tests on a GPU: where the engine runs and at what precision
+TEST_DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")
+TEST_DTYPE = os.environ.get("EPD_TEST_DTYPE", "float32")
+
+
+def device_args() -> list[str]:
+    """``--device``/``--dtype`` for a role under test (cpu, float32 unless the environment says)."""
+    return ["--device", TEST_DEVICE, "--dtype", TEST_DTYPE]
 
 
 def internal_headers() -> dict[str, str]:

@@ -22,8 +22,9 @@ from epdserve.hf_reference import HFReference
 from epdserve.models.config import ModelConfig
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_producer
+from tests.server_utils import TEST_DEVICE
 
-ENGINE = EngineConfig(num_kv_blocks=256, max_model_len=2048)
+ENGINE = EngineConfig(device=TEST_DEVICE, num_kv_blocks=256, max_model_len=2048)
 PROMPTS = ["Describe the image.", "What colour is the sky?", "Count to five.", "Name a shape."]
 
 

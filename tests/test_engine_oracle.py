@@ -17,6 +17,7 @@ from epdserve.hf_reference import HFReference
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
+from tests.server_utils import TEST_DEVICE
 
 MAX_NEW = 12
 
@@ -65,7 +66,9 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
 def test_greedy_tokens_match_transformers_alone_and_batched(model_dir: Path, ref: HFReference) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
-    eng = EngineCore.from_pretrained(model_dir, EngineConfig(max_num_batched_tokens=64, num_kv_blocks=256))
+    eng = EngineCore.from_pretrained(
+        model_dir, EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=64, num_kv_blocks=256)
+    )
     builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)
     expected = {}
@@ -96,7 +99,9 @@ def run(eng: EngineCore) -> dict[str, list[int]]:
 def test_prefix_cache_never_reuses_blocks_across_different_images(model_dir: Path, ref: HFReference) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
-    eng = EngineCore.from_pretrained(model_dir, EngineConfig(block_size=4, num_kv_blocks=256, max_model_len=1024))
+    eng = EngineCore.from_pretrained(
+        model_dir, EngineConfig(device=TEST_DEVICE, block_size=4, num_kv_blocks=256, max_model_len=1024)
+    )
     builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)
     world = ShapesWorld(4)
@@ -145,7 +150,13 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: 
     blocks = -(-lengths[-1] // bs) + -(-lengths[-2] // bs)
     eng = EngineCore.from_pretrained(
         model_dir,
-        EngineConfig(block_size=bs, num_kv_blocks=blocks, max_model_len=blocks * bs, enable_prefix_caching=False),
+        EngineConfig(
+            device=TEST_DEVICE,
+            block_size=bs,
+            num_kv_blocks=blocks,
+            max_model_len=blocks * bs,
+            enable_prefix_caching=False,
+        ),
     )
     builder = InputBuilder(ref.tok, cfg)
     for i, (m, s) in enumerate(zip(msgs, samples, strict=True)):

@@ -18,14 +18,14 @@ from epdserve.bench.workload import gif_data_url
 from epdserve.bench.workload import image_data_url as data_url
 from epdserve.hf_reference import HFReference
 from epdserve.shapes import ShapesWorld, render_images
-from tests.server_utils import http, post_json, running
+from tests.server_utils import device_args, http, post_json, running
 
 MODEL = "shapes-qwen2vl"
 
 
 @pytest.fixture(scope="module")
 def server() -> str:
-    with running(["serve", "--max-model-len", "1024", "--num-kv-blocks", "256"]) as url:
+    with running(["serve", *device_args(), "--max-model-len", "1024", "--num-kv-blocks", "256"]) as url:
         yield url
 
 

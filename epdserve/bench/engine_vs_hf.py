@@ -43,12 +43,16 @@ def server_payloads(model: str, reqs: list[tuple[str, Image.Image]], out_len: in
     return [("image", image_payload(model, q, [img], out_len)) for q, img in reqs]
 
 
-def run_hf(model_dir: Path, reqs, out_len: int, conc: int) -> tuple[list[RequestResult], float]:
+def run_hf(
+    model_dir: Path, reqs, out_len: int, conc: int, device: str = "cpu", dtype: str = "float32"
+) -> tuple[list[RequestResult], float]:
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from epdserve.hf_reference import HFReference
+    from epdserve.models.precision import torch_dtype
 
     ref = HFReference(model_dir)
+    ref.model.to(device=device, dtype=torch_dtype(dtype))
     ref.tok.padding_side = "left"
 
     class FirstToken(LogitsProcessor):
@@ -65,7 +69,8 @@ def run_hf(model_dir: Path, reqs, out_len: int, conc: int) -> tuple[list[Request
     for i in range(0, len(reqs), conc):
         batch = reqs[i : i + conc]
         inputs = [ref.inputs([_msg(q)], images=[img]) for q, img in batch]
-        merged = _left_pad(inputs, ref.tok.pad_token_id)
+        merged = {k: v.to(device) for k, v in _left_pad(inputs, ref.tok.pad_token_id).items()}
+        merged["pixel_values"] = merged["pixel_values"].to(torch_dtype(dtype))
         ft = FirstToken()
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -76,6 +81,8 @@ def run_hf(model_dir: Path, reqs, out_len: int, conc: int) -> tuple[list[Request
                 do_sample=False,
                 logits_processor=LogitsProcessorList([ft]),
             )
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         # a batch of `conc` requests arrives together (closed loop of `conc` clients): its first
         # token comes after the batched prefill, its end after the batched decode
@@ -113,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both the server and transformers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where both systems run")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 for both systems")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     warm = make_requests(4, args.seed + 1, args.image_size or None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_role(["serve", "--model", str(args.model), "--port", str(port), "--threads", str(args.threads)])
+    serve = ["serve", "--model", str(args.model), "--port", str(port), "--threads", str(args.threads)]
+    proc = start_role([*serve, "--device", args.device, "--dtype", args.dtype])
     rows = []
     try:
         startup = wait_healthy(url, proc)
@@ -132,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stop(proc)
-    run_hf(args.model, warm, args.output_len, 4)
+    run_hf(args.model, warm, args.output_len, 4, args.device, args.dtype)
     for c in args.concurrency:
-        res, wall = run_hf(args.model, reqs, args.output_len, c)
+        res, wall = run_hf(args.model, reqs, args.output_len, c, args.device, args.dtype)
         rows.append({"system": "transformers", "concurrency": c, **summarize(res, wall)})
         print(json.dumps(rows[-1]), flush=True)
     print(f"\nepdserve startup to healthy: {startup:.1f}s; {args.requests} requests, {args.output_len} output tokens\n")

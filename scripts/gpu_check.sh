@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The CUDA path on a lent GPU machine (never part of CI): oracle parity of the engine on the GPU
+# against transformers, each precision's server answering end to end, and a short benchmark.
+#   bash scripts/gpu_check.sh            # from the repository root; writes gpu_check/ (or $OUT)
+set -euo pipefail
+OUT="${OUT:-gpu_check}"
+mkdir -p "$OUT"
+python -m pip install -q -e ".[dev]" 2>&1 | tail -2 || true
+python - <<'PY' | tee "$OUT/device.txt"
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible to torch"
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))
+PY
+# 1. greedy tokens on cuda identical to transformers (float32), engine in- and out-of-process
+EPD_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider \
+  tests/test_engine_oracle.py tests/test_engine_client.py 2>&1 | tee "$OUT/oracle.txt"
+# 2. every role on cuda at each precision answers end to end (1e+1pd through the router)
+for dtype in float32 bfloat16 float16; do
+  EPD_TEST_DEVICE=cuda EPD_TEST_DTYPE=$dtype python -m pytest -q -p no:cacheprovider \
+    tests/test_server.py -k "models_and_health or streaming_equals" 2>&1 | tee "$OUT/server-$dtype.txt"
+done
+# 3. a short benchmark: epdserve vs transformers generate, both on the GPU
+python -m epdserve.bench.engine_vs_hf --device cuda --dtype bfloat16 --requests 64 --output-len 64 \
+  --concurrency 4 16 --json "$OUT/engine_vs_hf_cuda.json" 2>&1 | tee "$OUT/bench.txt"
+echo "gpu_check: all steps passed; results in $OUT/"
