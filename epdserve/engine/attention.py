@@ -123,7 +123,8 @@ class PagedAttention:
         self.num_decodes = len(layout.decode_rows)
         if self.num_decodes:
             nb = -(-layout.max_decode_ctx // bs)
-            self.decode_blocks = table.table[layout.decode_table_rows, :nb]  # [B, nb]
+            self.decode_blocks = table.table[layout.decode_table_rows, :nb].reshape(-1)  # [B*nb]
+            self.decode_span = nb * bs
             span = torch.arange(nb * bs, device=table.device)
             self.decode_mask = (span[None, :] < layout.decode_ctx[:, None])[:, None, None, :]
         self.prefill_blocks = [table.table[s.row, : -(-s.ctx_len // bs)] for s in layout.prefills]
@@ -136,6 +137,10 @@ class PagedAttention:
         flat_v.index_copy_(0, lay.slot_mapping, v.to(vc.dtype))
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
+        per_block = kc.shape[1] * kc.shape[2] * kc.shape[3]
+        # index_select over whole blocks: about twice as fast on CPU as advanced indexing by slot
+        block_k, block_v = kc.view(kc.shape[0], per_block), vc.view(vc.shape[0], per_block)
+        hkv, d = kc.shape[2], kc.shape[3]
         for s, blocks in zip(lay.prefills, self.prefill_blocks, strict=True):
             qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
             if s.q_len == s.ctx_len:  # whole sequence in this step: no cache read needed
@@ -143,8 +148,8 @@ class PagedAttention:
                 vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = kc[blocks].flatten(0, 1)[: s.ctx_len].transpose(0, 1).to(q.dtype)
-                vs = vc[blocks].flatten(0, 1)[: s.ctx_len].transpose(0, 1).to(q.dtype)
+                ks = block_k.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].transpose(0, 1).to(q.dtype)
+                vs = block_v.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].transpose(0, 1).to(q.dtype)
                 # query i sits at absolute position ctx_len - q_len + i
                 qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
                 mask = torch.arange(s.ctx_len, device=q.device)[None, :] <= qpos
@@ -152,8 +157,9 @@ class PagedAttention:
             out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
         if self.num_decodes:
             qd = q[lay.decode_rows][:, :, None, :]  # [B, H, 1, D]
-            kd = kc[self.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, nb*bs, D]
-            vd = vc[self.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            shape = (self.num_decodes, self.decode_span, hkv, d)
+            kd = block_k.index_select(0, self.decode_blocks).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            vd = block_v.index_select(0, self.decode_blocks).view(shape).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
             out[lay.decode_rows] = o[:, :, 0, :]
         return out
