@@ -229,6 +229,7 @@ class MPClient:
         self._healthy = False
         self._vision = False
         self._closing = False
+        self._sock: socket.socket | None = None
         self.pid = 0
 
     @property
@@ -239,14 +240,22 @@ class MPClient:
     def vision(self) -> bool:
         return self._vision
 
-    async def start(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    def launch(self) -> None:
+        """Start the core process now (it loads the model while this process does its own setup);
+        ``start`` then waits for it. Call from the thread that lives as long as the core should."""
+        if self._proc is not None:
+            return
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [sys.executable, "-m", "epdserve.engine.core_proc", str(theirs.fileno()), str(os.getpid())]
         self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.pid = self._proc.pid
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 20)
-        self._send(self._start_msg)
+        # the start message can go at once: the core reads it as soon as it has imported
+        self._sock.sendall(frame(self._enc, self._start_msg))
+
+    async def start(self) -> None:
+        self.launch()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=1 << 20)
         try:
             msg = await asyncio.wait_for(self._recv(), self._ready_timeout_s)
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:

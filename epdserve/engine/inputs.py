@@ -91,7 +91,7 @@ class InputBuilder:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:
             raise PromptError(f"could not apply the chat template: {e}") from e
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+        return list(self.tok.encode(text, add_special_tokens=False))
 
     def build(
         self, messages: list[dict], media: list[MediaInput], template_kwargs: Mapping[str, Any] | None = None

@@ -99,6 +99,8 @@ class VisionRotaryEmbedding(nn.Module):
 
     def init_buffers(self) -> None:
         """(Re)compute the inverse frequencies; they are not stored in checkpoints."""
+        if self.inv_freq.is_meta:  # built on the meta device: the loader calls this after to_empty
+            return  # (a meta arange would import torch's compiler stack: seconds of startup)
         dim = self.config.head_dim // 2  # rotary width given to each of h and w
         steps = torch.arange(0, dim, 2, dtype=torch.float32, device=self.inv_freq.device)
         self.inv_freq = 1.0 / (self.config.rope_theta ** (steps / dim))
@@ -286,6 +288,8 @@ class MRotaryEmbedding(nn.Module):
     def init_buffers(self) -> None:
         """(Re)compute the inverse frequencies and their position rows; they are not in checkpoints."""
         c, device = self.config, self.inv_freq.device
+        if self.inv_freq.is_meta:  # see VisionRotaryEmbedding.init_buffers
+            return
         steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device)
         self.inv_freq = 1.0 / (c.rope_theta ** (steps / c.head_dim))
         rows = [i % 3 for i, size in enumerate(c.mrope_section) for _ in range(size)]
@@ -367,7 +371,11 @@ class Qwen2LanguageModel(nn.Module):
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given its weight, Embedding skips its random init (on the meta device that init would
+        # import torch's compiler stack: seconds of startup); the checkpoint fills it anyway
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config)

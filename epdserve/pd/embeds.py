@@ -1,48 +1,38 @@
-"""Metadata-only media on the language-model side: embeddings by connector handle, or inline.
+"""Metadata-only media on the language-model side: a connector handle passed on, or inline data.
 
 The request carries only the grid, the content uuid and either a connector handle (from the
 router's authenticated internal call; ``protocol.check_embeds_trust`` has already refused handles
 from anyone else) or inline data (a client's own embeddings, where ``--enable-mm-embeds`` allows
-them). The placeholder count follows from the grid; the embeddings are fetched (and validated
-against that count and the model's embedding width) while the request is still outside the
-engine, so a slow or failed fetch never stalls the running batch — it fails only its own request:
-400 for a handle that does not verify, 503 (code ``embeddings_unavailable``, which the router
-retries with a fresh encode) for embeddings that are gone. Client-facing messages name no internal
-path, host or port; the details go to the log.
+them). The placeholder count follows from the grid. A handle is checked here for what the request
+itself can show (it names this item's content) and handed to the engine core, which fetches and
+validates the embeddings while the request waits in its scheduler; a request rejected before it
+reaches the core gives its handles back through the core (``release``). Client-facing messages
+name no internal path, host or port.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
-import logging
-import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from epdserve.api.errors import EMBEDS_UNAVAILABLE, BadRequest, Unavailable
-from epdserve.api.protocol import ChatRequest, ImageEmbedsPart, VideoEmbedsPart, embeds_of
+from epdserve.api.errors import BadRequest
+from epdserve.api.protocol import ImageEmbedsPart, VideoEmbedsPart, embeds_of
 from epdserve.engine.inputs import MediaInput
 from epdserve.models.precision import TORCH_DTYPES
-from epdserve.transfer.base import ECConsumer, InvalidHandle, TransferError
-
-log = logging.getLogger(__name__)
 
 
-class ConnectorEmbeds:
-    """An ``EmbedsResolver`` backed by an EC consumer (handles) and inline decoding (data)."""
+class MetadataEmbeds:
+    """An ``EmbedsResolver``: handles pass through to the engine core, inline data is decoded here."""
 
-    def __init__(self, consumer: ECConsumer, model_id: str, width: int, merge_size: int) -> None:
-        self.consumer = consumer
+    def __init__(self, model_id: str, width: int, rows_of: Callable[[tuple[int, int, int]], int]) -> None:
         self.model_id = model_id
         self.width = width
-        self.merge = merge_size
-        self.bytes = 0  # statistics for /metrics
-        self.seconds = 0.0
-        self.failures = 0
+        self.rows_of = rows_of  # the model's placeholder count for a grid (raises ValueError)
 
     async def __call__(self, part: ImageEmbedsPart | VideoEmbedsPart) -> MediaInput:
         if isinstance(part, ImageEmbedsPart):
@@ -50,9 +40,10 @@ class ConnectorEmbeds:
         else:
             modality, grid = "video", part.video_embeds.video_grid_thw
         t, h, w = grid
-        if h % self.merge or w % self.merge:
-            raise BadRequest(f"{modality}_grid_thw {list(grid)}: h and w must be multiples of {self.merge}.")
-        rows = t * h * w // (self.merge * self.merge)
+        try:
+            rows = self.rows_of((t, h, w))
+        except ValueError as e:
+            raise BadRequest(f"{modality}_grid_thw {list(grid)}: {e}.") from None
         embeds = embeds_of(part)
         if embeds.data is not None:
             emb, uuid = self._inline(modality, grid, embeds.data, embeds.dtype, rows)
@@ -61,26 +52,8 @@ class ConnectorEmbeds:
             raise BadRequest(f"A metadata-only {modality} item needs an ec_handle or inline data.")
         if part.ec_handle.get("key") != part.uuid:
             # the uuid keys the prefix cache: it must be the one the producer signed
-            await self._release(part)
             raise BadRequest(f"The ec_handle of {modality} {part.uuid} is not valid: it names other content.")
-        t0 = time.perf_counter()
-        try:
-            emb = await self.consumer.get(part.ec_handle, rows, self.width, self.model_id)
-        except InvalidHandle as e:
-            self.failures += 1
-            log.warning("refused an ec_handle for %s %s: %s", modality, part.uuid, e)
-            raise BadRequest(f"The ec_handle of {modality} {part.uuid} is not valid: {e}") from None
-        except (TransferError, KeyError, TypeError, ValueError) as e:
-            self.failures += 1
-            log.warning("embeddings for %s %s unavailable: %s", modality, part.uuid, e)
-            raise Unavailable(
-                f"Embeddings for {modality} {part.uuid} are unavailable.", code=EMBEDS_UNAVAILABLE
-            ) from None
-        finally:
-            await self._release(part)
-        self.seconds += time.perf_counter() - t0
-        self.bytes += emb.numel() * emb.element_size()
-        return MediaInput(part.uuid, modality, (t, h, w), embeddings=emb)
+        return MediaInput(part.uuid, modality, (t, h, w), handle=part.ec_handle)
 
     def _inline(self, modality: str, grid: tuple[int, int, int], data: str, dtype: str, rows: int):
         try:
@@ -101,15 +74,3 @@ class ConnectorEmbeds:
         # client naming another image's uuid must not share (or poison) that image's cached blocks.
         digest = hashlib.sha256(f"{self.model_id}|{modality}|{list(grid)}|{dtype}|".encode() + raw).hexdigest()
         return emb, f"inline-{digest}"
-
-    async def _release(self, part: ImageEmbedsPart | VideoEmbedsPart) -> None:
-        # a failed release is harmless: the producer reclaims the lease after its TTL
-        if part.ec_handle is not None:
-            with contextlib.suppress(TransferError, KeyError, TypeError, ValueError, OSError):
-                await self.consumer.release(part.ec_handle)
-
-    async def release_all(self, req: ChatRequest) -> None:
-        """Give back every handle of a request that will not run (rejected or abandoned)."""
-        for part in req.media_parts():
-            if isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
-                await self._release(part)

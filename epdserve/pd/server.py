@@ -1,8 +1,11 @@
 """The OpenAI-compatible server of a language-model instance (aggregated or PD role).
 
 Routes: POST /v1/chat/completions (SSE streaming and not), GET /v1/models, /health, /metrics.
-Every failure reaches the client as OpenAI-style error JSON with the right status; the engine
-runs in its own thread (``AsyncEngine``), so this event loop only parses, fetches and streams.
+This process is the front end: it validates, fetches and preprocesses raw media, renders the
+prompt, detokenizes and streams. The engine core (scheduler, model, EC fetches) runs in its own
+process behind an ``EngineCoreClient``; if it dies, open streams end with an error, /health turns
+503 and the server exits non-zero so its supervisor restarts it. Every failure reaches the client
+as OpenAI-style error JSON with the right status.
 """
 
 from __future__ import annotations
@@ -11,15 +14,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import time
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig, is_internal
-from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
@@ -30,14 +37,18 @@ from epdserve.api.protocol import (
     ChatCompletionChunk,
     ChatRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
     FinishReason,
+    ImageEmbedsPart,
     ImageUrlPart,
     ModelCard,
     ModelList,
     ResponseMessage,
+    TokenLogprob,
     Usage,
+    VideoEmbedsPart,
     VideoUrlPart,
     check_embeds_trust,
     decode_chat_request,
@@ -48,18 +59,24 @@ from epdserve.api.protocol import (
     sse_event,
     to_sampling_params,
 )
+from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.engine import AsyncEngine, LLMEngine, RequestOutput
+from epdserve.engine.core import EngineCore
+from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
-from epdserve.engine.request import Request
+from epdserve.engine.messages import AddRequest, CoreStart, EngineOutput, EngineStats, MediaSpec, WireTensor
+from epdserve.engine.request import MediaItem
 from epdserve.media.fetch import media_session
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
-from epdserve.pd.embeds import ConnectorEmbeds
+from epdserve.pd.embeds import MetadataEmbeds
+from epdserve.pd.logprobs import TokenTexts
 from epdserve.pd.messages import template_messages
+from epdserve.pd.tokenizer import FastTokenizer
 from epdserve.transfer.config import ECConfig
-from epdserve.transfer.factory import make_consumer
+
+EngineCoreMode = Literal["process", "thread"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +95,8 @@ class ServerConfig:
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, cluster credential, internal-only
     vision: bool = True  # load the vision tower (False: metadata-only requests only)
+    engine_core: EngineCoreMode = "process"  # run the engine core in its own process, or in a thread here
+    core_ready_timeout_s: float = 600.0  # how long the engine core may take to load the model
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
     ec: ECConfig = field(default_factory=ECConfig)  # EC consumer for metadata-only media
@@ -88,33 +107,46 @@ class ServerConfig:
 
 
 class ChatService:
-    """Owns the engine and the media pipeline; the HTTP handlers are thin wrappers around it."""
+    """Owns the engine core client and the media pipeline; the HTTP handlers are thin wrappers."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.started = time.time()
+        self.core: EngineCoreClient = self._make_core()  # first: the core loads while we set up
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.engine = LLMEngine.from_pretrained(config.model, config.engine, vision=config.vision)
-        self.async_engine = AsyncEngine(self.engine)
-        self.builder = InputBuilder(self.engine.tokenizer, self.model_config)
+        self.tokenizer = FastTokenizer(config.model)
+        self.builder = InputBuilder(self.tokenizer, self.model_config)
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
         # prompts render and tokenize in their own pool: a long prompt never queues media work, nor
         # media work a prompt
         self.template_executor = ThreadPoolExecutor(config.template_threads, thread_name_prefix="epd-template")
-        self.consumer = make_consumer(config.ec)
-        self.embeds = ConnectorEmbeds(
-            self.consumer,
-            config.model_name,
-            self.model_config.text.hidden_size,
-            self.model_config.vision.spatial_merge_size,
-        )
+        self.embeds = MetadataEmbeds(config.model_name, self.model_config.text.hidden_size, self.builder.num_tokens)
+        self.tokens = TokenTexts(self.tokenizer)
         self.resolver: MediaResolver | None = None
-        self.eos = frozenset(_eos_ids(config.model, self.engine.tokenizer))
+        self.eos = sorted(_eos_ids(config.model, self.tokenizer))
+        self.core_died: str | None = None
+        self.stats = EngineStats()
         self.metrics = Metrics()
         self._init_metrics()
 
+    def _make_core(self) -> EngineCoreClient:
+        cfg = self.config
+        if cfg.engine_core == "thread":
+            return InprocClient(EngineCore.from_pretrained(cfg.model, cfg.engine, cfg.vision, cfg.ec, cfg.model_name))
+        start = CoreStart(str(cfg.model), cfg.model_name, cfg.engine, cfg.vision, cfg.ec)
+        client = MPClient(start, cfg.core_ready_timeout_s, on_death=self._core_died)
+        client.launch()
+        return client
+
+    def _core_died(self, why: str) -> None:
+        """Open streams have their error by now; report unhealthy, then stop so a supervisor
+        (``epdserve up``, Kubernetes) restarts this instance with a fresh core."""
+        self.core_died = why
+        asyncio.get_running_loop().call_later(1.0, os.kill, os.getpid(), signal.SIGTERM)
+
     async def start(self) -> None:
+        await self.core.start()
         session = media_session(self.config.limits)
         self.resolver = MediaResolver(
             self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds
@@ -123,48 +155,57 @@ class ChatService:
     async def close(self) -> None:
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
-        self.async_engine.close()
-        await self.consumer.close()
+        await self.core.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.template_executor.shutdown(wait=False, cancel_futures=True)
 
     def _init_metrics(self) -> None:
-        m, sch = self.metrics, self.engine.scheduler
-        vision = float(self.engine.runner.model.visual is not None)
-        m.gauge("vision_tower_loaded", "1 when this instance holds the vision tower", lambda: vision)
-        m.gauge("num_requests_running", "requests in the running batch", lambda: len(sch.running))
-        m.gauge("num_requests_waiting", "requests waiting to be scheduled", lambda: len(sch.waiting))
-        m.gauge("kv_blocks_free", "free KV-cache blocks", lambda: sch.blocks.num_free)
-        m.gauge("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", lambda: sch.blocks.hits)
-        m.gauge("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", lambda: sch.blocks.queries)
-        m.gauge("num_preemptions", "requests preempted for lack of KV blocks", lambda: sch.num_preemptions)
-        enc = self.engine.runner.encoder_cache
-        m.gauge("encoder_cache_hits", "vision embeddings served from the local cache", lambda: enc.hits)
-        m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", lambda: enc.nbytes)
+        m = self.metrics
+
+        def stat(name: str) -> Callable[[], float]:
+            return lambda: float(getattr(self.stats, name))
+
+        m.gauge("vision_tower_loaded", "1 when this instance holds the vision tower", stat("vision"))
+        m.gauge("num_requests_running", "requests in the running batch", stat("running"))
+        m.gauge("num_requests_waiting", "requests waiting to be scheduled", stat("waiting"))
+        m.gauge("kv_blocks_free", "free KV-cache blocks", stat("kv_blocks_free"))
+        m.gauge(
+            "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", stat("prefix_cache_hit_tokens")
+        )
+        m.gauge(
+            "prefix_cache_query_tokens",
+            "prompt tokens looked up in the prefix cache",
+            stat("prefix_cache_query_tokens"),
+        )
+        m.gauge("num_preemptions", "requests preempted for lack of KV blocks", stat("preemptions"))
+        m.gauge("encoder_cache_hits", "vision embeddings served from the local cache", stat("encoder_cache_hits"))
+        m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", stat("encoder_cache_bytes"))
+        m.gauge("ec_bytes_received", "embedding bytes fetched through the EC connector", stat("ec_bytes"))
+        m.gauge("ec_seconds", "seconds spent fetching embeddings", stat("ec_seconds"))
+        m.gauge("ec_failures", "metadata-only items whose embeddings could not be fetched", stat("ec_failures"))
         self.ttft = m.histogram("time_to_first_token_seconds", "time to first token")
         self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")
         self.prep = m.histogram("request_preprocess_seconds", "media fetch + decode + preprocess + template")
-        m.gauge("ec_bytes_received", "embedding bytes fetched through the EC connector", lambda: self.embeds.bytes)
-        m.gauge("ec_seconds", "seconds spent fetching embeddings", lambda: self.embeds.seconds)
-        m.gauge(
-            "ec_failures", "metadata-only items whose embeddings could not be fetched", lambda: self.embeds.failures
-        )
 
-    async def prepare(self, body: bytes, internal: bool = False) -> tuple[object, Request]:
+    async def refresh_stats(self) -> None:
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            self.stats = await self.core.stats()
+
+    async def prepare(self, body: bytes, internal: bool = False) -> tuple[ChatRequest, AddRequest]:
         """Validate, resolve media and build the engine request. Handles of a request that fails
-        here are released at once: nothing a rejected request was given stays held."""
+        here are given back at once: nothing a rejected request was given stays held."""
         cfg = self.config
         req = decode_chat_request(body, cfg.limits, cfg.max_prompt_chars)
         check_embeds_trust(req, internal, cfg.enable_mm_embeds)
         try:
-            return await self._prepare(req)
+            return req, await self._prepare(req)
         except BaseException:
             if internal:
-                await self.embeds.release_all(req)
+                self.core.release(_handles(req))
             raise
 
-    async def _prepare(self, req: ChatRequest) -> tuple[object, Request]:
+    async def _prepare(self, req: ChatRequest) -> AddRequest:
         cfg = self.config
         if req.model != cfg.model_name:
             raise NotFound.model(req.model)
@@ -172,7 +213,7 @@ class ChatService:
         t0 = time.perf_counter()
         assert self.resolver is not None
         parts = req.media_parts()
-        if not cfg.vision and any(isinstance(p, ImageUrlPart | VideoUrlPart) for p in parts):
+        if not self.core.vision and any(isinstance(p, ImageUrlPart | VideoUrlPart) for p in parts):
             raise BadRequest("This instance has no vision tower: send media through the router (metadata-only items).")
         media = await self.resolver.resolve(parts)
         loop = asyncio.get_running_loop()
@@ -196,18 +237,37 @@ class ChatService:
                     param="max_tokens",
                 )
             params = dataclasses.replace(params, max_tokens=limit - n)
-        rid = new_completion_id()
-        engine_req = Request(
-            rid,
+        return AddRequest(
+            new_completion_id(),
             prompt.token_ids,
             params,
-            prompt.mm_items,
-            prompt.mrope_positions,
+            [_media_spec(it) for it in prompt.mm_items],
+            WireTensor.of(prompt.mrope_positions) if prompt.mrope_positions is not None else None,
             prompt.mrope_delta,
-            arrival=time.time(),
-            eos_token_ids=self.eos,
+            self.eos,
+            time.time(),
         )
-        return req, engine_req
+
+
+def _media_spec(it: MediaItem) -> MediaSpec:
+    return MediaSpec(
+        it.uuid,
+        it.modality,
+        it.offset,
+        it.length,
+        it.grid_thw,
+        WireTensor.of(it.pixel_values) if it.pixel_values is not None else None,
+        WireTensor.of(it.embeddings) if it.embeddings is not None else None,
+        it.handle,
+    )
+
+
+def _handles(req: ChatRequest) -> list[dict]:
+    out = []
+    for part in req.media_parts():
+        if isinstance(part, ImageEmbedsPart | VideoEmbedsPart) and part.ec_handle is not None:
+            out.append(part.ec_handle)
+    return out
 
 
 def _eos_ids(model_dir: Path, tokenizer) -> list[int]:
@@ -221,6 +281,74 @@ def _eos_ids(model_dir: Path, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+@dataclass
+class Piece:
+    """What the client is sent for one engine output: text, logprobs, and the end when it came."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Generation:
+    """One request's engine outputs turned into text: incremental detokenization, stop strings
+    (which end the request in the core), and OpenAI logprobs."""
+
+    def __init__(self, service: ChatService, add: AddRequest) -> None:
+        self.s = service
+        self.add = add
+        self.detok = Detokenizer(service.tokenizer, add.params.stop)
+        self.completion_tokens = 0
+        self.prompt_tokens = len(add.prompt_token_ids)
+        self._outputs = service.core.generate(add)
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()  # type: ignore[attr-defined]
+
+    async def first(self) -> Piece:
+        """The first piece; raises the request's error as an HTTP error (nothing is sent yet)."""
+        out = await anext(self._outputs)
+        if out.finish_reason == "error":
+            raise _engine_error(out)
+        return self._piece(out)
+
+    async def rest(self) -> AsyncGenerator[Piece, None]:
+        async for out in self._outputs:
+            yield self._piece(out)
+            if out.finish_reason is not None or self.detok.stopped:
+                return
+
+    def _piece(self, out: EngineOutput) -> Piece:
+        if out.finish_reason == "error":
+            raise WorkerFailedMidStream(_engine_error(out))
+        self.completion_tokens += len(out.token_ids)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        finish = out.finish_reason
+        text = self.detok.push(out.token_ids, final=finish is not None)
+        p = self.add.params
+        if finish is None and self.detok.stopped and self.completion_tokens >= p.min_tokens:
+            finish = "stop"  # a stop string: the core is told to stop when this stream closes
+            text += self.detok.push([], final=True)
+        logprobs = None
+        if p.logprobs and out.logprobs is not None:
+            logprobs = [
+                self.s.tokens.logprob(t, lp, top[i] if (top := out.top_logprobs) else [])
+                for i, (t, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
+            ]
+        return Piece(text, logprobs, _finish(finish), self.prompt_tokens, self.completion_tokens)
+
+
+class WorkerFailedMidStream(Exception):
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 # ---------------------------------------------------------------------------------- handlers
@@ -239,85 +367,95 @@ class ChatHandlers:
             raise PayloadTooLarge(f"The request body exceeds {s.config.max_request_bytes} bytes.") from None
         s.metrics.inc("requests_total", help_text="chat requests received")
         try:
-            req, ereq = await s.prepare(body, is_internal(request))
+            req, add = await s.prepare(body, is_internal(request))
+            gen = Generation(s, add)
+            try:
+                first = await gen.first()
+            except BaseException:
+                await gen.aclose()
+                raise
         except ApiError as e:
             s.metrics.inc("request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")
             raise
-        if getattr(req, "stream", False):
-            return await self._stream(request, req, ereq, t0)
-        return await self._complete(req, ereq, t0)
+        s.ttft.observe(time.perf_counter() - t0)
+        async with contextlib.aclosing(gen.rest()) as rest:  # closing early aborts the request
+            if req.stream:
+                return await self._stream(request, req, add, gen, first, rest, t0)
+            return await self._complete(req, add, first, rest, t0)
 
-    async def _complete(self, req, ereq: Request, t0: float) -> web.Response:
+    def _done(self, last: Piece, t0: float) -> None:
         s = self.s
-        text: list[str] = []
-        last: RequestOutput | None = None
-        first = True
-        async with contextlib.aclosing(s.async_engine.generate(ereq)) as outputs:
-            async for out in outputs:
-                if first:
-                    s.ttft.observe(time.perf_counter() - t0)
-                    first = False
-                text.append(out.text)
-                last = out
-        assert last is not None
-        if last.finish_reason == "error":
-            raise _engine_error(last)
         s.e2e.observe(time.perf_counter() - t0)
         s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
         s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
+
+    async def _complete(self, req: ChatRequest, add: AddRequest, first: Piece, rest, t0: float) -> web.Response:
+        s = self.s
+        text, logprobs, last = [first.text], list(first.logprobs or []), first
+        try:
+            if first.finish_reason is None:
+                async for piece in rest:
+                    text.append(piece.text)
+                    logprobs += piece.logprobs or []
+                    last = piece
+        except WorkerFailedMidStream as e:
+            raise e.error from None
+        self._done(last, t0)
+        choice = Choice(
+            message=ResponseMessage(content="".join(text)),
+            logprobs=ChoiceLogprobs(content=logprobs) if add.params.logprobs else None,
+            finish_reason=last.finish_reason,
+        )
         resp = ChatCompletion(
-            id=ereq.request_id,
+            id=add.request_id,
             created=now_s(),
             model=s.config.model_name,
-            choices=[Choice(message=ResponseMessage(content="".join(text)), finish_reason=_finish(last.finish_reason))],
+            choices=[choice],
             usage=Usage.of(last.prompt_tokens, last.completion_tokens),
         )
         return json_response(encode_json(resp))
 
-    async def _stream(self, request: web.Request, req, ereq: Request, t0: float) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, req: ChatRequest, add: AddRequest, gen: Generation, first: Piece, rest, t0: float
+    ) -> web.StreamResponse:
         s = self.s
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         model, created = s.config.model_name, now_s()
+        want_lp = add.params.logprobs
 
-        def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None) -> bytes:
-            choices = [ChunkChoice(delta=delta, finish_reason=_finish(finish))] if usage is None else []
-            c = ChatCompletionChunk(id=ereq.request_id, created=created, model=model, choices=choices, usage=usage)
+        def chunk(delta: Delta, piece: Piece | None = None, usage: Usage | None = None) -> bytes:
+            choices = []
+            if usage is None:
+                lp = ChoiceLogprobs(content=piece.logprobs or []) if piece is not None and want_lp else None
+                choices = [ChunkChoice(delta=delta, logprobs=lp, finish_reason=piece.finish_reason if piece else None)]
+            c = ChatCompletionChunk(id=add.request_id, created=created, model=model, choices=choices, usage=usage)
             return sse_event(c)
 
-        # the client may leave mid-stream; closing the generator has aborted the request by then
+        # the client may leave mid-stream; closing the generator then aborts the request
         with contextlib.suppress(ConnectionResetError):
-            await self._write_stream(resp, ereq, req, t0, chunk)
+            await resp.write(chunk(Delta(role="assistant", content="")))
+            last, t_prev = first, time.perf_counter()
+            failed = False
+            try:
+                await resp.write(chunk(Delta(content=first.text) if first.text else Delta(), first))
+                if first.finish_reason is None:
+                    async for piece in rest:
+                        now = time.perf_counter()
+                        s.itl.observe(now - t_prev)
+                        t_prev, last = now, piece
+                        if piece.text or piece.finish_reason or piece.logprobs:
+                            await resp.write(chunk(Delta(content=piece.text) if piece.text else Delta(), piece))
+            except WorkerFailedMidStream as e:
+                failed = True
+                await resp.write(sse_error(e.error))
+            if not failed:
+                self._done(last, t0)
+                if req.include_usage:
+                    await resp.write(chunk(Delta(), usage=Usage.of(last.prompt_tokens, last.completion_tokens)))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
         return resp
-
-    async def _write_stream(self, resp: web.StreamResponse, ereq: Request, req, t0: float, chunk) -> None:
-        s = self.s
-        await resp.write(chunk(Delta(role="assistant", content="")))
-        last: RequestOutput | None = None
-        t_prev = None
-        # aclosing: a client that leaves mid-stream closes the generator now, which aborts the request
-        async with contextlib.aclosing(s.async_engine.generate(ereq)) as outputs:
-            async for out in outputs:
-                now = time.perf_counter()
-                if t_prev is None:
-                    s.ttft.observe(now - t0)
-                else:
-                    s.itl.observe(now - t_prev)
-                t_prev = now
-                last = out
-                if out.finish_reason == "error":
-                    await resp.write(sse_error(_engine_error(out)))
-                    break
-                if out.text or out.finished:
-                    await resp.write(chunk(Delta(content=out.text) if out.text else Delta(), out.finish_reason))
-        if last is not None and last.finish_reason != "error":
-            s.e2e.observe(time.perf_counter() - t0)
-            s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
-            s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
-            if req.include_usage:
-                await resp.write(chunk(Delta(), usage=Usage.of(last.prompt_tokens, last.completion_tokens)))
-        await resp.write(SSE_DONE)
-        await resp.write_eof()
 
     async def models(self, request: web.Request) -> web.Response:
         s = self.s
@@ -325,11 +463,12 @@ class ChatHandlers:
         return json_response(encode_json(ModelList(data=[card])))
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.s.async_engine._thread.is_alive():
-            raise Unavailable("the engine thread is not running")
+        if not self.s.core.healthy:
+            raise Unavailable(f"the engine core is not running: {self.s.core_died or 'stopped'}")
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        await self.s.refresh_stats()
         return web.Response(text=self.s.metrics.render(), content_type="text/plain")
 
 
@@ -341,9 +480,15 @@ def _finish(reason: str | None) -> FinishReason | None:
     return None
 
 
-def _engine_error(out: RequestOutput) -> ApiError:
+def _engine_error(out: EngineOutput) -> ApiError:
     message = out.error or "the request failed"
-    return Unavailable(message) if out.error_status == 503 else ApiError(message)
+    if out.error_kind in ("invalid_handle", "invalid_request"):
+        return BadRequest(message)
+    if out.error_kind == "embeddings_unavailable":
+        return Unavailable(message, code=EMBEDS_UNAVAILABLE)
+    if out.error_kind == "media":
+        return Unavailable(message)
+    return ApiError(message)
 
 
 def build_app(service: ChatService) -> web.Application:
@@ -358,7 +503,14 @@ def build_app(service: ChatService) -> web.Application:
 
 
 def serve(config: ServerConfig) -> None:
-    """Run the server until SIGINT/SIGTERM."""
+    """Run the server until SIGINT/SIGTERM; exits 3 when the engine core died."""
     service = ChatService(config)
     log.info("epdserve serving %s on http://%s:%d", config.model_name, config.host, config.port)
-    run_app(build_app(service), config.host, config.port)
+    try:
+        run_app(build_app(service), config.host, config.port)
+    except CoreStartError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+    if service.core_died is not None:
+        log.error("stopped because the engine core died: %s", service.core_died)
+        raise SystemExit(3)
