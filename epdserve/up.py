@@ -36,6 +36,7 @@ from pathlib import Path
 from epdserve.launcher import Cancelled, free_port, port_available, wait_healthy
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.supervisor import RestartPolicy, Role, Supervisor
+from epdserve.transfer.config import Connector
 
 __all__ = ["Deployment", "PortInUseError", "Role", "StartupError", "Topology", "plan_cores", "run_up"]
 
@@ -119,7 +120,7 @@ class Deployment:
         host: str = "127.0.0.1",
         port: int = 8000,
         pin: bool = False,
-        ec_connector: str = "shm",
+        ec_connector: Connector = "shm",
         extra_pd_args: list[str] | None = None,
         log_dir: Path | None = None,
         extra_router_args: list[str] | None = None,

@@ -14,12 +14,15 @@ import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import aiohttp
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_outstanding", "affinity")
+Policy = Literal["round_robin", "least_outstanding", "affinity"]
+PDPolicy = Literal["round_robin", "least_outstanding"]  # affinity needs a key per call: encoders only
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 AFFINITY_SLACK = 4  # extra in-flight calls tolerated on the preferred worker before spilling over
 
 
@@ -36,7 +39,7 @@ class NoWorker(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, role: str, urls: list[str], policy: str = "least_outstanding") -> None:
+    def __init__(self, role: str, urls: list[str], policy: Policy = "least_outstanding") -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
         self.role = role

@@ -28,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 import msgspec
@@ -67,7 +67,7 @@ from epdserve.encoder.protocol import (
     encode_request,
 )
 from epdserve.media.limits import MediaLimits
-from epdserve.router.pool import NoWorker, Worker, WorkerPool
+from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class RouterConfig:
     port: int = 8000  # listen port
     encoders: tuple[str, ...] = ()  # encoder base URLs (more can register at run time)
     pds: tuple[str, ...] = ()  # prefill+decode worker base URLs
-    policy: str = "least_outstanding"  # PD worker selection: round_robin | least_outstanding
-    encoder_policy: str = "affinity"  # encoder selection: affinity (cache-aware) | round_robin | least_outstanding
+    policy: PDPolicy = "least_outstanding"  # PD worker selection
+    encoder_policy: Policy = "affinity"  # encoder selection; affinity: the same media to the same encoder (cache hits)
     probe_interval_s: float = 2.0  # health probe period
     encode_timeout_s: float = 120.0  # one /v1/encode call
     request_timeout_s: float = 600.0  # one forwarded chat request, end to end
@@ -96,6 +96,10 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
 
     def __post_init__(self) -> None:
+        if self.policy not in get_args(PDPolicy):
+            raise ValueError(f"unknown PD policy {self.policy!r}; choose from {get_args(PDPolicy)}")
+        if self.encoder_policy not in get_args(Policy):
+            raise ValueError(f"unknown encoder policy {self.encoder_policy!r}; choose from {get_args(Policy)}")
         if self.auth.cluster is None:
             raise ValueError(
                 "the router needs the cluster credential to call its workers: set EPD_CLUSTER_SECRET "

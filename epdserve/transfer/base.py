@@ -20,9 +20,10 @@ Errors are typed so that each side can answer the client correctly (see the clas
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # only annotations: ``ECConfig`` (and the flags built from it) load without torch
+    import torch
 
 PROTOCOL_VERSION = 2
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.transfer.base import TransferError
 
-CONNECTORS = ("shm", "tcp", "fs")
+Connector = Literal["shm", "tcp", "fs"]
+CONNECTORS: tuple[Connector, ...] = get_args(Connector)
 HANDLE_PURPOSE = "ec-handle"  # the key that signs handles
 TCP_PURPOSE = "ec-tcp"  # the key of the tcp connector's mutual authentication
 MISSING_SECRET = "the EC connector needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file"
@@ -24,7 +26,7 @@ def _secret_from_env() -> str:
 
 @dataclass(frozen=True)
 class ECConfig:
-    connector: str = "shm"  # producer backend: "shm" (same host), "tcp" (any host) or "fs" (debugging)
+    connector: Connector = "shm"  # producer backend: shm (same host), tcp (any host) or fs (debugging)
     shm_bytes: int = 0  # bytes of the producer's one /dev/shm slab (0 = auto from the free space of shm_dir)
     shm_dir: str = "/dev/shm"  # where slabs live; a consumer only maps slabs under this directory
     fs_dir: str = ""  # private directory of the fs connector ("" = fs handles are refused)
