@@ -91,7 +91,7 @@ def synthetic() -> SweepResult:
         TopologyRun("1e+1pd", 7.0, {"encoder0": [0], "pd0": [1]}),
         TopologyRun("2e+1pd", 8.0, {"encoder0": [0], "encoder1": [0], "pd0": [1]}),
     )
-    return SweepResult(config, ENV, runs, tuple(cells), 42.0, notes=("the router caps images at 8",))
+    return SweepResult(config, ENV, runs, tuple(cells), 42.0)
 
 
 # ---- gains and the report --------------------------------------------------------------------------
@@ -156,7 +156,6 @@ def test_report_files(tmp_path: Path) -> None:
     # mixed: text TTFT p50/p99 then image TTFT p50/p99 per topology
     assert "| 1 | 16 | 1e+1pd | 4/4 | 4.00 | 50.0 | 100.0 | 400.0 | 800.0 |" in md
     assert "](mixed_ttft.png)" in md
-    assert "- **note:** the router caps images at 8" in md
     assert '- 2e+1pd, 4 img × 64 tok: `{"error": {"message": "encoder unavailable"}}`' in md
 
     data = json.loads((tmp_path / "sweep.json").read_text())
@@ -165,7 +164,6 @@ def test_report_files(tmp_path: Path) -> None:
     assert first["topology"] == "aggregated" and first["cell"] == {"images": 1, "output_len": 16, "mixed": False}
     assert first["summary"]["ttft"]["p50"] == 0.1 and first["summary"]["goodput"] == 3.5
     assert data["environment"]["commit"] == "abc1234-dirty"
-    assert data["notes"] == ["the router caps images at 8"]
     assert [c["first_failure"] for c in data["cells"] if c["first_failure"]] == [
         '{"error": {"message": "encoder\nunavailable"}}'
     ]

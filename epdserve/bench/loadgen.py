@@ -40,6 +40,7 @@ from epdserve.bench.report import (
     write_plots,
 )
 from epdserve.bench.workload import BenchRequest, WorkloadConfig, build_workload
+from epdserve.config_flags import Flag, add_flags, values
 
 __all__ = ["BenchConfig", "BenchResult", "SelfTestResult", "TrivialServer", "run_bench", "run_self_test", "summarize"]
 
@@ -326,31 +327,56 @@ async def run_self_test(config: BenchConfig, progress: TextIO | None = None) -> 
 # ---- command line ----------------------------------------------------------------------------------
 
 
+WORKLOAD_FLAGS = (
+    "images_per_request",
+    "image_size",
+    "prompt_tokens",
+    "output_len",
+    "exact_output",
+    "text_fraction",
+    "video_fraction",
+    "repeated_fraction",
+    Flag("pool_size", "--image-pool"),
+)
+BENCH_FLAGS = (
+    Flag("url", default=None),
+    "model",
+    Flag("num_requests", aliases=("-n",)),
+    "warmup",
+    "concurrency",
+    "request_rate",
+    "seed",
+    Flag("timeout_s", "--timeout"),
+)
+
+
+def add_cli_flags(s: argparse.ArgumentParser) -> None:
+    """The flags of ``epdserve bench``: ``BenchConfig`` and ``WorkloadConfig`` fields, and what to write."""
+    add_flags(s, BenchConfig, BENCH_FLAGS)
+    s.add_argument(
+        "--slo",
+        default=None,
+        help="goodput SLO, e.g. ttft=500ms,itl=100ms,e2e=2s,tpot=50ms (bare numbers: ms); a request meets "
+        "itl when its largest inter-token gap (max ITL) is within the bound",
+    )
+    add_flags(s.add_argument_group("workload"), WorkloadConfig, WORKLOAD_FLAGS)
+    s.add_argument("--out", default=None, help="write config, summaries and per-request timings as JSON here")
+    s.add_argument("--plots", default=None, help="write TTFT/TPOT/ITL/E2E histogram+CDF PNGs into this directory")
+    s.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    s.add_argument(
+        "--self-test",
+        action="store_true",
+        help="run the load against an in-process instant server on 127.0.0.1 to show the client's own ceiling",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """The ``BenchConfig`` of ``epdserve bench`` flags (defined in ``epdserve.cli``)."""
-    workload = WorkloadConfig(
-        images_per_request=args.images_per_request,
-        image_size=args.image_size,
-        prompt_tokens=args.prompt_tokens,
-        output_len=args.output_len,
-        exact_output=not args.no_exact_output,
-        text_fraction=args.text_fraction,
-        video_fraction=args.video_fraction,
-        repeated_fraction=args.repeated_fraction,
-        pool_size=args.image_pool,
-    )
-    return BenchConfig(
-        url=(args.url or "http://127.0.0.1:8000").rstrip("/"),
-        model=args.model or "",
-        workload=workload,
-        num_requests=args.num_requests,
-        warmup=args.warmup,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        seed=args.seed,
-        slo=SLO.parse(args.slo or ""),
-        timeout_s=args.timeout,
-    )
+    """The ``BenchConfig`` of ``epdserve bench`` flags (``add_cli_flags``)."""
+    given = values(args, BENCH_FLAGS)
+    if "url" in given:
+        given["url"] = given["url"].rstrip("/")
+    workload = WorkloadConfig(**values(args, WORKLOAD_FLAGS))
+    return BenchConfig(**given, workload=workload, slo=SLO.parse(args.slo or ""))
 
 
 def run_cli(args: argparse.Namespace) -> int:

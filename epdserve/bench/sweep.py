@@ -29,19 +29,19 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from epdserve.bench.loadgen import BenchConfig, run_bench
 from epdserve.bench.report import SLO, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
+from epdserve.config_flags import Flag, add_flags, field_doc, values
 from epdserve.launcher import free_port
-from epdserve.media.limits import MediaLimits
+from epdserve.transfer.config import CONNECTORS, Connector
 from epdserve.up import Deployment, Topology, plan_cores
 
 DEFAULT_TOPOLOGIES = ("aggregated", "1e+1pd", "2e+1pd")
 MIXED_TEXT_FRACTION = 0.5  # the mixed cells' share of text-only requests
-ROUTER_DEFAULT_MAX_IMAGES = MediaLimits().max_images_per_prompt  # what a router without media-limit flags allows
-# every PD worker (and the aggregated server) must accept the grid's largest image count
+# every role that checks media (router, PD workers, the aggregated server) must accept the grid's largest image count
 MEDIA_LIMIT_ARGS = ("--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES_PER_REQUEST, "video": 2}))
 
 
@@ -120,7 +120,7 @@ class SweepConfig:
     mixed: bool = False  # also run 50:50 text/image cells, one per images value at the shortest output length
     model: str | None = None  # checkpoint directory; None: the embedded model
     pin_cores: bool = False  # pin encoders and PD workers to separate cores (``up.plan_cores``)
-    ec_connector: str = "shm"  # how embeddings travel from encoders to PD workers: shm | tcp | fs
+    ec_connector: Connector = "shm"  # how embeddings travel from encoders to PD workers
     pd_args: tuple[str, ...] = ()  # extra flags of every PD worker and of the aggregated server
     timeout_s: float = 600.0  # time allowed per request
     log_dir: Path | None = None  # each role's log goes to <log_dir>/<topology>/<role>.log; None: no logs
@@ -136,8 +136,8 @@ class SweepConfig:
             raise ValueError("the grid needs at least one images value and one output length")
         if self.request_rate == 0 and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.ec_connector not in ("shm", "tcp", "fs"):
-            raise ValueError(f"ec_connector must be shm, tcp or fs, got {self.ec_connector!r}")
+        if self.ec_connector not in CONNECTORS:
+            raise ValueError(f"ec_connector must be one of {', '.join(CONNECTORS)}, got {self.ec_connector!r}")
         for cell in self.cells:  # the benchmark's own checks: images 0..50, output_len >= 1, counts, rate
             self.bench(cell, "http://127.0.0.1:1")
 
@@ -272,21 +272,12 @@ class SweepResult:
     cells: tuple[CellResult, ...]  # in the order they ran
     duration_s: float  # wall time of the whole sweep, starts and stops included
     interrupted: bool = False  # Ctrl-C / SIGTERM cut it short; the results hold what finished
-    notes: tuple[str, ...] = ()  # what the reader should know about this run (e.g. a limit some cells hit)
 
     def get(self, topology: str, cell: Cell) -> CellResult | None:
         return next((c for c in self.cells if c.topology == topology and c.cell == cell), None)
 
 
 # ---- running ---------------------------------------------------------------------------------------
-
-
-def router_accepts_media_limits() -> bool:
-    """Whether ``epdserve router`` takes ``--limit-mm-per-prompt``; without it the router allows 8 images."""
-    from epdserve.cli import build_parser
-
-    _, unknown = build_parser().parse_known_args(["router", *MEDIA_LIMIT_ARGS])
-    return not unknown
 
 
 def _say(progress: TextIO | None, text: str) -> None:
@@ -323,15 +314,6 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
     env = Environment.capture(config.command)
     t0 = time.perf_counter()
     cores = sorted(os.sched_getaffinity(0))
-    notes: list[str] = []
-    router_args = list(MEDIA_LIMIT_ARGS) if router_accepts_media_limits() else []
-    if not router_args and any(i > ROUTER_DEFAULT_MAX_IMAGES for i in config.images):
-        notes.append(
-            f"`epdserve router` has no --limit-mm-per-prompt and accepts at most {ROUTER_DEFAULT_MAX_IMAGES} "
-            "images per request: cells with more fail (400) in EPD topologies"
-        )
-    for note in notes:
-        _say(progress, f"note: {note}")
     runs: list[TopologyRun] = []
     cells: list[CellResult] = []
     interrupted = False
@@ -346,7 +328,7 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
             ec_connector=config.ec_connector,
             extra_pd_args=[*MEDIA_LIMIT_ARGS, *config.pd_args],
             log_dir=config.log_dir / name.replace("+", "_") if config.log_dir else None,
-            extra_router_args=router_args,
+            extra_router_args=list(MEDIA_LIMIT_ARGS),
         )
         _say(progress, f"starting {name}")
         try:
@@ -368,7 +350,7 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
             break
         finally:
             deployment.stop()
-    return SweepResult(config, env, tuple(runs), tuple(cells), time.perf_counter() - t0, interrupted, tuple(notes))
+    return SweepResult(config, env, tuple(runs), tuple(cells), time.perf_counter() - t0, interrupted)
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -383,26 +365,51 @@ def command_line(argv: list[str]) -> str:
     return shlex.join([*head, *argv[1:]])
 
 
+SWEEP_FLAGS = (
+    "image_size",
+    "requests",
+    "warmup",
+    "seed",
+    "mixed",
+    "model",
+    "pin_cores",
+    "ec_connector",
+    Flag("timeout_s", "--timeout"),
+)
+ARRIVAL_FLAGS = ("concurrency", "request_rate")  # one or the other
+
+
+def add_cli_flags(s: argparse.ArgumentParser) -> None:
+    """The flags of ``epdserve sweep``: ``SweepConfig`` fields, lists as comma-separated text."""
+    d = SweepConfig()
+    s.add_argument("--out", required=True, help="directory for report.md, sweep.json, the heatmaps and role logs")
+    for name in ("topologies", "images", "output_lens"):
+        default = ",".join(map(str, getattr(d, name)))
+        help_text = f"{field_doc(SweepConfig, name)}, comma-separated (default: {default})"
+        s.add_argument("--" + name.replace("_", "-"), default=None, help=help_text)
+    add_flags(s, SweepConfig, SWEEP_FLAGS)
+    add_flags(s.add_mutually_exclusive_group(), SweepConfig, ARRIVAL_FLAGS)
+    s.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,e2e=2s (as in epdserve bench)")
+    s.add_argument("--pd-args", default="", help="extra flags of every PD worker, e.g. --pd-args='--threads 1'")
+    s.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
-    """The ``SweepConfig`` of ``epdserve sweep`` flags (defined in ``epdserve.cli``)."""
+    """The ``SweepConfig`` of ``epdserve sweep`` flags (``add_cli_flags``)."""
     out = Path(args.out)
+    lists: dict[str, Any] = {}
+    if args.topologies is not None:
+        lists["topologies"] = parse_topologies(args.topologies)
+    if args.images is not None:
+        lists["images"] = parse_int_list(args.images, "--images", 0, MAX_IMAGES_PER_REQUEST)
+    if args.output_lens is not None:
+        lists["output_lens"] = parse_int_list(args.output_lens, "--output-lens")
     return SweepConfig(
-        topologies=parse_topologies(args.topologies),
-        images=parse_int_list(args.images, "--images", 0, MAX_IMAGES_PER_REQUEST),
-        output_lens=parse_int_list(args.output_lens, "--output-lens"),
-        image_size=args.image_size,
-        requests=args.requests,
-        warmup=args.warmup,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        seed=args.seed,
+        **lists,
+        **values(args, SWEEP_FLAGS),
+        **values(args, ARRIVAL_FLAGS),
         slo=SLO.parse(args.slo or ""),
-        mixed=args.mixed,
-        model=args.model,
-        pin_cores=args.pin_cores,
-        ec_connector=args.ec_connector,
         pd_args=tuple(shlex.split(args.pd_args or "")),
-        timeout_s=args.timeout,
         log_dir=out / "logs",
         command=command_line(sys.argv),
     )

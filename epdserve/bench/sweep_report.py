@@ -216,7 +216,6 @@ def format_markdown(result: SweepResult, figures: dict[str, Path]) -> str:
         f"SLO for goodput: {c.slo}",
         f"- model: {c.model or 'embedded'}; extra PD flags: `{' '.join(c.pd_args) or 'none'}`",
         "- the load client runs on the same machine and shares its cores with the servers",
-        *(f"- **note:** {note}" for note in result.notes),
         "",
         "| topology | started in | cores | note |",
         "|---|---:|---|---|",
@@ -334,7 +333,6 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
         "environment": dataclasses.asdict(result.environment),
         "duration_s": result.duration_s,
         "interrupted": result.interrupted,
-        "notes": list(result.notes),
         "topologies": [dataclasses.asdict(t) for t in result.topologies],
         "cells": [
             {
