@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -118,14 +119,25 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
         # the PD worker holds no vision weights: every image went through the encoder
         pd = next(r for r in d.roles if r.name == "pd0")
         assert "epd_vision_tower_loaded 0.0" in http("GET", pd.url + "/metrics")[1].decode()
-        # the encoder did the vision work; the repeated image was a cache hit
+        # the encoder did the vision work; an image it has seen is a cache hit, not another forward
         enc = next(r for r in d.roles if r.name == "encoder0")
-        metrics = http("GET", enc.url + "/metrics")[1].decode()
-        assert "cache_hit" in metrics or "epd_encoder_cache_hits" in metrics
+        hits, computed = items_encoded(enc.url, "cache_hit"), items_encoded(enc.url, "computed")
+        assert hits >= 1 and computed >= 1, "the request set repeats an image"
+        assert ask(d.url, reqs[1]) == expected[1]  # one image, encoded before
+        assert items_encoded(enc.url, "cache_hit") == hits + 1
+        assert items_encoded(enc.url, "computed") == computed
     finally:
         pids = [r.proc.pid for r in d.roles]
         d.stop()
     assert_clean(pids)
+
+
+def items_encoded(url: str, status: str) -> float:
+    """The encoder's ``epd_encoder_items_total`` counter for one status."""
+    metrics = http("GET", url + "/metrics")[1].decode()
+    m = re.search(rf'^epd_encoder_items_total{{status="{status}"}} (\S+)$', metrics, re.MULTILINE)
+    assert m is not None, metrics
+    return float(m[1])
 
 
 def assert_clean(pids: list[int]) -> None:
@@ -169,7 +181,9 @@ def embeds_request(uuid: str, handle: dict) -> dict:
 
 def test_metadata_only_with_bad_handle_fails_only_that_request() -> None:
     d = deploy("aggregated")
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
+        before = ask(d.url, hi)
         bad = embeds_request("x", {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0})
         url = d.url + "/v1/chat/completions"
         # from a client: refused outright, without a word about internal places
@@ -180,7 +194,7 @@ def test_metadata_only_with_bad_handle_fails_only_that_request() -> None:
         status, body = http("POST", url, json.dumps(bad).encode(), headers=internal_headers())
         assert status == 400, body
         assert "/dev/shm" not in body.decode() and "not valid" in json.loads(body)["error"]["message"]
-        assert ask(d.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) is not None
+        assert ask(d.url, hi) == before  # and the server goes on serving, unchanged
     finally:
         d.stop()
 
