@@ -1,10 +1,9 @@
-"""Scheduler, block manager (prefix caching with media hashes), detokenizer: unit tests on CPU."""
+"""Scheduler and block manager (prefix caching with media hashes): unit tests on CPU."""
 
 from __future__ import annotations
 
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.detokenizer import IncrementalText
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import Scheduler
@@ -132,20 +131,3 @@ def test_not_ready_requests_wait_without_blocking_others() -> None:
     assert list(sch.waiting) == [a]
     a.pending_fetches = 0
     assert [s.request.request_id for s in sch.schedule().scheduled] == ["b", "a"]
-
-
-def test_detokenizer_holds_back_possible_stop_prefix() -> None:
-    inc = IncrementalText(("STOP",))
-    assert inc.update("hello S") == "hell"
-    assert inc.update("hello ST") == "o"
-    assert inc.update("hello STOP and more") == " "
-    assert inc.stopped and inc.text == "hello "
-    plain = IncrementalText()
-    assert plain.update("ab") == "ab" and plain.update("abc\ufffd") == "c"
-    assert plain.update("abcé", final=True) == "é"
-
-
-def test_earliest_stop_string_wins() -> None:
-    inc = IncrementalText(("b", "a"))
-    inc.update("xxab", final=True)
-    assert inc.text == "xx"
