@@ -8,7 +8,9 @@ import io
 import itertools
 import json
 import random
+import re
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from epdserve.bench.loadgen import (
     run_bench,
     run_self_test,
 )
+from epdserve.bench.plots import PlottingUnavailable, pyplot
 from epdserve.bench.report import SLO, Stats, error_label, parse_duration, summarize, summarize_by_kind
 from epdserve.bench.workload import BenchRequest, WorkloadConfig, build_workload
 from epdserve.cli import main
@@ -313,3 +316,16 @@ def test_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--self-test", "--slo", "ttfb=1s"]) == 2
     assert main(["bench", "--self-test", "--images-per-request", "51"]) == 2
     assert "ttfb" in capsys.readouterr().err
+
+
+def test_plots_without_matplotlib_are_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra has
+    with pytest.raises(PlottingUnavailable, match=re.escape("pip install 'epdserve[plot]'")):
+        pyplot()
+    argv = ["bench", "--self-test", "-n", "2", "--warmup", "0", "--output-len", "2", "--no-progress"]
+    assert main([*argv, "--plots", str(tmp_path / "plots")]) == 2
+    assert "pip install 'epdserve[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()
+    assert main(argv) == 0  # the benchmark itself needs no matplotlib

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,15 @@ def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["sweep", "--out", str(tmp_path), "--images", "1,x"]) == 2
     assert "not an integer" in capsys.readouterr().err
     assert not (tmp_path / "report.md").exists()
+
+
+def test_sweep_without_matplotlib_is_refused_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the plot extra has
+    assert main(["sweep", "--out", str(tmp_path), "--topologies", "aggregated"]) == 2
+    assert "pip install 'epdserve[plot]'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_command_line_is_shell_quoted() -> None:

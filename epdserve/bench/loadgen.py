@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from epdserve.bench.client import RequestResult, stream_chat
+from epdserve.bench.plots import PlottingUnavailable, check_plotting
 from epdserve.bench.report import (
     SLO,
     Summary,
@@ -386,7 +387,9 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     try:
         config = config_from_args(args)
-    except ValueError as e:
+        if args.plots:
+            check_plotting()  # now, not after the run
+    except (ValueError, PlottingUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     progress = None if args.no_progress else sys.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epdserve.bench.client import RequestResult, percentile
+from epdserve.bench.plots import pyplot
 
 if TYPE_CHECKING:
     from epdserve.bench.loadgen import BenchResult, SelfTestResult
@@ -254,11 +255,7 @@ def metric_values(results: list[RequestResult], metric: str) -> list[float]:
 
 def write_plots(result: BenchResult, directory: Path) -> list[Path]:
     """One PNG per latency metric: histogram and CDF in ms, one line per request kind (and "all")."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, works headless
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     directory.mkdir(parents=True, exist_ok=True)
     kinds = sorted({r.kind for r in result.results})
     groups = {"all": result.results} if len(kinds) != 1 else {}

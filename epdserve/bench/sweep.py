@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.plots import PlottingUnavailable, check_plotting
 from epdserve.bench.report import SLO, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, field_doc, values
@@ -426,7 +427,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-    except ValueError as e:
+        check_plotting()  # the report's heatmaps: now, not after the sweep
+    except (ValueError, PlottingUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = len(config.cells)

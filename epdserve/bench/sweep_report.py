@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from epdserve.bench.plots import pyplot
 from epdserve.bench.report import Summary
 from epdserve.bench.sweep import Cell, CellResult, SweepResult
 
@@ -78,20 +79,11 @@ def gain_grids(result: SweepResult) -> list[GainGrid]:
 # ---- figures ---------------------------------------------------------------------------------------
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, works headless
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_gain(grid: GainGrid, path: Path) -> Path:
     """A heatmap in the form of NVIDIA Dynamo's EPD figures: diverging colours centred at 0, numbers in the cells."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     data = np.array([[math.nan if v is None else v for v in row] for row in grid.values], dtype=float)
     finite = np.abs(data[np.isfinite(data)])
     # symmetric limits keep 0 at the colormap's neutral middle whatever the spread
@@ -121,7 +113,7 @@ def mixed_cells(result: SweepResult) -> list[Cell]:
 
 def plot_mixed(result: SweepResult, path: Path) -> Path:
     """Text and image TTFT (bars: p50, ticks: p99) per topology, one panel per images value."""
-    plt = _pyplot()
+    plt = pyplot()
     cells = mixed_cells(result)
     topologies = result.config.topologies
     fig, axes = plt.subplots(1, len(cells), figsize=(2.2 * len(topologies) * len(cells) + 1.5, 4), squeeze=False)
