@@ -25,6 +25,7 @@ from epdserve.api.protocol import (
     ChatCompletionChunk,
     ChatRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
     ImageEmbedsPart,
@@ -34,6 +35,8 @@ from epdserve.api.protocol import (
     ResponseMessage,
     SystemMessage,
     TextPart,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     UserMessage,
     VideoEmbedsPart,
@@ -269,12 +272,36 @@ def test_sampling_values_pass_through() -> None:
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": ""}, "stop"),
         ({"seed": 2**70}, "seed"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # logprobs must be true to ask for alternatives
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
     ],
 )
 def test_sampling_ranges(fields: dict[str, Any], param: str) -> None:
     err = bad_sampling(**fields)
-    assert err.param == param
+    assert err.param == param and err.status == 400
     assert param in err.message
+
+
+def test_logprobs_fields_map_to_sampling_params() -> None:
+    def params(**fields: Any) -> tuple[bool, int]:
+        sp = to_sampling_params(decode(**fields), 64, 1024)
+        return sp.logprobs, sp.top_logprobs
+
+    assert params() == (False, 0)
+    assert params(logprobs=None, top_logprobs=None) == (False, 0)  # null is "not given", as OpenAI reads it
+    assert params(logprobs=True) == (True, 0)
+    assert params(logprobs=True, top_logprobs=0) == (True, 0)
+    assert params(logprobs=True, top_logprobs=20) == (True, 20)
+
+
+@pytest.mark.parametrize(
+    "fields", [{"logprobs": 1}, {"logprobs": "yes"}, {"top_logprobs": 2.5}, {"top_logprobs": True}]
+)
+def test_logprobs_fields_are_typed(fields: dict[str, Any]) -> None:
+    err = rejected(body(**fields))
+    assert err.param == next(iter(fields))
 
 
 # --------------------------------------------------------------------------- errors
@@ -334,6 +361,64 @@ def test_completion_matches_openai_client_types() -> None:
     assert parsed.choices[0].finish_reason == "stop"
     assert parsed.usage is not None and parsed.usage.total_tokens == 7
     assert json.loads(encode_json(resp))["object"] == "chat.completion"
+
+
+def sample_logprobs() -> ChoiceLogprobs:
+    """Two tokens that split one character (日 = e6 97 a5), each with one alternative."""
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprob(
+                token="\ufffd",
+                logprob=-0.25,
+                bytes=[0xE6, 0x97],
+                top_logprobs=[TopLogprob(token="\ufffd", logprob=-0.25, bytes=[0xE6, 0x97])],
+            ),
+            TokenLogprob(token="\ufffd", logprob=-1.5, bytes=[0xA5], top_logprobs=[]),
+        ]
+    )
+
+
+def test_logprobs_null_when_not_asked_and_openai_shape_when_asked() -> None:
+    from openai.types.chat import ChatCompletion as OpenAICompletion
+
+    plain = ChatCompletion(
+        id="c", created=1, model="m", choices=[Choice(message=ResponseMessage(content="日"), finish_reason="stop")]
+    )
+    choice = json.loads(encode_json(plain))["choices"][0]
+    assert list(choice) == ["index", "message", "logprobs", "finish_reason"] and choice["logprobs"] is None
+
+    asked = ChatCompletion(
+        id="c",
+        created=1,
+        model="m",
+        choices=[Choice(message=ResponseMessage(content="日"), logprobs=sample_logprobs(), finish_reason="stop")],
+    )
+    raw = json.loads(encode_json(asked))
+    assert raw["choices"][0]["logprobs"]["content"][0] == {
+        "token": "\ufffd",
+        "logprob": -0.25,
+        "bytes": [0xE6, 0x97],
+        "top_logprobs": [{"token": "\ufffd", "logprob": -0.25, "bytes": [0xE6, 0x97]}],
+    }
+    parsed = OpenAICompletion.model_validate(raw).choices[0].logprobs
+    assert parsed is not None and parsed.content is not None
+    assert bytes(b for t in parsed.content for b in t.bytes or []).decode() == "日"
+    assert [t.logprob for t in parsed.content] == [-0.25, -1.5]
+    assert parsed.content[0].top_logprobs[0].bytes == [0xE6, 0x97] and parsed.content[1].top_logprobs == []
+
+
+def test_chunk_logprobs_in_openai_shape() -> None:
+    from openai.types.chat import ChatCompletionChunk as OpenAIChunk
+
+    plain = ChatCompletionChunk(id="c", created=1, model="m", choices=[ChunkChoice(delta=Delta(content="a"))])
+    assert json.loads(encode_json(plain))["choices"][0]["logprobs"] is None
+    asked = ChatCompletionChunk(
+        id="c", created=1, model="m", choices=[ChunkChoice(delta=Delta(content="日"), logprobs=sample_logprobs())]
+    )
+    parsed = OpenAIChunk.model_validate(json.loads(encode_json(asked))).choices[0].logprobs
+    assert parsed is not None and parsed.content is not None and len(parsed.content) == 2
+    empty = ChunkChoice(delta=Delta(), logprobs=ChoiceLogprobs(content=[]), finish_reason="stop")
+    assert json.loads(encode_json(empty))["logprobs"] == {"content": []}
 
 
 def test_chunks_are_sse_events_in_openai_shape() -> None:

@@ -27,6 +27,7 @@ GridTHW = tuple[PositiveInt, PositiveInt, PositiveInt]
 FinishReason = Literal["stop", "length"]
 
 MAX_STOP_STRINGS: Final = 4  # OpenAI's limit on `stop`
+MAX_TOP_LOGPROBS: Final = 20  # OpenAI's limit on `top_logprobs`
 # Far more text than any context this server is configured for holds, far less than a body that
 # would stall templating and tokenization (a 50 MB prompt once held a worker for 38 s).
 DEFAULT_MAX_PROMPT_CHARS: Final = 1 << 20
@@ -186,6 +187,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = False
     n: int | None = 1
     logprobs: bool | None = False
+    top_logprobs: int | None = None  # alternatives per token, 0..20; needs logprobs
     user: str | None = None
     # extra chat-template variables (vLLM's extension), e.g. {"add_vision_id": false}
     chat_template_kwargs: dict[str, Any] | None = None
@@ -330,6 +332,15 @@ def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len:
     if req.seed is not None and not _INT64_MIN <= req.seed <= _UINT64_MAX:
         raise BadRequest(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
 
+    top_logprobs = 0 if req.top_logprobs is None else req.top_logprobs
+    if req.top_logprobs is not None:
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}.", param="top_logprobs"
+            )
+        if not req.logprobs:
+            raise BadRequest("top_logprobs may only be given when logprobs is true.", param="top_logprobs")
+
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
@@ -340,6 +351,7 @@ def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len:
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
         logprobs=bool(req.logprobs),
+        top_logprobs=top_logprobs,
     )
 
 
@@ -361,19 +373,25 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of the most likely tokens at a position (OpenAI's ``top_logprobs`` entries)."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
 class TokenLogprob(msgspec.Struct, kw_only=True):
+    """The chosen token at a position: its text, logprob, UTF-8 bytes and the alternatives."""
+
     token: str
     logprob: float
-    bytes: list[int] | None = None
+    bytes: list[int] | None = None  # the token's own bytes: those of a split character join up
     top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
 
 class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    """A choice's ``logprobs``; the choice carries ``"logprobs": null`` when they were not asked."""
+
     content: list[TokenLogprob] | None = None
 
 

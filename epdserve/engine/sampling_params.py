@@ -16,6 +16,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())  # stop strings (not included in the output)
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     logprobs: bool = False  # return the chosen token's logprob
+    top_logprobs: int = 0  # also return this many most likely tokens per position (needs logprobs)
 
     @property
     def greedy(self) -> bool:
