@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -133,65 +134,113 @@ def _replace_proxy(lab: Path) -> None:
     _wait("http://127.0.0.1:8300", 60)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--image-size", type=int, default=448)
-    ap.add_argument("--systems", default="epdserve:aggregated,epdserve:1e+1pd,vllm:aggregated,vllm:1e+1pd")
-    ap.add_argument("--pin-cores", action="store_true", help="pin epdserve's encoder and PD to separate cores")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    model = default_model_dir()
-    workload = WorkloadConfig(images_per_request=1, image_size=args.image_size, output_len=args.output_len)
+def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model: Path) -> list[dict]:
+    """Start one system, measure it at every concurrency, stop it; one row per concurrency."""
+    run = start_vllm(topology, model) if system == "vllm" else start_epdserve(topology, args.pin_cores)
     rows = []
-    for spec in args.systems.split(","):
-        system, topology = spec.split(":")
-        run = start_vllm(topology, model) if system == "vllm" else start_epdserve(topology, args.pin_cores)
-        try:
+    try:
+        for conc in args.concurrency:
             cfg = BenchConfig(
                 url=run.url,
                 model="tiny" if system == "vllm" else "",  # the recipe's served name; its E+PD proxy has no /v1/models
                 workload=workload,
                 num_requests=args.requests,
                 warmup=8,
-                concurrency=args.concurrency,
+                concurrency=conc,
             )
-            result = asyncio.run(run_bench(cfg))
-            rss = tree_rss_mb(run.pids)
-        finally:
-            run.stop()
-        s = result.summary
-        row = {
-            "system": system,
-            "topology": topology,
-            "ok": s.completed,
-            "sent": s.requests,
-            "req_per_s": s.request_throughput,
-            "out_tok_per_s": s.output_token_throughput,
-            "ttft_p50_ms": s.ttft.p50 * 1e3,
-            "ttft_p99_ms": s.ttft.p99 * 1e3,
-            "tpot_p50_ms": s.tpot.p50 * 1e3,
-            "startup_s": run.startup_s,
-            "rss_mb": rss,
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            s = asyncio.run(run_bench(cfg)).summary
+            rows.append(
+                {
+                    "system": system,
+                    "topology": topology,
+                    "concurrency": conc,
+                    "ok": s.completed,
+                    "sent": s.requests,
+                    "req_per_s": s.request_throughput,
+                    "out_tok_per_s": s.output_token_throughput,
+                    "ttft_p50_ms": s.ttft.p50 * 1e3,
+                    "ttft_p99_ms": s.ttft.p99 * 1e3,
+                    "tpot_p50_ms": s.tpot.p50 * 1e3,
+                    "startup_s": run.startup_s,
+                    "rss_mb": tree_rss_mb(run.pids),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        run.stop()
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per run, topology and concurrency: epdserve over vLLM (req/s, TTFT p50, startup, RSS)."""
+    out = []
+    key = lambda r: (r["run"], r["topology"], r["concurrency"])  # noqa: E731
+    vllm = {key(r): r for r in rows if r["system"] == "vllm"}
+    for r in rows:
+        v = vllm.get(key(r))
+        if r["system"] != "epdserve" or v is None:
+            continue
+        out.append(
+            {
+                "run": r["run"],
+                "topology": r["topology"],
+                "concurrency": r["concurrency"],
+                "req_per_s": r["req_per_s"] / v["req_per_s"],
+                "ttft_p50": r["ttft_p50_ms"] / v["ttft_p50_ms"],
+                "startup": r["startup_s"] / v["startup_s"],
+                "rss": r["rss_mb"] / v["rss_mb"],
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4])
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
+    ap.add_argument("--systems", default="epdserve:aggregated,vllm:aggregated,epdserve:1e+1pd,vllm:1e+1pd")
+    ap.add_argument("--pin-cores", action="store_true", help="pin epdserve's encoder and PD to separate cores")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    model = default_model_dir()
+    workload = WorkloadConfig(images_per_request=1, image_size=args.image_size, output_len=args.output_len)
+    rows = []
+    for run in range(args.runs):
+        for spec in args.systems.split(","):  # the systems interleaved within each run
+            system, topology = spec.split(":")
+            rows += [{"run": run, **r} for r in bench_one(system, topology, args, workload, model)]
     print(
-        f"\n{args.requests} requests, 1 image of {args.image_size} px, {args.output_len} output tokens (exact), "
-        f"concurrency {args.concurrency}\n"
+        f"\n{args.requests} requests per cell, 1 image of {args.image_size} px, {args.output_len} output tokens "
+        f"(exact), {args.runs} run(s)\n"
     )
-    print("| system | topology | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | startup s | RSS MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| run | system | topology | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | startup s | RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['system']} | {r['topology']} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.0f} | "
-            f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['startup_s']:.1f} | "
-            f"{r['rss_mb']:.0f} |"
+            f"| {r['run']} | {r['system']} | {r['topology']} | {r['concurrency']} | {r['req_per_s']:.2f} | "
+            f"{r['out_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | "
+            f"{r['startup_s']:.1f} | {r['rss_mb']:.0f} |"
         )
+    rat = ratios(rows)
+    print("\nepdserve / vLLM, median over runs (each run's ratio in brackets)\n")
+    print("| topology | conc | req/s | TTFT p50 | startup | RSS |")
+    print("|---|---|---|---|---|---|")
+    cells = sorted({(r["topology"], r["concurrency"]) for r in rat})
+    for topo, conc in cells:
+        mine = [r for r in rat if (r["topology"], r["concurrency"]) == (topo, conc)]
+
+        def med(k: str, mine: list[dict] = mine) -> str:
+            vals = [r[k] for r in mine]
+            return f"{statistics.median(vals):.2f}x [{', '.join(f'{v:.2f}' for v in vals)}]"
+
+        print(f"| {topo} | {conc} | {med('req_per_s')} | {med('ttft_p50')} | {med('startup')} | {med('rss')} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": rat}, indent=2))
 
 
 if __name__ == "__main__":

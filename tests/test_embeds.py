@@ -13,9 +13,7 @@ import torch
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import ImageEmbedsPart, check_embeds_trust, decode_chat_request
 from epdserve.media.limits import MediaLimits
-from epdserve.pd.embeds import ConnectorEmbeds
-from epdserve.transfer.config import ECConfig
-from epdserve.transfer.factory import make_consumer
+from epdserve.pd.embeds import MetadataEmbeds
 
 WIDTH, MERGE = 8, 2
 
@@ -56,7 +54,7 @@ def test_who_may_send_which_part(part: dict, internal: bool, enabled: bool, ok: 
 
 def resolve(part: dict):
     parsed = msgspec.convert(part, ImageEmbedsPart)
-    resolver = ConnectorEmbeds(make_consumer(ECConfig(secret="")), "m", WIDTH, MERGE)
+    resolver = MetadataEmbeds("m", WIDTH, lambda g: g[0] * g[1] * g[2] // (MERGE * MERGE))
     return asyncio.run(resolver(parsed))
 
 
