@@ -352,8 +352,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def add_engine_args(s: argparse.ArgumentParser) -> None:
     """Flags of a language-model instance, named as in vLLM where vLLM has them."""
-    add_flags(s, SERVER, [MODEL, *SERVER_FLAGS])
-    add_public_args(s)
+    add_flags(s, SERVER, [MODEL, *SERVER_FLAGS, *PUBLIC_FLAGS])
     add_flags(s.add_argument_group("engine"), ENGINE, ENGINE_FLAGS)
     add_flags(s.add_argument_group("EC connector (consumer)"), EC, EC_CONSUMER_FLAGS, EC_PREFIX)
     credentials = s.add_argument_group("credentials")
@@ -372,17 +371,11 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
 
 def add_router_args(s: argparse.ArgumentParser) -> None:
     """Flags of the router."""
-    add_flags(s, ROUTER, ROUTER_FLAGS)
-    add_flags(s, ROUTER, PUBLIC_FLAGS)
+    add_flags(s, ROUTER, [*ROUTER_FLAGS, *PUBLIC_FLAGS])
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY])
     add_cluster_args(credentials)
     add_media_args(s)
-
-
-def add_public_args(s: argparse.ArgumentParser) -> None:
-    """Flags of a role that serves the public OpenAI API."""
-    add_flags(s, SERVER, PUBLIC_FLAGS)
 
 
 def add_cluster_args(s: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
