@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from epdserve.assets import default_model_dir
-from epdserve.engine.detokenizer import BYTE_OF_CHAR, Detokenizer, IncrementalText, token_text_and_bytes
+from epdserve.engine.detokenizer import BYTE_OF_CHAR, Detokenizer, token_text_and_bytes
+from tests.reference_detokenizer import IncrementalText
 
 MULTIBYTE = "日本語テキスト 😀🎉 naïve"
 

@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 from epdserve.hf_reference import HFReference
 from epdserve.media.processor import VisionInput
 from epdserve.models.config import ModelConfig
-from epdserve.models.dense_attention import DenseCausalAttention, DenseKVCache
 from epdserve.models.loader import load_model
 from epdserve.models.qwen2_vl import MediaPlaceholderError, Qwen2VLForConditionalGeneration, mrope_positions
 from epdserve.models.registry import UnknownArchitectureError, model_class
 from epdserve.shapes import ShapesWorld
+from tests.dense_attention import DenseCausalAttention, DenseKVCache
 from tests.numerics import assert_close_rel
 
 torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 ``Detokenizer`` turns a request's output token ids into text deltas with work per token that does
 not grow with the output: it decodes only a short window of recent ids (vLLM's prefix/read
 offsets) and searches for stop strings only in the tail that could hold a new match.
-``IncrementalText`` states the same semantics over a full decode of every step; it is the
+``tests/reference_detokenizer.IncrementalText`` states the same semantics over a full decode of every step; it is the
 reference the detokenizer is tested against.
 
 Semantics, for both: the text is the decode of all output ids; once a stop string appears in it,
@@ -16,7 +16,6 @@ change, where a stop string could begin. ``final`` releases everything.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -26,45 +25,9 @@ REPLACEMENT: Final = "\ufffd"  # what decoding gives for an incomplete or invali
 _MAX_INCOMPLETE_TOKENS: Final = 3
 
 
-def _stop_hold(stop: tuple[str, ...]) -> int:
+def stop_hold(stop: tuple[str, ...]) -> int:
     """Characters that may begin a stop string not yet complete."""
     return max((len(s) for s in stop), default=1) - 1
-
-
-@dataclass
-class IncrementalText:
-    """The reference semantics: fed the decoding of *all* output ids at every step."""
-
-    stop: tuple[str, ...] = ()
-    text: str = ""  # full decoded text so far (stop string excluded once hit)
-    sent: int = 0  # characters already released
-    stopped: bool = False
-    _hold: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        self._hold = _stop_hold(self.stop)
-
-    def update(self, decoded: str, final: bool = False) -> str:
-        """Feed the decoding of all output ids; returns the newly releasable text."""
-        if self.stopped:
-            return ""
-        # a new match ends in a new character or in the last one (it may have been U+FFFD)
-        search_from = max(0, len(self.text) - self._hold - 1)
-        self.text = decoded
-        hits = [j for s in self.stop if (j := decoded.find(s, search_from)) != -1]
-        if hits:
-            self.text = decoded[: min(hits)]
-            self.stopped = True
-        end = len(self.text)
-        if not (final or self.stopped):
-            # a trailing U+FFFD may still change, and a stop string may begin up to hold
-            # characters before it
-            end -= self._hold + self.text.endswith(REPLACEMENT)
-        if end <= self.sent:
-            return ""
-        delta = self.text[self.sent : end]
-        self.sent = end
-        return delta
 
 
 class Detokenizer:
@@ -92,7 +55,7 @@ class Detokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._special = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self._stop = stop
-        self._hold = _stop_hold(stop)
+        self._hold = stop_hold(stop)
         # token layer
         self._ids: list[int] = []
         self._prefix = 0
