@@ -23,7 +23,7 @@ from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV
 if TYPE_CHECKING:
     from epdserve.encoder.server import EncoderConfig
     from epdserve.media.limits import MediaLimits
-    from epdserve.pd.server import ServerConfig
+    from epdserve.pd.config import ServerConfig
     from epdserve.router.server import RouterConfig
     from epdserve.security.credentials import ClusterCredential
     from epdserve.up import Deployment
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # the config classes, named rather than imported: building a command's flags imports only its own
-SERVER = "epdserve.pd.server:ServerConfig"
+SERVER = "epdserve.pd.config:ServerConfig"
 ENGINE = "epdserve.engine.config:EngineConfig"
 ENCODER = "epdserve.encoder.server:EncoderConfig"
 ROUTER = "epdserve.router.server:RouterConfig"
@@ -216,7 +216,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     from epdserve.api.auth import AuthConfig
     from epdserve.engine.config import EngineConfig
     from epdserve.models.precision import check_device
-    from epdserve.pd.server import ServerConfig
+    from epdserve.pd.config import ServerConfig
     from epdserve.security.credentials import api_key_from
     from epdserve.transfer.config import ECConfig
 
@@ -283,11 +283,14 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from epdserve.pd.server import serve
+    from epdserve.pd.launch import launch_core
 
     config = serve_config(args)
     _log_to_stderr()
-    serve(config)
+    core = launch_core(config)  # loads the model while the front end imports (nothing heavy so far)
+    from epdserve.pd.server import serve
+
+    serve(config, core)
     return 0
 
 

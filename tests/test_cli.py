@@ -24,7 +24,7 @@ from epdserve.config_flags import Flag, add_flags, field_info, to_argv, values
 from epdserve.encoder.server import EncoderConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.media.limits import MediaLimits
-from epdserve.pd.server import ServerConfig
+from epdserve.pd.config import ServerConfig
 from epdserve.router.server import RouterConfig
 from epdserve.security.credentials import ClusterCredential
 from epdserve.transfer.config import ECConfig

@@ -19,11 +19,10 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from epdserve.engine.core import EngineCore
 from epdserve.engine.messages import (
     FRAME_HEADER,
     AbortRequests,
@@ -41,6 +40,9 @@ from epdserve.engine.messages import (
     frame,
     frame_length,
 )
+
+if TYPE_CHECKING:
+    from epdserve.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
 

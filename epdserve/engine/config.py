@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.models.precision import DType, torch_dtype
+from epdserve.models.precision import DType, check_dtype
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: DType = "float32"  # weights, activations and KV cache: float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
-        torch_dtype(self.dtype)  # raises for an unknown name
+        check_dtype(self.dtype)
         if self.block_size < 1 or self.num_kv_blocks < 1:
             raise ValueError("block_size and num_kv_blocks must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
-import numpy as np
-import torch
 
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.models.precision import TORCH_DTYPES
 from epdserve.transfer.config import ECConfig
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINE_PROTOCOL_VERSION = 1
 
@@ -45,21 +45,25 @@ class WireTensor(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> WireTensor:
+        import torch
+
         t = t.detach().cpu().contiguous()
         name = str(t.dtype).removeprefix("torch.")
-        if name not in _WIRE_DTYPES:
+        if name not in WIRE_DTYPES:
             raise ValueError(f"unsupported tensor dtype {name!r}")
         return cls(name, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def to_torch(self) -> torch.Tensor:
-        dtype = _WIRE_DTYPES.get(self.dtype)
-        if dtype is None:
+        import numpy as np
+        import torch
+
+        if self.dtype not in WIRE_DTYPES:
             raise ValueError(f"unsupported tensor dtype {self.dtype!r}")
         raw = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8).copy())
-        return raw.view(dtype).reshape(self.shape)
+        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
-_WIRE_DTYPES = {**TORCH_DTYPES, "int64": torch.int64, "int32": torch.int32}
+WIRE_DTYPES = frozenset({"float32", "bfloat16", "float16", "int64", "int32"})
 
 
 class MediaSpec(msgspec.Struct, frozen=True):

@@ -1,35 +1,57 @@
-"""Where a model runs and at what precision: the names every role's config accepts."""
+"""Where a model runs and at what precision: the names every role's config accepts.
+
+Checking a name needs no torch (a front end validates its config, and starts its engine core,
+before importing it); ``torch_dtype`` and ``TORCH_DTYPES`` import torch on first use.
+"""
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Literal, get_args
+import re
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)
-TORCH_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_dtype(name: str) -> str:
+    """``name`` if it is a dtype every role accepts; ValueError naming the choices otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name``; ValueError naming the choices for anything else."""
-    if name not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return TORCH_DTYPES[name]
+    return __getattr__("TORCH_DTYPES")[check_dtype(name)]  # type: ignore[no-any-return]
 
 
-def check_device(device: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N``, and usable here; ValueError saying why not otherwise."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from e
-    if dev.type not in ("cpu", "cuda"):
+def __getattr__(name: str) -> Any:
+    if name == "TORCH_DTYPES":
+        from types import MappingProxyType
+
+        import torch
+
+        table = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+        globals()["TORCH_DTYPES"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_device(device: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, and usable here; ValueError saying why not otherwise.
+    (Only a CUDA device needs torch to check.)"""
+    if not _DEVICE_RE.fullmatch(device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if dev.type == "cuda":
+    if device.startswith("cuda"):
+        import torch
+
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: this torch build or machine has no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return dev
+    return device

@@ -19,19 +19,17 @@ import signal
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from aiohttp import web
 
-from epdserve.api.auth import AuthConfig, is_internal
+from epdserve.api.auth import is_internal
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
-    DEFAULT_MAX_PROMPT_CHARS,
     SSE_DONE,
     ChatCompletion,
     ChatCompletionChunk,
@@ -60,59 +58,32 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
-from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
-from epdserve.engine.messages import AddRequest, CoreStart, EngineOutput, EngineStats, MediaSpec, WireTensor
+from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, MediaSpec, WireTensor
 from epdserve.engine.request import MediaItem
 from epdserve.media.fetch import media_session
-from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
+from epdserve.pd.config import ServerConfig
 from epdserve.pd.embeds import MetadataEmbeds
+from epdserve.pd.launch import launch_core
 from epdserve.pd.logprobs import TokenTexts
 from epdserve.pd.messages import template_messages
 from epdserve.pd.tokenizer import FastTokenizer
-from epdserve.transfer.config import ECConfig
-
-EngineCoreMode = Literal["process", "thread"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model: Path  # checkpoint directory (Hugging Face format)
-    served_model_name: str = ""  # name clients use; empty: the directory name
-    host: str = "127.0.0.1"  # listen address
-    port: int = 8000  # listen port (0: any free port)
-    default_max_tokens: int = 256  # max_tokens when the request sets none
-    max_request_bytes: int = 64 << 20  # largest request body
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
-    preprocess_threads: int = 2  # threads decoding and preprocessing media
-    template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)
-    enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
-    auth: AuthConfig = field(default_factory=AuthConfig)  # API key, cluster credential, internal-only
-    vision: bool = True  # load the vision tower (False: metadata-only requests only)
-    engine_core: EngineCoreMode = "process"  # run the engine core in its own process, or in a thread here
-    core_ready_timeout_s: float = 600.0  # how long the engine core may take to load the model
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    limits: MediaLimits = field(default_factory=MediaLimits)
-    ec: ECConfig = field(default_factory=ECConfig)  # EC consumer for metadata-only media
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model.name
 
 
 class ChatService:
     """Owns the engine core client and the media pipeline; the HTTP handlers are thin wrappers."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, core: MPClient | None = None) -> None:
+        """``core``: a core process already launched (``pd.launch``); else one is started here."""
         self.config = config
         self.started = time.time()
-        self.core: EngineCoreClient = self._make_core()  # first: the core loads while we set up
+        self.core: EngineCoreClient = self._make_core(core)  # first: the core loads while we set up
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.tokenizer = FastTokenizer(config.model)
         self.builder = InputBuilder(self.tokenizer, self.model_config)
@@ -130,13 +101,14 @@ class ChatService:
         self.metrics = Metrics()
         self._init_metrics()
 
-    def _make_core(self) -> EngineCoreClient:
+    def _make_core(self, launched: MPClient | None) -> EngineCoreClient:
         cfg = self.config
         if cfg.engine_core == "thread":
             return InprocClient(EngineCore.from_pretrained(cfg.model, cfg.engine, cfg.vision, cfg.ec, cfg.model_name))
-        start = CoreStart(str(cfg.model), cfg.model_name, cfg.engine, cfg.vision, cfg.ec)
-        client = MPClient(start, cfg.core_ready_timeout_s, on_death=self._core_died)
-        client.launch()
+        client = launched or launch_core(cfg)
+        if client is None:
+            raise ValueError(f"engine_core {cfg.engine_core!r} starts no core process")
+        client.on_death = self._core_died
         return client
 
     def _core_died(self, why: str) -> None:
@@ -502,9 +474,9 @@ def build_app(service: ChatService) -> web.Application:
     return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig, core: MPClient | None = None) -> None:
     """Run the server until SIGINT/SIGTERM; exits 3 when the engine core died."""
-    service = ChatService(config)
+    service = ChatService(config, core)
     log.info("epdserve serving %s on http://%s:%d", config.model_name, config.host, config.port)
     try:
         run_app(build_app(service), config.host, config.port)

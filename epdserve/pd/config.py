@@ -1,0 +1,44 @@
+"""The language-model instance's configuration (frozen; the ``serve`` flags are its fields).
+
+Importing it costs no torch: ``serve`` validates its flags and starts its engine core before the
+front end's heavier imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from epdserve.api.auth import AuthConfig
+from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
+from epdserve.engine.config import EngineConfig
+from epdserve.media.limits import MediaLimits
+from epdserve.transfer.config import ECConfig
+
+EngineCoreMode = Literal["process", "thread"]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path  # checkpoint directory (Hugging Face format)
+    served_model_name: str = ""  # name clients use; empty: the directory name
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8000  # listen port (0: any free port)
+    default_max_tokens: int = 256  # max_tokens when the request sets none
+    max_request_bytes: int = 64 << 20  # largest request body
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
+    preprocess_threads: int = 2  # threads decoding and preprocessing media
+    template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)
+    enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
+    auth: AuthConfig = field(default_factory=AuthConfig)  # API key, cluster credential, internal-only
+    vision: bool = True  # load the vision tower (False: metadata-only requests only)
+    engine_core: EngineCoreMode = "process"  # run the engine core in its own process, or in a thread here
+    core_ready_timeout_s: float = 600.0  # how long the engine core may take to load the model
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    ec: ECConfig = field(default_factory=ECConfig)  # EC consumer for metadata-only media
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
