@@ -60,7 +60,7 @@ def _sample_one(row: torch.Tensor, req: Request) -> int:
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
     if req.generator is None:
-        req.generator = torch.Generator()
+        req.generator = torch.Generator(device=row.device)  # multinomial needs one on its device
         if p.seed is not None:
             req.generator.manual_seed(p.seed)
         else:
