@@ -126,13 +126,12 @@ class InprocClient:
     """Steps an ``EngineCore`` in a thread of this process."""
 
     def __init__(self, core: EngineCore) -> None:
+        from epdserve.engine.loop import StepLoop
+
         self.core = core
-        self._cv = threading.Condition()
-        self._inbox: list[AddRequest | AbortRequests | ReleaseHandles] = []
         self._streams = _Streams()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = False
-        core._on_wake = self._wake
+        self._steps = StepLoop(core, self._deliver)
         self._thread = threading.Thread(target=self._run, name="epd-engine", daemon=True)
 
     async def start(self) -> None:
@@ -151,57 +150,26 @@ class InprocClient:
         return self.core.stats()
 
     def release(self, handles: list[dict]) -> None:
-        self._post(ReleaseHandles(handles))
-
-    def _post(self, msg: AddRequest | AbortRequests | ReleaseHandles) -> None:
-        with self._cv:
-            self._inbox.append(msg)
-            self._cv.notify()
-
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
+        self._steps.post(ReleaseHandles(handles))
 
     def generate(self, add: AddRequest) -> AsyncIterator[EngineOutput]:
         q = self._streams.open(add.request_id)
-        self._post(add)
-        return self._streams.stream(add.request_id, q, lambda rid: self._post(AbortRequests([rid])))
+        self._steps.post(add)
+        return self._streams.stream(add.request_id, q, lambda rid: self._steps.post(AbortRequests([rid])))
 
     def _run(self) -> None:
-        core = self.core
-        if core.config.threads:
+        if self.core.config.threads:
             import torch
 
-            torch.set_num_threads(core.config.threads)
-        while True:
-            with self._cv:
-                while not self._inbox and not core.has_work and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                inbox, self._inbox = self._inbox, []
-            outputs: list[EngineOutput] = []
-            for msg in inbox:
-                if isinstance(msg, AddRequest):
-                    outputs += core.add(msg)
-                elif isinstance(msg, ReleaseHandles):
-                    core.release_handles(msg.handles)
-                else:
-                    for rid in msg.request_ids:
-                        core.abort(rid)
-            if core.has_work:
-                outputs += core.step()
-                if core.last_step_idle:  # only requests waiting for their embeddings: sleep until woken
-                    with self._cv:
-                        self._cv.wait(0.05)
-            if outputs:
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._streams.deliver, outputs)
+            torch.set_num_threads(self.core.config.threads)
+        self._steps.run()
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._streams.deliver, outputs)
 
     async def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._steps.stop()
         if self._thread.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
         self.core.close()

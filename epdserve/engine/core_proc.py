@@ -18,17 +18,14 @@ import sys
 import threading
 
 from epdserve.engine.core import EngineCore
+from epdserve.engine.loop import StepLoop
 from epdserve.engine.messages import (
-    AbortRequests,
-    AddRequest,
     Channel,
     ChannelClosed,
     CoreFailed,
     CoreReady,
     CoreStart,
-    EngineOutput,
     Outputs,
-    ReleaseHandles,
     Shutdown,
     StatsRequest,
     ToCore,
@@ -48,63 +45,33 @@ def _die_with(parent: int) -> None:
 
 
 class CoreLoop:
+    """The core's ``StepLoop`` fed by a reader thread from the channel; outputs go back on it."""
+
     def __init__(self, channel: Channel, core: EngineCore) -> None:
         self.channel = channel
         self.core = core
-        self._cv = threading.Condition()
-        self._inbox: list[ToCore] = []
-        self._closed = False
-        core._on_wake = self._wake
+        self.steps = StepLoop(core, lambda outputs: channel.send(Outputs(outputs)), self._other)
 
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
+    def _other(self, msg: ToCore) -> bool:
+        if isinstance(msg, StatsRequest):
+            self.channel.send(self.core.stats())
+            return True
+        return not isinstance(msg, Shutdown)
 
     def _read(self) -> None:
         try:
             while True:
                 msg = self.channel.recv()
-                with self._cv:
-                    self._inbox.append(msg)
-                    self._cv.notify()
+                self.steps.post(msg)
                 if isinstance(msg, Shutdown):
                     return
         except (ChannelClosed, OSError, ValueError) as e:
             log.info("engine core channel closed: %s", e)
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
+        self.steps.stop()
 
     def run(self) -> None:
         threading.Thread(target=self._read, name="epd-core-reader", daemon=True).start()
-        core = self.core
-        while True:
-            with self._cv:
-                while not self._inbox and not core.has_work and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                inbox, self._inbox = self._inbox, []
-            outputs: list[EngineOutput] = []
-            for msg in inbox:
-                if isinstance(msg, AddRequest):
-                    outputs += core.add(msg)
-                elif isinstance(msg, AbortRequests):
-                    for rid in msg.request_ids:
-                        core.abort(rid)
-                elif isinstance(msg, ReleaseHandles):
-                    core.release_handles(msg.handles)
-                elif isinstance(msg, StatsRequest):
-                    self.channel.send(core.stats())
-                elif isinstance(msg, Shutdown):
-                    return
-            if core.has_work:
-                outputs += core.step()
-                if core.last_step_idle:  # only requests waiting for embeddings: sleep until a fetch ends
-                    with self._cv:
-                        self._cv.wait(0.05)
-            if outputs:
-                self.channel.send(Outputs(outputs))
+        self.steps.run()
 
 
 def main(argv: list[str]) -> int:
