@@ -39,6 +39,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_response(ApiError(f"Internal server error: {type(e).__name__}").to_json(), 500)
 
 
+async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    """The request body; 413 (OpenAI JSON) when it exceeds the app's ``client_max_size``."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"The request body exceeds {max_bytes} bytes.") from None
+
+
 Route = tuple[str, str, Handler, Access]  # (method, path, handler, who may call it)
 
 

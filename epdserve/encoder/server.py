@@ -31,11 +31,10 @@ from epdserve.api.errors import (
     BadRequest,
     NotFound,
     Overloaded,
-    PayloadTooLarge,
     Unavailable,
     from_media_error,
 )
-from epdserve.api.http import Route, json_response, role_app, run_app
+from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import ModelCard, ModelList, encode_json
@@ -371,10 +370,7 @@ class EncoderHandlers:
         t0 = time.perf_counter()
         s.metrics.inc("encode_requests_total", help_text="/v1/encode requests received")
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise PayloadTooLarge(f"The request body exceeds {s.config.max_request_bytes} bytes.") from None
+            body = await read_body(request, s.config.max_request_bytes)
             resp = await s.encode(body)
         except ApiError as e:
             s.metrics.inc("encode_request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")

@@ -201,10 +201,6 @@ class EngineCore:
         if self._on_wake is not None:
             self._on_wake()
 
-    @property
-    def fetches_pending(self) -> bool:
-        return any(r.pending_fetches for r in self.requests.values())
-
     def _apply_fetched(self) -> list[EngineOutput]:
         with self._fetch_lock:
             done, self._fetched = list(self._fetched), deque()

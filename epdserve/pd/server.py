@@ -25,8 +25,8 @@ from pathlib import Path
 from aiohttp import web
 
 from epdserve.api.auth import is_internal
-from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, PayloadTooLarge, Unavailable
-from epdserve.api.http import Route, json_response, role_app, run_app
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
+from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
@@ -333,10 +333,7 @@ class ChatHandlers:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         s = self.s
         t0 = time.perf_counter()
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(f"The request body exceeds {s.config.max_request_bytes} bytes.") from None
+        body = await read_body(request, s.config.max_request_bytes)
         s.metrics.inc("requests_total", help_text="chat requests received")
         try:
             req, add = await s.prepare(body, is_internal(request))
