@@ -19,7 +19,9 @@ import torch
 
 from epdserve.assets import default_model_dir
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
+from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
@@ -35,11 +37,12 @@ def requests(model_dir: Path, tok, n: int, out_len: int) -> list[Request]:
     for i in range(n):
         s = world.sample("describe")
         v = proc.image(s.scenes[0].render())
-        media = [MediaInput(f"img-{i}", "image", v.grid_thw, torch.from_numpy(v.pixel_values))]
+        media = [MediaInput(f"img-{i}", "image", v.grid_thw, v.pixel_values)]
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}]
         p = builder.build(msgs, media)
         params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        reqs.append(Request(f"r{i}", p.token_ids, params, p.mm_items, p.mrope_positions, p.mrope_delta))
+        pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+        reqs.append(request_from(AddRequest(f"r{i}", p.token_ids, params, p.mm_items, pos, p.mrope_delta)))
     return reqs
 
 

@@ -23,8 +23,10 @@ def request(part: dict) -> bytes:
 
 
 def inline(t: torch.Tensor, uuid: str = "client-chosen", grid: tuple = (1, 2, 4)) -> dict:
-    data = base64.b64encode(t.contiguous().numpy().tobytes()).decode()
-    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(grid), "data": data}, "uuid": uuid}
+    raw = t.contiguous().view(torch.int16 if t.dtype.itemsize == 2 else torch.int32).numpy().tobytes()
+    dtype = str(t.dtype).removeprefix("torch.")
+    embeds = {"image_grid_thw": list(grid), "data": base64.b64encode(raw).decode(), "dtype": dtype}
+    return {"type": "image_embeds", "image_embeds": embeds, "uuid": uuid}
 
 
 HANDLE = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 4]}, "uuid": "u", "ec_handle": {"k": 1}}
@@ -61,11 +63,22 @@ def resolve(part: dict):
 def test_inline_embeddings_are_decoded_and_keyed_by_their_content() -> None:
     t = torch.randn(2, WIDTH)
     got = resolve(inline(t))
-    assert torch.equal(got.embeddings, t) and got.grid_thw == (1, 2, 4)
+    assert torch.equal(got.embeddings.to_torch(), t) and got.grid_thw == (1, 2, 4)
     # the prefix-cache key comes from the bytes: a client cannot borrow another item's uuid
     assert got.uuid.startswith("inline-") and got.uuid != "client-chosen"
     assert resolve(inline(t, uuid="other")).uuid == got.uuid
     assert resolve(inline(t + 1)).uuid != got.uuid
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inline_embeddings_keep_their_values(dtype: torch.dtype) -> None:
+    # large finite values (bfloat16's max, float16's) are finite: only inf/NaN are refused
+    t = torch.randn(2, WIDTH).to(dtype)
+    t[0, 0] = torch.finfo(dtype).max
+    t[1, 1] = -torch.finfo(dtype).max
+    got = resolve(inline(t))
+    assert got.embeddings.dtype == str(dtype).removeprefix("torch.")
+    assert torch.equal(got.embeddings.to_torch(), t)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +86,9 @@ def test_inline_embeddings_are_decoded_and_keyed_by_their_content() -> None:
     [
         (inline(torch.zeros(3, WIDTH)), "needs 2 rows"),  # wrong size for the grid
         (inline(torch.full((2, WIDTH), float("nan"))), "NaN"),
+        (inline(torch.zeros(2, WIDTH, dtype=torch.bfloat16).index_fill(1, torch.tensor([3]), float("inf"))), "NaN"),
+        (inline(torch.zeros(2, WIDTH, dtype=torch.bfloat16).index_fill(1, torch.tensor([5]), float("-nan"))), "NaN"),
+        (inline(torch.zeros(2, WIDTH, dtype=torch.float16).index_fill(1, torch.tensor([0]), float("-inf"))), "NaN"),
         ({**inline(torch.zeros(2, WIDTH)), "image_embeds": {"image_grid_thw": [1, 2, 4], "data": "%%"}}, "base64"),
     ],
 )

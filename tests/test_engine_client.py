@@ -136,7 +136,7 @@ def test_core_fetches_embeddings_by_handle(model_dir: Path, hf: HFReference) -> 
     try:
         handle = producer.put("img-1", emb, model_dir.name)
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
-        by_value = builder.build(messages, [MediaInput("img-1", "image", grid, embeddings=emb)])
+        by_value = builder.build(messages, [MediaInput("img-1", "image", grid, embeddings=WireTensor.of(emb))])
         item = by_value.mm_items[0]
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         pos = WireTensor.of(by_value.mrope_positions)
@@ -168,3 +168,38 @@ def test_core_fetches_embeddings_by_handle(model_dir: Path, hf: HFReference) -> 
         assert producer.live_handles == 0  # the fetched lease was released by the core
     finally:
         producer.close()
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_serve_front_end_never_loads_torch(model_dir: Path) -> None:
+    """Only the engine core process holds torch: the front end renders, preprocesses images and
+    builds positions with numpy, for a text and an image request alike."""
+    from epdserve.bench.workload import image_data_url
+    from epdserve.launcher import free_port, start_role, stop, wait_healthy
+    from epdserve.shapes import ShapesWorld
+    from tests.server_utils import post_json
+
+    port = free_port()
+    proc = start_role(["serve", "--port", str(port), "--max-model-len", "1024", "--num-kv-blocks", "128"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        image = ShapesWorld(3).sample("describe").scenes[0].render()
+        for content in (
+            "Name a shape.",
+            [{"type": "image_url", "image_url": {"url": image_data_url(image)}}, {"type": "text", "text": "Describe."}],
+        ):
+            body = {"model": "shapes-qwen2vl", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+            status, out = post_json(f"{url}/v1/chat/completions", body)
+            assert status == 200, out
+            assert out["usage"]["completion_tokens"] >= 1
+        children = [
+            int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
+        ]
+        assert not _maps_torch(proc.pid)
+        assert any(_maps_torch(c) for c in children)  # the check can see torch where it is
+    finally:
+        stop(proc)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.core import EngineCore
+from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
+from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
@@ -57,10 +57,11 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
             v = proc.video(next(it_v))
         else:
             continue
-        media.append(MediaInput(f"{rid}-{len(media)}", part["type"], v.grid_thw, torch.from_numpy(v.pixel_values)))
+        media.append(MediaInput(f"{rid}-{len(media)}", part["type"], v.grid_thw, v.pixel_values))
     p = builder.build(messages, media)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    return Request(rid, p.token_ids, params, p.mm_items, p.mrope_positions, p.mrope_delta, eos_token_ids=eos)
+    pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+    return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta, list(eos)))
 
 
 def test_greedy_tokens_match_transformers_alone_and_batched(model_dir: Path, ref: HFReference) -> None:

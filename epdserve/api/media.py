@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 import aiohttp
-import torch
 
 from epdserve.api.errors import BadRequest, from_media_error
 from epdserve.api.protocol import (
@@ -85,4 +84,4 @@ class MediaResolver:
             vi = self.processor.image(decode_image(data, self.limits))
         else:
             vi = self.processor.video(decode_video(data, self.limits))
-        return MediaInput(uuid, modality, vi.grid_thw, torch.from_numpy(vi.pixel_values))
+        return MediaInput(uuid, modality, vi.grid_thw, vi.pixel_values)

@@ -292,7 +292,7 @@ class EncoderService:
         if media.pixel_values is None:  # process_bytes always returns pixels
             raise ApiError("preprocessing produced no pixels")
         try:
-            res = await self.batcher.encode(uuid, media.grid_thw, media.pixel_values)
+            res = await self.batcher.encode(uuid, media.grid_thw, torch.from_numpy(media.pixel_values))
         except QueueFull as e:
             raise Overloaded(f"The encoder is overloaded: {e}.", retry_after_s=self.config.retry_after_s) from None
         except BatcherClosed as e:

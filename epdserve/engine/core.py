@@ -68,36 +68,18 @@ class EngineCore:
         """Admit a request; returns its error output at once if it cannot run at all."""
         if msg.request_id in self.requests:
             return [_error(msg.request_id, f"duplicate request id {msg.request_id}", "invalid_request")]
-        items = [
-            MediaItem(
-                m.uuid,
-                m.modality,
-                m.offset,
-                m.length,
-                m.grid_thw,
-                m.pixels.to_torch() if m.pixels is not None else None,
-                m.embeddings.to_torch() if m.embeddings is not None else None,
-                m.handle,
-            )
-            for m in msg.media
-        ]
-        req = Request(
-            msg.request_id,
-            list(msg.prompt_token_ids),
-            msg.params,
-            items,
-            msg.mrope_positions.to_torch() if msg.mrope_positions is not None else None,
-            msg.mrope_delta,
-            arrival=msg.arrival,
-            eos_token_ids=frozenset(msg.eos_token_ids),
-        )
+        try:
+            req = request_from(msg)
+        except ValueError as e:
+            self.release_handles([m.handle for m in msg.media if m.handle is not None])
+            return [_error(msg.request_id, f"malformed request: {e}", "invalid_request")]
         try:
             _check(req, self.config)
         except ValueError as e:
             self._release_handles(req)
             return [_error(req.request_id, str(e), "invalid_request")]
         self.requests[req.request_id] = req
-        for i, it in enumerate(items):
+        for i, it in enumerate(req.mm_items):
             if it.handle is not None and it.embeddings is None:
                 req.pending_fetches += 1
                 self._fetcher_for_handles().fetch(req.request_id, i, it.handle, it.length, self.runner.hidden_size)
@@ -249,6 +231,33 @@ class EngineCore:
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.close()
+
+
+def request_from(msg: AddRequest) -> Request:
+    """The engine's request for an ``AddRequest`` (tensors made from the wire bytes)."""
+    items = [
+        MediaItem(
+            m.uuid,
+            m.modality,
+            m.offset,
+            m.length,
+            m.grid_thw,
+            m.pixels.to_torch() if m.pixels is not None else None,
+            m.embeddings.to_torch() if m.embeddings is not None else None,
+            m.handle,
+        )
+        for m in msg.media
+    ]
+    return Request(
+        msg.request_id,
+        list(msg.prompt_token_ids),
+        msg.params,
+        items,
+        msg.mrope_positions.to_torch() if msg.mrope_positions is not None else None,
+        msg.mrope_delta,
+        arrival=msg.arrival,
+        eos_token_ids=frozenset(msg.eos_token_ids),
+    )
 
 
 def _error(request_id: str, message: str, kind: ErrorKind) -> EngineOutput:

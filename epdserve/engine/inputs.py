@@ -2,7 +2,8 @@
 
 The chat template renders one placeholder token per media item; each is expanded here to the
 item's embedding count, taken from its grid by the model's ``PromptLayout`` — pixels or metadata
-alone give the same prompt and the same rotary positions.
+alone give the same prompt and the same rotary positions. This is front-end code: it builds the
+engine's wire messages with numpy and never imports torch.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
-from epdserve.engine.request import MediaItem
+from epdserve.engine.messages import MediaSpec, WireTensor
 from epdserve.models.config import ModelConfig
 from epdserve.models.registry import prompt_layout
 
@@ -29,16 +30,16 @@ class MediaInput:
     uuid: str
     modality: str  # "image" | "video"
     grid_thw: tuple[int, int, int]
-    pixel_values: torch.Tensor | None = None
-    embeddings: torch.Tensor | None = None
+    pixel_values: np.ndarray | None = None  # patches [P, patch_dim] for a local vision tower
+    embeddings: WireTensor | None = None  # [rows, hidden] by value (a client's own, inline)
     handle: dict[str, Any] | None = None  # signed EC handle: the engine core fetches the embeddings
 
 
 @dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
-    mm_items: list[MediaItem]
-    mrope_positions: torch.Tensor | None
+    mm_items: list[MediaSpec]
+    mrope_positions: np.ndarray | None  # int64 [rows, len(token_ids)]
     mrope_delta: int
 
 
@@ -98,7 +99,7 @@ class InputBuilder:
     ) -> Prompt:
         ids = self.render(messages, template_kwargs)
         expanded: list[int] = []
-        items: list[MediaItem] = []
+        items: list[MediaSpec] = []
         pending = iter(media)
         seen = 0
         for t in ids:
@@ -115,9 +116,8 @@ class InputBuilder:
             n = self.num_tokens(m.grid_thw)
             if m.embeddings is not None and m.embeddings.shape[0] != n:
                 raise PromptError(f"embeddings have {m.embeddings.shape[0]} rows, grid {list(m.grid_thw)} needs {n}")
-            items.append(
-                MediaItem(m.uuid, modality, len(expanded), n, m.grid_thw, m.pixel_values, m.embeddings, m.handle)
-            )
+            pixels = WireTensor.of(m.pixel_values) if m.pixel_values is not None else None
+            items.append(MediaSpec(m.uuid, modality, len(expanded), n, m.grid_thw, pixels, m.embeddings, m.handle))
             expanded += [t] * n
         if seen != len(media):
             raise PromptError(f"{len(media)} media items but {seen} placeholders in the prompt")

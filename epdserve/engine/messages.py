@@ -16,11 +16,13 @@ frames (``Channel``); tensors travel as raw bytes with dtype and shape, never pi
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+import numpy as np
 
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.sampling_params import SamplingParams
@@ -44,7 +46,13 @@ class WireTensor(msgspec.Struct, frozen=True):
     data: bytes
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> WireTensor:
+    def of(cls, t: torch.Tensor | np.ndarray) -> WireTensor:
+        """By value from a tensor or (torch-free, for the front end) a numpy array."""
+        if isinstance(t, np.ndarray):
+            name = t.dtype.name
+            if name not in WIRE_DTYPES:
+                raise ValueError(f"unsupported array dtype {name!r}")
+            return cls(name, tuple(int(d) for d in t.shape), np.ascontiguousarray(t).tobytes())
         import torch
 
         t = t.detach().cpu().contiguous()
@@ -54,13 +62,15 @@ class WireTensor(msgspec.Struct, frozen=True):
         return cls(name, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def to_torch(self) -> torch.Tensor:
-        import numpy as np
         import torch
 
         if self.dtype not in WIRE_DTYPES:
             raise ValueError(f"unsupported tensor dtype {self.dtype!r}")
+        dtype = getattr(torch, self.dtype)
+        if any(d < 0 for d in self.shape) or math.prod(self.shape) * dtype.itemsize != len(self.data):
+            raise ValueError(f"{len(self.data)} bytes do not make a {self.dtype} tensor of shape {list(self.shape)}")
         raw = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8).copy())
-        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
+        return raw.view(dtype).reshape(self.shape)
 
 
 WIRE_DTYPES = frozenset({"float32", "bfloat16", "float16", "int64", "int32"})

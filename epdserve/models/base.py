@@ -7,9 +7,11 @@ paged cache and attends over each sequence's context.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 
@@ -34,7 +36,7 @@ class PromptLayout(Protocol):
 
     def positions(
         self, token_ids: list[int], image_grids: list[Grid], video_grids: list[Grid]
-    ) -> tuple[torch.Tensor | None, int]:
-        """Rotary positions of an expanded prompt ([rows, N], None when plain 1-D positions do)
+    ) -> tuple[np.ndarray | None, int]:
+        """Rotary positions of an expanded prompt (int64 [rows, N], None when plain 1-D positions do)
         and the offset that positions of generated tokens continue from (position = index + delta)."""
         ...

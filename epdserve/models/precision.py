@@ -9,12 +9,26 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_BF16_EXPONENT = 0x7F80  # all exponent bits set: infinity or NaN
+
+
+def all_finite(raw: bytes, name: str) -> bool:
+    """Whether the little-endian ``name`` values in ``raw`` are all finite (numpy, no torch;
+    bfloat16 is read through its bits)."""
+    check_dtype(name)
+    if name == "bfloat16":
+        bits = np.frombuffer(raw, dtype="<u2")
+        return not bool(((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any())
+    return bool(np.isfinite(np.frombuffer(raw, dtype="<f4" if name == "float32" else "<f2")).all())
 
 
 def check_dtype(name: str) -> str:

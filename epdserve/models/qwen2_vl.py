@@ -5,7 +5,7 @@ Data flow of one request::
     pixel patches [P, 1176] ──Qwen2VisionTower──► media embeddings [P/4, H]
                                                           │ spliced at the placeholder tokens
     token ids [N] ──embed_tokens──► embeddings [N, H] ◄───┘
-    token ids + grids ──mrope_positions──► positions [3, N]
+    token ids + grids ──mrope_positions (qwen2_vl_layout)──► positions [3, N]
     embeddings, positions ──Qwen2LanguageModel(attention backend)──► hidden [N, H] ──compute_logits──►
 
 The vision tower and the language model are independent modules so that an encoder process builds
@@ -21,14 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.models.base import AttentionBackend, Grid
+from epdserve.models.base import AttentionBackend
 from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
+from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
 
 GridLike = torch.Tensor | Sequence[Sequence[int]]
-
-
-class MediaPlaceholderError(ValueError):
-    """The placeholder tokens of a prompt do not match the media grids or embeddings given."""
 
 
 class WeightLoadError(ValueError):
@@ -45,19 +42,6 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "gelu_pytorch_tanh":
         return lambda x: F.gelu(x, approximate="tanh")
     raise ConfigError(f"unsupported activation {name!r}")
-
-
-def _grid_list(grid: GridLike | None) -> list[tuple[int, int, int]]:
-    if grid is None:
-        return []
-    rows = grid.tolist() if isinstance(grid, torch.Tensor) else grid
-    out = []
-    for row in rows:
-        if len(row) != 3:
-            raise MediaPlaceholderError(f"a grid is (t, h, w), got {list(row)}")
-        t, h, w = (int(x) for x in row)
-        out.append((t, h, w))
-    return out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +224,7 @@ class Qwen2VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
         → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
-        grids = _grid_list(grid_thw)
+        grids = grid_list(grid_thw)
         self._check(pixel_values, grids)
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grids)
@@ -427,94 +411,6 @@ def _map_checkpoint_name(name: str) -> tuple[str, int | None] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# M-RoPE positions
-# ---------------------------------------------------------------------------------------------
-
-
-def mrope_positions(
-    input_ids: Sequence[int] | torch.Tensor,
-    image_grid_thw: GridLike | None,
-    video_grid_thw: GridLike | None,
-    config: ModelConfig,
-) -> tuple[torch.Tensor, int]:
-    """M-RoPE positions of a prompt whose placeholder runs are expanded, from ids and grids alone.
-
-    Text tokens get one running index on all three rows. The run of an item with grid (t, h, w)
-    gets (start + t_i, start + h_i, start + w_i) over the merged grid (t, h/m, w/m) in token order,
-    and the text after it continues at max(positions so far) + 1.
-
-    Returns (positions LongTensor [3, L], delta) with delta = max position + 1 - L: the token at
-    absolute index i >= L (decode) has position i + delta on all three rows.
-
-    Note: transformers 5.x continues after a run at start + max(h, w)/m, ignoring t; the two agree
-    unless a video has more temporal patches than merged rows and columns, where we follow the
-    original Qwen2-VL (and vLLM).
-    """
-    ids = torch.as_tensor(input_ids, dtype=torch.long).flatten()
-    image_id, video_id = config.image_token_id, config.video_token_id
-    merge = config.vision.spatial_merge_size
-    grids = {image_id: iter(_grid_list(image_grid_thw)), video_id: iter(_grid_list(video_grid_thw))}
-    names = {image_id: "image", video_id: "video"}
-
-    placeholder_idx = ((ids == image_id) | (ids == video_id)).nonzero().flatten().tolist()
-    pieces: list[torch.Tensor] = []
-    next_pos, cursor, k = 0, 0, 0
-    while k < len(placeholder_idx):
-        start = placeholder_idx[k]
-        token = int(ids[start])
-        grid = next(grids[token], None)
-        if grid is None:
-            raise MediaPlaceholderError(f"more {names[token]} placeholder runs than {names[token]} grids")
-        t, h, w = grid
-        if h % merge or w % merge:
-            raise MediaPlaceholderError(f"grid {grid} is not a multiple of the merge size {merge}")
-        gh, gw = h // merge, w // merge
-        count = t * gh * gw
-        # a run is consumed by its grid's length, so adjacent items of one kind are handled too
-        if start + count > len(ids) or not bool((ids[start : start + count] == token).all()):
-            raise MediaPlaceholderError(f"{names[token]} at token {start} needs {count} placeholders in a row")
-        pieces.append(torch.arange(start - cursor).expand(3, -1) + next_pos)
-        next_pos += start - cursor
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-        pieces.append(torch.stack((tt.flatten(), hh.flatten(), ww.flatten())) + next_pos)
-        next_pos += max(t, gh, gw)
-        cursor, k = start + count, k + count
-    for token, rest in grids.items():
-        if next(rest, None) is not None:
-            raise MediaPlaceholderError(f"more {names[token]} grids than {names[token]} placeholder runs")
-    pieces.append(torch.arange(len(ids) - cursor).expand(3, -1) + next_pos)
-    next_pos += len(ids) - cursor
-    return torch.cat(pieces, dim=1), next_pos - len(ids)
-
-
-class Qwen2VLLayout:
-    """Qwen2-VL's prompt rules: t*h*w / merge² placeholders per item, 3-row M-RoPE positions."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        self.merge = config.vision.spatial_merge_size
-
-    def num_placeholders(self, grid_thw: Grid) -> int:
-        t, h, w = grid_thw
-        if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-            raise ValueError(f"h and w must be positive multiples of {self.merge}")
-        return t * h * w // (self.merge * self.merge)
-
-    def positions(
-        self, token_ids: list[int], image_grids: list[Grid], video_grids: list[Grid]
-    ) -> tuple[torch.Tensor | None, int]:
-        if not image_grids and not video_grids:
-            return None, 0
-        pos, delta = mrope_positions(
-            token_ids,
-            torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
-            torch.tensor(video_grids, dtype=torch.long) if video_grids else None,
-            self.config,
-        )
-        return pos, int(delta)
-
-
-# ---------------------------------------------------------------------------------------------
 # the whole model and its checkpoint
 # ---------------------------------------------------------------------------------------------
 
@@ -531,8 +427,6 @@ _NAME_PREFIXES: tuple[tuple[str, str], ...] = (
 
 class Qwen2VLForConditionalGeneration(nn.Module):
     """Holds the parts a process needs: ``visual`` (vision tower) and/or ``language_model``."""
-
-    prompt_layout = Qwen2VLLayout  # the registry's way to the prompt rules without building the model
 
     def __init__(self, config: ModelConfig, parts: frozenset[str] = ALL_PARTS) -> None:
         super().__init__()

@@ -1,7 +1,9 @@
-"""Architecture name (config.json ``architectures[0]``) → model class, imported on first use.
+"""Architecture name (config.json ``architectures[0]``) → model class and prompt layout, imported
+on first use.
 
-Adding an architecture is one file in ``epdserve/models`` and one line here; unused model files
-are never imported.
+Adding an architecture is a model file (and its torch-free prompt layout) in ``epdserve/models`` and
+one line here; unused model files are never imported, and the front end, which asks only for the
+layout, never imports torch.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
@@ -17,11 +19,20 @@ if TYPE_CHECKING:
     from epdserve.models.base import PromptLayout
     from epdserve.models.config import ModelConfig
 
-_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+# architecture → (model class, prompt layout class), as "module:attribute"
+_ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
     {
-        "Qwen2VLForConditionalGeneration": "epdserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration": (
+            "epdserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+            "epdserve.models.qwen2_vl_layout:Qwen2VLLayout",
+        ),
     }
 )
+
+
+def _load(target: str) -> Any:
+    module_name, attribute = target.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 class UnknownArchitectureError(ValueError):
@@ -43,13 +54,12 @@ def check_architecture(architecture: str) -> None:
 def model_class(architecture: str) -> type[nn.Module]:
     """The class implementing ``architecture``; raises UnknownArchitectureError for others."""
     check_architecture(architecture)
-    target = _ARCHITECTURES[architecture]
-    module_name, class_name = target.split(":")
-    cls: type[nn.Module] = getattr(importlib.import_module(module_name), class_name)
+    cls: type[nn.Module] = _load(_ARCHITECTURES[architecture][0])
     return cls
 
 
 def prompt_layout(config: ModelConfig) -> PromptLayout:
     """The prompt rules (placeholder counts, rotary positions) of ``config``'s architecture."""
-    layout: PromptLayout = model_class(config.architecture).prompt_layout(config)  # type: ignore[attr-defined]
+    check_architecture(config.architecture)
+    layout: PromptLayout = _load(_ARCHITECTURES[config.architecture][1])(config)
     return layout

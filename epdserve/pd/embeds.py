@@ -17,13 +17,11 @@ import binascii
 import hashlib
 from collections.abc import Callable
 
-import numpy as np
-import torch
-
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import ImageEmbedsPart, VideoEmbedsPart, embeds_of
 from epdserve.engine.inputs import MediaInput
-from epdserve.models.precision import TORCH_DTYPES
+from epdserve.engine.messages import WireTensor
+from epdserve.models.precision import ITEMSIZE, all_finite
 
 
 class MetadataEmbeds:
@@ -60,17 +58,15 @@ class MetadataEmbeds:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise BadRequest(f"Inline {modality} embeddings are not valid base64.") from None
-        torch_dtype = TORCH_DTYPES[dtype]
-        expected = rows * self.width * torch_dtype.itemsize
+        expected = rows * self.width * ITEMSIZE[dtype]
         if len(raw) != expected:
             raise BadRequest(
                 f"Inline {modality} embeddings hold {len(raw)} bytes; grid {list(grid)} needs {rows} rows of "
                 f"{self.width} {dtype} values ({expected} bytes)."
             )
-        emb = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(torch_dtype).reshape(rows, self.width)
-        if not torch.isfinite(emb).all():
+        if not all_finite(raw, dtype):
             raise BadRequest(f"Inline {modality} embeddings contain NaN or infinite values.")
         # The uuid keys the prefix cache, so it comes from the content, never from the client: a
         # client naming another image's uuid must not share (or poison) that image's cached blocks.
         digest = hashlib.sha256(f"{self.model_id}|{modality}|{list(grid)}|{dtype}|".encode() + raw).hexdigest()
-        return emb, f"inline-{digest}"
+        return WireTensor(dtype, (rows, self.width), raw), f"inline-{digest}"

@@ -58,11 +58,9 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
-from epdserve.engine.core import EngineCore
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
-from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, MediaSpec, WireTensor
-from epdserve.engine.request import MediaItem
+from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, WireTensor
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
@@ -104,6 +102,8 @@ class ChatService:
     def _make_core(self, launched: MPClient | None) -> EngineCoreClient:
         cfg = self.config
         if cfg.engine_core == "thread":
+            from epdserve.engine.core import EngineCore  # the thread core: torch in this process
+
             return InprocClient(EngineCore.from_pretrained(cfg.model, cfg.engine, cfg.vision, cfg.ec, cfg.model_name))
         client = launched or launch_core(cfg)
         if client is None:
@@ -213,25 +213,12 @@ class ChatService:
             new_completion_id(),
             prompt.token_ids,
             params,
-            [_media_spec(it) for it in prompt.mm_items],
+            prompt.mm_items,
             WireTensor.of(prompt.mrope_positions) if prompt.mrope_positions is not None else None,
             prompt.mrope_delta,
             self.eos,
             time.time(),
         )
-
-
-def _media_spec(it: MediaItem) -> MediaSpec:
-    return MediaSpec(
-        it.uuid,
-        it.modality,
-        it.offset,
-        it.length,
-        it.grid_thw,
-        WireTensor.of(it.pixel_values) if it.pixel_values is not None else None,
-        WireTensor.of(it.embeddings) if it.embeddings is not None else None,
-        it.handle,
-    )
 
 
 def _handles(req: ChatRequest) -> list[dict]:
