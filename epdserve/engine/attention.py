@@ -127,6 +127,12 @@ class PagedAttention:
             self.decode_span = nb * bs
             span = torch.arange(nb * bs, device=table.device)
             self.decode_mask = (span[None, :] < layout.decode_ctx[:, None])[:, None, None, :]
+            # the gathered blocks of every layer land in these two buffers (no allocation per layer)
+            per_block = bs * cache.k[0].shape[2] * cache.k[0].shape[3]
+            self._gathered = [
+                torch.empty((len(self.decode_blocks), per_block), dtype=cache.k[0].dtype, device=table.device)
+                for _ in range(2)
+            ]
         self.prefill_blocks = [table.table[s.row, : -(-s.ctx_len // bs)] for s in layout.prefills]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,10 +162,17 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
             out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
         if self.num_decodes:
-            qd = q[lay.decode_rows][:, :, None, :]  # [B, H, 1, D]
-            shape = (self.num_decodes, self.decode_span, hkv, d)
-            kd = block_k.index_select(0, self.decode_blocks).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-            vd = block_v.index_select(0, self.decode_blocks).view(shape).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=gqa)
-            out[lay.decode_rows] = o[:, :, 0, :]
+            # Grouped-query decode: the query heads sharing a KV head become that head's query rows
+            # ([B, Hkv, group, D]; one position, so no causal mask within them): half the cost of
+            # SDPA's own GQA path on CPU, and no copy of K/V per query head.
+            b, hq = self.num_decodes, q.shape[1]
+            qd = q[lay.decode_rows].view(b, hkv, hq // hkv, d)
+            shape = (b, self.decode_span, hkv, d)
+            gk, gv = self._gathered
+            torch.index_select(block_k, 0, self.decode_blocks, out=gk)
+            torch.index_select(block_v, 0, self.decode_blocks, out=gv)
+            kd = gk.view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            vd = gv.view(shape).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask)
+            out[lay.decode_rows] = o.reshape(b, hq, d)
         return out
