@@ -66,6 +66,28 @@ def _read(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on ``device`` (floating point in
+    ``dtype``), keeping tied parameters tied. (``Module.to_empty`` does the same through torch's
+    reference ops, whose import of sympy costs a second of startup.)"""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(empty(p), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]  # type: ignore[assignment]
+        for name, b in module._buffers.items():
+            if b is not None:
+                if id(b) not in made:
+                    made[id(b)] = empty(b)
+                module._buffers[name] = made[id(b)]
+
+
 def load_model(
     model_dir: str | Path,
     parts: frozenset[str] = ALL_PARTS,
@@ -79,7 +101,7 @@ def load_model(
     cls = model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config, parts=frozenset(parts))  # type: ignore[call-arg]
-    model = model.to(dtype=dtype).to_empty(device=device)
+    _materialize(model, dtype, torch.device(device))
     loadable = cast(LoadableModel, model)
 
     params = {name for name, _ in model.named_parameters()}
