@@ -43,8 +43,12 @@ class Running:
     startup_s: float
 
 
-def tree_rss_mb(pids: list[int]) -> float:
-    """Resident memory of the processes and all their descendants, from /proc."""
+def tree_memory_mb(pids: list[int]) -> tuple[float, float]:
+    """Memory of the processes and all their descendants, from /proc: (RSS summed, PSS summed).
+
+    Summed RSS counts every shared page once per process mapping it (libraries, a shared-memory
+    slab mapped by producer and consumer); summed PSS splits each shared page among its mappers,
+    so it counts the tree's memory once."""
     children: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -53,7 +57,7 @@ def tree_rss_mb(pids: list[int]) -> float:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(p.name))
-    todo, seen, total = list(pids), set(), 0
+    todo, seen, rss, pss = list(pids), set(), 0, 0
     while todo:
         pid = todo.pop()
         if pid in seen:
@@ -61,12 +65,14 @@ def tree_rss_mb(pids: list[int]) -> float:
         seen.add(pid)
         todo += children.get(pid, [])
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
         except OSError:
             pass
-    return total / 1024
+    return rss / 1024, pss / 1024
 
 
 def start_epdserve(topology: str, pin: bool) -> Running:
@@ -149,6 +155,7 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
                 concurrency=conc,
             )
             s = asyncio.run(run_bench(cfg)).summary
+            memory = tree_memory_mb(run.pids)
             rows.append(
                 {
                     "system": system,
@@ -162,7 +169,8 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
                     "ttft_p99_ms": s.ttft.p99 * 1e3,
                     "tpot_p50_ms": s.tpot.p50 * 1e3,
                     "startup_s": run.startup_s,
-                    "rss_mb": tree_rss_mb(run.pids),
+                    "rss_mb": memory[0],
+                    "pss_mb": memory[1],
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -172,7 +180,7 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per run, topology and concurrency: epdserve over vLLM (req/s, TTFT p50, startup, RSS)."""
+    """Per run, topology and concurrency: epdserve over vLLM (req/s, TTFT p50, startup, RSS, PSS)."""
     out = []
     key = lambda r: (r["run"], r["topology"], r["concurrency"])  # noqa: E731
     vllm = {key(r): r for r in rows if r["system"] == "vllm"}
@@ -189,6 +197,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                 "ttft_p50": r["ttft_p50_ms"] / v["ttft_p50_ms"],
                 "startup": r["startup_s"] / v["startup_s"],
                 "rss": r["rss_mb"] / v["rss_mb"],
+                "pss": r["pss_mb"] / v["pss_mb"],
             }
         )
     return out
@@ -217,19 +226,20 @@ def main(argv: list[str] | None = None) -> None:
         f"(exact), {args.runs} run(s)\n"
     )
     print(
-        "| run | system | topology | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | startup s | RSS MB |"
+        "| run | system | topology | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | startup s "
+        "| RSS MB | PSS MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['run']} | {r['system']} | {r['topology']} | {r['concurrency']} | {r['req_per_s']:.2f} | "
             f"{r['out_tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | "
-            f"{r['startup_s']:.1f} | {r['rss_mb']:.0f} |"
+            f"{r['startup_s']:.1f} | {r['rss_mb']:.0f} | {r['pss_mb']:.0f} |"
         )
     rat = ratios(rows)
     print("\nepdserve / vLLM, median over runs (each run's ratio in brackets)\n")
-    print("| topology | conc | req/s | TTFT p50 | startup | RSS |")
-    print("|---|---|---|---|---|---|")
+    print("| topology | conc | req/s | TTFT p50 | startup | RSS | PSS |")
+    print("|---|---|---|---|---|---|---|")
     cells = sorted({(r["topology"], r["concurrency"]) for r in rat})
     for topo, conc in cells:
         mine = [r for r in rat if (r["topology"], r["concurrency"]) == (topo, conc)]
@@ -238,7 +248,9 @@ def main(argv: list[str] | None = None) -> None:
             vals = [r[k] for r in mine]
             return f"{statistics.median(vals):.2f}x [{', '.join(f'{v:.2f}' for v in vals)}]"
 
-        print(f"| {topo} | {conc} | {med('req_per_s')} | {med('ttft_p50')} | {med('startup')} | {med('rss')} |")
+        print(
+            f"| {topo} | {conc} | {med('req_per_s')} | {med('ttft_p50')} | {med('startup')} | {med('rss')} | {med('pss')} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": rat}, indent=2))
 

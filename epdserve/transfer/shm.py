@@ -76,7 +76,7 @@ REGION_HEADER_BYTES = 128
 MIN_SLAB_BYTES = 1 << 20
 MAX_AUTO_SLAB_BYTES = 256 << 20
 SLAB_RE = re.compile(r"epd-ec-(?P<instance>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<nonce>[0-9a-f]{16})")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # the producer's mapping only: it writes everywhere
 _GONE = "the embeddings of this EC handle were released or have expired"
 
 
@@ -514,7 +514,9 @@ class ShmConsumer:
             st = os.fstat(fd)
             if st.st_size < SLAB_HEADER_BYTES:
                 raise TransferError(f"{path} is not an EC slab")
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE)
+            # not populated: a consumer touches only the regions it reads, so only those pages enter
+            # its page tables (and its RSS), not the whole slab
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
         except OSError as e:
             raise TransferError(f"cannot map the EC slab {path}: {e}") from e
         finally:
