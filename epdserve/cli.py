@@ -40,7 +40,7 @@ MEDIA = "epdserve.media.limits:MediaLimits"
 AUTH = "epdserve.api.auth:AuthConfig"
 
 MODEL = Flag("model", default=None, default_help="the embedded model")
-SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"))
+SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role")
 PUBLIC_FLAGS = ("max_prompt_chars", "enable_mm_embeds")  # of ServerConfig and RouterConfig alike
 ENGINE_FLAGS = (
     "max_model_len",
@@ -73,11 +73,22 @@ EC_PRODUCER_FLAGS = (
     Flag("instance", default=None, default_help="encoder-<port>"),
 )
 EC_CONSUMER_FLAGS = ("fs_dir",)
+KV_PREFIX = "--kv-"
+KV_FLAGS = (
+    "connector",
+    "shm_bytes",
+    "shm_dir",
+    "tcp_host",
+    "tcp_port",
+    Flag("instance", default=None, default_help="<role>-<port>"),
+)
 ROUTER_FLAGS = (
     "host",
     "port",
     "encoders",
     "pds",
+    "prefills",
+    "decodes",
     "policy",
     "encoder_policy",
     Flag("probe_interval_s", "--probe-interval"),
@@ -221,16 +232,29 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)
+    secret = cluster.secret.decode() if cluster else ""
+    engine = _checked(lambda: EngineConfig(**values(args, ENGINE_FLAGS)))
+    kv = None
+    if args.role != "both":  # the KV connector: a prefill instance's producer, a decode instance's consumer
+        from epdserve.transfer.kv import kv_config
+
+        if cluster is None:
+            _usage_error(
+                f"a {args.role} instance needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file"
+            )
+        fields = values(args, KV_FLAGS, KV_PREFIX)
+        connector = fields.pop("connector", "shm")
+        instance = fields.pop("instance", f"{args.role}-{args.port}")
+        kv = _checked(lambda: kv_config(ECConfig(**fields, secret=secret), connector, instance, engine.dtype))
     config = _checked(
         lambda: ServerConfig(
             model=_model(args),
             **values(args, SERVER_FLAGS),
             **values(args, PUBLIC_FLAGS),
-            engine=EngineConfig(**values(args, ENGINE_FLAGS)),
+            engine=engine,
+            kv=kv,
             limits=media_limits(args),
-            ec=ECConfig(
-                **values(args, EC_CONSUMER_FLAGS, EC_PREFIX), secret=cluster.secret.decode() if cluster else ""
-            ),
+            ec=ECConfig(**values(args, EC_CONSUMER_FLAGS, EC_PREFIX), secret=secret),
             auth=AuthConfig(api_key=api_key_from(args.api_key), cluster=cluster, internal_only=args.internal_only),
         )
     )
@@ -333,6 +357,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         port=args.port,
         pin=args.pin_cores,
         ec_connector=args.ec_connector,
+        kv_connector=args.kv_connector,
         extra_pd_args=[*forwarded("models"), *forwarded("lm")],
         extra_encoder_args=forwarded("models"),
         extra_args=forwarded("all"),
@@ -358,6 +383,8 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     add_flags(s, SERVER, [MODEL, *SERVER_FLAGS, *PUBLIC_FLAGS])
     add_flags(s.add_argument_group("engine"), ENGINE, ENGINE_FLAGS)
     add_flags(s.add_argument_group("EC connector (consumer)"), EC, EC_CONSUMER_FLAGS, EC_PREFIX)
+    kv = s.add_argument_group("KV connector (--role prefill: producer; decode: consumer)")
+    add_flags(kv, EC, KV_FLAGS, KV_PREFIX)
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, "internal_only"])
     add_cluster_args(credentials)
@@ -424,14 +451,20 @@ def add_media_args(s: argparse.ArgumentParser) -> None:
 def add_up_args(s: argparse.ArgumentParser) -> None:
     """Flags of ``epdserve up``: its own, and role flags it hands on (read from the roles' configs
     without importing them: the supervisor stays free of torch)."""
-    from epdserve.up import topology_arg
+    from epdserve.up import TOPOLOGIES_HELP, topology_arg
 
-    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help="aggregated | <N>e+<M>pd (default 1e+1pd)")
+    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default 1e+1pd)")
     add_flags(s, SERVER, [MODEL], defaults=False)
     s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
     s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
     add_flags(s, EC, ["connector"], EC_PREFIX)
+    s.add_argument(
+        "--kv-connector",
+        choices=("shm", "tcp"),
+        default="shm",
+        help="how prefill instances hand KV to decode instances in <N>e+<P>p+<D>d (default: shm)",
+    )
     s.add_argument("--log-dir", default=None, help="write each role's log here")
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY], defaults=False)
@@ -518,7 +551,7 @@ COMMANDS = {
     ),
     "router": Command("the public OpenAI endpoint in front of encoder and PD workers", _router, add_router_args),
     "up": Command(
-        "start a whole topology locally (aggregated, 1e+1pd, 2e+1pd, <N>e+<M>pd) and keep it running",
+        "start a whole topology locally (aggregated, 1e+1pd, 1e+1p+1d, ...) and keep it running",
         _up,
         add_up_args,
         description="Start every role, restart any that dies (same port, back-off 0.5 s doubling to 10 s), "

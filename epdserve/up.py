@@ -1,8 +1,10 @@
 """``epdserve up``: start a whole topology on this machine, keep it running, stop it cleanly.
 
-Topologies: ``aggregated`` (one ``serve`` process doing E+P+D) or ``<N>e+<M>pd`` (N encoder
-instances, M prefill+decode instances, one router on the public port). Every role is its own
-process (its own process group), optionally pinned to cores.
+Topologies: ``aggregated`` (one ``serve`` process doing E+P+D), ``<N>e+<M>pd`` (N encoder
+instances, M prefill+decode instances, one router on the public port), ``<N>e+<P>p+<D>d`` (prefill
+and decode instances apart, the prompt's KV moved between them by the KV connector) and ``<P>p+<D>d``
+(no encoders: the router forwards raw media to prefill and decode instances that load the vision
+tower). Every role is its own process (its own process group), optionally pinned to cores.
 
 - Only the public role (router, or the aggregated server) binds ``host``; the roles behind it bind
   and are addressed at 127.0.0.1, and PD workers behind a router accept only cluster callers.
@@ -40,7 +42,10 @@ from epdserve.transfer.config import Connector
 
 __all__ = ["Deployment", "PortInUseError", "Role", "StartupError", "Topology", "plan_cores", "run_up"]
 
-TOPOLOGY = re.compile(r"^(?:(?P<agg>aggregated)|(?P<e>\d+)e\+(?P<pd>\d+)pd)$")
+TOPOLOGY = re.compile(
+    r"^(?:(?P<agg>aggregated)|(?P<e>\d+)e\+(?P<pd>\d+)pd|(?:(?P<pe>\d+)e\+)?(?P<p>\d+)p\+(?P<d>\d+)d)$"
+)
+TOPOLOGIES_HELP = "aggregated | <N>e+<M>pd | <N>e+<P>p+<D>d | <P>p+<D>d"
 INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable from this machine only
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_TIMEOUT_S = 8.0  # grace for all roles together after SIGTERM, then SIGKILL
@@ -48,20 +53,41 @@ STOP_TIMEOUT_S = 8.0  # grace for all roles together after SIGTERM, then SIGKILL
 
 @dataclass(frozen=True)
 class Topology:
-    encoders: int  # 0 for aggregated
+    encoders: int  # 0 for aggregated (and for <P>p+<D>d)
     pds: int
+    prefills: int = 0
+    decodes: int = 0
 
     @property
     def aggregated(self) -> bool:
-        return self.encoders == 0
+        return self.encoders == 0 and self.prefills == 0
+
+    @property
+    def split(self) -> bool:
+        """Prefill and decode in separate instances."""
+        return self.prefills > 0
+
+    @property
+    def workers(self) -> list[str]:
+        """Names of the language-model instances behind the router."""
+        return [
+            *(f"pd{i}" for i in range(self.pds)),
+            *(f"prefill{i}" for i in range(self.prefills)),
+            *(f"decode{i}" for i in range(self.decodes)),
+        ]
 
     @classmethod
     def parse(cls, text: str) -> Topology:
         m = TOPOLOGY.match(text.strip().lower())
         if not m:
-            raise ValueError(f"topology must be 'aggregated' or '<N>e+<M>pd' (e.g. 1e+1pd), got {text!r}")
+            raise ValueError(f"topology must be one of {TOPOLOGIES_HELP} (e.g. 1e+1pd, 1e+1p+1d), got {text!r}")
         if m["agg"]:
             return cls(0, 1)
+        if m["p"] is not None:
+            e, p, d = int(m["pe"] or 0), int(m["p"]), int(m["d"])
+            if p < 1 or d < 1 or (m["pe"] is not None and e < 1):
+                raise ValueError("a prefill/decode topology needs at least one of each (and of encoders, if named)")
+            return cls(e, 0, p, d)
         e, pd = int(m["e"]), int(m["pd"])
         if e < 1 or pd < 1:
             raise ValueError("a disaggregated topology needs at least one encoder and one pd instance")
@@ -85,19 +111,21 @@ class PortInUseError(StartupError):
 
 
 def plan_cores(topo: Topology, cores: list[int]) -> dict[str, list[int]]:
-    """Split the cores between roles: encoders share a slice, PD workers the rest (one each
-    where possible). The router and aggregated server use every core."""
-    if topo.aggregated or len(cores) < 2:
-        return {}
-    n_enc = max(1, len(cores) * topo.encoders // (topo.encoders + topo.pds))
+    """Split the cores between roles: encoders share a slice, the language-model workers (PD, or
+    prefill and decode) the rest (one each where possible). The router and aggregated server use
+    every core."""
+    workers = topo.workers
+    if topo.aggregated or len(cores) < 2 or not topo.encoders:
+        return {} if topo.aggregated or len(cores) < 2 else _spread(workers, cores)
+    n_enc = max(1, len(cores) * topo.encoders // (topo.encoders + len(workers)))
     n_enc = min(n_enc, len(cores) - 1)
-    enc, pd = cores[:n_enc], cores[n_enc:]
-    plan: dict[str, list[int]] = {}
-    for i in range(topo.encoders):
-        plan[f"encoder{i}"] = [enc[i % len(enc)]] if topo.encoders >= len(enc) else enc[i :: topo.encoders]
-    for i in range(topo.pds):
-        plan[f"pd{i}"] = [pd[i % len(pd)]] if topo.pds >= len(pd) else pd[i :: topo.pds]
-    return plan
+    return {**_spread([f"encoder{i}" for i in range(topo.encoders)], cores[:n_enc]), **_spread(workers, cores[n_enc:])}
+
+
+def _spread(names: list[str], cores: list[int]) -> dict[str, list[int]]:
+    """Each name a share of ``cores``: one core each (round robin) when there are fewer cores."""
+    n = len(names)
+    return {name: [cores[i % len(cores)]] if n >= len(cores) else cores[i::n] for i, name in enumerate(names)}
 
 
 def http_host(host: str) -> str:
@@ -121,6 +149,7 @@ class Deployment:
         port: int = 8000,
         pin: bool = False,
         ec_connector: Connector = "shm",
+        kv_connector: Connector = "shm",
         extra_pd_args: list[str] | None = None,
         log_dir: Path | None = None,
         extra_router_args: list[str] | None = None,
@@ -139,6 +168,7 @@ class Deployment:
         self.port = port
         self.pin = pin
         self.ec_connector = ec_connector
+        self.kv_connector = kv_connector
         self.extra_pd_args = extra_pd_args or []  # PD workers and the aggregated server
         self.extra_router_args = extra_router_args or []
         self.extra_encoder_args = extra_encoder_args or []
@@ -229,21 +259,36 @@ class Deployment:
             # private (0700) and unpredictable: nobody else can plant or read embeddings there
             self.fs_dir = Path(tempfile.mkdtemp(prefix="epd-ec-fs-"))
             fs_args = ["--ec-fs-dir", str(self.fs_dir)]
-        encoders, pds = [], []
+        encoders = []
         for i in range(topo.encoders):
             args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector, *fs_args]
             if self.ec_connector == "tcp":
                 args += ["--ec-tcp-port", str(free_port())]
             args += [*self.extra_encoder_args, *self.extra_args]
             encoders.append(self._launch(f"encoder{i}", args, free_port(), cores.get(f"encoder{i}")))
-        # behind encoders the PD workers only see metadata-only media: no vision weights,
-        # unless the router forwards raw media (the baseline of the metadata-only benchmark)
-        no_vision = [] if "--forward-raw-media" in self.extra_router_args else ["--no-vision-tower"]
-        for i in range(topo.pds):
-            args = ["serve", *self.model_args, *self.extra_pd_args, *no_vision, *fs_args, "--internal-only"]
-            pds.append(self._launch(f"pd{i}", [*args, *self.extra_args], free_port(), cores.get(f"pd{i}")))
-        self._wait([*encoders, *pds])
-        args = ["router", "--encoders", *(r.url for r in encoders), "--pds", *(r.url for r in pds)]
+        # behind encoders the language-model workers only see metadata-only media: no vision
+        # weights, unless the router forwards raw media (no encoders, or the metadata-only baseline)
+        raw_media = "--forward-raw-media" in self.extra_router_args or not topo.encoders
+        vision = ["--vision-tower"] if raw_media else ["--no-vision-tower"]
+        router_args = [] if topo.encoders else ["--forward-raw-media"]
+        workers: dict[str, list[Role]] = {"pds": [], "prefills": [], "decodes": []}
+        for name in topo.workers:
+            args = ["serve", *self.model_args, *self.extra_pd_args, *vision, *fs_args, "--internal-only"]
+            kind = "pds"
+            if name.startswith(("prefill", "decode")):
+                kind = "prefills" if name.startswith("prefill") else "decodes"
+                args += ["--role", kind[:-1], "--kv-connector", self.kv_connector]
+                if kind == "prefills" and self.kv_connector == "tcp":
+                    args += ["--kv-tcp-port", str(free_port())]
+            role = self._launch(name, [*args, *self.extra_args], free_port(), cores.get(name))
+            workers[kind].append(role)
+        self._wait([*encoders, *(r for rs in workers.values() for r in rs)])
+        args = ["router", *router_args]
+        if encoders:
+            args += ["--encoders", *(r.url for r in encoders)]
+        for kind, roles in workers.items():
+            if roles:
+                args += [f"--{kind}", *(r.url for r in roles)]
         args += [*self.extra_router_args, *self.extra_args]
         self._wait([self._launch("router", args, self.port, None, public=True)])
 
@@ -326,4 +371,8 @@ def run_up(deployment: Deployment) -> int:
 
 
 def describe(t: Topology) -> str:
-    return "aggregated" if t.aggregated else f"{t.encoders} encoder(s) + {t.pds} prefill/decode worker(s) + router"
+    if t.aggregated:
+        return "aggregated"
+    if t.split:
+        return f"{t.encoders} encoder(s) + {t.prefills} prefill + {t.decodes} decode worker(s) + router"
+    return f"{t.encoders} encoder(s) + {t.pds} prefill/decode worker(s) + router"

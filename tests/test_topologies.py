@@ -301,3 +301,138 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
         assert status == 503 and "unavailable" in json.loads(raw)["error"]["message"]
     finally:
         d.stop()
+
+
+# ---- E/P/D ------------------------------------------------------------------------------------
+
+
+def metric(url: str, name: str) -> float:
+    text = http("GET", url + "/metrics")[1].decode()
+    m = re.search(rf"^epd_{name} (\S+)$", text, re.MULTILINE)
+    assert m is not None, name
+    return float(m[1])
+
+
+def ask_logprobs(url: str, req: dict) -> list[tuple[str, float]]:
+    """A streamed answer's tokens with their logprobs (what the client sees, token by token)."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    stream = c.chat.completions.create(
+        model=MODEL, temperature=0, stream=True, logprobs=True, top_logprobs=2, max_tokens=8, **req
+    )
+    out = []
+    for ch in stream:
+        if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+            out += [(t.token, t.logprob) for t in ch.choices[0].logprobs.content]
+    return out
+
+
+@pytest.mark.parametrize("kv_connector", ["shm", "tcp"])
+def test_1e1p1d_equals_aggregated(aggregated, kv_connector: str) -> None:
+    agg, expected, _ = aggregated
+    from epdserve.launcher import free_port
+
+    d = Deployment(Topology.parse("1e+1p+1d"), None, port=free_port(), kv_connector=kv_connector, extra_pd_args=PD_ARGS)
+    d.start()
+    try:
+        reqs = request_set()
+        assert [ask(d.url, r) for r in reqs] == expected
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda r: ask(d.url, r), (reqs * 3)[:16]))
+        assert got == (expected * 3)[:16]
+        # the first token (from P) and the rest (from D) carry the same logprobs as aggregated's
+        lp_req = {"messages": reqs[1]["messages"]}
+        mine, theirs = ask_logprobs(d.url, lp_req), ask_logprobs(agg.url, lp_req)
+        assert [t for t, _ in mine] == [t for t, _ in theirs] and len(mine) == 8
+        assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for (_, a), (_, b) in zip(mine, theirs, strict=True))
+        p = next(r for r in d.roles if r.name == "prefill0")
+        dec = next(r for r in d.roles if r.name == "decode0")
+        n = len(reqs) + 16 + 1
+        assert metric(p.url, "kv_transfers_out") >= n - 2  # (a request may end with its first token)
+        assert metric(dec.url, "kv_transfers_in") == metric(p.url, "kv_transfers_out")
+        assert metric(dec.url, "kv_fallbacks") == 0
+        # neither holds vision weights: every image went through the encoder
+        for role in (p, dec):
+            assert metric(role.url, "vision_tower_loaded") == 0
+        # the decode side registered the loaded blocks: a repeated prompt hits its prefix cache
+        assert metric(dec.url, "prefix_cache_hit_tokens") > 0
+    finally:
+        pids = [r.proc.pid for r in d.roles]
+        d.stop()
+    assert_clean(pids)
+
+
+def test_kv_that_cannot_be_loaded_is_recomputed_by_the_decode_worker(aggregated, tmp_path: Path) -> None:
+    """The prefill worker keeps its KV slab where the decode worker may not map it: every KV load
+    fails validation, the decode worker computes the prefill from the media's embeddings, and the
+    client sees the same answers."""
+    from epdserve.launcher import free_port, start_role, stop, wait_healthy
+
+    _, expected, _ = aggregated
+    private = Path("/dev/shm") / f"epd-test-private-{os.getpid()}"
+    private.mkdir(mode=0o700, exist_ok=True)
+    ports = {name: free_port() for name in ("encoder", "prefill", "decode", "router")}
+    common = ["--host", "127.0.0.1"]
+    lm = ["serve", *PD_ARGS, "--no-vision-tower", "--internal-only"]
+    specs = {
+        "encoder": ["encoder", "--ec-connector", "shm"],
+        "prefill": [*lm, "--role", "prefill", "--kv-shm-dir", str(private)],
+        "decode": [*lm, "--role", "decode"],
+    }
+    procs = {}
+    try:
+        for name, args in specs.items():
+            procs[name] = start_role([*args, *common, "--port", str(ports[name])])
+        urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ports}
+        for name in specs:
+            wait_healthy(urls[name], procs[name])
+        procs["router"] = start_role(
+            [
+                "router",
+                *common,
+                "--port",
+                str(ports["router"]),
+                "--encoders",
+                urls["encoder"],
+                "--prefills",
+                urls["prefill"],
+                "--decodes",
+                urls["decode"],
+            ]
+        )
+        wait_healthy(urls["router"], procs["router"])
+        reqs = request_set()
+        assert [ask(urls["router"], r) for r in reqs] == expected
+        assert metric(urls["decode"], "kv_transfers_in") == 0
+        assert metric(urls["decode"], "kv_fallbacks") >= len(reqs) - 1
+        # every KV lease and every embedding lease was given back (read or not)
+        deadline = time.monotonic() + 5
+        while metric(urls["encoder"], "encoder_ec_live_handles") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(urls["encoder"], "encoder_ec_live_handles") == 0
+    finally:
+        for proc in procs.values():
+            stop(proc)
+        for f in private.iterdir():
+            f.unlink()
+        private.rmdir()
+
+
+def test_client_may_not_send_kv_transfer_params(aggregated) -> None:
+    d, _, _ = aggregated
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "kv_transfer_params": {"first_token_id": 3},
+    }
+    status, raw = http("POST", d.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "internal" in json.loads(raw)["error"]["message"]
+
+
+def test_pd_topology_parsing() -> None:
+    assert Topology.parse("1e+1p+1d") == Topology(1, 0, 1, 1)
+    assert Topology.parse("2e+1p+3d") == Topology(2, 0, 1, 3)
+    assert Topology.parse("1p+1d") == Topology(0, 0, 1, 1)
+    assert not Topology.parse("1p+1d").aggregated and Topology.parse("1p+1d").split
+    for bad in ("1e+0p+1d", "0e+1p+1d", "1p+0d", "1e+1p"):
+        with pytest.raises(ValueError):
+            Topology.parse(bad)

@@ -129,6 +129,23 @@ def check_embeds_trust(req: ChatRequest, internal: bool, enable_mm_embeds: bool)
                 raise BadRequest(f"A {kind} part needs exactly one of inline data or an ec_handle.", param=where)
 
 
+def check_kv_trust(req: ChatRequest, internal: bool) -> None:
+    """``kv_transfer_params`` come only from the router's authenticated call, and make sense."""
+    kv = req.kv_transfer_params
+    if kv is None:
+        return
+    if not internal:
+        raise BadRequest("kv_transfer_params is internal to the deployment.", param="kv_transfer_params")
+    if kv.do_remote_decode == (kv.first_token_id is not None):
+        raise BadRequest(
+            "kv_transfer_params needs exactly one of do_remote_decode or first_token_id.", param="kv_transfer_params"
+        )
+    if kv.kv_handle is not None and kv.first_token_id is None:
+        raise BadRequest("a kv_handle comes with its first_token_id.", param="kv_transfer_params.kv_handle")
+    if kv.completion_id is not None and not COMPLETION_ID_RE.fullmatch(kv.completion_id):
+        raise BadRequest("completion_id is not a valid id.", param="kv_transfer_params.completion_id")
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -169,6 +186,23 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
 
 
+COMPLETION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,96}")
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """P/D disaggregation (vLLM's name for it), internal to a deployment: only the router's
+    authenticated call may carry it (``check_kv_trust``).
+
+    To a prefill instance ``do_remote_decode``: answer with the first token and the prompt's KV
+    handle. To a decode instance ``first_token_id`` (and ``kv_handle``, absent when the prefill must
+    be computed there): continue the answer after that token, under ``completion_id``."""
+
+    do_remote_decode: bool = False
+    first_token_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    kv_handle: dict[str, Any] | None = None
+    completion_id: str | None = None
+
+
 class ChatRequest(msgspec.Struct, kw_only=True):
     """POST /v1/chat/completions. Range checks live in ``to_sampling_params``."""
 
@@ -191,6 +225,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     # extra chat-template variables (vLLM's extension), e.g. {"add_vision_id": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # internal: P/D disaggregation
 
     @property
     def include_usage(self) -> bool:
@@ -414,6 +449,14 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[Choice]
     usage: Usage | None = None
+
+
+class PrefillCompletion(ChatCompletion, kw_only=True):
+    """A prefill instance's answer to ``do_remote_decode`` (internal): the first token as a
+    completion, and ``{"kv_handle", "first_token_id"}`` when a decode instance is to continue
+    (None when the answer is already complete)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -29,6 +29,7 @@ from epdserve.api.protocol import param_of
 ENCODER_PROTOCOL_VERSION: Final = 1  # bump on any incompatible change of the messages below
 
 MAX_RELEASE_HANDLES: Final = 1024  # handles one /v1/release call may carry
+MAX_LEASES: Final = 2  # handles one item may be given
 Modality = Literal["image", "video"]
 ItemStatus = Literal["computed", "cache_hit"]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -60,6 +61,9 @@ class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: str  # served model name; part of every item's uuid
     items: Annotated[list[EncodeItem], msgspec.Meta(min_length=1)]
+    # handles per item: 2 when a decode instance may need the embeddings too (P/D: it recomputes
+    # the prefill when the KV cannot be loaded); the second is a lease on the same stored payload
+    leases: Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASES)] = 1
     version: int = ENCODER_PROTOCOL_VERSION
 
 
@@ -86,17 +90,19 @@ class EncodedItem(msgspec.Struct, kw_only=True):
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
     shape: tuple[NonNegativeInt, NonNegativeInt]  # (num_embeddings, embedding width)
     ec_handle: dict[str, Any]  # EC-connector handle (see epdserve.transfer.base)
+    more_handles: list[dict[str, Any]] = []  # further leases on the same embeddings (``leases`` > 1)
     status: ItemStatus  # "computed": a vision forward ran for it; "cache_hit": served from the cache
     timings: ItemTimings = msgspec.field(default_factory=ItemTimings)
 
-    def embeds_part(self) -> dict[str, Any]:
-        """The metadata-only chat content part that replaces this item's URL part."""
+    def embeds_part(self, handle: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The metadata-only chat content part that replaces this item's URL part (with
+        ``ec_handle``, or another of the item's leases)."""
         key = f"{self.modality}_embeds"
         return {
             "type": key,
             key: {f"{self.modality}_grid_thw": list(self.grid_thw)},
             "uuid": self.uuid,
-            "ec_handle": self.ec_handle,
+            "ec_handle": self.ec_handle if handle is None else handle,
         }
 
 

@@ -243,9 +243,9 @@ class EncoderService:
                 raise out
             ready.append(out)
         loop = asyncio.get_running_loop()
-        handles = await loop.run_in_executor(self.put_executor, self._put_all, ready)
+        handles = await loop.run_in_executor(self.put_executor, self._put_all, ready, req.leases)
         items: list[EncodedItem] = []
-        for r, handle in zip(ready, handles, strict=True):
+        for r, (handle, *more) in zip(ready, handles, strict=True):
             self.put_seconds.observe(r.timings.put_ms / 1000)
             self.metrics.inc(
                 "encoder_put_bytes_total",
@@ -263,6 +263,7 @@ class EncoderService:
                     dtype=str(r.embeddings.dtype).removeprefix("torch."),
                     shape=(r.embeddings.shape[0], r.embeddings.shape[1]),
                     ec_handle=handle,
+                    more_handles=more,
                     status=status,
                     timings=r.timings,
                 )
@@ -307,18 +308,21 @@ class EncoderService:
         )
         return _Ready(item, uuid, media.grid_thw, res.embeddings, res.cache_hit, timings)
 
-    def _put_all(self, ready: list[_Ready]) -> list[Handle]:
-        """Put every item's embeddings (runs on the put thread)."""
-        handles: list[Handle] = []
+    def _put_all(self, ready: list[_Ready], leases: int) -> list[list[Handle]]:
+        """Put every item's embeddings (runs on the put thread): ``leases`` handles per item, the
+        later ones leases on the payload the first stored."""
+        handles: list[list[Handle]] = []
         model_id = self.config.model_name
         for i, r in enumerate(ready):
             t0 = time.perf_counter()
             try:
-                handles.append(self.producer.put(r.uuid, r.embeddings, model_id))
+                handles.append([])
+                for _ in range(leases):
+                    handles[-1].append(self.producer.put(r.uuid, r.embeddings, model_id))
             except ProducerFull as e:
                 # consumers hold everything the connector can store: a load signal, not a failure,
                 # so the encoder stays healthy and the router spreads or sheds the load
-                self._release_all(handles)
+                self._release_all([h for hs in handles for h in hs])
                 log.warning("EC connector full: %s", e)
                 raise Overloaded(
                     "The encoder's embedding store is full; retry shortly.",
@@ -326,7 +330,7 @@ class EncoderService:
                     retry_after_s=self.config.retry_after_s,
                 ) from None
             except TransferError as e:
-                self._release_all(handles)
+                self._release_all([h for hs in handles for h in hs])
                 raise Unavailable(f"The embeddings could not be published: {e}", param=f"items[{i}]") from None
             r.timings.put_ms = _ms(time.perf_counter() - t0)
         return handles

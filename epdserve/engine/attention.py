@@ -60,6 +60,23 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV of the tokens at ``slots`` as rows [tokens, layers x 2 x kv_heads x head_dim]
+        (each layer's key, then its value): what a KV connector carries."""
+        parts = []
+        for k, v in zip(self.k, self.v, strict=True):
+            parts.append(k.view(-1, k.shape[2] * k.shape[3]).index_select(0, slots))
+            parts.append(v.view(-1, v.shape[2] * v.shape[3]).index_select(0, slots))
+        return torch.cat(parts, dim=1)
+
+    def write_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows made by ``read_rows`` (of any instance with this layout) at ``slots``."""
+        per = self.k[0].shape[2] * self.k[0].shape[3]
+        rows = rows.to(self.k[0].device, self.k[0].dtype)
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.view(-1, per).index_copy_(0, slots, rows[:, 2 * i * per : (2 * i + 1) * per])
+            v.view(-1, per).index_copy_(0, slots, rows[:, (2 * i + 1) * per : (2 * i + 2) * per])
+
 
 class BlockTable:
     """Block ids of the requests the runner has seen, one row each, grown as blocks are added.

@@ -62,8 +62,8 @@ class EngineCoreClient(Protocol):
 
     async def stats(self) -> EngineStats: ...
 
-    def release(self, handles: list[dict]) -> None:
-        """Give back EC leases of a request that will not be sent to the core."""
+    def release(self, handles: list[dict], kv_handles: list[dict] | None = None) -> None:
+        """Give back EC leases (and KV leases) that no request here will read."""
         ...
 
     @property
@@ -149,8 +149,8 @@ class InprocClient:
     async def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def release(self, handles: list[dict]) -> None:
-        self._steps.post(ReleaseHandles(handles))
+    def release(self, handles: list[dict], kv_handles: list[dict] | None = None) -> None:
+        self._steps.post(ReleaseHandles(handles, kv_handles or []))
 
     def generate(self, add: AddRequest) -> AsyncIterator[EngineOutput]:
         q = self._streams.open(add.request_id)
@@ -292,10 +292,10 @@ class MPClient:
             self._send(add)
         return self._streams.stream(add.request_id, q, self._abort)
 
-    def release(self, handles: list[dict]) -> None:
-        if self._healthy and handles:
+    def release(self, handles: list[dict], kv_handles: list[dict] | None = None) -> None:
+        if self._healthy and (handles or kv_handles):
             with contextlib.suppress(ConnectionError):
-                self._send(ReleaseHandles(handles))
+                self._send(ReleaseHandles(handles, kv_handles or []))
 
     def _abort(self, request_id: str) -> None:
         if self._healthy:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from epdserve.models.precision import DType, check_dtype
+
+PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a request (P/D disaggregation)
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,31 @@ from pathlib import Path
 
 import torch
 
-from epdserve.engine.config import EngineConfig
+from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.engine.embeddings import EmbeddingFetcher, Fetched
 from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, ErrorKind, FinishReason
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
+from epdserve.transfer.base import TransferError
 from epdserve.transfer.config import ECConfig
+from epdserve.transfer.kv import KVProducer
 
 log = logging.getLogger(__name__)
+
+KV_INDEX = -1  # the ``Fetched.index`` of a request's KV (media items count from 0)
 
 
 class EngineCore:
     def __init__(
-        self, model, config: EngineConfig, ec: ECConfig | None = None, model_id: str = "", on_wake=None
+        self,
+        model,
+        config: EngineConfig,
+        ec: ECConfig | None = None,
+        model_id: str = "",
+        on_wake=None,
+        role: PDRole = "both",
+        kv: ECConfig | None = None,
     ) -> None:
         self.config = config
         self.runner = ModelRunner(model, config)
@@ -41,6 +52,14 @@ class EngineCore:
         self._fetcher: EmbeddingFetcher | None = None
         self._fetch_lock = threading.Lock()
         self._ec, self._model_id = ec, model_id
+        # P/D disaggregation: a prefill instance puts KV, a decode instance fetches it
+        self.role = role
+        self._kv_cfg = kv
+        self._kv_fetcher: EmbeddingFetcher | None = None
+        self.kv_producer = KVProducer(kv, self.runner.kv_layout(), model_id) if role == "prefill" and kv else None
+        if role == "prefill" and self.kv_producer is None:
+            raise ValueError("a prefill instance needs a KV connector")
+        self.kv_out = self.kv_in = self.kv_fallbacks = self.kv_bytes_in = 0
 
     @classmethod
     def from_pretrained(
@@ -51,13 +70,15 @@ class EngineCore:
         ec: ECConfig | None = None,
         model_id: str = "",
         on_wake=None,
+        role: PDRole = "both",
+        kv: ECConfig | None = None,
     ) -> EngineCore:
         from epdserve.models.loader import load_model
         from epdserve.models.precision import torch_dtype
 
         parts = frozenset({"vision", "language"} if vision else {"language"})
         model, _ = load_model(model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device)
-        return cls(model, config, ec, model_id or Path(model_dir).name, on_wake)
+        return cls(model, config, ec, model_id or Path(model_dir).name, on_wake, role, kv)
 
     @property
     def vision(self) -> bool:
@@ -75,16 +96,46 @@ class EngineCore:
             return [_error(msg.request_id, f"malformed request: {e}", "invalid_request")]
         try:
             _check(req, self.config)
+            self._check_kv(msg)
         except ValueError as e:
             self._release_handles(req)
+            if msg.kv is not None and msg.kv.handle is not None:
+                self._kv_fetcher_get().release(msg.kv.handle)
             return [_error(req.request_id, str(e), "invalid_request")]
         self.requests[req.request_id] = req
+        if msg.kv is not None and msg.kv.handle is not None:
+            # the media handles wait: they are needed only if the KV cannot be loaded
+            req.pending_fetches += 1
+            self._kv_fetcher_get().fetch(
+                req.request_id, KV_INDEX, msg.kv.handle, req.prompt_len, self.runner.kv_layout().width
+            )
+        else:
+            self._fetch_media(req)
+        self.scheduler.add(req)
+        return []
+
+    def _check_kv(self, msg: AddRequest) -> None:
+        kv = msg.kv
+        if kv is None:
+            return
+        if kv.produce and self.kv_producer is None:
+            raise ValueError("this instance is not a prefill instance: it cannot hand KV on")
+        if kv.first_token is not None and self.role != "decode":
+            raise ValueError("this instance is not a decode instance: it does not continue requests")
+        if kv.handle is not None and kv.first_token is None:
+            raise ValueError("a KV handle comes with the first token it was sampled with")
+        if kv.first_token is not None and not 0 <= kv.first_token < self.runner.vocab_size:
+            raise ValueError(f"first token {kv.first_token} is not in the vocabulary")
+        if kv.first_token is not None and len(msg.prompt_token_ids) + 1 >= self.config.max_model_len:
+            raise ValueError("the prompt and its first token leave no room to decode")
+
+    def _fetch_media(self, req: Request) -> None:
+        """Start fetching every media item's embeddings by handle (the fetch owns the lease now)."""
         for i, it in enumerate(req.mm_items):
             if it.handle is not None and it.embeddings is None:
                 req.pending_fetches += 1
-                self._fetcher_for_handles().fetch(req.request_id, i, it.handle, it.length, self.runner.hidden_size)
-        self.scheduler.add(req)
-        return []
+                handle, it.handle = it.handle, None
+                self._fetcher_for_handles().fetch(req.request_id, i, handle, it.length, self.runner.hidden_size)
 
     def add_request(self, req: Request) -> None:
         """Admit an already built request (in-process tools and tests)."""
@@ -99,10 +150,18 @@ class EngineCore:
             self.scheduler.finish(req, "abort")
             self.runner.release(request_id)
 
-    def release_handles(self, handles: list[dict]) -> None:
+    def release_handles(self, handles: list[dict], kv_handles: list[dict] | None = None) -> None:
         """Give back leases of a request that will never run here."""
         for h in handles:
             self._fetcher_for_handles().release(h)
+        for h in kv_handles or []:
+            if self.kv_producer is not None:  # a prefill instance: its own leases
+                try:
+                    self.kv_producer.release(h)
+                except TransferError as e:
+                    log.warning("a KV release was refused: %s", e)
+            else:
+                self._kv_fetcher_get().release(h)
 
     @property
     def has_work(self) -> bool:
@@ -112,6 +171,8 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_fetched()
         plan = self.scheduler.schedule()
+        for req in plan.preempted:  # a decode request that loaded its KV recomputes: it needs its media now
+            self._fetch_media(req)
         self.last_step_idle = not plan.scheduled
         if not plan.scheduled:
             return outputs
@@ -143,6 +204,10 @@ class EngineCore:
             reason = "stop"
         elif n_out >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             reason = "length"
+        kv_handle = None
+        if reason is None and req.kv_produce:
+            kv_handle = self._hand_kv_on(req)
+            reason = "transferred" if kv_handle is not None else None
         out = EngineOutput(
             req.request_id,
             [token],
@@ -151,10 +216,24 @@ class EngineCore:
             finish_reason=reason,
             prompt_tokens=req.prompt_len,
             cached_tokens=req.num_cached_tokens,
+            kv_handle=kv_handle,
         )
         if reason is not None:
             self._retire(req, reason)
         return out
+
+    def _hand_kv_on(self, req: Request):
+        """Put the prompt's KV to the KV connector; None when it cannot take it (then this instance
+        decodes the request itself: slower for it, but nothing is lost)."""
+        assert self.kv_producer is not None
+        req.kv_produce = False
+        try:
+            handle = self.kv_producer.put(req.request_id, self.runner.export_kv(req))
+        except (TransferError, ValueError) as e:
+            log.warning("KV of %s not handed on (%s): decoding it here", req.request_id, e)
+            return None
+        self.kv_out += 1
+        return handle
 
     def _fail(self, req: Request, message: str, kind: ErrorKind) -> EngineOutput:
         self._retire(req, "error")
@@ -167,6 +246,7 @@ class EngineCore:
             self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
         self.runner.release(req.request_id)
+        self._release_handles(req)  # leases never read (a decode request whose KV loaded)
 
     # ---- embeddings by handle ----------------------------------------------------------------
     def _fetcher_for_handles(self) -> EmbeddingFetcher:
@@ -176,6 +256,17 @@ class EngineCore:
             ec = self._ec or ECConfig()
             self._fetcher = EmbeddingFetcher(lambda: make_consumer(ec), self._model_id, self._fetch_done)
         return self._fetcher
+
+    def _kv_fetcher_get(self) -> EmbeddingFetcher:
+        if self._kv_fetcher is None:
+            from epdserve.transfer.factory import make_consumer
+
+            if self._kv_cfg is None:
+                raise ValueError("this instance has no KV connector")
+            cfg = self._kv_cfg
+            identity = self.runner.kv_layout().identity(self._model_id)
+            self._kv_fetcher = EmbeddingFetcher(lambda: make_consumer(cfg), identity, self._fetch_done, what="KV")
+        return self._kv_fetcher
 
     def _fetch_done(self, f: Fetched) -> None:  # on the fetcher's thread
         with self._fetch_lock:
@@ -192,6 +283,9 @@ class EngineCore:
             if req is None:
                 continue  # aborted or failed meanwhile; the fetch has released its lease
             req.pending_fetches -= 1
+            if f.index == KV_INDEX:
+                self._apply_kv(req, f)
+                continue
             item = req.mm_items[f.index]
             item.handle = None  # consumed (read and released)
             if f.embeddings is None:
@@ -199,6 +293,16 @@ class EngineCore:
             else:
                 item.embeddings = f.embeddings
         return outputs
+
+    def _apply_kv(self, req: Request, f: Fetched) -> None:
+        if f.embeddings is None:  # P died, the transfer failed or the KV did not validate
+            self.kv_fallbacks += 1
+            log.warning("KV of %s could not be loaded (%s): computing its prefill here", req.request_id, f.error)
+            self._fetch_media(req)
+            return
+        self.kv_in += 1
+        self.kv_bytes_in += f.embeddings.numel() * f.embeddings.element_size()
+        req.kv_rows = f.embeddings
 
     def _release_handles(self, req: Request) -> None:
         """Give back the handles of a request refused before its fetches began. (Once begun, each
@@ -225,12 +329,20 @@ class EngineCore:
             ec_bytes=f.bytes if f else 0,
             ec_seconds=f.seconds if f else 0.0,
             ec_failures=f.failures if f else 0,
+            kv_transfers_out=self.kv_out,
+            kv_transfers_in=self.kv_in,
+            kv_fallbacks=self.kv_fallbacks,
+            kv_bytes_in=self.kv_bytes_in,
             vision=self.vision,
         )
 
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.close()
+        if self._kv_fetcher is not None:
+            self._kv_fetcher.close()
+        if self.kv_producer is not None:
+            self.kv_producer.close()
 
 
 def request_from(msg: AddRequest) -> Request:
@@ -248,7 +360,7 @@ def request_from(msg: AddRequest) -> Request:
         )
         for m in msg.media
     ]
-    return Request(
+    req = Request(
         msg.request_id,
         list(msg.prompt_token_ids),
         msg.params,
@@ -258,6 +370,11 @@ def request_from(msg: AddRequest) -> Request:
         arrival=msg.arrival,
         eos_token_ids=frozenset(msg.eos_token_ids),
     )
+    if msg.kv is not None:
+        req.kv_produce = msg.kv.produce
+        if msg.kv.first_token is not None:  # sampled by the prefill instance: decoding continues after it
+            req.output_token_ids.append(msg.kv.first_token)
+    return req
 
 
 def _error(request_id: str, message: str, kind: ErrorKind) -> EngineOutput:

@@ -92,7 +92,9 @@ def main(argv: list[str]) -> int:
 
         if start.engine.threads:
             torch.set_num_threads(start.engine.threads)
-        core = EngineCore.from_pretrained(start.model, start.engine, start.vision, start.ec, start.model_id)
+        core = EngineCore.from_pretrained(
+            start.model, start.engine, start.vision, start.ec, start.model_id, role=start.role, kv=start.kv
+        )
     except Exception as e:  # a bad checkpoint or device must reach the server as a clear message
         log.exception("engine core failed to start")
         channel.send(CoreFailed(f"{type(e).__name__}: {e}"))

@@ -39,8 +39,15 @@ class EmbeddingFetcher:
     """Runs ``consumer.get`` + ``release`` for handles off the engine thread; results go to
     ``on_done`` (called on the fetcher's thread: it must only queue and wake the engine)."""
 
-    def __init__(self, make_consumer: Callable[[], ECConsumer], model_id: str, on_done: Callable[[Fetched], None]):
+    def __init__(
+        self,
+        make_consumer: Callable[[], ECConsumer],
+        model_id: str,
+        on_done: Callable[[Fetched], None],
+        what: str = "embeddings",  # what the handles hold, for the log ("KV" on a decode instance)
+    ) -> None:
         self.model_id = model_id
+        self.what = what
         self.on_done = on_done
         self.bytes = 0
         self.seconds = 0.0
@@ -63,13 +70,13 @@ class EmbeddingFetcher:
             emb = await self._consumer.get(handle, rows, width, self.model_id)
         except InvalidHandle as e:
             self.failures += 1
-            log.warning("refused an ec_handle of %s: %s", request_id, e)
+            log.warning("refused a handle (%s) of %s: %s", self.what, request_id, e)
             self.on_done(Fetched(request_id, index, None, f"The ec_handle is not valid: {e}", "invalid_handle"))
             return
         except (TransferError, KeyError, TypeError, ValueError, OSError) as e:
             self.failures += 1
-            log.warning("embeddings of %s unavailable: %s", request_id, e)
-            self.on_done(Fetched(request_id, index, None, "Embeddings are unavailable.", "embeddings_unavailable"))
+            log.warning("%s of %s unavailable: %s", self.what, request_id, e)
+            self.on_done(Fetched(request_id, index, None, f"{self.what} unavailable: {e}", "embeddings_unavailable"))
             return
         finally:
             await self._release(handle)

@@ -61,7 +61,7 @@ class StepLoop:
                     for rid in msg.request_ids:
                         core.abort(rid)
                 elif isinstance(msg, ReleaseHandles):
-                    core.release_handles(msg.handles)
+                    core.release_handles(msg.handles, msg.kv_handles)
                 elif self.other is not None and not self.other(msg):
                     return
             if core.has_work:

@@ -24,16 +24,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
-from epdserve.engine.config import EngineConfig
+from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.transfer.config import ECConfig
 
 if TYPE_CHECKING:
     import torch
 
-ENGINE_PROTOCOL_VERSION = 1
+ENGINE_PROTOCOL_VERSION = 2
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "transferred": a prefill instance handed the request's KV to a decode instance after its first token
+FinishReason = Literal["stop", "length", "abort", "error", "transferred"]
+
 # why a request failed inside the core; the front end maps each kind to its HTTP answer
 ErrorKind = Literal["invalid_handle", "embeddings_unavailable", "media", "invalid_request", "internal"]
 
@@ -101,7 +103,23 @@ class CoreStart(msgspec.Struct, frozen=True, tag="start"):
     engine: EngineConfig
     vision: bool
     ec: ECConfig
+    role: PDRole = "both"
+    kv: ECConfig | None = None  # the KV connector of a prefill (producer) or decode (consumer) instance
     version: int = ENGINE_PROTOCOL_VERSION
+
+
+class KVTransfer(msgspec.Struct, frozen=True):
+    """A request's part in P/D disaggregation.
+
+    On a prefill instance ``produce``: after the first token, put the prompt's KV to the KV
+    connector and finish as "transferred" (unless the first token ends the request anyway). On a
+    decode instance ``first_token`` (sampled by the prefill instance, already sent to the client)
+    with ``handle`` (the prompt's KV): load it and continue decoding; when it cannot be loaded, or
+    ``handle`` is None, compute the prefill here (the media items' own handles) and continue the same."""
+
+    produce: bool = False
+    first_token: int | None = None
+    handle: dict[str, Any] | None = None
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
@@ -113,6 +131,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     mrope_delta: int = 0
     eos_token_ids: list[int] = []
     arrival: float = 0.0
+    kv: KVTransfer | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
@@ -120,9 +139,11 @@ class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
 
 
 class ReleaseHandles(msgspec.Struct, frozen=True, tag="release"):
-    """Leases of a request the front end rejected before it reached the core: give them back."""
+    """Leases of a request the front end rejected before it reached the core: give them back
+    (embedding handles, and the KV handle of a decode request)."""
 
     handles: list[dict[str, Any]]
+    kv_handles: list[dict[str, Any]] = []
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag="stats?"):
@@ -164,6 +185,7 @@ class EngineOutput(msgspec.Struct):
     error_kind: ErrorKind | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_handle: dict[str, Any] | None = None  # with finish_reason "transferred": the prompt's KV
 
     @property
     def finished(self) -> bool:
@@ -188,6 +210,10 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     ec_bytes: int = 0  # embedding bytes fetched through the EC connector
     ec_seconds: float = 0.0
     ec_failures: int = 0
+    kv_transfers_out: int = 0  # prefill: requests whose KV was handed to a decode instance
+    kv_transfers_in: int = 0  # decode: requests whose KV was loaded
+    kv_fallbacks: int = 0  # decode: requests whose KV could not be loaded (prefill computed here)
+    kv_bytes_in: int = 0
     vision: bool = False
 
 

@@ -15,10 +15,11 @@ import torch
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, PrefillSlice, StepLayout
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.request import MediaItem
+from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.models.precision import torch_dtype
+from epdserve.transfer.kv import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,19 @@ class ModelRunner:
         self.table = BlockTable(config.max_num_seqs, max_blocks, self.device)
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
         self.hidden_size = tc.hidden_size
+        self.vocab_size = tc.vocab_size
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(len(self.kv.k), self.kv.k[0].shape[2], self.kv.k[0].shape[3], self.config.dtype)
+
+    def export_kv(self, req: Request) -> torch.Tensor:
+        """The KV rows of the request's prompt tokens, from its blocks (on the CPU)."""
+        return self.kv.read_rows(self._prompt_slots(req.block_ids, req.prompt_len)).cpu()
+
+    def _prompt_slots(self, block_ids: list[int], n: int) -> torch.Tensor:
+        bs = self.config.block_size
+        pos = torch.arange(n)
+        return (torch.tensor(block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs).to(self.device)
 
     def release(self, request_id: str) -> None:
         """The request left the engine: its block-table row is free again."""
@@ -137,6 +151,10 @@ class ModelRunner:
             q += s.num_new_tokens
         if dec_pos:
             pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
+        for s in scheduled:  # KV loaded from a prefill instance goes into the request's blocks first
+            if s.request.kv_rows is not None:
+                rows_kv, s.request.kv_rows = s.request.kv_rows, None
+                self.kv.write_rows(self._prompt_slots(s.request.block_ids, rows_kv.shape[0]), rows_kv)
         dev = self.device
         t = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev)  # noqa: E731
         layout = StepLayout(

@@ -59,7 +59,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    pending_fetches: int = 0  # media items whose embeddings are still being fetched by handle
+    pending_fetches: int = 0  # media items (or the KV) still being fetched by handle
+    kv_produce: bool = False  # prefill instance: hand the prompt's KV on after the first token
+    kv_rows: torch.Tensor | None = None  # decode instance: the prompt's KV, loaded, not yet in blocks
 
     @property
     def ready(self) -> bool:

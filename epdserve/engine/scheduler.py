@@ -89,7 +89,9 @@ class Scheduler:
             if not req.ready:
                 skipped.append(req)
                 continue
-            if not req.block_ids:
+            if req.kv_rows is not None:  # its prompt's KV came from a prefill instance
+                req.num_computed_tokens = req.prompt_len
+            elif not req.block_ids:
                 self.blocks.take_cached(req, self.blocks.match_prefix(req))
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.allocate(req, n):

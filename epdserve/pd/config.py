@@ -12,9 +12,9 @@ from typing import Literal
 
 from epdserve.api.auth import AuthConfig
 from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
-from epdserve.engine.config import EngineConfig
+from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.media.limits import MediaLimits
-from epdserve.transfer.config import ECConfig
+from epdserve.transfer.config import KV_HANDLE_PURPOSE, ECConfig
 
 EngineCoreMode = Literal["process", "thread"]
 
@@ -38,6 +38,16 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
     ec: ECConfig = field(default_factory=ECConfig)  # EC consumer for metadata-only media
+    role: PDRole = "both"  # both: whole requests; prefill: prompts, KV handed on; decode: continues from KV
+    kv: ECConfig | None = None  # KV connector (transfer.kv.kv_config): a prefill's producer, a decode's consumer
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role != "both" and self.kv is None:
+            raise ValueError(f"a {self.role} instance needs a KV connector")
+        if self.kv is not None and self.kv.handle_purpose != KV_HANDLE_PURPOSE:
+            raise ValueError("the KV connector's config must sign with the KV key (transfer.kv.kv_config)")
 
     @property
     def model_name(self) -> str:

@@ -15,7 +15,9 @@ def launch_core(config: ServerConfig) -> MPClient | None:
     """The core process of ``config``, already loading (None where the core runs in a thread)."""
     if config.engine_core != "process":
         return None
-    start = CoreStart(str(config.model), config.model_name, config.engine, config.vision, config.ec)
+    start = CoreStart(
+        str(config.model), config.model_name, config.engine, config.vision, config.ec, config.role, config.kv
+    )
     client = MPClient(start, config.core_ready_timeout_s)
     client.launch()
     return client

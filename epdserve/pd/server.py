@@ -21,7 +21,9 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
+import msgspec
 from aiohttp import web
 
 from epdserve.api.auth import is_internal
@@ -43,12 +45,14 @@ from epdserve.api.protocol import (
     ImageUrlPart,
     ModelCard,
     ModelList,
+    PrefillCompletion,
     ResponseMessage,
     TokenLogprob,
     Usage,
     VideoEmbedsPart,
     VideoUrlPart,
     check_embeds_trust,
+    check_kv_trust,
     decode_chat_request,
     encode_json,
     new_completion_id,
@@ -60,7 +64,7 @@ from epdserve.api.protocol import (
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
-from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, WireTensor
+from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, WireTensor
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
@@ -104,7 +108,10 @@ class ChatService:
         if cfg.engine_core == "thread":
             from epdserve.engine.core import EngineCore  # the thread core: torch in this process
 
-            return InprocClient(EngineCore.from_pretrained(cfg.model, cfg.engine, cfg.vision, cfg.ec, cfg.model_name))
+            core = EngineCore.from_pretrained(
+                cfg.model, cfg.engine, cfg.vision, cfg.ec, cfg.model_name, role=cfg.role, kv=cfg.kv
+            )
+            return InprocClient(core)
         client = launched or launch_core(cfg)
         if client is None:
             raise ValueError(f"engine_core {cfg.engine_core!r} starts no core process")
@@ -155,6 +162,10 @@ class ChatService:
         m.gauge("ec_bytes_received", "embedding bytes fetched through the EC connector", stat("ec_bytes"))
         m.gauge("ec_seconds", "seconds spent fetching embeddings", stat("ec_seconds"))
         m.gauge("ec_failures", "metadata-only items whose embeddings could not be fetched", stat("ec_failures"))
+        m.gauge("kv_transfers_out", "requests whose KV this prefill instance handed on", stat("kv_transfers_out"))
+        m.gauge("kv_transfers_in", "requests continued from KV loaded here", stat("kv_transfers_in"))
+        m.gauge("kv_fallbacks", "requests whose KV could not be loaded (prefill computed here)", stat("kv_fallbacks"))
+        m.gauge("kv_bytes_received", "KV bytes loaded through the KV connector", stat("kv_bytes_in"))
         self.ttft = m.histogram("time_to_first_token_seconds", "time to first token")
         self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")
@@ -170,11 +181,13 @@ class ChatService:
         cfg = self.config
         req = decode_chat_request(body, cfg.limits, cfg.max_prompt_chars)
         check_embeds_trust(req, internal, cfg.enable_mm_embeds)
+        check_kv_trust(req, internal)
         try:
             return req, await self._prepare(req)
         except BaseException:
             if internal:
-                self.core.release(_handles(req))
+                kv = req.kv_transfer_params
+                self.core.release(_handles(req), [kv.kv_handle] if kv is not None and kv.kv_handle else [])
             raise
 
     async def _prepare(self, req: ChatRequest) -> AddRequest:
@@ -182,6 +195,7 @@ class ChatService:
         if req.model != cfg.model_name:
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
+        kv = self._kv_transfer(req)
         t0 = time.perf_counter()
         assert self.resolver is not None
         parts = req.media_parts()
@@ -218,7 +232,26 @@ class ChatService:
             prompt.mrope_delta,
             self.eos,
             time.time(),
+            kv,
         )
+
+    def _kv_transfer(self, req: ChatRequest) -> KVTransfer | None:
+        """The request's part in P/D, if this instance's role takes it."""
+        kvp = req.kv_transfer_params
+        if kvp is None:
+            return None
+        role = self.config.role
+        if kvp.do_remote_decode:
+            if role != "prefill":
+                raise BadRequest(f"This is a {role} instance: it does not hand KV on.", param="kv_transfer_params")
+            return KVTransfer(produce=True)
+        if role != "decode":
+            raise BadRequest(f"This is a {role} instance: it does not continue requests.", param="kv_transfer_params")
+        return KVTransfer(first_token=kvp.first_token_id, handle=kvp.kv_handle)
+
+    def release_kv(self, handles: list[dict]) -> None:
+        """KV leases a decode instance will not read (the router gave up on the request)."""
+        self.core.release([], handles)
 
 
 def _handles(req: ChatRequest) -> list[dict]:
@@ -254,6 +287,7 @@ class Piece:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    kv: dict | None = None  # prefill instance: what the decode instance continues from
 
 
 class Generation:
@@ -266,6 +300,11 @@ class Generation:
         self.detok = Detokenizer(service.tokenizer, add.params.stop)
         self.completion_tokens = 0
         self.prompt_tokens = len(add.prompt_token_ids)
+        if add.kv is not None and add.kv.first_token is not None:
+            # a decode instance continues after a token the prefill instance already sent: the
+            # detokenizer starts where the prefill instance's stood, its text is not sent again
+            self.detok.push([add.kv.first_token])
+            self.completion_tokens = 1
         self._outputs = service.core.generate(add)
 
     async def aclose(self) -> None:
@@ -301,7 +340,17 @@ class Generation:
                 self.s.tokens.logprob(t, lp, top[i] if (top := out.top_logprobs) else [])
                 for i, (t, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
             ]
-        return Piece(text, logprobs, _finish(finish), self.prompt_tokens, self.completion_tokens)
+        kv = None
+        if out.kv_handle is not None:
+            if finish is None:
+                kv = {"kv_handle": out.kv_handle, "first_token_id": out.token_ids[0]}
+            else:  # a stop string ended the answer with its first token: nobody will read the KV
+                self.s.core.release([], [out.kv_handle])
+        return Piece(text, logprobs, _finish(finish), self.prompt_tokens, self.completion_tokens, kv)
+
+
+class KVRelease(msgspec.Struct, forbid_unknown_fields=True):
+    handles: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=1024)]
 
 
 class WorkerFailedMidStream(Exception):
@@ -335,6 +384,8 @@ class ChatHandlers:
             raise
         s.ttft.observe(time.perf_counter() - t0)
         async with contextlib.aclosing(gen.rest()) as rest:  # closing early aborts the request
+            if add.kv is not None and add.kv.produce:
+                return await self._complete(req, add, first, rest, t0, prefill=True)
             if req.stream:
                 return await self._stream(request, req, add, gen, first, rest, t0)
             return await self._complete(req, add, first, rest, t0)
@@ -345,11 +396,13 @@ class ChatHandlers:
         s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
         s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
 
-    async def _complete(self, req: ChatRequest, add: AddRequest, first: Piece, rest, t0: float) -> web.Response:
+    async def _complete(
+        self, req: ChatRequest, add: AddRequest, first: Piece, rest, t0: float, prefill: bool = False
+    ) -> web.Response:
         s = self.s
         text, logprobs, last = [first.text], list(first.logprobs or []), first
         try:
-            if first.finish_reason is None:
+            if first.finish_reason is None and first.kv is None:
                 async for piece in rest:
                     text.append(piece.text)
                     logprobs += piece.logprobs or []
@@ -362,13 +415,15 @@ class ChatHandlers:
             logprobs=ChoiceLogprobs(content=logprobs) if add.params.logprobs else None,
             finish_reason=last.finish_reason,
         )
-        resp = ChatCompletion(
-            id=add.request_id,
+        resp = (PrefillCompletion if prefill else ChatCompletion)(
+            id=_completion_id(req, add),
             created=now_s(),
             model=s.config.model_name,
             choices=[choice],
             usage=Usage.of(last.prompt_tokens, last.completion_tokens),
         )
+        if isinstance(resp, PrefillCompletion):
+            resp.kv_transfer_params = first.kv
         return json_response(encode_json(resp))
 
     async def _stream(
@@ -379,18 +434,21 @@ class ChatHandlers:
         await resp.prepare(request)
         model, created = s.config.model_name, now_s()
         want_lp = add.params.logprobs
+        completion_id = _completion_id(req, add)
+        continuing = add.kv is not None and add.kv.first_token is not None  # the router sent the start
 
         def chunk(delta: Delta, piece: Piece | None = None, usage: Usage | None = None) -> bytes:
             choices = []
             if usage is None:
                 lp = ChoiceLogprobs(content=piece.logprobs or []) if piece is not None and want_lp else None
                 choices = [ChunkChoice(delta=delta, logprobs=lp, finish_reason=piece.finish_reason if piece else None)]
-            c = ChatCompletionChunk(id=add.request_id, created=created, model=model, choices=choices, usage=usage)
+            c = ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices, usage=usage)
             return sse_event(c)
 
         # the client may leave mid-stream; closing the generator then aborts the request
         with contextlib.suppress(ConnectionResetError):
-            await resp.write(chunk(Delta(role="assistant", content="")))
+            if not continuing:
+                await resp.write(chunk(Delta(role="assistant", content="")))
             last, t_prev = first, time.perf_counter()
             failed = False
             try:
@@ -413,6 +471,16 @@ class ChatHandlers:
             await resp.write_eof()
         return resp
 
+    async def release_kv(self, request: web.Request) -> web.Response:
+        """Internal: KV leases a decode instance will not read, given back (prefill instances)."""
+        body = await read_body(request, self.s.config.max_request_bytes)
+        try:
+            handles = msgspec.json.decode(body, type=KVRelease).handles
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise BadRequest(f"Invalid release request: {e}") from None
+        self.s.release_kv(handles)
+        return web.json_response({"released": len(handles)})
+
     async def models(self, request: web.Request) -> web.Response:
         s = self.s
         card = ModelCard(id=s.config.model_name, created=int(s.started), max_model_len=s.config.engine.max_model_len)
@@ -426,6 +494,12 @@ class ChatHandlers:
     async def metrics(self, request: web.Request) -> web.Response:
         await self.s.refresh_stats()
         return web.Response(text=self.s.metrics.render(), content_type="text/plain")
+
+
+def _completion_id(req: ChatRequest, add: AddRequest) -> str:
+    """The id the client sees: the one its stream already carries when this instance continues it."""
+    kv = req.kv_transfer_params
+    return kv.completion_id if kv is not None and kv.completion_id else add.request_id
 
 
 def _finish(reason: str | None) -> FinishReason | None:
@@ -454,6 +528,7 @@ def build_app(service: ChatService) -> web.Application:
         ("GET", "/v1/models", h.models, "public"),
         ("GET", "/health", h.health, "open"),
         ("GET", "/metrics", h.metrics, "open"),
+        ("POST", "/v1/kv/release", h.release_kv, "internal"),
     ]
     return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
 

@@ -24,8 +24,10 @@ Failures:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, get_args
@@ -37,11 +39,9 @@ from aiohttp import web
 from epdserve.api.auth import AuthConfig
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
-    ApiError,
     BadRequest,
     NotFound,
     Overloaded,
-    PayloadTooLarge,
     Timeout,
     Unavailable,
     WorkerFailed,
@@ -53,12 +53,12 @@ from epdserve.api.protocol import (
     SSE_DONE,
     ChatRequest,
     check_embeds_trust,
+    check_kv_trust,
     decode_chat_request,
     sse_error,
     to_sampling_params,
 )
 from epdserve.encoder.protocol import (
-    EncodedItem,
     EncodeItem,
     EncodeRequest,
     ReleaseRequest,
@@ -68,10 +68,12 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.media.limits import MediaLimits
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
+from epdserve.router.refs import MediaRef, media_refs
+from epdserve.router.split import SplitChat
+from epdserve.router.upstream import RetryableWorker, error_code, error_response, passthrough_error
 
 log = logging.getLogger(__name__)
 
-MEDIA_TYPES = {"image_url": "image", "video_url": "video"}
 _TAIL = len(SSE_DONE)
 
 
@@ -81,6 +83,8 @@ class RouterConfig:
     port: int = 8000  # listen port
     encoders: tuple[str, ...] = ()  # encoder base URLs (more can register at run time)
     pds: tuple[str, ...] = ()  # prefill+decode worker base URLs
+    prefills: tuple[str, ...] = ()  # prefill worker base URLs (P/D disaggregation, with decodes)
+    decodes: tuple[str, ...] = ()  # decode worker base URLs (P/D disaggregation, with prefills)
     policy: PDPolicy = "least_outstanding"  # PD worker selection
     encoder_policy: Policy = "affinity"  # encoder selection; affinity: the same media to the same encoder (cache hits)
     probe_interval_s: float = 2.0  # health probe period
@@ -100,23 +104,13 @@ class RouterConfig:
             raise ValueError(f"unknown PD policy {self.policy!r}; choose from {get_args(PDPolicy)}")
         if self.encoder_policy not in get_args(Policy):
             raise ValueError(f"unknown encoder policy {self.encoder_policy!r}; choose from {get_args(Policy)}")
+        if bool(self.prefills) != bool(self.decodes):
+            raise ValueError("P/D disaggregation needs both prefill and decode workers")
         if self.auth.cluster is None:
             raise ValueError(
                 "the router needs the cluster credential to call its workers: set EPD_CLUSTER_SECRET "
                 "or --cluster-secret-file"
             )
-
-
-@dataclass
-class MediaRef:
-    """Where a media part sits in the request body, and its encode result."""
-
-    message: int
-    part: int
-    modality: str
-    url: str
-    result: EncodedItem | None = None
-    encoder: str = ""  # the encoder that issued ``result``'s lease
 
 
 class _Outcome(Enum):
@@ -132,6 +126,9 @@ class Router:
         self.internal_headers = config.auth.cluster.headers()
         self.encoders = WorkerPool("encoder", list(config.encoders), config.encoder_policy)
         self.pds = WorkerPool("pd", list(config.pds), config.policy)
+        self.prefills = WorkerPool("prefill", list(config.prefills), config.policy)
+        self.decodes = WorkerPool("decode", list(config.decodes), config.policy)
+        self.split = SplitChat(self)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
@@ -140,6 +137,8 @@ class Router:
         m = self.metrics
         m.gauge("router_encoders_healthy", "healthy encoder workers", lambda: len(self.encoders.healthy))
         m.gauge("router_pds_healthy", "healthy PD workers", lambda: len(self.pds.healthy))
+        m.gauge("router_prefills_healthy", "healthy prefill workers", lambda: len(self.prefills.healthy))
+        m.gauge("router_decodes_healthy", "healthy decode workers", lambda: len(self.decodes.healthy))
         self.encode_hist = m.histogram("router_encode_seconds", "time to encode a request's media")
         self.ttfb_hist = m.histogram("router_first_byte_seconds", "time to the PD worker's first byte")
 
@@ -160,18 +159,32 @@ class Router:
         assert self.session is not None
         while True:
             try:
-                await asyncio.gather(self.encoders.probe(self.session), self.pds.probe(self.session))
+                await asyncio.gather(*(pool.probe(self.session) for pool in self.pools))
                 if self._model is None:
                     await self._learn_model()
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
 
+    @property
+    def pools(self) -> tuple[WorkerPool, ...]:
+        return (self.encoders, self.pds, self.prefills, self.decodes)
+
+    @property
+    def splits(self) -> bool:
+        """Requests go E → P → D: healthy prefill and decode workers are there."""
+        return bool(self.prefills.healthy and self.decodes.healthy)
+
+    @property
+    def lm_workers(self) -> list[Worker]:
+        """Healthy language-model workers of every role."""
+        return [*self.pds.healthy, *self.prefills.healthy, *self.decodes.healthy]
+
     # ---- validation --------------------------------------------------------------------------
     async def _pd_models(self) -> tuple[int, bytes] | None:
-        """``GET /v1/models`` of the first healthy PD worker that answers: (status, body)."""
+        """``GET /v1/models`` of the first healthy language-model worker that answers: (status, body)."""
         assert self.session is not None
-        for pd in self.pds.healthy:
+        for pd in self.lm_workers:
             try:
                 async with self.session.get(
                     pd.url + "/v1/models", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=5)
@@ -199,6 +212,7 @@ class Router:
         cfg = self.config
         req = decode_chat_request(raw, cfg.limits, cfg.max_prompt_chars)
         check_embeds_trust(req, internal=False, enable_mm_embeds=cfg.enable_mm_embeds)
+        check_kv_trust(req, internal=False)
         model = self._model or await self._learn_model()
         if model is None:
             raise Unavailable("No healthy prefill/decode worker is available.")
@@ -209,8 +223,9 @@ class Router:
         return req
 
     # ---- encode ------------------------------------------------------------------------------
-    async def encode(self, model: str, refs: list[MediaRef]) -> None:
-        """Fill ``ref.result`` for every ref, grouping items per encoder, retrying failed groups."""
+    async def encode(self, model: str, refs: list[MediaRef], leases: int = 1) -> None:
+        """Fill ``ref.result`` for every ref, grouping items per encoder, retrying failed groups
+        (``leases`` handles per item: 2 when a decode instance gets its own)."""
         pending = list(refs)
         tried: set[str] = set()
         busy = False
@@ -229,7 +244,7 @@ class Router:
                 raise Unavailable("No healthy encoder worker is available.") from None
             n = self.config.max_items_per_encode
             calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
-            results = await asyncio.gather(*(self._encode_on(model, w, rs) for w, rs in calls))
+            results = await asyncio.gather(*(self._encode_on(model, w, rs, leases) for w, rs in calls))
             pending = []
             for (w, rs), outcome in zip(calls, results, strict=True):
                 if outcome is not _Outcome.OK:
@@ -238,9 +253,10 @@ class Router:
                     self.metrics.inc("router_encoder_retries_total", help_text="encoder calls retried elsewhere")
                     pending += rs
 
-    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef]) -> _Outcome:
+    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef], leases: int) -> _Outcome:
         assert self.session is not None
-        body = encode_request(EncodeRequest(model=model, items=[EncodeItem(r.modality, r.url) for r in refs]))  # type: ignore[arg-type]
+        items = [EncodeItem(r.modality, r.url) for r in refs]  # type: ignore[arg-type]
+        body = encode_request(EncodeRequest(model=model, items=items, leases=leases))
         w.outstanding += 1
         try:
             async with self.session.post(
@@ -257,7 +273,7 @@ class Router:
                     self.encoders.mark_failed(w)
                     return _Outcome.FAILED
                 if 400 <= resp.status < 500:  # the media itself is bad: the client's error
-                    raise _passthrough_error(resp.status, raw)
+                    raise passthrough_error(resp.status, raw)
                 if resp.status != 200:
                     self.encoders.mark_failed(w)
                     return _Outcome.FAILED
@@ -269,17 +285,17 @@ class Router:
             return _Outcome.FAILED
         finally:
             w.outstanding -= 1
-        if len(out.items) != len(refs):
-            self._release({w.url: [item.ec_handle for item in out.items]})
-            raise WorkerFailed("An encoder returned a different number of items than requested.")
+        if len(out.items) != len(refs) or any(len(item.more_handles) != leases - 1 for item in out.items):
+            self._release({w.url: [h for item in out.items for h in (item.ec_handle, *item.more_handles)]})
+            raise WorkerFailed("An encoder returned a different number of items or leases than requested.")
         for r, item in zip(refs, out.items, strict=True):
             r.result, r.encoder = item, w.url
         return _Outcome.OK
 
-    async def _encode_shielded(self, model: str, refs: list[MediaRef]) -> None:
+    async def _encode_shielded(self, model: str, refs: list[MediaRef], leases: int = 1) -> None:
         """``encode``, finishing in the background if the client leaves meanwhile: the leases the
         encoders issue for it are then given back as soon as they arrive, not after their TTL."""
-        task = asyncio.ensure_future(self.encode(model, refs))
+        task = asyncio.ensure_future(self.encode(model, refs, leases))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -297,7 +313,7 @@ class Router:
         leases: dict[str, list[dict]] = {}
         for r in refs:
             if r.result is not None:
-                leases.setdefault(r.encoder, []).append(r.result.ec_handle)
+                leases.setdefault(r.encoder, []).extend((r.result.ec_handle, *r.result.more_handles))
                 r.result = None
         return leases
 
@@ -305,9 +321,13 @@ class Router:
         """Give leases back to their encoders in the background (it must outlive a cancelled handler)."""
         for url, handles in leases.items():
             if handles:
-                task = asyncio.create_task(self._release_on(url, handles))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+                self.spawn(self._release_on(url, handles))
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, past the handler that started it (awaited at close)."""
+        task = asyncio.create_task(work)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _release_on(self, url: str, handles: list[dict]) -> None:
         assert self.session is not None
@@ -329,7 +349,9 @@ class Router:
         self.metrics.inc("router_requests_total", help_text="chat requests received")
         req = await self.validate(raw)
         body: dict[str, Any] = msgspec.json.decode(raw)
-        refs = [] if self.config.forward_raw_media else _media_refs(body)
+        if self.splits:
+            return await self.split.chat(request, req, body)
+        refs = [] if self.config.forward_raw_media else media_refs(body)
         attempts_left = 2
         exclude: set[str] = set()
         while True:
@@ -349,7 +371,7 @@ class Router:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
                 resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
                 return resp
-            except _RetryablePD as e:
+            except RetryableWorker as e:
                 exclude.add(e.url)
                 self.metrics.inc("router_pd_retries_total", help_text="PD calls retried before the first byte")
                 if attempts_left <= 0:
@@ -377,23 +399,23 @@ class Router:
                 raise Timeout("The prefill/decode worker did not answer in time.") from None
             except (aiohttp.ClientError, OSError) as e:
                 self.pds.mark_failed(pd)
-                raise _RetryablePD(pd.url, str(e)) from None
+                raise RetryableWorker(pd.url, str(e)) from None
             async with upstream:
                 if upstream.status == 503:
                     raw = await upstream.read()
-                    if _error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
-                        raise _RetryablePD(pd.url, "embeddings unavailable")
-                    return _error_response(upstream, raw), False
+                    if error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
+                        raise RetryableWorker(pd.url, "embeddings unavailable")
+                    return error_response(upstream, raw), False
                 if upstream.status >= 500:
-                    raise _RetryablePD(pd.url, f"HTTP {upstream.status}")
+                    raise RetryableWorker(pd.url, f"HTTP {upstream.status}")
                 if upstream.status != 200 or not stream:
                     try:
                         raw = await upstream.read()
                     except (aiohttp.ClientError, TimeoutError, OSError) as e:
                         self.pds.mark_failed(pd)  # died mid-body: nothing reached the client yet
-                        raise _RetryablePD(pd.url, f"failed mid-response: {e}") from None
+                        raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
                     self.ttfb_hist.observe(time.perf_counter() - t0)
-                    return _error_response(upstream, raw), upstream.status == 200
+                    return error_response(upstream, raw), upstream.status == 200
                 self.ttfb_hist.observe(time.perf_counter() - t0)
                 return await self._relay_stream(request, upstream, pd), True
         finally:
@@ -407,6 +429,14 @@ class Router:
             if h in upstream.headers:
                 resp.headers[h] = upstream.headers[h]
         await resp.prepare(request)
+        await self.relay(resp, upstream, pd, self.pds)
+        return resp
+
+    async def relay(
+        self, resp: web.StreamResponse, upstream: aiohttp.ClientResponse, worker: Worker, pool: WorkerPool
+    ) -> None:
+        """Pass a worker's SSE stream on to a client's prepared response, to its end. A worker
+        that breaks off mid-stream is marked failed, and the stream ends with an error event."""
         tail = b""
         failure: str | None = None
         try:
@@ -416,21 +446,21 @@ class Router:
             if tail != SSE_DONE:
                 failure = "the stream ended early"
         except ConnectionResetError:
-            return resp  # the client left: closing upstream makes the PD worker abort the request
+            return  # the client left: closing upstream makes the worker abort the request
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             failure = str(e) or type(e).__name__
         if failure is not None:
             # a worker that died mid-stream: say so in the stream, then end it cleanly
-            log.warning("PD %s failed mid-stream: %s", pd.url, failure)
-            self.pds.mark_failed(pd)
+            log.warning("%s %s failed mid-stream: %s", pool.role, worker.url, failure)
+            pool.mark_failed(worker)
             self.metrics.inc("router_streams_failed_total", help_text="streams a worker broke off")
-            err = WorkerFailed("The prefill/decode worker failed while streaming; the answer is incomplete.")
+            err = WorkerFailed("The worker failed while streaming; the answer is incomplete.")
             try:
                 await resp.write(sse_error(err) + SSE_DONE)
             except ConnectionResetError:
-                return resp
-        await resp.write_eof()
-        return resp
+                return
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
 
     # ---- admin -------------------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
@@ -445,17 +475,23 @@ class Router:
         return web.json_response({"registered": url, "role": pool.role})
 
     def _pool(self, role: object) -> WorkerPool:
-        if role == "encoder":
-            return self.encoders
-        if role == "pd":
-            return self.pds
-        raise BadRequest("role must be 'encoder' or 'pd'", param="role")
+        for pool in self.pools:
+            if role == pool.role:
+                return pool
+        raise BadRequest("role must be one of 'encoder', 'pd', 'prefill', 'decode'", param="role")
 
     async def workers(self, request: web.Request) -> web.Response:
         def rows(p: WorkerPool) -> list[dict]:
             return [{"url": w.url, "healthy": w.healthy, "outstanding": w.outstanding} for w in p.workers.values()]
 
-        return web.json_response({"encoders": rows(self.encoders), "pds": rows(self.pds)})
+        return web.json_response(
+            {
+                "encoders": rows(self.encoders),
+                "pds": rows(self.pds),
+                "prefills": rows(self.prefills),
+                "decodes": rows(self.decodes),
+            }
+        )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         answer = await self._pd_models()
@@ -464,49 +500,13 @@ class Router:
         return json_response(answer[1], answer[0])
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.pds.healthy:
+        if not self.pds.healthy and not self.splits:
             raise Unavailable("no healthy prefill/decode worker")
-        return web.json_response({"status": "ok", "encoders": len(self.encoders.healthy), "pds": len(self.pds.healthy)})
+        counts = {f"{pool.role}s": len(pool.healthy) for pool in self.pools}
+        return web.json_response({"status": "ok", **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain")
-
-
-class _RetryablePD(Exception):
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(reason)
-        self.url = url
-
-
-def _error_code(raw: bytes) -> str | None:
-    try:
-        code = msgspec.json.decode(raw)["error"]["code"]
-    except Exception:
-        return None
-    return code if isinstance(code, str) else None
-
-
-def _error_response(upstream: aiohttp.ClientResponse, raw: bytes) -> web.Response:
-    resp = web.Response(body=raw, status=upstream.status)
-    for h in ("Content-Type", "Retry-After"):
-        if h in upstream.headers:
-            resp.headers[h] = upstream.headers[h]
-    return resp
-
-
-def _passthrough_error(status: int, raw: bytes) -> ApiError:
-    try:
-        err = msgspec.json.decode(raw)["error"]
-        message = str(err.get("message"))
-    except Exception:
-        message = raw[:200].decode(errors="replace")
-    if status == 413:
-        return PayloadTooLarge(message)
-    if status == 404:
-        return NotFound(message, param="model", code="model_not_found")
-    if status == 504:
-        return Timeout(message)
-    return BadRequest(message)
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -517,19 +517,6 @@ async def _json_body(request: web.Request) -> dict:
     if not isinstance(info, dict):
         raise BadRequest("body must be a JSON object")
     return info
-
-
-def _media_refs(body: dict[str, Any]) -> list[MediaRef]:
-    refs = []
-    for mi, m in enumerate(body.get("messages") or []):
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            continue
-        for pi, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_TYPES:
-                refs.append(MediaRef(mi, pi, MEDIA_TYPES[kind], part[kind]["url"]))
-    return refs
 
 
 def build_app(router: Router) -> web.Application:

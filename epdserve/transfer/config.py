@@ -14,7 +14,8 @@ from epdserve.transfer.base import TransferError
 
 Connector = Literal["shm", "tcp", "fs"]
 CONNECTORS: tuple[Connector, ...] = get_args(Connector)
-HANDLE_PURPOSE = "ec-handle"  # the key that signs handles
+HANDLE_PURPOSE = "ec-handle"  # the key that signs embedding handles
+KV_HANDLE_PURPOSE = "kv-handle"  # the key that signs KV-cache handles (never accepted as the other)
 TCP_PURPOSE = "ec-tcp"  # the key of the tcp connector's mutual authentication
 MISSING_SECRET = "the EC connector needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file"
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -39,6 +40,7 @@ class ECConfig:
     timeout_s: float = 30.0  # a consumer's get/release gives up after this many seconds
     instance: str = "ec"  # name of this instance, used in slab and file names
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # dtypes a consumer accepts
+    handle_purpose: str = HANDLE_PURPOSE  # which subkey signs and verifies handles (KV connectors: their own)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
@@ -55,6 +57,8 @@ class ECConfig:
             ClusterCredential.from_text(self.secret)  # raises CredentialError (a ValueError) if too short
         if not _INSTANCE_RE.fullmatch(self.instance):
             raise ValueError(f"instance {self.instance!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+        if self.handle_purpose not in (HANDLE_PURPOSE, KV_HANDLE_PURPOSE):
+            raise ValueError(f"unknown handle purpose {self.handle_purpose!r}")
         if self.connector == "fs" and not self.fs_dir:
             raise ValueError("the fs connector needs fs_dir")
 
@@ -66,6 +70,11 @@ class ECConfig:
     @property
     def has_secret(self) -> bool:
         return bool(self.secret)
+
+    @property
+    def handle_key(self) -> bytes:
+        """The key of this connector's handles; TransferError without a secret."""
+        return self.key(self.handle_purpose)
 
     def key(self, purpose: str) -> bytes:
         """The subkey of the cluster secret for ``purpose``; TransferError without a secret."""

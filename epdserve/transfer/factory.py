@@ -7,7 +7,7 @@ import torch
 
 from epdserve.transfer import signing
 from epdserve.transfer.base import ECConsumer, ECProducer, Handle, InvalidHandle
-from epdserve.transfer.config import CONNECTORS, HANDLE_PURPOSE, ECConfig
+from epdserve.transfer.config import CONNECTORS, ECConfig
 from epdserve.transfer.fs import FsConsumer, FsProducer
 from epdserve.transfer.shm import ShmConsumer, ShmProducer
 from epdserve.transfer.tcp import TcpConsumer, TcpProducer
@@ -16,7 +16,7 @@ from epdserve.transfer.tcp import TcpConsumer, TcpProducer
 def make_producer(cfg: ECConfig) -> ECProducer:
     """The producer of ``cfg.connector``; it acquires its slab, port or directory now. Raises
     TransferError without a cluster secret: handles must be signed."""
-    cfg.key(HANDLE_PURPOSE)
+    cfg.key(cfg.handle_purpose)  # raises without a secret
     if cfg.connector == "shm":
         return ShmProducer(cfg)
     if cfg.connector == "tcp":
@@ -36,7 +36,7 @@ class RoutingConsumer:
 
     def __init__(self, cfg: ECConfig) -> None:
         self._cfg = cfg
-        self._key = cfg.key(HANDLE_PURPOSE) if cfg.has_secret else None
+        self._key = cfg.handle_key if cfg.has_secret else None
         self._consumers: dict[str, ECConsumer] = {}
 
     def _consumer(self, handle: object) -> tuple[Handle, ECConsumer]:

@@ -41,7 +41,7 @@ import xxhash
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError
-from epdserve.transfer.config import HANDLE_PURPOSE, ECConfig
+from epdserve.transfer.config import ECConfig
 from epdserve.transfer.owners import pid_alive
 
 _NAME = r"epd-ec-(?P<instance>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-(?P<id>[0-9a-f]+)\.safetensors"
@@ -114,7 +114,7 @@ class FsProducer:
     name = "fs"
 
     def __init__(self, cfg: ECConfig) -> None:
-        self._key = cfg.key(HANDLE_PURPOSE)
+        self._key = cfg.handle_key
         self._cfg = cfg
         self._dir = Path(cfg.fs_dir)
         try:
@@ -243,7 +243,7 @@ class FsConsumer:
     """Reads fs handles whose files live directly in ``cfg.fs_dir``."""
 
     def __init__(self, cfg: ECConfig) -> None:
-        self._key = cfg.key(HANDLE_PURPOSE) if cfg.has_secret else None
+        self._key = cfg.handle_key if cfg.has_secret else None
         self._given = cfg.fs_dir
         self._dir = os.path.realpath(cfg.fs_dir) if cfg.fs_dir else ""
         self._dtypes = cfg.dtypes

@@ -58,7 +58,7 @@ import torch
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError
-from epdserve.transfer.config import HANDLE_PURPOSE, ECConfig
+from epdserve.transfer.config import ECConfig
 from epdserve.transfer.owners import pid_alive
 
 ALIGN = 64
@@ -236,7 +236,7 @@ class ShmProducer:
     name = "shm"
 
     def __init__(self, cfg: ECConfig) -> None:
-        self._key = cfg.key(HANDLE_PURPOSE)
+        self._key = cfg.handle_key
         self._cfg = cfg
         shm_dir = Path(cfg.shm_dir)
         remove_stale_slabs(shm_dir)
@@ -440,7 +440,7 @@ class ShmConsumer:
     """Reads shm handles of any producer of the cluster on the host; keeps one mapping per slab."""
 
     def __init__(self, cfg: ECConfig) -> None:
-        self._key = cfg.key(HANDLE_PURPOSE) if cfg.has_secret else None
+        self._key = cfg.handle_key if cfg.has_secret else None
         self._dir = os.path.realpath(cfg.shm_dir)
         self._dtypes = cfg.dtypes
         self._maps: dict[str, _Mapping] = {}

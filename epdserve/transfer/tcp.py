@@ -47,7 +47,7 @@ import xxhash
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import PROTOCOL_VERSION, Handle, InvalidHandle, ProducerFull, TransferError
-from epdserve.transfer.config import HANDLE_PURPOSE, TCP_PURPOSE, ECConfig
+from epdserve.transfer.config import TCP_PURPOSE, ECConfig
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class TcpProducer:
     name = "tcp"
 
     def __init__(self, cfg: ECConfig) -> None:
-        self._key = cfg.key(HANDLE_PURPOSE)
+        self._key = cfg.handle_key
         self._tcp_key = cfg.key(TCP_PURPOSE)
         self._cfg = cfg
         self._store = _Store(cfg.tcp_bytes, cfg.ttl_s)
@@ -410,7 +410,7 @@ class TcpConsumer:
     """Fetches tcp handles from producers of its cluster; keeps idle authenticated connections per peer."""
 
     def __init__(self, cfg: ECConfig) -> None:
-        self._key = cfg.key(HANDLE_PURPOSE) if cfg.has_secret else None
+        self._key = cfg.handle_key if cfg.has_secret else None
         self._tcp_key = cfg.key(TCP_PURPOSE) if cfg.has_secret else b""
         self._dtypes = cfg.dtypes
         self._timeout_s = cfg.timeout_s

@@ -1,0 +1,324 @@
+"""E → P → D: one chat request through the encoders, a prefill worker and a decode worker.
+
+The prefill worker computes the prompt and samples the first token, and hands the prompt's KV to
+its KV connector; the router sends that token to the client at once (the client's TTFT is the
+prefill worker's), then relays the decode worker's stream, which continues after it under the
+same completion id. Text-only requests skip the encoders. Prefill and decode workers are chosen
+independently (the pools' policy).
+
+The decode worker gets leases of its own on the media's embeddings (the encoders issue two per
+item): it reads them only when the KV cannot be loaded (the prefill worker died, the transfer or
+its validation failed) and then computes the prefill itself, continuing after the token already
+sent, so the client sees one answer either way. Every lease and KV handle is given back on every
+path: read, refused, or abandoned by the router.
+
+Failures before the client saw a byte are retried like the PD path's (another prefill worker, with
+fresh encodes). A decode worker that fails before its first byte is replaced: the KV lease goes
+back to the prefill worker, the media are encoded afresh and another decode worker computes the
+prefill from the metadata and continues. A decode worker that dies mid-stream ends the stream with
+an error event.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, Timeout, Unavailable, WorkerFailed
+from epdserve.api.protocol import (
+    SSE_DONE,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatRequest,
+    ChunkChoice,
+    Delta,
+    PrefillCompletion,
+    encode_json,
+    sse_error,
+    sse_event,
+)
+from epdserve.router.pool import NoWorker, Worker, WorkerPool
+from epdserve.router.refs import MediaRef, media_refs
+from epdserve.router.upstream import RetryableWorker, error_code, passthrough_error
+
+if TYPE_CHECKING:
+    from epdserve.router.server import Router
+
+log = logging.getLogger(__name__)
+
+
+class SplitChat:
+    """The E → P → D path of a ``Router``."""
+
+    def __init__(self, router: Router) -> None:
+        self.r = router
+
+    async def chat(self, request: web.Request, req: ChatRequest, body: dict[str, Any]) -> web.StreamResponse:
+        r = self.r
+        r.metrics.inc("router_split_requests_total", help_text="requests sent through prefill and decode workers")
+        refs = [] if r.config.forward_raw_media else media_refs(body)
+        try:
+            first, prefill = await self._prefill(req, body, refs)
+            kv = first.kv_transfer_params
+            if kv is None:  # the answer ended with its first token (or the prefill worker decoded it all)
+                return await self._finished(request, req, first)
+            handoff = _Handoff(first, prefill, kv)
+            try:
+                if req.stream:
+                    return await self._stream(request, req, body, refs, handoff)
+                return await self._complete(req, body, refs, handoff)
+            finally:
+                if not handoff.delivered:  # no decode worker took the KV: give it back
+                    r.spawn(self._release_kv(prefill, kv.get("kv_handle")))
+        finally:
+            r._release(r._take_leases(refs))  # the decode worker's leases, unless it took them
+
+    # ---- prefill -----------------------------------------------------------------------------
+    async def _prefill(
+        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef]
+    ) -> tuple[PrefillCompletion, Worker]:
+        r = self.r
+        exclude: set[str] = set()
+        for attempt in (1, 2):
+            try:
+                if refs:
+                    await r._encode_shielded(req.model, refs, leases=2)
+                kv = {"do_remote_decode": True}
+                raw = _body(body, refs, stream=False, kv_transfer_params=kv)
+                try:
+                    worker = r.prefills.pick(exclude=exclude)
+                except NoWorker:
+                    raise Unavailable("No healthy prefill worker is available.") from None
+                status, answer = await self._post(r.prefills, worker, raw)
+                _take_first_leases(refs)  # the prefill worker read (or gave back) them
+                if status != 200:
+                    raise passthrough_error(status, answer)
+                try:
+                    return msgspec.json.decode(answer, type=PrefillCompletion), worker
+                except msgspec.DecodeError as e:
+                    raise WorkerFailed(f"The prefill worker answered malformed JSON: {e}") from None
+            except RetryableWorker as e:
+                r._release(r._take_leases(refs))
+                exclude.add(e.url)
+                r.metrics.inc("router_prefill_retries_total", help_text="prefill calls retried elsewhere")
+                if attempt == 2:
+                    raise WorkerFailed(f"The prefill worker failed: {e}") from None
+        raise AssertionError("unreachable")
+
+    # ---- decode ------------------------------------------------------------------------------
+    async def _decode(
+        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff
+    ) -> tuple[aiohttp.ClientResponse, Worker]:
+        """A decode worker's open 200 response, continuing after the first token: from the KV,
+        or, when that worker fails before answering, another one computing the prefill."""
+        r = self.r
+        first_token = handoff.kv.get("first_token_id")
+        params: dict[str, Any] = {
+            "first_token_id": first_token,
+            "kv_handle": handoff.kv.get("kv_handle"),
+            "completion_id": handoff.id,
+        }
+        exclude: set[str] = set()
+        for attempt in (1, 2):
+            try:
+                try:
+                    worker = r.decodes.pick(exclude=exclude)
+                except NoWorker:
+                    try:  # the one that failed (if still healthy) is all there is: it recomputes
+                        worker = r.decodes.pick()
+                    except NoWorker:
+                        raise Unavailable("No healthy decode worker is available.") from None
+                raw = _body(body, refs, stream=bool(req.stream), kv_transfer_params=params)
+                upstream = await self._open(r.decodes, worker, raw)
+                handoff.delivered = True  # the decode worker took (or gave back) the KV lease
+                _take_first_leases(refs)
+                return upstream, worker
+            except RetryableWorker as e:
+                if attempt == 2:
+                    raise WorkerFailed(f"The decode worker failed: {e}") from None
+                # give the KV back and recompute the prefill on another decode worker
+                r.metrics.inc("router_decode_retries_total", help_text="decode calls recomputed elsewhere")
+                r.spawn(self._release_kv(handoff.prefill, params.pop("kv_handle")))
+                handoff.delivered = True
+                r._release(r._take_leases(refs))
+                exclude.add(e.url)
+                if refs:
+                    await r._encode_shielded(req.model, refs, leases=1)
+        raise AssertionError("unreachable")
+
+    async def _stream(
+        self, request: web.Request, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        first = handoff.first
+        choice = first.choices[0]
+        try:
+            await resp.write(_chunk(first, Delta(role="assistant", content="")))
+            text = choice.message.content or ""
+            await resp.write(_chunk(first, Delta(content=text) if text else Delta(), choice.logprobs))
+        except ConnectionResetError:
+            return resp
+        try:
+            upstream, worker = await self._decode(req, body, refs, handoff)
+        except ApiError as e:
+            log.warning("no decode worker continued %s: %s", handoff.id, e.message)
+            try:
+                await resp.write(sse_error(e) + SSE_DONE)
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass
+            return resp
+        async with upstream:
+            await self.r.relay(resp, upstream, worker, self.r.decodes)
+        return resp
+
+    async def _complete(
+        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff
+    ) -> web.Response:
+        upstream, worker = await self._decode(req, body, refs, handoff)
+        async with upstream:
+            try:
+                raw = await upstream.read()
+                rest = msgspec.json.decode(raw, type=ChatCompletion)
+            except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as e:
+                self.r.decodes.mark_failed(worker)
+                raise WorkerFailed(f"The decode worker failed mid-response: {e}") from None
+        first, last = handoff.first.choices[0], rest.choices[0]
+        last.message.content = (first.message.content or "") + (last.message.content or "")
+        if first.logprobs is not None and last.logprobs is not None:
+            last.logprobs.content = [*(first.logprobs.content or []), *(last.logprobs.content or [])]
+        rest.id = handoff.id
+        return web.Response(body=encode_json(rest), content_type="application/json")
+
+    async def _finished(self, request: web.Request, req: ChatRequest, first: PrefillCompletion) -> web.StreamResponse:
+        """The prefill worker's answer is the whole answer: as the client asked for it."""
+        done = ChatCompletion(
+            id=first.id, created=first.created, model=first.model, choices=first.choices, usage=first.usage
+        )
+        if not req.stream:
+            return web.Response(body=encode_json(done), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        choice = done.choices[0]
+        text = choice.message.content or ""
+        events = [
+            _chunk(first, Delta(role="assistant", content="")),
+            _chunk(first, Delta(content=text) if text else Delta(), choice.logprobs, choice.finish_reason),
+        ]
+        if req.include_usage:
+            usage = ChatCompletionChunk(id=first.id, created=first.created, model=first.model, choices=[])
+            usage.usage = first.usage
+            events.append(sse_event(usage))
+        try:
+            await resp.write(b"".join(events) + SSE_DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+    # ---- calls -------------------------------------------------------------------------------
+    async def _open(self, pool: WorkerPool, worker: Worker, raw: bytes) -> aiohttp.ClientResponse:
+        """POST a chat request; the open response when it is a 200. A worker that cannot be
+        reached, answers 5xx or lost the embeddings is retryable; a 4xx is the client's error."""
+        r = self.r
+        assert r.session is not None
+        worker.outstanding += 1
+        try:
+            try:
+                upstream = await r.session.post(
+                    worker.url + "/v1/chat/completions",
+                    data=raw,
+                    headers={"Content-Type": "application/json", **r.internal_headers},
+                    timeout=aiohttp.ClientTimeout(total=r.config.request_timeout_s),
+                )
+            except TimeoutError:
+                raise Timeout(f"The {pool.role} worker did not answer in time.") from None
+            except (aiohttp.ClientError, OSError) as e:
+                pool.mark_failed(worker)
+                raise RetryableWorker(worker.url, str(e)) from None
+        finally:
+            worker.outstanding -= 1
+        if upstream.status == 200:
+            return upstream
+        async with upstream:
+            answer = await upstream.read()
+        if upstream.status >= 500 or error_code(answer) == EMBEDS_UNAVAILABLE:
+            raise RetryableWorker(worker.url, f"HTTP {upstream.status}")
+        raise passthrough_error(upstream.status, answer)
+
+    async def _post(self, pool: WorkerPool, worker: Worker, raw: bytes) -> tuple[int, bytes]:
+        """``_open``, read to the end: (status, body)."""
+        upstream = await self._open(pool, worker, raw)
+        async with upstream:
+            try:
+                return upstream.status, await upstream.read()
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                pool.mark_failed(worker)
+                raise RetryableWorker(worker.url, f"failed mid-response: {e}") from None
+
+    async def _release_kv(self, prefill: Worker, handle: dict | None) -> None:
+        """Give a KV lease no decode worker will read back to the prefill worker that holds it
+        (it expires by TTL if the worker cannot be reached)."""
+        r = self.r
+        if handle is None or r.session is None:
+            return
+        try:
+            async with r.session.post(
+                prefill.url + "/v1/kv/release",
+                data=msgspec.json.encode({"handles": [handle]}),
+                headers={"Content-Type": "application/json", **r.internal_headers},
+                timeout=aiohttp.ClientTimeout(total=10),
+            ) as resp:
+                await resp.read()
+            r.metrics.inc("router_kv_released_total", help_text="KV leases given back to prefill workers")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            log.warning("could not give a KV lease back to %s (it expires by TTL): %s", prefill.url, e)
+
+
+class _Handoff:
+    """The prefill worker's answer and the KV it holds for the decode worker."""
+
+    def __init__(self, first: PrefillCompletion, prefill: Worker, kv: dict[str, Any]) -> None:
+        self.first = first
+        self.prefill = prefill
+        self.kv = kv
+        self.delivered = False  # a decode worker took the KV lease (or it was given back)
+
+    @property
+    def id(self) -> str:
+        return self.first.id
+
+
+def _take_first_leases(refs: list[MediaRef]) -> None:
+    """A worker took each item's first lease: the next one (if any) becomes the item's handle."""
+    for ref in refs:
+        if ref.result is None:
+            continue
+        if ref.result.more_handles:
+            ref.result.ec_handle = ref.result.more_handles.pop(0)
+        else:
+            ref.result = None
+
+
+def _body(body: dict[str, Any], refs: list[MediaRef], **fields: Any) -> bytes:
+    """The request for a worker: media parts as metadata with each item's current handle."""
+    out = copy.copy(body)
+    out["messages"] = copy.deepcopy(body["messages"])
+    for ref in refs:
+        assert ref.result is not None
+        out["messages"][ref.message]["content"][ref.part] = ref.result.embeds_part()
+    out.update(fields)
+    if not out.get("stream"):
+        out.pop("stream_options", None)
+    return msgspec.json.encode(out)
+
+
+def _chunk(first: ChatCompletion, delta: Delta, logprobs=None, finish_reason=None) -> bytes:
+    choice = ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    return sse_event(ChatCompletionChunk(id=first.id, created=first.created, model=first.model, choices=[choice]))

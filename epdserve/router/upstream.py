@@ -1,0 +1,52 @@
+"""What the router makes of a worker's answer: a failure worth another worker, or an error that
+is the client's (passed on as the router's own)."""
+
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Timeout
+
+
+class RetryableWorker(Exception):
+    """A worker failed before anything reached the client: the request may go to another."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(reason)
+        self.url = url
+
+
+def error_code(raw: bytes) -> str | None:
+    """The ``code`` of an OpenAI-style error body, if it has one."""
+    try:
+        code = msgspec.json.decode(raw)["error"]["code"]
+    except Exception:
+        return None
+    return code if isinstance(code, str) else None
+
+
+def error_response(upstream: aiohttp.ClientResponse, raw: bytes) -> web.Response:
+    """A worker's answer passed to the client as it is (status, body, type and Retry-After)."""
+    resp = web.Response(body=raw, status=upstream.status)
+    for h in ("Content-Type", "Retry-After"):
+        if h in upstream.headers:
+            resp.headers[h] = upstream.headers[h]
+    return resp
+
+
+def passthrough_error(status: int, raw: bytes) -> ApiError:
+    """A worker's 4xx about the client's request, as the router's own error."""
+    try:
+        err = msgspec.json.decode(raw)["error"]
+        message = str(err.get("message"))
+    except Exception:
+        message = raw[:200].decode(errors="replace")
+    if status == 413:
+        return PayloadTooLarge(message)
+    if status == 404:
+        return NotFound(message, param="model", code="model_not_found")
+    if status == 504:
+        return Timeout(message)
+    return BadRequest(message)
