@@ -329,6 +329,8 @@ class Generation:
         self.completion_tokens += len(out.token_ids)
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         finish = out.finish_reason
+        if finish == "transferred":  # a decode instance continues the answer: nothing is final yet
+            finish = None
         text = self.detok.push(out.token_ids, final=finish is not None)
         p = self.add.params
         if finish is None and self.detok.stopped and self.completion_tokens >= p.min_tokens:
