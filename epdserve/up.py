@@ -318,21 +318,27 @@ class Deployment:
         for r in roles:
             r.kill_group(signal.SIGKILL)  # a role past its grace, and anything a role left in its group
             r.proc.wait()
-        remove_slabs_of({pid for r in roles for pid in r.pids})
+        # the roles' own slabs (an encoder's) and their engine cores' (a prefill worker's KV slab,
+        # named by its instance: the core's pid is not the role's)
+        instances = {f"{r.name.rstrip('0123456789')}-{r.url.rsplit(':', 1)[1]}" for r in roles}
+        remove_slabs_of({pid for r in roles for pid in r.pids}, instances=instances)
         if self.fs_dir is not None:
             shutil.rmtree(self.fs_dir, ignore_errors=True)
             self.fs_dir = None
         self.roles = []
 
 
-def remove_slabs_of(pids: Collection[int], shm_dir: Path = Path("/dev/shm")) -> list[Path]:
-    """Unlink the EC slabs these (now dead) processes left: a slab named with one of their pids
-    whose exclusive flock nobody holds (a live producer always holds its own)."""
+def remove_slabs_of(
+    pids: Collection[int], shm_dir: Path = Path("/dev/shm"), instances: Collection[str] = ()
+) -> list[Path]:
+    """Unlink the slabs these (now dead) processes left: a slab named with one of their pids, or
+    with one of their instance names, whose exclusive flock nobody holds (a live producer always
+    holds its own)."""
     if not shm_dir.is_dir() or not any(shm_dir.glob("epd-ec-*")):
         return []
     from epdserve.transfer.shm import remove_stale_slabs  # imports torch: only when there is something to do
 
-    return remove_stale_slabs(shm_dir, pids)
+    return remove_stale_slabs(shm_dir, pids, instances)
 
 
 def run_up(deployment: Deployment) -> int:

@@ -437,3 +437,36 @@ def test_pd_topology_parsing() -> None:
     for bad in ("1e+0p+1d", "0e+1p+1d", "1p+0d", "1e+1p"):
         with pytest.raises(ValueError):
             Topology.parse(bad)
+
+
+def test_killed_prefill_and_decode_workers_lose_no_request(aggregated) -> None:
+    """With one prefill and one decode worker killed, every request is answered (the same answer)
+    by the others, and every lease (KV and embeddings) is given back."""
+    _, expected, _ = aggregated
+    from epdserve.launcher import free_port
+
+    d = Deployment(Topology.parse("1e+2p+2d"), None, port=free_port(), extra_pd_args=PD_ARGS)
+    d.start()
+    try:
+        for name in ("prefill0", "decode0"):
+            victim = next(r for r in d.roles if r.name == name)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+        reqs = request_set()
+        assert [ask(d.url, r) for r in reqs] == expected
+        p = next(r for r in d.roles if r.name == "prefill1")
+        enc = next(r for r in d.roles if r.name == "encoder0")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if metric(p.url, "kv_live_handles") == 0 and metric(enc.url, "encoder_ec_live_handles") == 0:
+                break
+            time.sleep(0.2)
+        assert metric(p.url, "kv_live_handles") == 0
+        assert metric(enc.url, "encoder_ec_live_handles") == 0
+    finally:
+        pids = [r.proc.pid for r in d.roles]
+        kv_instances = [f"prefill-{r.url.rsplit(':', 1)[1]}" for r in d.roles if r.name.startswith("prefill")]
+        d.stop()
+    assert_clean(pids)
+    # the KV slab of the killed prefill worker's engine core too
+    assert [f for i in kv_instances for f in Path("/dev/shm").glob(f"epd-ec-{i}-*")] == []

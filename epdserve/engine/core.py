@@ -333,6 +333,7 @@ class EngineCore:
             kv_transfers_in=self.kv_in,
             kv_fallbacks=self.kv_fallbacks,
             kv_bytes_in=self.kv_bytes_in,
+            kv_live_handles=self.kv_producer.live_handles if self.kv_producer is not None else 0,
             vision=self.vision,
         )
 

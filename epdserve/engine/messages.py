@@ -214,6 +214,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     kv_transfers_in: int = 0  # decode: requests whose KV was loaded
     kv_fallbacks: int = 0  # decode: requests whose KV could not be loaded (prefill computed here)
     kv_bytes_in: int = 0
+    kv_live_handles: int = 0  # prefill: KV leases handed out and not yet released or expired
     vision: bool = False
 
 

@@ -166,6 +166,7 @@ class ChatService:
         m.gauge("kv_transfers_in", "requests continued from KV loaded here", stat("kv_transfers_in"))
         m.gauge("kv_fallbacks", "requests whose KV could not be loaded (prefill computed here)", stat("kv_fallbacks"))
         m.gauge("kv_bytes_received", "KV bytes loaded through the KV connector", stat("kv_bytes_in"))
+        m.gauge("kv_live_handles", "KV leases handed out and not yet released or expired", stat("kv_live_handles"))
         self.ttft = m.histogram("time_to_first_token_seconds", "time to first token")
         self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")

@@ -135,13 +135,19 @@ def slab_bytes(cfg: ECConfig) -> int:
     return max(MIN_SLAB_BYTES, min(MAX_AUTO_SLAB_BYTES, free // 2) // ALIGN * ALIGN)
 
 
-def remove_stale_slabs(shm_dir: Path, pids: Collection[int] | None = None) -> list[Path]:
+def remove_stale_slabs(
+    shm_dir: Path, pids: Collection[int] | None = None, instances: Collection[str] = ()
+) -> list[Path]:
     """Unlink the slabs of producers that died without closing; returns what was removed. With
-    ``pids``, only slabs named with one of those pids (a supervisor cleaning up after its roles)."""
+    ``pids``, only slabs named with one of those pids or ``instances`` (a supervisor cleaning up
+    after its roles and their child processes)."""
     removed = []
     for path in shm_dir.glob("epd-ec-*") if shm_dir.is_dir() else ():
         m = SLAB_RE.fullmatch(path.name)
-        if m is None or (int(m["pid"]) not in pids if pids is not None else pid_alive(int(m["pid"]))):
+        if m is None:
+            continue
+        ours = int(m["pid"]) in pids or m["instance"] in instances if pids is not None else True
+        if not ours or (pids is None and pid_alive(int(m["pid"]))):
             continue
         try:
             fd = os.open(path, os.O_RDONLY)
