@@ -185,6 +185,7 @@ def test_grid_parsing() -> None:
     with pytest.raises(ValueError, match="out of range"):
         parse_int_list("51", "--images", 0, 50)
     assert parse_topologies("aggregated, 1E+1PD,2e+1pd") == ("aggregated", "1e+1pd", "2e+1pd")
+    assert parse_topologies("1e+1p+1d,1P+2D") == ("1e+1p+1d", "1p+2d")
     for bad in ("1e+1pd,1e+1pd", "", "3x"):
         with pytest.raises(ValueError):
             parse_topologies(bad)

@@ -5,7 +5,7 @@ one benchmark (``loadgen.run_bench``) per workload cell against it, stops it and
 deployment start per topology, not per cell. Every topology sees byte-identical requests (the
 payloads depend only on the cell and the seed), so the cells compare like with like.
 
-    topologies:  aggregated          1e+1pd            2e+1pd
+    topologies:  aggregated          1e+1pd            2e+1pd           (1e+1p+1d, ...)
     grid cells:  images per request (rows) × output length (columns), plus 50:50 text/image cells
                  (``mixed``: one per images value, at the shortest output length)
 
@@ -80,7 +80,11 @@ def parse_topologies(text: str) -> tuple[str, ...]:
 
 
 def topology_name(t: Topology) -> str:
-    return "aggregated" if t.aggregated else f"{t.encoders}e+{t.pds}pd"
+    if t.aggregated:
+        return "aggregated"
+    if t.split:
+        return (f"{t.encoders}e+" if t.encoders else "") + f"{t.prefills}p+{t.decodes}d"
+    return f"{t.encoders}e+{t.pds}pd"
 
 
 @dataclass(frozen=True)
