@@ -1,12 +1,13 @@
-"""Embedding-handoff bandwidth of each EC connector, next to the two bounds that matter: a plain
-memcpy (what shm can at best approach) and a raw loopback socket (what tcp can at best approach).
+"""Handoff bandwidth of each EC connector and each KV connector (the same transport under the KV
+signing key), next to the two bounds that matter: a plain memcpy (what shm can at best approach)
+and a raw loopback socket (what tcp can at best approach).
 
 Producer and consumer run in separate processes. "handoff" is the time from the producer's put
 starting to the consumer holding the validated tensor (the handle travels over a pipe, as it would
 inside a request); "get" is the consumer's part alone. Each figure is the median of a few repeats
 after one warm-up, so shm numbers are for a reused slab region.
 
-    python -m epdserve.bench.transfer_bench [--sizes-mb 1 16 128] [--repeats 5]
+    python -m epdserve.bench.transfer_bench [--sizes-mb 1 16 128] [--repeats 5] [--kv-connectors shm tcp]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_consumer, make_producer
+from epdserve.transfer.kv import kv_config
 
 MB = 1 << 20
 WIDTH = 1024  # float32 columns: 4 KiB rows
@@ -166,6 +168,7 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--connectors", nargs="+", default=["shm", "tcp", "fs"])
+    parser.add_argument("--kv-connectors", nargs="*", default=["shm", "tcp"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [mb * MB for mb in args.sizes_mb]
@@ -182,8 +185,12 @@ def main() -> None:
             cfg = replace(base, connector=kind, fs_dir=fs_dir)
             for what, by_size in bench_connector(cfg, sizes, args.repeats).items():
                 rows.append((f"{kind}: {what}", by_size))
+        for kind in args.kv_connectors:
+            cfg = kv_config(base, kind, "bench-kv", "float32")
+            for what, by_size in bench_connector(cfg, sizes, args.repeats).items():
+                rows.append((f"KV {kind}: {what}", by_size))
 
-    print(f"\nEC handoff bandwidth, GB/s (median of {args.repeats}; float32 [rows, {WIDTH}])\n")
+    print(f"\nEC and KV handoff bandwidth, GB/s (median of {args.repeats}; float32 [rows, {WIDTH}])\n")
     print("| path | " + " | ".join(f"{mb} MB" for mb in args.sizes_mb) + " |")
     print("|---|" + "---:|" * len(sizes))
     for label, by_size in rows:
