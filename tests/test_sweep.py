@@ -147,9 +147,11 @@ def test_report_files(tmp_path: Path) -> None:
     assert "`abc1234-dirty`" in md
     assert "`epdserve sweep --out x --images 1,4`" in md
     assert "2026-11-30T03:00:00+00:00" in md
-    assert "| images | output | topology | ok/sent | req/s | TTFT p50 ms | TTFT p99 ms | E2E p50 ms |" in md
+    assert (
+        "| images | output | topology | ok/sent | req/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | E2E p50 ms |" in md
+    )
     # aggregated, 4 images, 64 tokens: TTFT p50 400 ms, p99 800 ms, E2E 464 ms, goodput 3.50
-    assert "| 4 | 64 | aggregated | 4/4 | 4.00 | 400.0 | 800.0 | 464.0 | 3.50 |" in md
+    assert "| 4 | 64 | aggregated | 4/4 | 4.00 | 400.0 | 800.0 | 20.0 | 464.0 | 3.50 |" in md
     assert "| 4 | 64 | 2e+1pd | 3/4 ⚠ 503: 1 (client busy) |" in md
     assert "| 4 | +50.0% | +50.0% |" in md and "| 1 | -25.0% | -25.0% |" in md
     assert "n/a" in md

@@ -25,10 +25,17 @@ MODEL = "shapes-qwen2vl"
 PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
 
 
-def deploy(topology: str, connector: str = "shm") -> Deployment:
+def deploy(topology: str, connector: str = "shm", kv_connector: str = "shm") -> Deployment:
     from epdserve.launcher import free_port
 
-    d = Deployment(Topology.parse(topology), None, port=free_port(), ec_connector=connector, extra_pd_args=PD_ARGS)
+    d = Deployment(
+        Topology.parse(topology),
+        None,
+        port=free_port(),
+        ec_connector=connector,  # type: ignore[arg-type]
+        kv_connector=kv_connector,  # type: ignore[arg-type]
+        extra_pd_args=PD_ARGS,
+    )
     d.start()
     return d
 
@@ -107,12 +114,7 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
     _, expected, answers = aggregated
     d = deploy("1e+1pd", connector)
     try:
-        reqs = request_set()
-        assert [ask(d.url, r) for r in reqs] == expected
-        # 16 concurrent requests through the router
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(lambda r: ask(d.url, r), (reqs * 3)[:16]))
-        assert got == (expected * 3)[:16]
+        reqs = assert_same_answers(d.url, expected)
         # shapes-world answers (hence accuracy) identical to the aggregated server's
         questions = shapes_questions(21)
         assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers
@@ -130,6 +132,16 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
         pids = [r.proc.pid for r in d.roles]
         d.stop()
     assert_clean(pids)
+
+
+def assert_same_answers(url: str, expected: list[str]) -> list[dict]:
+    """The request set gives the expected answers, one by one and 16 at a time; returns the set."""
+    reqs = request_set()
+    assert [ask(url, r) for r in reqs] == expected
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda r: ask(url, r), (reqs * 3)[:16]))
+    assert got == (expected * 3)[:16]
+    return reqs
 
 
 def items_encoded(url: str, status: str) -> float:
@@ -329,16 +341,9 @@ def ask_logprobs(url: str, req: dict) -> list[tuple[str, float]]:
 @pytest.mark.parametrize("kv_connector", ["shm", "tcp"])
 def test_1e1p1d_equals_aggregated(aggregated, kv_connector: str) -> None:
     agg, expected, _ = aggregated
-    from epdserve.launcher import free_port
-
-    d = Deployment(Topology.parse("1e+1p+1d"), None, port=free_port(), kv_connector=kv_connector, extra_pd_args=PD_ARGS)
-    d.start()
+    d = deploy("1e+1p+1d", kv_connector=kv_connector)
     try:
-        reqs = request_set()
-        assert [ask(d.url, r) for r in reqs] == expected
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(lambda r: ask(d.url, r), (reqs * 3)[:16]))
-        assert got == (expected * 3)[:16]
+        reqs = assert_same_answers(d.url, expected)
         # the first token (from P) and the rest (from D) carry the same logprobs as aggregated's
         lp_req = {"messages": reqs[1]["messages"]}
         mine, theirs = ask_logprobs(d.url, lp_req), ask_logprobs(agg.url, lp_req)
@@ -443,10 +448,7 @@ def test_killed_prefill_and_decode_workers_lose_no_request(aggregated) -> None:
     """With one prefill and one decode worker killed, every request is answered (the same answer)
     by the others, and every lease (KV and embeddings) is given back."""
     _, expected, _ = aggregated
-    from epdserve.launcher import free_port
-
-    d = Deployment(Topology.parse("1e+2p+2d"), None, port=free_port(), extra_pd_args=PD_ARGS)
-    d.start()
+    d = deploy("1e+2p+2d")
     try:
         for name in ("prefill0", "decode0"):
             victim = next(r for r in d.roles if r.name == name)

@@ -99,10 +99,11 @@ class Cell:
     def label(self) -> str:
         return f"{'mixed ' if self.mixed else ''}{self.images} img × {self.output_len} tok"
 
-    def workload(self, image_size: int) -> WorkloadConfig:
+    def workload(self, image_size: int, prompt_tokens: int = 0) -> WorkloadConfig:
         return WorkloadConfig(
             images_per_request=self.images,
             image_size=image_size,
+            prompt_tokens=prompt_tokens,
             output_len=self.output_len,
             text_fraction=MIXED_TEXT_FRACTION if self.mixed else 0.0,
         )
@@ -116,6 +117,7 @@ class SweepConfig:
     images: tuple[int, ...] = (1, 4, 10)  # images per request: the grid's rows
     output_lens: tuple[int, ...] = (16, 64, 256)  # output tokens per request: the grid's columns
     image_size: int = 0  # side of every image in px; 0 keeps the shapes spec's 84–168 px
+    prompt_tokens: int = 0  # pad every prompt's text to about this many tokens (long prompts); 0: the question only
     requests: int = 16  # measured requests per cell and topology
     warmup: int = 2  # unmeasured requests before each cell
     concurrency: int = 4  # closed loop: requests in flight (unused when request_rate > 0)
@@ -162,7 +164,7 @@ class SweepConfig:
         """The benchmark of one cell against the deployment at ``url``."""
         return BenchConfig(
             url=url,
-            workload=cell.workload(self.image_size),
+            workload=cell.workload(self.image_size, self.prompt_tokens),
             num_requests=self.requests,
             warmup=self.warmup,
             concurrency=max(1, self.concurrency),
@@ -372,6 +374,7 @@ def command_line(argv: list[str]) -> str:
 
 SWEEP_FLAGS = (
     "image_size",
+    "prompt_tokens",
     "requests",
     "warmup",
     "seed",

@@ -205,6 +205,7 @@ def format_markdown(result: SweepResult, figures: dict[str, Path]) -> str:
         f"- per cell: {c.requests} measured requests after {c.warmup} warm-up, {c.arrival}, seed {c.seed} "
         "(the same request bytes in every topology)",
         f"- images: {'spec sizes 84–168 px' if c.image_size == 0 else f'{c.image_size} px square'}; "
+        f"text: {f'~{c.prompt_tokens} tokens per prompt' if c.prompt_tokens else 'the question only'}; "
         f"SLO for goodput: {c.slo}",
         f"- model: {c.model or 'embedded'}; extra PD flags: `{' '.join(c.pd_args) or 'none'}`",
         "- the load client runs on the same machine and shares its cores with the servers",
@@ -241,8 +242,8 @@ def format_markdown(result: SweepResult, figures: dict[str, Path]) -> str:
             lines += [f"![{g.label}]({figures[key].name})", ""]
 
     lines += ["## Results per cell", ""]
-    header = ["images", "output", "topology", "ok/sent", "req/s", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms"]
-    header.append("goodput req/s")
+    header = ["images", "output", "topology", "ok/sent", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms"]
+    header += ["E2E p50 ms", "goodput req/s"]
     rows = []
     for cell in (x for x in c.cells if not x.mixed):
         for topo in c.topologies:
@@ -259,6 +260,7 @@ def format_markdown(result: SweepResult, figures: dict[str, Path]) -> str:
                     f"{s.request_throughput:.2f}",
                     _stat(s, "ttft", "p50"),
                     _stat(s, "ttft", "p99"),
+                    _stat(s, "itl", "p99"),
                     _stat(s, "e2e", "p50"),
                     _goodput(s),
                 ]

@@ -388,18 +388,7 @@ class Router:
         t0 = time.perf_counter()
         pd.outstanding += 1
         try:
-            try:
-                upstream = await self.session.post(
-                    pd.url + "/v1/chat/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json", **self.internal_headers},
-                    timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
-                )
-            except TimeoutError:
-                raise Timeout("The prefill/decode worker did not answer in time.") from None
-            except (aiohttp.ClientError, OSError) as e:
-                self.pds.mark_failed(pd)
-                raise RetryableWorker(pd.url, str(e)) from None
+            upstream = await self.post_chat(self.pds, pd, body)
             async with upstream:
                 if upstream.status == 503:
                     raw = await upstream.read()
@@ -420,6 +409,23 @@ class Router:
                 return await self._relay_stream(request, upstream, pd), True
         finally:
             pd.outstanding -= 1
+
+    async def post_chat(self, pool: WorkerPool, worker: Worker, body: bytes) -> aiohttp.ClientResponse:
+        """POST a chat request to a worker, response unread. One that cannot be reached is marked
+        failed and the call is retryable elsewhere."""
+        assert self.session is not None
+        try:
+            return await self.session.post(
+                worker.url + "/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json", **self.internal_headers},
+                timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
+            )
+        except TimeoutError:
+            raise Timeout(f"The {pool.role} worker did not answer in time.") from None
+        except (aiohttp.ClientError, OSError) as e:
+            pool.mark_failed(worker)
+            raise RetryableWorker(worker.url, str(e)) from None
 
     async def _relay_stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker

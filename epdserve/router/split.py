@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, Timeout, Unavailable, WorkerFailed
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, Unavailable, WorkerFailed
 from epdserve.api.protocol import (
     SSE_DONE,
     ChatCompletion,
@@ -226,22 +226,9 @@ class SplitChat:
     async def _open(self, pool: WorkerPool, worker: Worker, raw: bytes) -> aiohttp.ClientResponse:
         """POST a chat request; the open response when it is a 200. A worker that cannot be
         reached, answers 5xx or lost the embeddings is retryable; a 4xx is the client's error."""
-        r = self.r
-        assert r.session is not None
         worker.outstanding += 1
         try:
-            try:
-                upstream = await r.session.post(
-                    worker.url + "/v1/chat/completions",
-                    data=raw,
-                    headers={"Content-Type": "application/json", **r.internal_headers},
-                    timeout=aiohttp.ClientTimeout(total=r.config.request_timeout_s),
-                )
-            except TimeoutError:
-                raise Timeout(f"The {pool.role} worker did not answer in time.") from None
-            except (aiohttp.ClientError, OSError) as e:
-                pool.mark_failed(worker)
-                raise RetryableWorker(worker.url, str(e)) from None
+            upstream = await self.r.post_chat(pool, worker, raw)
         finally:
             worker.outstanding -= 1
         if upstream.status == 200:
