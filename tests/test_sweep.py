@@ -292,3 +292,13 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     assert "## Machine" in md and "## Results per cell" in md and "ttft_gain_1e_1pd.png" in md
     assert (out / "ttft_gain_1e_1pd.png").is_file() and (out / "e2e_gain_1e_1pd.png").is_file()
     assert (out / "logs" / "1e_1pd" / "router.log").is_file()
+
+
+def test_every_cell_has_its_own_payloads() -> None:
+    """Cells sharing an images value must not share prompts: a later cell would find them in the
+    prefix and encoder caches an earlier cell filled (its warm-up uses seed + 1 too)."""
+    c = SweepConfig(images=(0, 1), output_lens=(16, 128), mixed=True)
+    seeds = [c.bench(cell, "http://127.0.0.1:1").seed for cell in c.cells]
+    assert len(set(seeds)) == len(seeds)
+    assert not {s + 1 for s in seeds} & set(seeds)
+    assert seeds == [c.bench(cell, "http://127.0.0.1:2").seed for cell in c.cells]  # not per deployment

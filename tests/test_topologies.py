@@ -358,6 +358,11 @@ def test_1e1p1d_equals_aggregated(aggregated, kv_connector: str) -> None:
         # neither holds vision weights: every image went through the encoder
         for role in (p, dec):
             assert metric(role.url, "vision_tower_loaded") == 0
+        # a client cannot hand the router KV parameters (nor a handle of its own)
+        forged = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        forged["kv_transfer_params"] = {"first_token_id": 3, "kv_handle": {"connector": "shm"}}
+        status, raw = http("POST", d.url + "/v1/chat/completions", json.dumps(forged).encode())
+        assert status == 400 and "internal" in json.loads(raw)["error"]["message"]
         # a repeated prompt is prefilled from the prefill worker's prefix cache (the decode side's
         # registration of loaded blocks is tested in test_pd_transfer)
         assert metric(p.url, "prefix_cache_hit_tokens") > 0

@@ -3,7 +3,8 @@
 ``run_sweep(SweepConfig)`` starts one topology at a time on this machine (``up.Deployment``), runs
 one benchmark (``loadgen.run_bench``) per workload cell against it, stops it and moves on: one
 deployment start per topology, not per cell. Every topology sees byte-identical requests (the
-payloads depend only on the cell and the seed), so the cells compare like with like.
+payloads depend only on the cell and the seed, and differ between cells so that no cell finds its
+prompts or images cached by an earlier one), so the cells compare like with like.
 
     topologies:  aggregated          1e+1pd            2e+1pd           (1e+1p+1d, ...)
     grid cells:  images per request (rows) × output length (columns), plus 50:50 text/image cells
@@ -160,6 +161,12 @@ class SweepConfig:
         """How requests arrive, in words."""
         return f"Poisson {self.request_rate:g} req/s" if self.request_rate > 0 else f"concurrency {self.concurrency}"
 
+    def cell_seed(self, cell: Cell) -> int:
+        """The payload seed of one cell: the same in every topology, different in every cell, so
+        no cell is served from the prefix or encoder caches a previous cell filled (a cell's
+        warm-up uses seed + 1)."""
+        return self.seed + 100 * (self.cells.index(cell) + 1)
+
     def bench(self, cell: Cell, url: str) -> BenchConfig:
         """The benchmark of one cell against the deployment at ``url``."""
         return BenchConfig(
@@ -169,7 +176,7 @@ class SweepConfig:
             warmup=self.warmup,
             concurrency=max(1, self.concurrency),
             request_rate=self.request_rate,
-            seed=self.seed,
+            seed=self.cell_seed(cell),
             slo=self.slo,
             timeout_s=self.timeout_s,
         )

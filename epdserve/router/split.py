@@ -94,10 +94,8 @@ class SplitChat:
                     worker = r.prefills.pick(exclude=exclude)
                 except NoWorker:
                     raise Unavailable("No healthy prefill worker is available.") from None
-                status, answer = await self._post(r.prefills, worker, raw)
-                _take_first_leases(refs)  # the prefill worker read (or gave back) them
-                if status != 200:
-                    raise passthrough_error(status, answer)
+                answer = await self._read(r.prefills, worker, raw)
+                _take_first_leases(refs)  # the prefill worker read them
                 try:
                     return msgspec.json.decode(answer, type=PrefillCompletion), worker
                 except msgspec.DecodeError as e:
@@ -239,12 +237,12 @@ class SplitChat:
             raise RetryableWorker(worker.url, f"HTTP {upstream.status}")
         raise passthrough_error(upstream.status, answer)
 
-    async def _post(self, pool: WorkerPool, worker: Worker, raw: bytes) -> tuple[int, bytes]:
-        """``_open``, read to the end: (status, body)."""
+    async def _read(self, pool: WorkerPool, worker: Worker, raw: bytes) -> bytes:
+        """``_open``, read to the end."""
         upstream = await self._open(pool, worker, raw)
         async with upstream:
             try:
-                return upstream.status, await upstream.read()
+                return await upstream.read()
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 pool.mark_failed(worker)
                 raise RetryableWorker(worker.url, f"failed mid-response: {e}") from None
