@@ -477,3 +477,21 @@ def test_killed_prefill_and_decode_workers_lose_no_request(aggregated) -> None:
     assert_clean(pids)
     # the KV slab of the killed prefill worker's engine core too
     assert [f for i in kv_instances for f in Path("/dev/shm").glob(f"epd-ec-{i}-*")] == []
+
+
+def test_1p1d_without_encoders_equals_aggregated(aggregated) -> None:
+    """No encoders: the router forwards raw media to a prefill and a decode worker that both load
+    the vision tower (the decode worker needs it only to recompute)."""
+    _, expected, _ = aggregated
+    d = deploy("1p+1d")
+    try:
+        reqs = request_set()
+        assert [ask(d.url, r) for r in reqs] == expected
+        p = next(r for r in d.roles if r.name == "prefill0")
+        dec = next(r for r in d.roles if r.name == "decode0")
+        assert metric(p.url, "vision_tower_loaded") == 1 and metric(dec.url, "vision_tower_loaded") == 1
+        assert metric(dec.url, "kv_transfers_in") >= len(reqs) - 1 and metric(dec.url, "kv_fallbacks") == 0
+    finally:
+        pids = [r.proc.pid for r in d.roles]
+        d.stop()
+    assert_clean(pids)
