@@ -224,3 +224,22 @@ def test_only_the_right_role_takes_kv_requests(model_dir: Path, reqs: list[AddRe
     assert [o.error_kind for o in outs] == ["invalid_request", "invalid_request"]
     assert "not a prefill instance" in (outs[0].error or "")
     assert "not a decode instance" in (outs[1].error or "")
+
+
+def test_a_kv_handle_sent_to_an_instance_without_kv_connector_fails_only_that_request(
+    model_dir: Path, reqs: list[AddRequest]
+) -> None:
+    async def run() -> tuple[list[EngineOutput], list[EngineOutput]]:
+        both = InprocClient(EngineCore.from_pretrained(model_dir, ENGINE))
+        await both.start()
+        try:
+            kv = KVTransfer(first_token=5, handle={"connector": "shm", "mac": "0" * 64})
+            refused = await collect(both, msgspec.structs.replace(reqs[0], request_id="k", kv=kv))
+            after = await collect(both, msgspec.structs.replace(reqs[0], request_id="after"))
+            return refused, after
+        finally:
+            await both.close()
+
+    refused, after = asyncio.run(run())
+    assert [o.error_kind for o in refused] == ["invalid_request"]
+    assert after[-1].finished and after[-1].error is None  # the core keeps serving

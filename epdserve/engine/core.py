@@ -56,7 +56,8 @@ class EngineCore:
         self.role = role
         self._kv_cfg = kv
         self._kv_fetcher: EmbeddingFetcher | None = None
-        self.kv_producer = KVProducer(kv, self.runner.kv_layout(), model_id) if role == "prefill" and kv else None
+        self.kv_layout = self.runner.kv_layout()
+        self.kv_producer = KVProducer(kv, self.kv_layout, model_id) if role == "prefill" and kv else None
         if role == "prefill" and self.kv_producer is None:
             raise ValueError("a prefill instance needs a KV connector")
         self.kv_out = self.kv_in = self.kv_fallbacks = self.kv_bytes_in = 0
@@ -100,15 +101,13 @@ class EngineCore:
         except ValueError as e:
             self._release_handles(req)
             if msg.kv is not None and msg.kv.handle is not None:
-                self._kv_fetcher_get().release(msg.kv.handle)
+                self._release_kv([msg.kv.handle])
             return [_error(req.request_id, str(e), "invalid_request")]
         self.requests[req.request_id] = req
         if msg.kv is not None and msg.kv.handle is not None:
             # the media handles wait: they are needed only if the KV cannot be loaded
             req.pending_fetches += 1
-            self._kv_fetcher_get().fetch(
-                req.request_id, KV_INDEX, msg.kv.handle, req.prompt_len, self.runner.kv_layout().width
-            )
+            self._kv_fetcher_get().fetch(req.request_id, KV_INDEX, msg.kv.handle, req.prompt_len, self.kv_layout.width)
         else:
             self._fetch_media(req)
         self.scheduler.add(req)
@@ -154,14 +153,21 @@ class EngineCore:
         """Give back leases of a request that will never run here."""
         for h in handles:
             self._fetcher_for_handles().release(h)
-        for h in kv_handles or []:
-            if self.kv_producer is not None:  # a prefill instance: its own leases
+        self._release_kv(kv_handles or [])
+
+    def _release_kv(self, handles: list[dict]) -> None:
+        """Give back KV leases: a prefill instance's own, or (through its consumer) a decode
+        instance's. An instance without a KV connector can do neither: the leases expire."""
+        for h in handles:
+            if self.kv_producer is not None:
                 try:
                     self.kv_producer.release(h)
                 except TransferError as e:
                     log.warning("a KV release was refused: %s", e)
-            else:
+            elif self._kv_cfg is not None:
                 self._kv_fetcher_get().release(h)
+            else:
+                log.warning("a KV lease reached an instance without a KV connector; it expires by TTL")
 
     @property
     def has_work(self) -> bool:
@@ -264,8 +270,10 @@ class EngineCore:
             if self._kv_cfg is None:
                 raise ValueError("this instance has no KV connector")
             cfg = self._kv_cfg
-            identity = self.runner.kv_layout().identity(self._model_id)
-            self._kv_fetcher = EmbeddingFetcher(lambda: make_consumer(cfg), identity, self._fetch_done, what="KV")
+            identity = self.kv_layout.identity(self._model_id)
+            self._kv_fetcher = EmbeddingFetcher(
+                lambda: make_consumer(cfg), identity, self._fetch_done, what="KV", unavailable="The KV is unavailable."
+            )
         return self._kv_fetcher
 
     def _fetch_done(self, f: Fetched) -> None:  # on the fetcher's thread

@@ -45,9 +45,11 @@ class EmbeddingFetcher:
         model_id: str,
         on_done: Callable[[Fetched], None],
         what: str = "embeddings",  # what the handles hold, for the log ("KV" on a decode instance)
+        unavailable: str = "Embeddings are unavailable.",  # the request's error: names no path, host or port
     ) -> None:
         self.model_id = model_id
         self.what = what
+        self.unavailable = unavailable
         self.on_done = on_done
         self.bytes = 0
         self.seconds = 0.0
@@ -76,7 +78,7 @@ class EmbeddingFetcher:
         except (TransferError, KeyError, TypeError, ValueError, OSError) as e:
             self.failures += 1
             log.warning("%s of %s unavailable: %s", self.what, request_id, e)
-            self.on_done(Fetched(request_id, index, None, f"{self.what} unavailable: {e}", "embeddings_unavailable"))
+            self.on_done(Fetched(request_id, index, None, self.unavailable, "embeddings_unavailable"))
             return
         finally:
             await self._release(handle)

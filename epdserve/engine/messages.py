@@ -54,7 +54,7 @@ class WireTensor(msgspec.Struct, frozen=True):
             name = t.dtype.name
             if name not in WIRE_DTYPES:
                 raise ValueError(f"unsupported array dtype {name!r}")
-            return cls(name, tuple(int(d) for d in t.shape), np.ascontiguousarray(t).tobytes())
+            return cls(name, tuple(int(d) for d in t.shape), t.tobytes())  # C order, whatever t's strides
         import torch
 
         t = t.detach().cpu().contiguous()

@@ -69,7 +69,7 @@ def _read(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give every meta parameter and buffer uninitialised storage on ``device`` (floating point in
     ``dtype``), keeping tied parameters tied. (``Module.to_empty`` does the same through torch's
-    reference ops, whose import of sympy costs a second of startup.)"""
+    reference ops, whose import of sympy slows every start.)"""
     made: dict[int, torch.Tensor] = {}
 
     def empty(t: torch.Tensor) -> torch.Tensor:
