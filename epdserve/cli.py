@@ -49,6 +49,8 @@ ENGINE_FLAGS = (
     "block_size",
     "num_kv_blocks",
     "enable_prefix_caching",
+    "contiguous_decode_kv",
+    Flag("cpus", "--engine-cpus"),
     "threads",
     "device",
     "dtype",

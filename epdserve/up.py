@@ -110,16 +110,30 @@ class PortInUseError(StartupError):
     """The public port cannot be bound; nothing was started."""
 
 
-def plan_cores(topo: Topology, cores: list[int]) -> dict[str, list[int]]:
-    """Split the cores between roles: encoders share a slice, the language-model workers (PD, or
-    prefill and decode) the rest (one each where possible). The router and aggregated server use
-    every core."""
+@dataclass(frozen=True)
+class CorePlan:
+    """Where each role runs when pinned (a role that is absent is not pinned)."""
+
+    roles: dict[str, list[int]]  # role -> cores of its process
+    engines: dict[str, list[int]]  # language-model worker -> cores of its engine core process
+
+
+def plan_cores(topo: Topology, cores: list[int]) -> CorePlan:
+    """Split the cores between roles. Behind encoders, each language-model worker's engine core
+    gets cores of its own (one each where possible), and the encoders share the rest with the
+    workers' HTTP front ends, which are light: decode steps then never wait for a front end that
+    streams, nor for an encode. Without encoders each worker (front end and core) gets its share.
+    The router and an aggregated server use every core."""
     workers = topo.workers
-    if topo.aggregated or len(cores) < 2 or not topo.encoders:
-        return {} if topo.aggregated or len(cores) < 2 else _spread(workers, cores)
+    if topo.aggregated or len(cores) < 2:
+        return CorePlan({}, {})
+    if not topo.encoders:
+        return CorePlan(_spread(workers, cores), {})
     n_enc = max(1, len(cores) * topo.encoders // (topo.encoders + len(workers)))
     n_enc = min(n_enc, len(cores) - 1)
-    return {**_spread([f"encoder{i}" for i in range(topo.encoders)], cores[:n_enc]), **_spread(workers, cores[n_enc:])}
+    shared = cores[:n_enc]
+    encoders = _spread([f"encoder{i}" for i in range(topo.encoders)], shared)
+    return CorePlan({**encoders, **dict.fromkeys(workers, shared)}, _spread(workers, cores[n_enc:]))
 
 
 def _spread(names: list[str], cores: list[int]) -> dict[str, list[int]]:
@@ -253,7 +267,7 @@ class Deployment:
         self.startup_s = time.time() - t0
 
     def _start_disaggregated(self, topo: Topology) -> None:
-        cores = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else {}
+        plan = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else CorePlan({}, {})
         fs_args: list[str] = []
         if self.ec_connector == "fs":
             # private (0700) and unpredictable: nobody else can plant or read embeddings there
@@ -265,7 +279,7 @@ class Deployment:
             if self.ec_connector == "tcp":
                 args += ["--ec-tcp-port", str(free_port())]
             args += [*self.extra_encoder_args, *self.extra_args]
-            encoders.append(self._launch(f"encoder{i}", args, free_port(), cores.get(f"encoder{i}")))
+            encoders.append(self._launch(f"encoder{i}", args, free_port(), plan.roles.get(f"encoder{i}")))
         # behind encoders the language-model workers only see metadata-only media: no vision
         # weights, unless the router forwards raw media (no encoders, or the metadata-only baseline)
         raw_media = "--forward-raw-media" in self.extra_router_args or not topo.encoders
@@ -280,7 +294,9 @@ class Deployment:
                 args += ["--role", kind[:-1], "--kv-connector", self.kv_connector]
                 if kind == "prefills" and self.kv_connector == "tcp":
                     args += ["--kv-tcp-port", str(free_port())]
-            role = self._launch(name, [*args, *self.extra_args], free_port(), cores.get(name))
+            if name in plan.engines:
+                args += ["--engine-cpus", ",".join(map(str, plan.engines[name]))]
+            role = self._launch(name, [*args, *self.extra_args], free_port(), plan.roles.get(name))
             workers[kind].append(role)
         self._wait([*encoders, *(r for rs in workers.values() for r in rs)])
         args = ["router", *router_args]

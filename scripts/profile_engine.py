@@ -52,13 +52,14 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--gathered-decode-kv", action="store_true", help="no contiguous decode KV (A/B)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = default_model_dir()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    config = EngineConfig(num_kv_blocks=1024)
+    config = EngineConfig(num_kv_blocks=1024, contiguous_decode_kv=not args.gathered_decode_kv)
     try:  # the engine core (this tree): the front end detokenizes
         from epdserve.engine.core import EngineCore
         from epdserve.engine.detokenizer import Detokenizer

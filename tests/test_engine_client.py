@@ -174,16 +174,29 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
+def _allowed_cpus(pid: int) -> set[str]:
+    """The Cpus_allowed_list of every thread of ``pid``."""
+    return {
+        line.split(":", 1)[1].strip()
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for line in (t / "status").read_text().splitlines()
+        if line.startswith("Cpus_allowed_list:")
+    }
+
+
 def test_the_serve_front_end_never_loads_torch(model_dir: Path) -> None:
     """Only the engine core process holds torch: the front end renders, preprocesses images and
-    builds positions with numpy, for a text and an image request alike."""
+    builds positions with numpy, for a text and an image request alike. ``--engine-cpus`` pins
+    every thread of the core process, and only that process."""
     from epdserve.bench.workload import image_data_url
     from epdserve.launcher import free_port, start_role, stop, wait_healthy
     from epdserve.shapes import ShapesWorld
     from tests.server_utils import post_json
 
     port = free_port()
-    proc = start_role(["serve", "--port", str(port), "--max-model-len", "1024", "--num-kv-blocks", "128"])
+    core = max(os.sched_getaffinity(0))
+    args = ["serve", "--port", str(port), "--max-model-len", "1024", "--num-kv-blocks", "128"]
+    proc = start_role([*args, "--engine-cpus", str(core)])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -201,5 +214,8 @@ def test_the_serve_front_end_never_loads_torch(model_dir: Path) -> None:
         ]
         assert not _maps_torch(proc.pid)
         assert any(_maps_torch(c) for c in children)  # the check can see torch where it is
+        assert [_allowed_cpus(c) for c in children] == [{str(core)}]
+        if len(os.sched_getaffinity(0)) > 1:
+            assert _allowed_cpus(proc.pid) != {str(core)}
     finally:
         stop(proc)

@@ -64,11 +64,15 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
     return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta, list(eos)))
 
 
-def test_greedy_tokens_match_transformers_alone_and_batched(model_dir: Path, ref: HFReference) -> None:
+@pytest.mark.parametrize("contiguous", [True, False], ids=["mirrored-decode-kv", "gathered-decode-kv"])
+def test_greedy_tokens_match_transformers_alone_and_batched(
+    model_dir: Path, ref: HFReference, contiguous: bool
+) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
     eng = EngineCore.from_pretrained(
-        model_dir, EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=64, num_kv_blocks=256)
+        model_dir,
+        EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=64, num_kv_blocks=256, contiguous_decode_kv=contiguous),
     )
     builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)

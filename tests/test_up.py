@@ -337,3 +337,30 @@ def test_killing_an_encoder_under_image_load_fails_no_request(tmp_path: Path) ->
         u.proc.send_signal(signal.SIGTERM)
         assert u.proc.wait(timeout=15) == 0
         assert_all_gone(u)
+
+
+def test_pinned_engine_cores_get_cores_of_their_own() -> None:
+    """Behind encoders each language-model worker's engine core has its own core(s); encoders and
+    the workers' front ends share the rest. Without encoders each worker keeps its share whole."""
+    from epdserve.up import CorePlan, Topology, plan_cores
+
+    plan = plan_cores(Topology.parse("1e+1pd"), [0, 1])
+    assert plan == CorePlan({"encoder0": [0], "pd0": [0]}, {"pd0": [1]})
+    plan = plan_cores(Topology.parse("2e+2pd"), list(range(8)))
+    assert plan.roles["encoder0"] == [0, 2] and plan.roles["encoder1"] == [1, 3]
+    assert plan.roles["pd0"] == plan.roles["pd1"] == [0, 1, 2, 3]
+    assert plan.engines == {"pd0": [4, 6], "pd1": [5, 7]}
+    plan = plan_cores(Topology.parse("1e+1p+1d"), [0, 1])
+    assert plan.engines == {"prefill0": [1], "decode0": [1]} and plan.roles["decode0"] == [0]
+    assert plan_cores(Topology.parse("1p+1d"), [0, 1]) == CorePlan({"prefill0": [0], "decode0": [1]}, {})
+    assert plan_cores(Topology.parse("aggregated"), [0, 1]) == CorePlan({}, {})
+    assert plan_cores(Topology.parse("1e+1pd"), [0]) == CorePlan({}, {})
+
+
+def test_engine_cpus_are_a_core_list() -> None:
+    from epdserve.engine.config import EngineConfig, cpu_list
+
+    assert cpu_list("") == () and cpu_list("1") == (1,) and cpu_list("0-2,6,1") == (0, 1, 2, 6)
+    for bad in ("x", "3-1", "1-", "-1", "1;2"):
+        with pytest.raises(ValueError, match="core list"):
+            EngineConfig(cpus=bad)

@@ -7,17 +7,35 @@ built with tensor ops, not rebuilt per sequence. Per step the runner builds one 
 each layer then
 
   1. writes the new k/v into their slots,
-  2. attends: all decode sequences (one new token each) together in one padded SDPA call over
-     their blocks gathered block-wise — no Python loop over sequences per layer — and prefill
+  2. attends: all decode sequences (one new token each) together in one padded SDPA call — over
+     views of the contiguous mirror of their KV (``contiguous_kv``) when the runner keeps one, else
+     over their blocks gathered block-wise; no Python loop over sequences per layer — and prefill
      chunks one sequence at a time with a causal mask offset by the tokens already cached.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from epdserve.engine.memory import lazy_zeros
+
+if TYPE_CHECKING:
+    from epdserve.engine.contiguous_kv import ContiguousDecodeKV, MirrorStep
+
+
+def spans(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For positions ``starts[i] .. ends[i]-1`` of every sequence, concatenated: each position's
+    sequence index and the position itself."""
+    lens = ends - starts
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=starts.device), lens)
+    offs = torch.arange(int(lens.sum()), device=starts.device) - torch.repeat_interleave(
+        torch.cumsum(lens, 0) - lens, lens
+    )
+    return seq, starts[seq] + offs
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,8 @@ class StepLayout:
     decode_table_rows: torch.Tensor  # [B] block-table row of each decode sequence
     decode_ctx: torch.Tensor  # [B] context length (cached + the new token)
     max_decode_ctx: int
+    mirror: MirrorStep | None = None  # the decode sequences' rows in the contiguous mirror, if kept
+    mirror_src: torch.Tensor | None = None  # [n] cache slots of the tokens copied into the mirror
 
 
 class KVCache:
@@ -53,8 +73,8 @@ class KVCache:
     ) -> None:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -120,25 +140,23 @@ class BlockTable:
 
     def slots(self, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int) -> torch.Tensor:
         """Slots of positions ``starts[i] .. ends[i]-1`` of each row, concatenated."""
-        lens = ends - starts
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=self.device), lens)
-        offs = torch.arange(int(lens.sum()), device=self.device) - torch.repeat_interleave(
-            torch.cumsum(lens, 0) - lens, lens
-        )
-        pos = starts[seq] + offs
+        seq, pos = spans(starts, ends)
         return self.table[rows[seq], pos // block_size] * block_size + pos % block_size
 
 
 class PagedAttention:
     """The ``AttentionBackend`` for one engine step."""
 
-    def __init__(self, cache: KVCache, table: BlockTable, layout: StepLayout) -> None:
+    def __init__(
+        self, cache: KVCache, table: BlockTable, layout: StepLayout, mirror: ContiguousDecodeKV | None = None
+    ) -> None:
         self.cache = cache
         self.layout = layout
         self.table = table
+        self.mirror = mirror if layout.mirror is not None else None
         bs = cache.block_size
         self.num_decodes = len(layout.decode_rows)
-        if self.num_decodes:
+        if self.num_decodes and self.mirror is None:
             nb = -(-layout.max_decode_ctx // bs)
             self.decode_blocks = table.table[layout.decode_table_rows, :nb].reshape(-1)  # [B*nb]
             self.decode_span = nb * bs
@@ -183,6 +201,9 @@ class PagedAttention:
             # ([B, Hkv, group, D]; one position, so no causal mask within them): half the cost of
             # SDPA's own GQA path on CPU, and no copy of K/V per query head.
             b, hq = self.num_decodes, q.shape[1]
+            if self.mirror is not None:
+                out[lay.decode_rows] = self._decode_mirrored(layer, q, flat_k, flat_v)
+                return out
             qd = q[lay.decode_rows].view(b, hkv, hq // hkv, d)
             shape = (b, self.decode_span, hkv, d)
             gk, gv = self._gathered
@@ -193,3 +214,19 @@ class PagedAttention:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask)
             out[lay.decode_rows] = o.reshape(b, hq, d)
         return out
+
+    def _decode_mirrored(self, layer: int, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor) -> torch.Tensor:
+        """Decode attention over views of the mirror: copy in the tokens it lacks (the new ones,
+        and a prompt once), then one SDPA over its first rows; rows of no decode sequence get a
+        zero query and are dropped."""
+        lay, mirror = self.layout, self.mirror
+        assert mirror is not None and lay.mirror is not None and lay.mirror_src is not None
+        step = lay.mirror
+        mirror.fill(layer, step, flat_k.index_select(0, lay.mirror_src), flat_v.index_select(0, lay.mirror_src))
+        hq, d = q.shape[1], q.shape[2]
+        hkv = mirror.kv_heads
+        qd = q.new_zeros((step.used_rows, hq, d))
+        qd[step.rows] = q[lay.decode_rows]
+        kd, vd = mirror.views(layer, step)
+        o = F.scaled_dot_product_attention(qd.view(step.used_rows, hkv, hq // hkv, d), kd, vd, attn_mask=step.mask)
+        return o.reshape(step.used_rows, hq, d)[step.rows]

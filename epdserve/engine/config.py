@@ -19,6 +19,8 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + output tokens per request
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
+    contiguous_decode_kv: bool = True  # decoding sequences' KV also kept contiguous: no gather, 2x their KV memory
+    cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models
     device: str = "cpu"  # torch device of the model and KV cache: cpu | cuda | cuda:N
     dtype: DType = "float32"  # weights, activations and KV cache: float32 | bfloat16 | float16
@@ -31,3 +33,15 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
+        cpu_list(self.cpus)
+
+
+def cpu_list(spec: str) -> tuple[int, ...]:
+    """The cores of a list such as ``0-3,6`` (empty for ""); ValueError for anything else."""
+    cores: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"cpus must be a core list such as 1 or 0-3,6, got {spec!r}")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(cores))

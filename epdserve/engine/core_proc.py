@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 
+from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
 from epdserve.engine.loop import StepLoop
 from epdserve.engine.messages import (
@@ -74,6 +75,16 @@ class CoreLoop:
         self.steps.run()
 
 
+def _pin(cpus: str) -> None:
+    """Run every thread of this process (and those it starts) on ``cpus``."""
+    cores = cpu_list(cpus)
+    if not cores:
+        return
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cores)
+
+
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
     _die_with(parent)
@@ -88,6 +99,7 @@ def main(argv: list[str]) -> int:
         channel.send(CoreFailed(f"expected a start message, got {type(start).__name__}"))
         return 1
     try:
+        _pin(start.engine.cpus)
         import torch
 
         if start.engine.threads:

@@ -15,6 +15,7 @@ import torch
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, PrefillSlice, StepLayout
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.contiguous_kv import ContiguousDecodeKV
 from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
@@ -51,6 +52,19 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.mirror = (
+            ContiguousDecodeKV(
+                tc.num_hidden_layers,
+                tc.num_key_value_heads,
+                tc.head_dim,
+                config.max_num_seqs,
+                config.max_model_len,
+                self.dtype,
+                self.device,
+            )
+            if config.contiguous_decode_kv
+            else None
+        )
         max_blocks = -(-config.max_model_len // config.block_size)
         self.table = BlockTable(config.max_num_seqs, max_blocks, self.device)
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
@@ -72,6 +86,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """The request left the engine: its block-table row is free again."""
         self.table.release(request_id)
+        if self.mirror is not None:
+            self.mirror.forget(request_id)
 
     # ---- vision ------------------------------------------------------------------------------
     def _ensure_embeddings(self, items: list[MediaItem]) -> None:
@@ -127,6 +143,8 @@ class ModelRunner:
         rows, starts, ends = [], [], []
         prefills: list[PrefillSlice] = []
         dec_q, dec_rows, dec_ctx = [], [], []
+        dec_ids: list[str] = []
+        dec_blocks: list[list[int]] = []
         q = 0
         for s in scheduled:
             req = s.request
@@ -148,6 +166,8 @@ class ModelRunner:
                 dec_q.append(q)
                 dec_rows.append(row)
                 dec_ctx.append(s.end)
+                dec_ids.append(req.request_id)
+                dec_blocks.append(req.block_ids)
             q += s.num_new_tokens
         if dec_pos:
             pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
@@ -157,13 +177,20 @@ class ModelRunner:
                 self.kv.write_rows(self._prompt_slots(s.request.block_ids, rows_kv.shape[0]), rows_kv)
         dev = self.device
         t = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev)  # noqa: E731
+        bs = self.config.block_size
+        mirror = mirror_src = None
+        if self.mirror is not None and dec_ids:
+            mirror = self.mirror.step(dec_ids, dec_blocks, dec_ctx)
+            mirror_src = self.table.slots(t(dec_rows), mirror.starts, t(dec_ctx), bs)
         layout = StepLayout(
-            slot_mapping=self.table.slots(t(rows), t(starts), t(ends), self.config.block_size),
+            slot_mapping=self.table.slots(t(rows), t(starts), t(ends), bs),
             prefills=prefills,
             decode_rows=t(dec_q),
             decode_table_rows=t(dec_rows),
             decode_ctx=t(dec_ctx),
             max_decode_ctx=max(dec_ctx, default=0),
+            mirror=mirror,
+            mirror_src=mirror_src,
         )
         tokens = t(ids)
         embeds = lm.embed_tokens(tokens).to(self.dtype)
@@ -177,7 +204,7 @@ class ModelRunner:
                     embeds[q + a - s.start : q + b - s.start] = rows_e.to(dev, self.dtype)
             q += s.num_new_tokens
         positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
-        attention = PagedAttention(self.kv, self.table, layout)
+        attention = PagedAttention(self.kv, self.table, layout, self.mirror)
         hidden = lm(embeds, positions, attention)
         last_rows, sampling = [], []
         q = 0

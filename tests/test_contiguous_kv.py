@@ -1,0 +1,125 @@
+"""The contiguous mirror of decoding sequences' KV: decode attention over its views equals
+attention over the gathered paged blocks, step after step, while sequences join, leave, are
+preempted (a new block list) and outgrow the mirror's capacity; and its memory is resident only
+as far as it is used."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, StepLayout
+from epdserve.engine.contiguous_kv import ContiguousDecodeKV
+from epdserve.engine.memory import lazy_zeros
+
+BS, HKV, HQ, D, LAYERS = 4, 2, 4, 8, 2
+CPU = torch.device("cpu")
+
+
+class World:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.cache = KVCache(LAYERS, 256, BS, HKV, D, torch.float32, CPU)
+        self.table = BlockTable(2, 64, CPU)
+        self.mirror = ContiguousDecodeKV(LAYERS, HKV, D, 3, 200, torch.float32, CPU, initial_len=8)
+        self.free = list(range(256))
+        self.rng.shuffle(self.free)
+        self.seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, tokens in cache)
+
+    def admit(self, rid: str, prompt: int) -> None:
+        """A sequence whose prompt KV is already in the paged cache (as after its prefill)."""
+        blocks = [self.free.pop() for _ in range(-(-prompt // BS))]
+        table_row = self.table.row(rid, blocks)
+        slots = self.table.slots(torch.tensor([table_row]), torch.tensor([0]), torch.tensor([prompt]), BS)
+        for layer in range(LAYERS):
+            self.cache.k[layer].view(-1, HKV, D)[slots] = torch.randn(prompt, HKV, D)
+            self.cache.v[layer].view(-1, HKV, D)[slots] = torch.randn(prompt, HKV, D)
+        self.seqs[rid] = (blocks, prompt)
+
+    def leave(self, rid: str) -> None:
+        blocks, _ = self.seqs.pop(rid)
+        self.free.extend(blocks)
+        self.table.release(rid)
+        self.mirror.forget(rid)
+
+    def decode_step(self, ids: list[str]) -> None:
+        """One decode token for each of ``ids``: both attention paths, compared on every layer."""
+        ctx = []
+        for rid in ids:
+            blocks, n = self.seqs[rid]
+            if n % BS == 0:
+                blocks.append(self.free.pop())
+            self.seqs[rid] = (blocks, n + 1)
+            ctx.append(n + 1)
+        rows = [self.table.row(rid, self.seqs[rid][0]) for rid in ids]
+        t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        step = self.mirror.step(ids, [self.seqs[r][0] for r in ids], ctx)
+        base = dict(
+            slot_mapping=self.table.slots(t(rows), t([c - 1 for c in ctx]), t(ctx), BS),
+            prefills=[],
+            decode_rows=t(list(range(len(ids)))),
+            decode_table_rows=t(rows),
+            decode_ctx=t(ctx),
+            max_decode_ctx=max(ctx),
+        )
+        gathered = PagedAttention(self.cache, self.table, StepLayout(**base))
+        mirrored = PagedAttention(
+            self.cache,
+            self.table,
+            StepLayout(**base, mirror=step, mirror_src=self.table.slots(t(rows), step.starts, t(ctx), BS)),
+            self.mirror,
+        )
+        for layer in range(LAYERS):
+            q, k, v = torch.randn(len(ids), HQ, D), torch.randn(len(ids), HKV, D), torch.randn(len(ids), HKV, D)
+            want = gathered(layer, q, k, v)
+            got = mirrored(layer, q, k, v)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_mirrored_decode_attention_equals_the_gathered_one() -> None:
+    w = World(0)
+    for i in range(3):
+        w.admit(f"s{i}", w.rng.randrange(1, 12))
+    live = 3
+    for step in range(60):
+        ids = list(w.seqs)
+        w.rng.shuffle(ids)
+        skipped = ids.pop() if len(ids) > 1 and step % 7 == 3 else None  # not decoding this step
+        w.decode_step(ids)
+        if step % 9 == 4:  # one leaves, another joins and takes the freed row
+            w.leave(w.rng.choice(list(w.seqs)))
+            w.admit(f"s{live}", w.rng.randrange(1, 20))
+            live += 1
+        if step % 13 == 6 and skipped in w.seqs:  # preempted and readmitted: a new block list
+            w.leave(skipped)
+            w.admit(skipped, w.rng.randrange(1, 20))
+    assert w.mirror.capacity > 8  # the longest context outgrew the initial capacity
+    assert max(n for _, n in w.seqs.values()) <= w.mirror.capacity
+
+
+def test_a_row_of_a_sequence_that_stopped_decoding_is_reused_first() -> None:
+    m = ContiguousDecodeKV(1, HKV, D, 4, 64, torch.float32, CPU)
+    a, b, c = [0], [1], [2]
+    first = m.step(["a", "b"], [a, b], [3, 5])
+    assert first.rows.tolist() == [0, 1] and first.starts.tolist() == [0, 0]
+    second = m.step(["b", "c"], [b, c], [6, 2])  # a stopped decoding: c takes row 0
+    assert second.rows.tolist() == [1, 0]
+    assert second.starts.tolist() == [5, 0]  # b copies only its new token, c its whole context
+    assert second.used_rows == 2 and second.mask.shape == (2, 1, 1, 6)
+    assert (second.mask[0, 0, 0] == 0).tolist() == [True, True, False, False, False, False]
+    third = m.step(["b", "c"], [[7], c], [3, 3])  # b's block list was replaced: mirrored again
+    assert third.starts.tolist() == [0, 2]
+
+
+def test_lazy_zeros_are_zero_and_resident_only_where_touched() -> None:
+    def resident_mb() -> float:
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+    before = resident_mb()
+    t = lazy_zeros((64, 1024, 1024), torch.float32, CPU)  # 256 MiB
+    assert resident_mb() - before < 32
+    t[3, 5, 7] = 1.5
+    assert t.dtype == torch.float32 and float(t[3].sum()) == 1.5 and float(t[0].abs().sum()) == 0.0
+    assert lazy_zeros((2, 3), torch.bfloat16, CPU).dtype == torch.bfloat16
