@@ -117,6 +117,10 @@ class CorePlan:
     roles: dict[str, list[int]]  # role -> cores of its process
     engines: dict[str, list[int]]  # language-model worker -> cores of its engine core process
 
+    def by_process(self) -> dict[str, list[int]]:
+        """Every pinned process (a worker's engine core as "<worker> engine") and its cores."""
+        return {**self.roles, **{f"{name} engine": cores for name, cores in self.engines.items()}}
+
 
 def plan_cores(topo: Topology, cores: list[int]) -> CorePlan:
     """Split the cores between roles. Behind encoders, each language-model worker's engine core

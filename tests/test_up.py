@@ -346,6 +346,7 @@ def test_pinned_engine_cores_get_cores_of_their_own() -> None:
 
     plan = plan_cores(Topology.parse("1e+1pd"), [0, 1])
     assert plan == CorePlan({"encoder0": [0], "pd0": [0]}, {"pd0": [1]})
+    assert plan.by_process() == {"encoder0": [0], "pd0": [0], "pd0 engine": [1]}
     plan = plan_cores(Topology.parse("2e+2pd"), list(range(8)))
     assert plan.roles["encoder0"] == [0, 2] and plan.roles["encoder1"] == [1, 3]
     assert plan.roles["pd0"] == plan.roles["pd1"] == [0, 1, 2, 3]

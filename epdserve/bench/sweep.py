@@ -127,7 +127,7 @@ class SweepConfig:
     slo: SLO = field(default_factory=SLO)  # bounds for goodput; none set: no goodput
     mixed: bool = False  # also run 50:50 text/image cells, one per images value at the shortest output length
     model: str | None = None  # checkpoint directory; None: the embedded model
-    pin_cores: bool = False  # pin encoders and PD workers to separate cores (``up.plan_cores``)
+    pin_cores: bool = False  # pin roles to cores as ``epdserve up --pin-cores`` does (``up.plan_cores``)
     ec_connector: Connector = "shm"  # how embeddings travel from encoders to PD workers
     pd_args: tuple[str, ...] = ()  # extra flags of every PD worker and of the aggregated server
     timeout_s: float = 600.0  # time allowed per request
@@ -333,7 +333,7 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
     interrupted = False
     for name in config.topologies:
         topo = Topology.parse(name)
-        plan = plan_cores(topo, cores) if config.pin_cores else {}
+        plan = plan_cores(topo, cores).by_process() if config.pin_cores else {}
         deployment = Deployment(
             topo,
             config.model,
