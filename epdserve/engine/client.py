@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from epdserve.engine.config import cpu_list
 from epdserve.engine.messages import (
     FRAME_HEADER,
     AbortRequests,
@@ -220,6 +221,10 @@ class MPClient:
         self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.pid = self._proc.pid
+        cores = cpu_list(self._start_msg.engine.cpus)
+        if cores:  # now, before the child imports torch: its start-up must not compete with ours
+            with contextlib.suppress(OSError):  # the core pins itself again, and reports what fails
+                os.sched_setaffinity(self.pid, cores)
         # the start message can go at once: the core reads it as soon as it has imported
         self._sock.sendall(frame(self._enc, self._start_msg))
 
