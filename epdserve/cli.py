@@ -38,6 +38,7 @@ ROUTER = "epdserve.router.server:RouterConfig"
 EC = "epdserve.transfer.config:ECConfig"
 MEDIA = "epdserve.media.limits:MediaLimits"
 AUTH = "epdserve.api.auth:AuthConfig"
+STORE = "epdserve.store.config:StoreConfig"
 
 MODEL = Flag("model", default=None, default_help="the embedded model")
 SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role")
@@ -75,6 +76,9 @@ EC_PRODUCER_FLAGS = (
     Flag("instance", default=None, default_help="encoder-<port>"),
 )
 EC_CONSUMER_FLAGS = ("fs_dir",)
+STORE_PREFIX = "--store-"
+STORE_FLAGS = ("url", "username", "ttl_s", "max_item_bytes", "timeout_s", "down_s", "claim_ttl_s", "wait_s")
+STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s")
 KV_PREFIX = "--kv-"
 KV_FLAGS = (
     "connector",
@@ -95,6 +99,7 @@ ROUTER_FLAGS = (
     "encoder_policy",
     Flag("probe_interval_s", "--probe-interval"),
     "forward_raw_media",
+    "directory_entries",
 )
 API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
 ADMIN_KEY = Flag("admin_key", default=None, default_help=f"${ADMIN_KEY_ENV}; unset: registration is off")
@@ -231,6 +236,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     from epdserve.models.precision import check_device
     from epdserve.pd.config import ServerConfig
     from epdserve.security.credentials import api_key_from
+    from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)
@@ -256,7 +262,11 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
             engine=engine,
             kv=kv,
             limits=media_limits(args),
-            ec=ECConfig(**values(args, EC_CONSUMER_FLAGS, EC_PREFIX), secret=secret),
+            ec=ECConfig(
+                **values(args, EC_CONSUMER_FLAGS, EC_PREFIX),
+                secret=secret,
+                store=StoreConfig(**values(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)),
+            ),
             auth=AuthConfig(api_key=api_key_from(args.api_key), cluster=cluster, internal_only=args.internal_only),
         )
     )
@@ -269,6 +279,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     from epdserve.api.auth import AuthConfig
     from epdserve.encoder.server import EncoderConfig
     from epdserve.models.precision import check_device
+    from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)
@@ -281,7 +292,9 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
             model=_model(args),
             **values(args, ENCODER_FLAGS),
             limits=media_limits(args),
-            ec=ECConfig(**ec, secret=cluster.secret.decode()),
+            ec=ECConfig(
+                **ec, secret=cluster.secret.decode(), store=StoreConfig(**values(args, STORE_FLAGS, STORE_PREFIX))
+            ),
             auth=AuthConfig(cluster=cluster),
         )
     )
@@ -360,8 +373,8 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         pin=args.pin_cores,
         ec_connector=args.ec_connector,
         kv_connector=args.kv_connector,
-        extra_pd_args=[*forwarded("models"), *forwarded("lm")],
-        extra_encoder_args=forwarded("models"),
+        extra_pd_args=[*forwarded("models"), *forwarded("lm"), *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)],
+        extra_encoder_args=[*forwarded("models"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
         extra_args=forwarded("all"),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         api_key=api_key_from(args.api_key),
@@ -385,6 +398,7 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     add_flags(s, SERVER, [MODEL, *SERVER_FLAGS, *PUBLIC_FLAGS])
     add_flags(s.add_argument_group("engine"), ENGINE, ENGINE_FLAGS)
     add_flags(s.add_argument_group("EC connector (consumer)"), EC, EC_CONSUMER_FLAGS, EC_PREFIX)
+    add_flags(_store_group(s), STORE, STORE_CONSUMER_FLAGS, STORE_PREFIX)
     kv = s.add_argument_group("KV connector (--role prefill: producer; decode: consumer)")
     add_flags(kv, EC, KV_FLAGS, KV_PREFIX)
     credentials = s.add_argument_group("credentials")
@@ -397,6 +411,7 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
     """Flags of an encoder-only instance."""
     add_flags(s, ENCODER, [MODEL, *ENCODER_FLAGS])
     add_flags(s.add_argument_group("EC connector (producer)"), EC, EC_PRODUCER_FLAGS, EC_PREFIX)
+    add_flags(_store_group(s), STORE, STORE_FLAGS, STORE_PREFIX)
     add_cluster_args(s.add_argument_group("credentials"))
     add_media_args(s)
 
@@ -476,6 +491,15 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     groups = {roles: s.add_argument_group(description=text) for roles, text in UP_ROLES.items()}
     for config, flags, roles in UP_FORWARDED:
         add_flags(groups[roles], config, flags, defaults=False)
+    add_flags(_store_group(s), STORE, STORE_FLAGS, STORE_PREFIX, defaults=False)
+
+
+def _store_group(s: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    return s.add_argument_group(
+        "shared embedding store",
+        "Encoders share what they compute through Redis (pip install 'epdserve[store]'); "
+        "its password is read from EPD_STORE_PASSWORD.",
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:

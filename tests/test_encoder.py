@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from epdserve.api.media import MediaResolver
+from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.media.decode import decode_image, decode_video
 from epdserve.media.hashing import media_uuid
@@ -44,7 +45,7 @@ class Encoder:
         self.log = log
 
     def encode(self, items: list[dict[str, str]], **extra: Any) -> tuple[int, dict]:
-        payload = {"version": 1, "model": MODEL, "items": items, **extra}
+        payload = {"version": ENCODER_PROTOCOL_VERSION, "model": MODEL, "items": items, **extra}
         return post_json(self.url + "/v1/encode", payload, internal_headers())
 
     def metric(self, name: str) -> float:

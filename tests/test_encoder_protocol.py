@@ -59,15 +59,31 @@ def test_response_round_trip() -> None:
     [
         ({"version": 2, "model": "m", "items": [{"modality": "image", "url": "x"}]}, "protocol version 2", "version"),
         ({"model": "m", "items": [{"modality": "image", "url": "x"}]}, "version", "version"),
-        ({"version": 1, "model": "m", "items": []}, "length >= 1", "items"),
-        ({"version": 1, "model": "m", "items": [{"modality": "audio", "url": "x"}]}, "audio", "items[0].modality"),
-        ({"version": 1, "model": "m", "items": [{"modality": "image", "url": ""}]}, "length >= 1", "items[0].url"),
+        ({"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": []}, "length >= 1", "items"),
         (
-            {"version": 1, "model": "m", "items": [{"modality": "image", "url": "x", "extra": 1}]},
+            {"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": [{"modality": "audio", "url": "x"}]},
+            "audio",
+            "items[0].modality",
+        ),
+        (
+            {"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": [{"modality": "image", "url": ""}]},
+            "length >= 1",
+            "items[0].url",
+        ),
+        (
+            {
+                "version": ENCODER_PROTOCOL_VERSION,
+                "model": "m",
+                "items": [{"modality": "image", "url": "x", "extra": 1}],
+            },
             "unknown field",
             "items[0]",
         ),
-        ({"version": 1, "model": "m", "items": [{"modality": "image", "url": "x"}] * 3}, "At most 2 items", "items"),
+        (
+            {"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": [{"modality": "image", "url": "x"}] * 3},
+            "At most 2 items",
+            "items",
+        ),
     ],
 )
 def test_bad_requests_are_400(payload: dict, match: str, param: str | None) -> None:
@@ -89,11 +105,11 @@ def test_not_json_is_400() -> None:
 
 
 def test_response_version_mismatch_and_garbage_are_protocol_errors() -> None:
-    body = msgspec.json.encode({"version": 2, "items": []})
-    with pytest.raises(EncoderProtocolError, match="version 2"):
+    body = msgspec.json.encode({"version": ENCODER_PROTOCOL_VERSION + 1, "items": []})
+    with pytest.raises(EncoderProtocolError, match=f"version {ENCODER_PROTOCOL_VERSION + 1}"):
         decode_response(body)
-    with pytest.raises(EncoderProtocolError):
-        decode_response(b'{"version": 1, "items": [{"uuid": 3}]}')
+    with pytest.raises(EncoderProtocolError, match="invalid encode response"):
+        decode_response(msgspec.json.encode({"version": ENCODER_PROTOCOL_VERSION, "items": [{"uuid": 3}]}))
     with pytest.raises(EncoderProtocolError):
         decode_response(b"<html>")
 

@@ -13,6 +13,7 @@ import torch
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig
+from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
 from epdserve.encoder.server import EncoderConfig, EncoderService, build_app
 from epdserve.launcher import free_port
 from epdserve.security.credentials import ClusterCredential
@@ -33,7 +34,11 @@ def image_url(seed: int) -> str:
 
 
 def body(seed: int) -> dict:
-    return {"version": 1, "model": MODEL, "items": [{"modality": "image", "url": image_url(seed)}]}
+    return {
+        "version": ENCODER_PROTOCOL_VERSION,
+        "model": MODEL,
+        "items": [{"modality": "image", "url": image_url(seed)}],
+    }
 
 
 Scenario = Callable[[EncoderService, Callable[[dict], Awaitable[tuple[int, dict]]]], Awaitable[None]]

@@ -495,3 +495,79 @@ def test_1p1d_without_encoders_equals_aggregated(aggregated) -> None:
         pids = [r.proc.pid for r in d.roles]
         d.stop()
     assert_clean(pids)
+
+
+def _counter(url: str, name: str) -> float:
+    metrics = http("GET", url + "/metrics")[1].decode()
+    m = re.search(rf"^epd_{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
+    assert m is not None, f"epd_{name} not in {url}/metrics"
+    return float(m[1])
+
+
+def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monkeypatch) -> None:
+    """2e+1pd sharing a real Redis: identical outputs; each distinct item computed once across
+    both encoders; repeated items skip the encoder (router directory) and concurrent requests for
+    one new item make one encode call; an entry evicted from the store, or the store dying, costs
+    an encode, never a request."""
+    import redis
+
+    from epdserve.launcher import free_port
+    from tests.redis_server import redis_server
+
+    _, expected, _ = aggregated
+    with redis_server() as server:
+        monkeypatch.setenv("EPD_STORE_PASSWORD", server.password)
+        store = ["--store-url", server.url]
+        d = Deployment(
+            Topology.parse("2e+1pd"),
+            None,
+            port=free_port(),
+            extra_pd_args=[*PD_ARGS, *store],
+            extra_encoder_args=store,
+        )
+        d.start()
+        try:
+            encoders = [r.url for r in d.roles if r.name.startswith("encoder")]
+
+            def computed() -> float:
+                return sum(items_encoded(u, "computed") for u in encoders)
+
+            def encode_calls() -> float:
+                return sum(_counter(u, "encode_requests_total") for u in encoders)
+
+            reqs = request_set()
+            assert [ask(d.url, r) for r in reqs] == expected
+            urls = {
+                p[p["type"]]["url"]
+                for r in reqs
+                for m in r["messages"]
+                if isinstance(m["content"], list)
+                for p in m["content"]
+                if p["type"] in ("image_url", "video_url")
+            }
+            assert computed() == len(urls)  # each distinct item once, across both encoders
+            assert _counter(d.url, "router_directory_hits_total") >= 2  # the repeated image, twice
+            # sixteen at a time: everything is known, no encoder is called
+            calls = encode_calls()
+            with ThreadPoolExecutor(16) as pool:
+                assert list(pool.map(lambda r: ask(d.url, r), (reqs * 3)[:16])) == (expected * 3)[:16]
+            assert encode_calls() == calls and computed() == len(urls)
+            # eight concurrent requests for one new image: one encode call in all
+            new = {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(ShapesWorld(31).scene().render())}},
+                {"type": "text", "text": "Describe the image."},
+            ]}]}  # fmt: skip
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(lambda _: ask(d.url, new), range(8)))
+            assert len(set(answers)) == 1
+            assert encode_calls() == calls + 1 and computed() == len(urls) + 1
+            # the store loses everything: the directory's handles go stale, the request still answers
+            redis.Redis.from_url(server.url, password=server.password).flushall()
+            assert ask(d.url, reqs[1]) == expected[1]
+            assert computed() == len(urls) + 2  # encoded afresh
+            # the store dies: encoders compute alone, workers fall back, nothing fails
+            server.kill()
+            assert ask(d.url, reqs[2]) == expected[2]
+            assert ask(d.url, new) == answers[0]
+        finally:
+            d.stop()

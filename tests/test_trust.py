@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from epdserve.bench.workload import image_data_url
+from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
@@ -96,7 +97,11 @@ def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[i
 
 def encode(stack: Stack, seeds: list[int]) -> tuple[int, dict]:
     items = [{"modality": "image", "url": image(s)["image_url"]["url"]} for s in seeds]
-    return post(stack.encoder + "/v1/encode", {"version": 1, "model": MODEL, "items": items}, internal_headers())
+    return post(
+        stack.encoder + "/v1/encode",
+        {"version": ENCODER_PROTOCOL_VERSION, "model": MODEL, "items": items},
+        internal_headers(),
+    )
 
 
 def embeds_chat(item: dict, handle: dict | None = None) -> dict:
@@ -143,7 +148,11 @@ def test_public_api_needs_the_api_key(stack: Stack) -> None:
 
 
 def test_internal_surfaces_refuse_callers_without_the_cluster_credential(stack: Stack) -> None:
-    items = {"version": 1, "model": MODEL, "items": [{"modality": "image", "url": image(2)["image_url"]["url"]}]}
+    items = {
+        "version": ENCODER_PROTOCOL_VERSION,
+        "model": MODEL,
+        "items": [{"modality": "image", "url": image(2)["image_url"]["url"]}],
+    }
     text = chat([{"type": "text", "text": "hi"}])
     wrong = ClusterCredential.generate().headers()
     for headers in ({}, wrong, AUTH):

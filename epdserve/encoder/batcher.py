@@ -188,6 +188,13 @@ class EncodeBatcher:
             self._grids.move_to_end(uuid)
             return Cached(emb, grid)
 
+    def remember(self, uuid: str, grid_thw: Grid, embeddings: torch.Tensor) -> None:
+        """Cache embeddings computed elsewhere (another encoder, through the shared store)."""
+        with self._lock:
+            self.cache.put(uuid, embeddings)
+            if uuid in self.cache:
+                self._remember_grid(uuid, grid_thw)
+
     async def encode(self, uuid: str, grid_thw: Grid, pixel_values: torch.Tensor) -> EncodeResult:
         """Embeddings of one preprocessed item: from the cache, an in-flight job, or a new forward."""
         loop = asyncio.get_running_loop()

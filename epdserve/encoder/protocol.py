@@ -4,9 +4,9 @@ One request carries the media items of one (or several) chat requests that the r
 this encoder; the response carries, per item and in request order, the layout metadata the
 language model needs and the EC-connector handle of the embeddings::
 
-    → {"version": 1, "model": "shapes-qwen2vl",
+    → {"version": 2, "model": "shapes-qwen2vl",
        "items": [{"modality": "image", "url": "data:image/png;base64,..."}]}
-    ← {"version": 1,
+    ← {"version": 2,
        "items": [{"uuid": "<sha256>", "modality": "image", "grid_thw": [1, 8, 8], "num_embeddings": 16,
                   "dtype": "float32", "shape": [16, 256], "ec_handle": {"connector": "shm", ...},
                   "status": "computed",
@@ -26,12 +26,12 @@ import msgspec
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import param_of
 
-ENCODER_PROTOCOL_VERSION: Final = 1  # bump on any incompatible change of the messages below
+ENCODER_PROTOCOL_VERSION: Final = 2  # bump on any incompatible change of the messages below (2: "store_hit")
 
 MAX_RELEASE_HANDLES: Final = 1024  # handles one /v1/release call may carry
 MAX_LEASES: Final = 2  # handles one item may be given
 Modality = Literal["image", "video"]
-ItemStatus = Literal["computed", "cache_hit"]
+ItemStatus = Literal["computed", "cache_hit", "store_hit"]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -91,7 +91,10 @@ class EncodedItem(msgspec.Struct, kw_only=True):
     shape: tuple[NonNegativeInt, NonNegativeInt]  # (num_embeddings, embedding width)
     ec_handle: dict[str, Any]  # EC-connector handle (see epdserve.transfer.base)
     more_handles: list[dict[str, Any]] = []  # further leases on the same embeddings (``leases`` > 1)
-    status: ItemStatus  # "computed": a vision forward ran for it; "cache_hit": served from the cache
+    store_handle: dict[str, Any] | None = (
+        None  # a handle on its shared-store entry (no lease; while the store keeps it)
+    )
+    status: ItemStatus  # "computed": a vision forward ran for it; "cache_hit": this encoder's cache; "store_hit": the shared store
     timings: ItemTimings = msgspec.field(default_factory=ItemTimings)
 
     def embeds_part(self, handle: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -3,9 +3,14 @@
 Routes: ``POST /v1/encode`` (see ``epdserve.encoder.protocol``), ``GET /v1/models``, ``/health``,
 ``/metrics``. Per item::
 
-    fetch (event loop) → hash (pool) → cached? ─yes──────────────────────────────┐
-                                          └─no─→ decode + preprocess (pool)       │
-                                                 → batcher (one forward thread) ──┴→ put (one put thread)
+    fetch (event loop) → hash (pool) → cached? ─yes──────────────────────────────────┐
+                                          └─no─→ in the shared store? ─yes────────────┤
+                                                 └─no (claimed) → decode + preprocess │
+                                                   → batcher (one forward thread)     │
+                                                   → shared store ────────────────────┴→ put (one put thread)
+
+With a shared store (``--store-url``) an item computed by any encoder is not computed again, and
+concurrent misses on one item across encoders compute it once (``store.single_flight``).
 
 Only the vision tower is loaded (``parts={"vision"}``): no language model, KV cache or sampler.
 Item uuids are computed exactly as the language-model server computes them (same model name,
@@ -17,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import torch
 from aiohttp import web
@@ -59,11 +66,17 @@ from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.models.precision import DType, torch_dtype
 from epdserve.models.registry import prompt_layout
+from epdserve.store.base import EmbeddingStore
+from epdserve.store.record import STORE_PURPOSE, StoredItem
+from epdserve.store.single_flight import fetch_or_claim, holding
+from epdserve.transfer import signing
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
-from epdserve.transfer.config import ECConfig
+from epdserve.transfer.config import STORE_HANDLE, ECConfig
 from epdserve.transfer.factory import make_producer
+from epdserve.transfer.header import WireHeader, to_handle
 
 log = logging.getLogger(__name__)
+STORED_REMEMBERED = 65536  # uuids whose store entries this encoder remembers (for store handles on cache hits)
 
 
 @dataclass(frozen=True)
@@ -123,8 +136,9 @@ class _Ready(NamedTuple):
     uuid: str
     grid_thw: tuple[int, int, int]
     embeddings: torch.Tensor
-    cache_hit: bool
+    status: ItemStatus
     timings: ItemTimings
+    stored: WireHeader | None = None  # its shared-store entry, when this encoder knows there is one
 
 
 def _with_param(e: ApiError, param: str) -> ApiError:
@@ -171,6 +185,18 @@ class EncoderService:
             on_batch=self._on_batch,
         )
         self.resolver: MediaResolver | None = None
+        self.store: EmbeddingStore | None = None
+        self._stored: OrderedDict[str, WireHeader] = OrderedDict()
+        if config.ec.store.enabled:
+            from epdserve.store.redis_store import RedisStore  # the optional extra, only when asked for
+
+            self.store = RedisStore(
+                config.ec.store,
+                config.model_name,
+                config.ec.key(STORE_PURPOSE),
+                prompt_layout(model_config).num_placeholders,
+                model_config.vision.out_hidden_size,
+            )
         self._init_metrics()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -187,6 +213,8 @@ class EncoderService:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.put_executor.shutdown(wait=True)
         self.producer.close()
+        if self.store is not None:
+            await self.store.close()
 
     # ---- metrics ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:
@@ -207,9 +235,24 @@ class EncoderService:
         self.request_seconds = m.histogram("encode_request_seconds", "wall time of one /v1/encode request")
         self.put_seconds = m.histogram("encoder_put_seconds", "wall time of one EC-connector put")
         # declared up front so a scrape shows zeros before the first request
-        for status in ("computed", "cache_hit"):
+        for status in get_args(ItemStatus):
             m.inc("encoder_items_total", 0, f'status="{status}"', "media items encoded, by how")
+        if self.store is not None:
+            st = self.store.stats
+            for name, text in (
+                ("hits", "items found in the shared store"),
+                ("misses", "items not in the shared store"),
+                ("rejected", "store entries that failed validation"),
+                ("writes", "items written to the shared store"),
+                ("errors", "store operations that failed or timed out"),
+                ("skipped", "store operations skipped after a recent failure"),
+                ("waits", "items another encoder was computing"),
+                ("takeovers", "claims taken over from an encoder that stopped computing"),
+            ):
+                m.gauge(f"encoder_store_{name}_total", text, partial(getattr, st, name))
         m.inc("encoder_batches_total", 0, help_text="batched vision forwards run")
+        m.inc("encoder_batch_items_total", 0, help_text="items in batched vision forwards")
+        m.inc("encoder_batch_rows_total", 0, help_text="patch rows in batched vision forwards")
         m.inc("encode_requests_total", 0, help_text="/v1/encode requests received")
         p = self.producer
         m.gauge("encoder_ec_live_handles", "leases issued and not yet released or expired", lambda: p.live_handles)
@@ -252,7 +295,7 @@ class EncoderService:
                 handle_nbytes(handle, r.embeddings),
                 help_text="bytes put into the EC connector",
             )
-            status: ItemStatus = "cache_hit" if r.cache_hit else "computed"
+            status = r.status
             self.metrics.inc("encoder_items_total", 1, f'status="{status}"', "media items encoded, by how")
             items.append(
                 EncodedItem(
@@ -264,6 +307,7 @@ class EncoderService:
                     shape=(r.embeddings.shape[0], r.embeddings.shape[1]),
                     ec_handle=handle,
                     more_handles=more,
+                    store_handle=self._store_handle(r.stored) if r.stored is not None else None,
                     status=status,
                     timings=r.timings,
                 )
@@ -284,7 +328,42 @@ class EncoderService:
         cached = self.batcher.lookup(uuid)
         if cached is not None:
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
-            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, True, timings)
+            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, self._stored.get(uuid))
+        if self.store is None:
+            return await self._compute(item, uuid, data, t0, t1)
+        store, cfg = self.store, self.config.ec.store
+        got = await fetch_or_claim(store, uuid, cfg.wait_s)
+        if isinstance(got, StoredItem):
+            self.batcher.remember(uuid, got.grid_thw, got.embeddings)
+            self._remember_stored(uuid, got.header)
+            timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
+            return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header)
+        async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
+            ready = await self._compute(item, uuid, data, t0, t1)
+            if ready.status == "computed":
+                header = await store.put(uuid, ready.grid_thw, ready.embeddings)
+                if header is not None:
+                    self._remember_stored(uuid, header)
+                    ready = ready._replace(stored=header)
+        return ready
+
+    def _remember_stored(self, uuid: str, header: WireHeader) -> None:
+        """Which items have a store entry (bounded: the oldest are forgotten first)."""
+        self._stored[uuid] = header
+        self._stored.move_to_end(uuid)
+        while len(self._stored) > STORED_REMEMBERED:
+            self._stored.popitem(last=False)
+
+    def _store_handle(self, header: WireHeader) -> Handle:
+        cfg = self.config.ec
+        handle = to_handle(header, STORE_HANDLE)
+        return signing.issue(handle, cfg.handle_key, cfg.store.ttl_s, signing.new_lease())
+
+    async def _compute(self, item: EncodeItem, uuid: str, data: bytes, t0: float, t1: float) -> _Ready:
+        """Preprocess and encode one item here (the batcher joins it with concurrent ones)."""
+        resolver = self.resolver
+        assert resolver is not None
+        loop = asyncio.get_running_loop()
         try:
             media = await loop.run_in_executor(self.executor, resolver.process_bytes, item.modality, data)
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
@@ -306,7 +385,7 @@ class EncoderService:
             queue_ms=_ms(res.queue_s),
             encode_ms=_ms(res.encode_s),
         )
-        return _Ready(item, uuid, media.grid_thw, res.embeddings, res.cache_hit, timings)
+        return _Ready(item, uuid, media.grid_thw, res.embeddings, "cache_hit" if res.cache_hit else "computed", timings)
 
     def _put_all(self, ready: list[_Ready], leases: int) -> list[list[Handle]]:
         """Put every item's embeddings (runs on the put thread): ``leases`` handles per item, the

@@ -257,10 +257,13 @@ class EngineCore:
     # ---- embeddings by handle ----------------------------------------------------------------
     def _fetcher_for_handles(self) -> EmbeddingFetcher:
         if self._fetcher is None:
+            from epdserve.store.consumer import StoreConsumer
+            from epdserve.transfer.config import STORE_HANDLE
             from epdserve.transfer.factory import make_consumer
 
             ec = self._ec or ECConfig()
-            self._fetcher = EmbeddingFetcher(lambda: make_consumer(ec), self._model_id, self._fetch_done)
+            store = {STORE_HANDLE: lambda: StoreConsumer(ec)}
+            self._fetcher = EmbeddingFetcher(lambda: make_consumer(ec, store), self._model_id, self._fetch_done)
         return self._fetcher
 
     def _kv_fetcher_get(self) -> EmbeddingFetcher:

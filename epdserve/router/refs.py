@@ -20,7 +20,9 @@ class MediaRef:
     modality: str
     url: str
     result: EncodedItem | None = None
-    encoder: str = ""  # the encoder that issued ``result``'s lease
+    encoder: str = ""  # the encoder that issued ``result``'s lease ("" for a directory hit: no lease)
+    directory_key: str | None = None  # its key in the router's media directory (data: URLs)
+    from_directory: bool = False  # ``result`` came from the directory, not an encode call
 
 
 def media_refs(body: dict[str, Any]) -> list[MediaRef]:

@@ -67,6 +67,7 @@ from epdserve.encoder.protocol import (
     encode_request,
 )
 from epdserve.media.limits import MediaLimits
+from epdserve.router.directory import MediaDirectory, content_key
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs
 from epdserve.router.split import SplitChat
@@ -97,6 +98,7 @@ class RouterConfig:
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
+    directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
 
     def __post_init__(self) -> None:
@@ -134,7 +136,22 @@ class Router:
         self._probe_task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
         self._model: tuple[str, int] | None = None  # (served name, max_model_len) of the PD workers
+        self.directory = MediaDirectory(config.directory_entries)
+        self._store_seen = False  # an encoder has handed out a store handle: the directory can fill
         m = self.metrics
+        m.gauge(
+            "router_directory_entries", "media items the directory holds store handles for", lambda: len(self.directory)
+        )
+        m.gauge(
+            "router_directory_hits_total",
+            "media items served from the directory (no encode call)",
+            lambda: self.directory.hits,
+        )
+        m.gauge(
+            "router_directory_waits_total",
+            "media items that waited for a concurrent encode of the same content",
+            lambda: self.directory.waits,
+        )
         m.gauge("router_encoders_healthy", "healthy encoder workers", lambda: len(self.encoders.healthy))
         m.gauge("router_pds_healthy", "healthy PD workers", lambda: len(self.pds.healthy))
         m.gauge("router_prefills_healthy", "healthy prefill workers", lambda: len(self.prefills.healthy))
@@ -224,8 +241,60 @@ class Router:
 
     # ---- encode ------------------------------------------------------------------------------
     async def encode(self, model: str, refs: list[MediaRef], leases: int = 1) -> None:
-        """Fill ``ref.result`` for every ref, grouping items per encoder, retrying failed groups
-        (``leases`` handles per item: 2 when a decode instance gets its own)."""
+        """Fill ``ref.result`` for every ref (``leases`` handles per item: 2 when a decode instance
+        gets its own): from the media directory where it covers the item, else by encoders, one
+        encode per item at a time across concurrent requests (``directory``)."""
+        todo = list(refs)
+        for r in todo:
+            r.from_directory = False
+            r.directory_key = content_key(r.modality, r.url) if self.directory.max_entries > 0 else None
+        while todo:
+            lead: list[MediaRef] = []
+            waits: list[tuple[MediaRef, asyncio.Future[None]]] = []
+            leading: set[str] = set()
+            for r in todo:
+                key = r.directory_key
+                item = self.directory.lookup(key) if key is not None else None
+                if item is not None:
+                    assert item.store_handle is not None
+                    r.result = msgspec.structs.replace(item, more_handles=[item.store_handle] * (leases - 1))
+                    r.encoder, r.from_directory = "", True
+                    continue
+                running = self.directory.in_flight(key) if key is not None and key not in leading else None
+                if running is not None:
+                    waits.append((r, running))
+                    continue
+                if key is not None and key not in leading and self._store_seen:
+                    self.directory.begin(key)
+                    leading.add(key)
+                lead.append(r)
+            try:
+                if lead:
+                    await self._encode_refs(model, lead, leases)
+            finally:
+                for r in lead:
+                    if r.directory_key in leading:
+                        if r.result is not None:
+                            self._store_seen |= r.result.store_handle is not None
+                            self.directory.record(r.directory_key, r.result)
+                        self.directory.end(r.directory_key)
+                        leading.discard(r.directory_key)
+            if waits:
+                self.directory.waits += len(waits)
+                await asyncio.gather(*(asyncio.shield(f) for _, f in waits))
+            todo = [r for r, _ in waits]
+
+    def forget_directory_hits(self, refs: list[MediaRef]) -> None:
+        """A worker could not use what the directory gave these refs (an entry evicted from the
+        store, a worker without the store): encode them afresh from now on."""
+        for r in refs:
+            if r.from_directory and r.directory_key is not None:
+                self.directory.forget(r.directory_key)
+                r.from_directory = False
+
+    async def _encode_refs(self, model: str, refs: list[MediaRef], leases: int) -> None:
+        """Fill ``ref.result`` for every ref by encoders: items grouped per encoder, failed groups
+        retried elsewhere."""
         pending = list(refs)
         tried: set[str] = set()
         busy = False
@@ -312,9 +381,9 @@ class Router:
         """The leases the refs hold, per encoder; the refs forget them."""
         leases: dict[str, list[dict]] = {}
         for r in refs:
-            if r.result is not None:
+            if r.result is not None and not r.from_directory:  # a directory hit holds no lease
                 leases.setdefault(r.encoder, []).extend((r.result.ec_handle, *r.result.more_handles))
-                r.result = None
+            r.result = None
         return leases
 
     def _release(self, leases: dict[str, list[dict]]) -> None:
@@ -373,6 +442,7 @@ class Router:
                 return resp
             except RetryableWorker as e:
                 exclude.add(e.url)
+                self.forget_directory_hits(refs)
                 self.metrics.inc("router_pd_retries_total", help_text="PD calls retried before the first byte")
                 if attempts_left <= 0:
                     raise WorkerFailed(f"The prefill/decode worker failed: {e}") from None

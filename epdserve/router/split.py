@@ -101,6 +101,7 @@ class SplitChat:
                 except msgspec.DecodeError as e:
                     raise WorkerFailed(f"The prefill worker answered malformed JSON: {e}") from None
             except RetryableWorker as e:
+                r.forget_directory_hits(refs)
                 r._release(r._take_leases(refs))
                 exclude.add(e.url)
                 r.metrics.inc("router_prefill_retries_total", help_text="prefill calls retried elsewhere")
@@ -143,6 +144,7 @@ class SplitChat:
                 r.metrics.inc("router_decode_retries_total", help_text="decode calls recomputed elsewhere")
                 r.spawn(self._release_kv(handoff.prefill, params.pop("kv_handle")))
                 handoff.delivered = True
+                r.forget_directory_hits(refs)
                 r._release(r._take_leases(refs))
                 exclude.add(e.url)
                 if refs:

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
+from epdserve.store.config import StoreConfig
 from epdserve.transfer.base import TransferError
 
 Connector = Literal["shm", "tcp", "fs"]
 CONNECTORS: tuple[Connector, ...] = get_args(Connector)
+STORE_HANDLE = "store"  # the connector a store handle names: an entry of the shared store, no lease
 HANDLE_PURPOSE = "ec-handle"  # the key that signs embedding handles
 KV_HANDLE_PURPOSE = "kv-handle"  # the key that signs KV-cache handles (never accepted as the other)
 TCP_PURPOSE = "ec-tcp"  # the key of the tcp connector's mutual authentication
@@ -41,6 +43,9 @@ class ECConfig:
     instance: str = "ec"  # name of this instance, used in slab and file names
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # dtypes a consumer accepts
     handle_purpose: str = HANDLE_PURPOSE  # which subkey signs and verifies handles (KV connectors: their own)
+    store: StoreConfig = field(
+        default_factory=StoreConfig
+    )  # the shared embedding store (encoders, and consumers of store handles)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:

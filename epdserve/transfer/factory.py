@@ -3,6 +3,8 @@ handles of every kind (the handle says which backend made it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
 from epdserve.transfer import signing
@@ -24,8 +26,10 @@ def make_producer(cfg: ECConfig) -> ECProducer:
     return FsProducer(cfg)
 
 
-def make_consumer(cfg: ECConfig) -> ECConsumer:
-    return RoutingConsumer(cfg)
+def make_consumer(cfg: ECConfig, more: Mapping[str, Callable[[], ECConsumer]] | None = None) -> ECConsumer:
+    """A consumer of every connector's handles; ``more``: consumers of further handle kinds
+    (e.g. the shared store's), built on first use."""
+    return RoutingConsumer(cfg, more)
 
 
 class RoutingConsumer:
@@ -34,19 +38,21 @@ class RoutingConsumer:
     Nothing of a handle is acted on before its MAC verifies (no slab mapped, no socket dialed, no
     file touched), so a client cannot steer this instance anywhere with a handle of its own."""
 
-    def __init__(self, cfg: ECConfig) -> None:
+    def __init__(self, cfg: ECConfig, more: Mapping[str, Callable[[], ECConsumer]] | None = None) -> None:
         self._cfg = cfg
         self._key = cfg.handle_key if cfg.has_secret else None
         self._consumers: dict[str, ECConsumer] = {}
+        self._more = dict(more or {})
 
     def _consumer(self, handle: object) -> tuple[Handle, ECConsumer]:
         verified = signing.verify_with(handle, self._key)
         kind = verified.get("connector")
-        if kind not in CONNECTORS:
+        if kind not in CONNECTORS and kind not in self._more:
             raise InvalidHandle(f"the EC handle names an unknown connector {str(kind)[:32]!r}")
         consumer = self._consumers.get(kind)
         if consumer is None:
-            consumer = self._consumers[kind] = _new_consumer(kind, self._cfg)
+            build = self._more.get(kind)
+            consumer = self._consumers[kind] = build() if build is not None else _new_consumer(kind, self._cfg)
         return verified, consumer
 
     async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""Configuration of the shared embedding store (frozen, validated): where it is, the credential it
+asks for, how long entries live, and how quickly a slow or absent store is given up on."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+STORE_PASSWORD_ENV = "EPD_STORE_PASSWORD"  # the store's password (never a flag: flags show in ps)
+_URL_RE = re.compile(r"redis://[A-Za-z0-9_.\-\[\]:]+(/\d{1,2})?")
+
+
+def _password_from_env() -> str:
+    return os.environ.get(STORE_PASSWORD_ENV, "")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    url: str = ""  # shared embedding store, redis://host:port[/db] ("" = none: each encoder caches alone)
+    username: str = ""  # the store's ACL user ("" = the default user)
+    password: str = field(default_factory=_password_from_env, repr=False)  # from EPD_STORE_PASSWORD
+    ttl_s: float = 3600.0  # entries expire this long after they were written (the store also evicts by LRU)
+    max_item_bytes: int = 64 << 20  # larger embeddings are not shared through the store
+    timeout_s: float = 0.5  # one store operation gives up after this long; the encoder then computes
+    down_s: float = 5.0  # after a failure the store is not asked again for this long
+    claim_ttl_s: float = 10.0  # a claim to compute an item lapses this long after its holder last renewed it
+    wait_s: float = 30.0  # the longest an encoder waits for another encoder computing the same item
+
+    def __post_init__(self) -> None:
+        if self.url and not _URL_RE.fullmatch(self.url):
+            raise ValueError(f"store url must look like redis://host:port[/db], got {self.url!r}")
+        for name in ("ttl_s", "timeout_s", "down_s", "claim_ttl_s", "wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"store {name} must be positive")
+        if self.max_item_bytes < 1:
+            raise ValueError("store max_item_bytes must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url)
