@@ -564,7 +564,10 @@ def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monke
             # the store loses everything: the directory's handles go stale, the request still answers
             redis.Redis.from_url(server.url, password=server.password).flushall()
             assert ask(d.url, reqs[1]) == expected[1]
-            assert computed() == len(urls) + 2  # encoded afresh
+            assert encode_calls() == calls + 2  # encoded afresh (the encoder's own cache still had it)
+            assert _counter(d.url, "router_pd_retries_total") == 1
+            assert ask(d.url, reqs[1]) == expected[1]  # the encoder wrote the entry again: no retry
+            assert encode_calls() == calls + 2 and _counter(d.url, "router_pd_retries_total") == 1
             # the store dies: encoders compute alone, workers fall back, nothing fails
             server.kill()
             assert ask(d.url, reqs[2]) == expected[2]

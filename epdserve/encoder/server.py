@@ -67,7 +67,7 @@ from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.models.precision import DType, torch_dtype
 from epdserve.models.registry import prompt_layout
 from epdserve.store.base import EmbeddingStore
-from epdserve.store.record import STORE_PURPOSE, StoredItem
+from epdserve.store.record import STORE_PURPOSE, Grid, StoredItem
 from epdserve.store.single_flight import fetch_or_claim, holding
 from epdserve.transfer import signing
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
@@ -328,7 +328,8 @@ class EncoderService:
         cached = self.batcher.lookup(uuid)
         if cached is not None:
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
-            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, self._stored.get(uuid))
+            stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
+            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored)
         if self.store is None:
             return await self._compute(item, uuid, data, t0, t1)
         store, cfg = self.store, self.config.ec.store
@@ -346,6 +347,19 @@ class EncoderService:
                     self._remember_stored(uuid, header)
                     ready = ready._replace(stored=header)
         return ready
+
+    async def _ensure_stored(self, uuid: str, grid: Grid, embeddings: torch.Tensor) -> WireHeader | None:
+        """The store entry of an item this encoder has cached, written again if the store lost it
+        (so a store handle it gives out names an entry that exists)."""
+        if self.store is None:
+            return None
+        header = self._stored.get(uuid)
+        if header is not None and await self.store.present(uuid):
+            return header
+        header = await self.store.put(uuid, grid, embeddings)
+        if header is not None:
+            self._remember_stored(uuid, header)
+        return header
 
     def _remember_stored(self, uuid: str, header: WireHeader) -> None:
         """Which items have a store entry (bounded: the oldest are forgotten first)."""

@@ -273,10 +273,10 @@ class Router:
                     await self._encode_refs(model, lead, leases)
             finally:
                 for r in lead:
+                    if r.directory_key is not None and r.result is not None:
+                        self._store_seen |= r.result.store_handle is not None
+                        self.directory.record(r.directory_key, r.result)
                     if r.directory_key in leading:
-                        if r.result is not None:
-                            self._store_seen |= r.result.store_handle is not None
-                            self.directory.record(r.directory_key, r.result)
                         self.directory.end(r.directory_key)
                         leading.discard(r.directory_key)
             if waits:
@@ -290,7 +290,6 @@ class Router:
         for r in refs:
             if r.from_directory and r.directory_key is not None:
                 self.directory.forget(r.directory_key)
-                r.from_directory = False
 
     async def _encode_refs(self, model: str, refs: list[MediaRef], leases: int) -> None:
         """Fill ``ref.result`` for every ref by encoders: items grouped per encoder, failed groups
@@ -381,7 +380,7 @@ class Router:
         """The leases the refs hold, per encoder; the refs forget them."""
         leases: dict[str, list[dict]] = {}
         for r in refs:
-            if r.result is not None and not r.from_directory:  # a directory hit holds no lease
+            if r.result is not None and not r.from_directory and r.encoder:  # a directory hit holds no lease
                 leases.setdefault(r.encoder, []).extend((r.result.ec_handle, *r.result.more_handles))
             r.result = None
         return leases
@@ -441,7 +440,8 @@ class Router:
                 resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
                 return resp
             except RetryableWorker as e:
-                exclude.add(e.url)
+                if not e.worker_ok:
+                    exclude.add(e.url)
                 self.forget_directory_hits(refs)
                 self.metrics.inc("router_pd_retries_total", help_text="PD calls retried before the first byte")
                 if attempts_left <= 0:
@@ -463,7 +463,7 @@ class Router:
                 if upstream.status == 503:
                     raw = await upstream.read()
                     if error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
-                        raise RetryableWorker(pd.url, "embeddings unavailable")
+                        raise RetryableWorker(pd.url, "embeddings unavailable", worker_ok=True)
                     return error_response(upstream, raw), False
                 if upstream.status >= 500:
                     raise RetryableWorker(pd.url, f"HTTP {upstream.status}")

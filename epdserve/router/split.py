@@ -103,7 +103,8 @@ class SplitChat:
             except RetryableWorker as e:
                 r.forget_directory_hits(refs)
                 r._release(r._take_leases(refs))
-                exclude.add(e.url)
+                if not e.worker_ok:
+                    exclude.add(e.url)
                 r.metrics.inc("router_prefill_retries_total", help_text="prefill calls retried elsewhere")
                 if attempt == 2:
                     raise WorkerFailed(f"The prefill worker failed: {e}") from None
@@ -146,7 +147,8 @@ class SplitChat:
                 handoff.delivered = True
                 r.forget_directory_hits(refs)
                 r._release(r._take_leases(refs))
-                exclude.add(e.url)
+                if not e.worker_ok:
+                    exclude.add(e.url)
                 if refs:
                     await r._encode_shielded(req.model, refs, leases=1)
         raise AssertionError("unreachable")
@@ -235,7 +237,9 @@ class SplitChat:
             return upstream
         async with upstream:
             answer = await upstream.read()
-        if upstream.status >= 500 or error_code(answer) == EMBEDS_UNAVAILABLE:
+        if error_code(answer) == EMBEDS_UNAVAILABLE:
+            raise RetryableWorker(worker.url, "embeddings unavailable", worker_ok=True)
+        if upstream.status >= 500:
             raise RetryableWorker(worker.url, f"HTTP {upstream.status}")
         raise passthrough_error(upstream.status, answer)
 

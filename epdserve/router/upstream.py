@@ -13,9 +13,10 @@ from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge,
 class RetryableWorker(Exception):
     """A worker failed before anything reached the client: the request may go to another."""
 
-    def __init__(self, url: str, reason: str) -> None:
+    def __init__(self, url: str, reason: str, worker_ok: bool = False) -> None:
         super().__init__(reason)
         self.url = url
+        self.worker_ok = worker_ok  # the worker is fine, its inputs were not (embeddings gone): it may take the retry
 
 
 def error_code(raw: bytes) -> str | None:

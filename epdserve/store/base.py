@@ -60,6 +60,10 @@ class EmbeddingStore(Protocol):
 
     async def unclaim(self, uuid: str, claim: Claim) -> None: ...
 
+    async def present(self, uuid: str) -> bool:
+        """Whether the store holds an entry for ``uuid`` (False when the store cannot say)."""
+        ...
+
     async def claimed(self, uuid: str) -> bool:
         """Whether someone holds a live claim on ``uuid`` (False when the store cannot say)."""
         ...

@@ -136,6 +136,9 @@ class RedisStore:
             key = self._prefix + "claim:" + uuid
             await self._call("unclaim", lambda: self._redis.eval(_UNCLAIM, 1, key, claim.token), 0)  # type: ignore[no-untyped-call]
 
+    async def present(self, uuid: str) -> bool:
+        return bool(await self._call("present", lambda: self._redis.exists(self._prefix + uuid), 0))
+
     async def claimed(self, uuid: str) -> bool:
         return bool(await self._call("claimed", lambda: self._redis.exists(self._prefix + "claim:" + uuid), 0))
 
