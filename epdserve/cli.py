@@ -96,10 +96,12 @@ ROUTER_FLAGS = (
     "prefills",
     "decodes",
     "policy",
+    "kv_load_tokens",
     "encoder_policy",
     Flag("probe_interval_s", "--probe-interval"),
     "forward_raw_media",
     "directory_entries",
+    Flag("model", default_help="the embedded model"),
 )
 API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
 ADMIN_KEY = Flag("admin_key", default=None, default_help=f"${ADMIN_KEY_ENV}; unset: registration is off")
@@ -111,12 +113,14 @@ MEDIA_FLAGS = (
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
 # flags, which roles get them)
 UP_FORWARDED = (
+    (ROUTER, ("policy", "kv_load_tokens"), "router"),
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("threads", "device", "dtype"), "models"),
     (ENGINE, ("max_model_len",), "lm"),
     (MEDIA, MEDIA_FLAGS, "all"),
 )
 UP_ROLES = {
+    "router": "passed to the router (unset: its default)",
     "models": "passed to every encoder and language-model instance (unset: each role's default)",
     "lm": "passed to every language-model instance (unset: serve's default)",
     "all": "passed to every role (unset: each role's default)",
@@ -375,6 +379,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         kv_connector=args.kv_connector,
         extra_pd_args=[*forwarded("models"), *forwarded("lm"), *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)],
         extra_encoder_args=[*forwarded("models"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
+        extra_router_args=forwarded("router"),
         extra_args=forwarded("all"),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         api_key=api_key_from(args.api_key),

@@ -303,7 +303,7 @@ class Deployment:
             role = self._launch(name, [*args, *self.extra_args], free_port(), plan.roles.get(name))
             workers[kind].append(role)
         self._wait([*encoders, *(r for rs in workers.values() for r in rs)])
-        args = ["router", *router_args]
+        args = ["router", *self.model_args, *router_args]
         if encoders:
             args += ["--encoders", *(r.url for r in encoders)]
         for kind, roles in workers.items():

@@ -158,7 +158,7 @@ def test_image_matches_the_in_process_tower_then_hits_the_cache(
 
     status, body = encoder.encode([{"modality": "image", "url": data_url(data, "image/png")}])
     assert status == 200, body
-    assert body["version"] == 1
+    assert body["version"] == ENCODER_PROTOCOL_VERSION
     (item,) = body["items"]
     assert item["status"] == "computed"
     assert item["modality"] == "image"

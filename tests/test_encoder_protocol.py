@@ -57,7 +57,11 @@ def test_response_round_trip() -> None:
 @pytest.mark.parametrize(
     ("payload", "match", "param"),
     [
-        ({"version": 2, "model": "m", "items": [{"modality": "image", "url": "x"}]}, "protocol version 2", "version"),
+        (
+            {"version": ENCODER_PROTOCOL_VERSION + 1, "model": "m", "items": [{"modality": "image", "url": "x"}]},
+            f"protocol version {ENCODER_PROTOCOL_VERSION + 1}",
+            "version",
+        ),
         ({"model": "m", "items": [{"modality": "image", "url": "x"}]}, "version", "version"),
         ({"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": []}, "length >= 1", "items"),
         (

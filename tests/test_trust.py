@@ -162,7 +162,11 @@ def test_internal_surfaces_refuse_callers_without_the_cluster_credential(stack: 
         # the PD worker behind the router serves only the router
         status, err = post(stack.pd + "/v1/chat/completions", text, headers)
         assert status == 401, err
+        status, _ = http("GET", stack.pd + "/v1/kv/digest", headers=headers)
+        assert status == 401
     assert post(stack.pd + "/v1/chat/completions", text, internal_headers())[0] == 200
+    status, digest = http("GET", stack.pd + "/v1/kv/digest", headers=internal_headers())
+    assert status == 200 and json.loads(digest)["block_size"] > 0
 
 
 # ---------------------------------------------------------------------------- handles

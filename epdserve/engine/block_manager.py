@@ -1,22 +1,18 @@
 """Paged KV-cache blocks: allocation, reference counts and prefix caching.
 
-A full block's hash chains over the previous block's hash, the block's token ids and the content
-hash of every media item whose placeholders fall inside it::
-
-    h[i] = H(h[i-1], tokens[i*B:(i+1)*B], ((uuid, offset), ...))
-
-so the same text with a different image never shares a block. Free blocks keep their hash and
+A full block's hash (``prefix_hash``) chains over the previous block's hash, the block's token ids
+and the content hash of every media item whose placeholders fall inside it, so the same text with
+a different image never shares a block. Free blocks keep their hash and
 stay reusable until they are evicted (least recently freed first); a request's tail blocks are
 freed first so prefixes outlive suffixes.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from typing import NamedTuple
 
+from epdserve.engine.prefix_hash import MediaSpan, block_hash
 from epdserve.engine.request import Request
 
 
@@ -40,14 +36,8 @@ class BlockManager:
     # ---- hashing -----------------------------------------------------------------------------
     def _block_hash(self, req: Request, index: int, parent: bytes | None) -> bytes:
         start, end = index * self.block_size, (index + 1) * self.block_size
-        h = hashlib.blake2b(digest_size=16)
-        if parent is not None:
-            h.update(parent)
-        h.update(array("q", req.token_ids(start, end)).tobytes())
-        for item in req.mm_items:
-            if item.offset < end and item.end > start:
-                h.update(f"|{item.uuid}@{item.offset}".encode())
-        return h.digest()
+        media = [MediaSpan(it.uuid, it.offset, it.end - it.offset) for it in req.mm_items]
+        return block_hash(parent, req.token_ids(start, end), start, end, media)
 
     def _hashes_upto(self, req: Request, num_tokens: int) -> list[bytes]:
         """Hashes of the request's full blocks among its first ``num_tokens`` tokens (memoised)."""
@@ -122,6 +112,11 @@ class BlockManager:
             if self.ref_count[bid] == 0:
                 self.free_queue[bid] = None
         req.block_ids = []
+
+    def digest(self) -> bytes:
+        """The hashes of every block the prefix cache can serve (in use or free but not yet
+        evicted), concatenated: what a router matches a prompt's blocks against."""
+        return b"".join(self.cached)
 
     def check_integrity(self) -> None:
         """Invariants, for tests and idle-time checks: every block is either referenced or free."""

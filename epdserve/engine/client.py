@@ -61,7 +61,9 @@ class EngineCoreClient(Protocol):
         """The request's outputs until one is finished; closing early aborts it."""
         ...
 
-    async def stats(self) -> EngineStats: ...
+    async def stats(self, digest: bool = False) -> EngineStats:
+        """Counters of the core (``digest``: with its prefix cache's block hashes)."""
+        ...
 
     def release(self, handles: list[dict], kv_handles: list[dict] | None = None) -> None:
         """Give back EC leases (and KV leases) that no request here will read."""
@@ -147,8 +149,8 @@ class InprocClient:
     def vision(self) -> bool:
         return self.core.vision
 
-    async def stats(self) -> EngineStats:
-        return self.core.stats()
+    async def stats(self, digest: bool = False) -> EngineStats:
+        return self.core.stats(digest)
 
     def release(self, handles: list[dict], kv_handles: list[dict] | None = None) -> None:
         self._steps.post(ReleaseHandles(handles, kv_handles or []))
@@ -307,12 +309,12 @@ class MPClient:
             with contextlib.suppress(ConnectionError):
                 self._send(AbortRequests([request_id]))
 
-    async def stats(self) -> EngineStats:
+    async def stats(self, digest: bool = False) -> EngineStats:
         if not self._healthy:
             raise ConnectionError("the engine core is not running")
         fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
         self._stats.append(fut)
-        self._send(StatsRequest())
+        self._send(StatsRequest(digest))
         return await asyncio.wait_for(fut, 10.0)
 
     async def close(self) -> None:

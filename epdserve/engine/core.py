@@ -324,9 +324,11 @@ class EngineCore:
                 it.handle = None
 
     # ---- observability -----------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, digest: bool = False) -> EngineStats:
         sch, enc, f = self.scheduler, self.runner.encoder_cache, self._fetcher
         return EngineStats(
+            block_size=sch.blocks.block_size,
+            kv_digest=sch.blocks.digest() if digest else b"",
             running=len(sch.running),
             waiting=len(sch.waiting),
             kv_blocks_free=sch.blocks.num_free,

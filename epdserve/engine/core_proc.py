@@ -55,7 +55,7 @@ class CoreLoop:
 
     def _other(self, msg: ToCore) -> bool:
         if isinstance(msg, StatsRequest):
-            self.channel.send(self.core.stats())
+            self.channel.send(self.core.stats(msg.digest))
             return True
         return not isinstance(msg, Shutdown)
 

@@ -31,7 +31,7 @@ from epdserve.transfer.config import ECConfig
 if TYPE_CHECKING:
     import torch
 
-ENGINE_PROTOCOL_VERSION = 2
+ENGINE_PROTOCOL_VERSION = 3
 
 # "transferred": a prefill instance handed the request's KV to a decode instance after its first token
 FinishReason = Literal["stop", "length", "abort", "error", "transferred"]
@@ -147,7 +147,7 @@ class ReleaseHandles(msgspec.Struct, frozen=True, tag="release"):
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag="stats?"):
-    pass
+    digest: bool = False  # also send the prefix cache's block hashes (EngineStats.kv_digest)
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -216,6 +216,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     kv_bytes_in: int = 0
     kv_live_handles: int = 0  # prefill: KV leases handed out and not yet released or expired
     vision: bool = False
+    block_size: int = 0
+    kv_digest: bytes = b""  # asked for: the cached blocks' hashes (prefix_hash.HASH_BYTES each)
 
 
 FromCore = CoreReady | CoreFailed | Outputs | EngineStats

@@ -29,6 +29,7 @@ from aiohttp import web
 from epdserve.api.auth import is_internal
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
+from epdserve.api.kv_digest import KVDigest
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
@@ -484,6 +485,12 @@ class ChatHandlers:
         self.s.release_kv(handles)
         return web.json_response({"released": len(handles)})
 
+    async def kv_digest(self, request: web.Request) -> web.Response:
+        """Internal: the block hashes of this instance's prefix cache (KV-aware routing)."""
+        stats = await self.s.core.stats(digest=True)
+        digest = KVDigest(model=self.s.config.model_name, block_size=stats.block_size, hashes=stats.kv_digest)
+        return json_response(msgspec.json.encode(digest))
+
     async def models(self, request: web.Request) -> web.Response:
         s = self.s
         card = ModelCard(id=s.config.model_name, created=int(s.started), max_model_len=s.config.engine.max_model_len)
@@ -532,6 +539,7 @@ def build_app(service: ChatService) -> web.Application:
         ("GET", "/health", h.health, "open"),
         ("GET", "/metrics", h.metrics, "open"),
         ("POST", "/v1/kv/release", h.release_kv, "internal"),
+        ("GET", "/v1/kv/digest", h.kv_digest, "internal"),
     ]
     return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
 

@@ -21,7 +21,7 @@ import aiohttp
 log = logging.getLogger(__name__)
 
 Policy = Literal["round_robin", "least_outstanding", "affinity"]
-PDPolicy = Literal["round_robin", "least_outstanding"]  # affinity needs a key per call: encoders only
+PDPolicy = Literal["round_robin", "least_outstanding", "kv_aware"]  # affinity needs a key per call: encoders only
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 AFFINITY_SLACK = 4  # extra in-flight calls tolerated on the preferred worker before spilling over
 

@@ -30,6 +30,7 @@ import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, get_args
 
 import aiohttp
@@ -47,6 +48,7 @@ from epdserve.api.errors import (
     WorkerFailed,
 )
 from epdserve.api.http import Route, json_response, role_app, run_app
+from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
 from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
     DEFAULT_MAX_PROMPT_CHARS,
@@ -58,6 +60,7 @@ from epdserve.api.protocol import (
     sse_error,
     to_sampling_params,
 )
+from epdserve.assets import default_model_dir
 from epdserve.encoder.protocol import (
     EncodeItem,
     EncodeRequest,
@@ -68,6 +71,7 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.media.limits import MediaLimits
 from epdserve.router.directory import MediaDirectory, content_key
+from epdserve.router.kv_routing import KVIndex, PromptBlocks
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs
 from epdserve.router.split import SplitChat
@@ -86,7 +90,9 @@ class RouterConfig:
     pds: tuple[str, ...] = ()  # prefill+decode worker base URLs
     prefills: tuple[str, ...] = ()  # prefill worker base URLs (P/D disaggregation, with decodes)
     decodes: tuple[str, ...] = ()  # decode worker base URLs (P/D disaggregation, with prefills)
-    policy: PDPolicy = "least_outstanding"  # PD worker selection
+    policy: PDPolicy = "least_outstanding"  # PD worker selection; kv_aware: where the prompt's prefix is cached
+    kv_load_tokens: int = 256  # kv_aware: cached prompt tokens one more outstanding request on a worker is worth
+    model: str = ""  # kv_aware: checkpoint directory whose chat template and tokenizer the workers use ("" = embedded)
     encoder_policy: Policy = "affinity"  # encoder selection; affinity: the same media to the same encoder (cache hits)
     probe_interval_s: float = 2.0  # health probe period
     encode_timeout_s: float = 120.0  # one /v1/encode call
@@ -127,9 +133,11 @@ class Router:
         assert config.auth.cluster is not None  # checked by RouterConfig
         self.internal_headers = config.auth.cluster.headers()
         self.encoders = WorkerPool("encoder", list(config.encoders), config.encoder_policy)
-        self.pds = WorkerPool("pd", list(config.pds), config.policy)
-        self.prefills = WorkerPool("prefill", list(config.prefills), config.policy)
-        self.decodes = WorkerPool("decode", list(config.decodes), config.policy)
+        # kv_aware chooses by cached prefix itself; the pools balance load when no prefix is known
+        policy: Policy = "least_outstanding" if config.policy == "kv_aware" else config.policy
+        self.pds = WorkerPool("pd", list(config.pds), policy)
+        self.prefills = WorkerPool("prefill", list(config.prefills), policy)
+        self.decodes = WorkerPool("decode", list(config.decodes), policy)
         self.split = SplitChat(self)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
@@ -137,6 +145,13 @@ class Router:
         self._releases: set[asyncio.Task] = set()
         self._model: tuple[str, int] | None = None  # (served name, max_model_len) of the PD workers
         self.directory = MediaDirectory(config.directory_entries)
+        self.kv_index: KVIndex | None = None
+        self.prompt_blocks: PromptBlocks | None = None
+        if config.policy == "kv_aware":
+            self.kv_index = KVIndex(stale_s=3 * config.probe_interval_s + 1)
+            self.prompt_blocks = PromptBlocks(Path(config.model) if config.model else default_model_dir())
+            self.metrics.inc("router_kv_routed_total", 0, help_text="requests sent to the worker holding their prefix")
+            self.metrics.inc("router_kv_cached_tokens_total", 0, help_text="prompt tokens cached on the chosen worker")
         self._store_seen = False  # an encoder has handed out a store handle: the directory can fill
         m = self.metrics
         m.gauge(
@@ -179,9 +194,48 @@ class Router:
                 await asyncio.gather(*(pool.probe(self.session) for pool in self.pools))
                 if self._model is None:
                     await self._learn_model()
+                if self.kv_index is not None:
+                    await asyncio.gather(*(self._poll_digest(w) for w in self.pds.healthy))
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
+
+    async def _poll_digest(self, w: Worker) -> None:
+        """A worker's prefix-cache digest into the KV index (a worker that cannot say goes stale)."""
+        assert self.session is not None and self.kv_index is not None
+        try:
+            async with self.session.get(
+                w.url + "/v1/kv/digest", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
+                if r.status != 200:
+                    return
+                raw = await r.content.read(MAX_DIGEST_BYTES + 1)
+            self.kv_index.update(w.url, decode_digest(raw))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            log.warning("no KV digest from %s: %s", w.url, e)
+
+    def pick_pd(self, req: ChatRequest, refs: list[MediaRef], exclude: set[str]) -> Worker:
+        """The PD worker for a request: by cached prefix and load (``kv_aware``), else the pool's policy."""
+        index, blocks = self.kv_index, self.prompt_blocks
+        if index is not None and blocks is not None and index.block_size:
+            candidates = [w for w in self.pds.healthy if w.url not in exclude]
+            try:
+                hashes = blocks.hashes(req, refs, index.block_size)
+            except Exception:  # the router cannot name the blocks (e.g. a template error): balance load
+                log.exception("could not compute the prompt's KV blocks")
+                hashes = []
+            chosen = index.choose(candidates, hashes, self.config.kv_load_tokens) if hashes else None
+            if chosen is not None:
+                worker, tokens = chosen
+                self.metrics.inc("router_kv_routed_total", help_text="requests sent to the worker holding their prefix")
+                self.metrics.inc(
+                    "router_kv_cached_tokens_total", tokens, help_text="prompt tokens cached on the chosen worker"
+                )
+            else:
+                worker = self.pds.pick(exclude=exclude)
+            index.note(worker.url, hashes)
+            return worker
+        return self.pds.pick(exclude=exclude)
 
     @property
     def pools(self) -> tuple[WorkerPool, ...]:
@@ -434,7 +488,7 @@ class Router:
                         assert r.result is not None
                         body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
                 try:
-                    pd = self.pds.pick(exclude=exclude)
+                    pd = self.pick_pd(req, refs, exclude)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
                 resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))

@@ -1,0 +1,105 @@
+"""KV-aware choice of a language-model worker: send a request where its prompt's prefix is cached.
+
+``PromptBlocks`` names a request's prompt blocks exactly as a worker's block manager will: the
+model's chat template, the placeholder runs its prompt layout gives each item's grid, the items'
+content uuids (from the encoders), and the same block hash (``engine.prefix_hash``); torch-free.
+
+``KVIndex`` knows what each worker holds: its last digest (``GET /v1/kv/digest``, polled with the
+health probes), plus the prompts routed to it since (a worker caches a prompt's blocks as soon as
+it computes them, long before the next digest; a follow-up turn must find them). A worker whose
+digest is older than ``stale_s`` has no known blocks: the choice falls back to load.
+
+The choice maximises ``cached prompt tokens - load_tokens x requests outstanding``: a cached
+prefix is worth computing elsewhere only while the worker holding it is not much busier.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from epdserve.api.kv_digest import KVDigest
+from epdserve.api.protocol import ChatRequest
+from epdserve.engine.inputs import InputBuilder, MediaInput
+from epdserve.engine.prefix_hash import MediaSpan, prefix_hashes
+from epdserve.models.config import ModelConfig
+from epdserve.pd.messages import template_messages
+from epdserve.pd.tokenizer import FastTokenizer
+from epdserve.router.pool import Worker
+from epdserve.router.refs import MediaRef
+
+MAX_NOTED_BLOCKS = 1 << 18  # block hashes remembered per worker between digests
+
+
+class PromptBlocks:
+    def __init__(self, model_dir: Path) -> None:
+        self.builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
+
+    def hashes(self, req: ChatRequest, refs: list[MediaRef], block_size: int) -> list[bytes]:
+        """The hashes of the prompt's full blocks; [] when its media are not all known (raw media
+        a worker will encode itself: their uuids and grids are the worker's to find)."""
+        media = []
+        for r in refs:
+            if r.result is None:
+                return []
+            media.append(MediaInput(r.result.uuid, r.modality, r.result.grid_thw))
+        prompt = self.builder.build(template_messages(req), media, req.chat_template_kwargs)
+        spans = [MediaSpan(m.uuid, m.offset, m.length) for m in prompt.mm_items]
+        return prefix_hashes(prompt.token_ids, spans, block_size)
+
+
+class KVIndex:
+    def __init__(self, stale_s: float) -> None:
+        self.stale_s = stale_s
+        self.block_size = 0  # the workers' (from their digests; 0 until one arrived)
+        self._digest: dict[str, tuple[float, set[bytes]]] = {}
+        self._noted: dict[str, dict[bytes, float]] = {}
+
+    def update(self, url: str, digest: KVDigest) -> None:
+        """A worker's digest arrived: it replaces what was known, and what was noted before it."""
+        if self.block_size and digest.block_size != self.block_size:
+            raise ValueError(f"worker {url} uses KV blocks of {digest.block_size} tokens, others {self.block_size}")
+        self.block_size = digest.block_size
+        now = time.monotonic()
+        self._digest[url] = (now, digest.hash_set())
+        # prompts noted within the last poll may not be in this digest yet: keep those
+        noted = self._noted.get(url, {})
+        self._noted[url] = {h: t for h, t in noted.items() if now - t < self.stale_s}
+
+    def forget(self, url: str) -> None:
+        self._digest.pop(url, None)
+        self._noted.pop(url, None)
+
+    def note(self, url: str, hashes: list[bytes]) -> None:
+        """The prompt was sent to ``url``: its blocks will be there."""
+        noted = self._noted.setdefault(url, {})
+        now = time.monotonic()
+        for h in hashes:
+            noted[h] = now
+        while len(noted) > MAX_NOTED_BLOCKS:
+            noted.pop(next(iter(noted)))
+
+    def fresh(self, url: str) -> bool:
+        at = self._digest.get(url)
+        return at is not None and time.monotonic() - at[0] < self.stale_s
+
+    def cached_blocks(self, url: str, hashes: list[bytes]) -> int:
+        """How many leading blocks of the prompt the worker holds (0 when its digest is stale)."""
+        if not self.fresh(url):
+            return 0
+        known, noted = self._digest[url][1], self._noted.get(url, {})
+        n = 0
+        for h in hashes:
+            if h not in known and h not in noted:
+                break
+            n += 1
+        return n
+
+    def choose(self, workers: list[Worker], hashes: list[bytes], load_tokens: int) -> tuple[Worker, int] | None:
+        """The worker with the best cached-prefix vs load trade-off and its cached tokens; None
+        when no worker holds any of the prompt (the caller balances load)."""
+        scored = [(self.cached_blocks(w.url, hashes) * self.block_size, w) for w in workers]
+        if not scored or max(t for t, _ in scored) == 0:
+            return None
+        tokens, best = max(scored, key=lambda tw: (tw[0] - load_tokens * tw[1].outstanding, -tw[1].outstanding))
+        return best, tokens

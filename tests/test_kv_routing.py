@@ -1,0 +1,170 @@
+"""KV-aware routing: the router names a prompt's blocks exactly as a worker's block manager does,
+its index weighs cached prefix against load and forgets workers whose digest went stale, and with
+real processes a conversation's next turn lands on the worker holding its KV."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+
+from epdserve.api.kv_digest import KVDigest
+from epdserve.api.protocol import decode_chat_request
+from epdserve.bench.workload import image_data_url
+from epdserve.encoder.protocol import EncodedItem
+from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.core import request_from
+from epdserve.engine.inputs import InputBuilder, MediaInput
+from epdserve.engine.messages import AddRequest
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.launcher import free_port
+from epdserve.media.limits import MediaLimits
+from epdserve.models.config import ModelConfig
+from epdserve.pd.messages import template_messages
+from epdserve.pd.tokenizer import FastTokenizer
+from epdserve.router.kv_routing import KVIndex, PromptBlocks
+from epdserve.router.pool import Worker
+from epdserve.router.refs import media_refs
+from epdserve.shapes import ShapesWorld
+from epdserve.up import Deployment, Topology
+from tests.server_utils import http
+
+BS = 16
+
+
+def chat_body(turns: list[tuple[str, str]], image_url: str) -> dict:
+    """A conversation whose first user turn carries an image; ``turns``: (question, answer)."""
+    messages: list[dict] = []
+    for i, (question, answer) in enumerate(turns):
+        content: list[dict] = [{"type": "text", "text": question}]
+        if i == 0:
+            content.insert(0, {"type": "image_url", "image_url": {"url": image_url}})
+        messages.append({"role": "user", "content": content})
+        if answer:
+            messages.append({"role": "assistant", "content": answer})
+    return {"model": "shapes-qwen2vl", "messages": messages}
+
+
+def test_the_router_names_blocks_as_the_block_manager_does(model_dir: Path) -> None:
+    image = image_data_url(ShapesWorld(3).scene().render())
+    body = chat_body([("Describe the image.", "A red circle."), ("And its color?", "")], image)
+    body["messages"].insert(0, {"role": "system", "content": "You are terse."})
+    req = decode_chat_request(msgspec.json.encode(body), MediaLimits(), 100_000)
+    refs = media_refs(body)
+    grid = (1, 8, 12)
+    for r in refs:  # what an encoder answered
+        r.result = EncodedItem(
+            uuid="u-1", modality="image", grid_thw=grid, num_embeddings=24, dtype="float32",
+            shape=(24, 256), ec_handle={}, status="computed",
+        )  # fmt: skip
+    ours = PromptBlocks(model_dir).hashes(req, refs, BS)
+    # the worker: its own tokenizer and prompt builder, a Request, the block manager's hashes
+    builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
+    prompt = builder.build(template_messages(req), [MediaInput("u-1", "image", grid)], None)
+    engine_req = request_from(AddRequest("r", prompt.token_ids, SamplingParams(), prompt.mm_items))
+    theirs = BlockManager(64, BS)._hashes_upto(engine_req, len(prompt.token_ids))
+    assert len(ours) == len(prompt.token_ids) // BS >= 4
+    assert ours == theirs
+    # another image (uuid) changes every block from the one holding its placeholders on
+    refs[0].result = msgspec.structs.replace(refs[0].result, uuid="u-2")
+    other = PromptBlocks(model_dir).hashes(req, refs, BS)
+    first = prompt.mm_items[0].offset // BS
+    assert other[:first] == ours[:first] and all(a != b for a, b in zip(other[first:], ours[first:], strict=True))
+
+
+def test_the_index_weighs_cached_prefix_against_load_and_forgets_stale_workers() -> None:
+    a, b = Worker("http://a"), Worker("http://b")
+    hashes = [bytes([i]) * 16 for i in range(10)]
+    index = KVIndex(stale_s=0.3)
+    assert index.choose([a, b], hashes, load_tokens=64) is None  # nothing known: balance load
+    index.update(a.url, KVDigest(model="m", block_size=BS, hashes=b"".join(hashes[:6])))
+    index.update(b.url, KVDigest(model="m", block_size=BS, hashes=b"".join(hashes[:2] + hashes[3:])))
+    assert index.cached_blocks(a.url, hashes) == 6 and index.cached_blocks(b.url, hashes) == 2
+    assert index.choose([a, b], hashes, load_tokens=64) == (a, 6 * BS)
+    a.outstanding = 2  # 96 cached tokens beyond b's, less than two requests' worth of load
+    assert index.choose([a, b], hashes, load_tokens=64)[0] is b  # type: ignore[index]
+    index.note(b.url, hashes)  # a prompt just routed to b: its blocks will be there
+    assert index.cached_blocks(b.url, hashes) == 10
+    time.sleep(0.35)
+    assert not index.fresh(a.url) and index.choose([a, b], hashes, load_tokens=64) is None
+    with pytest.raises(ValueError):
+        index.update(a.url, KVDigest(model="m", block_size=32, hashes=b""))
+    with pytest.raises(ValueError):
+        KVDigest(model="m", block_size=BS, hashes=b"x" * 17).hash_set()
+
+
+# ---- real processes ---------------------------------------------------------------------------------
+
+
+def _queried(url: str) -> float:
+    metrics = http("GET", url + "/metrics")[1].decode()
+    m = re.search(r"^epd_prefix_cache_query_tokens (\S+)$", metrics, re.MULTILINE)
+    assert m is not None, metrics
+    return float(m[1])
+
+
+@pytest.fixture(scope="module")
+def kv_aware() -> Iterator[Deployment]:
+    d = Deployment(
+        Topology.parse("1e+2pd"),
+        None,
+        port=free_port(),
+        extra_pd_args=["--max-model-len", "2048", "--num-kv-blocks", "512"],
+        extra_router_args=["--policy", "kv_aware", "--probe-interval", "0.5"],
+    )
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_each_conversation_follows_its_kv(kv_aware: Deployment) -> None:
+    d = kv_aware
+    pds = [r.url for r in d.roles if r.name.startswith("pd")]
+    client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    time.sleep(1.5)  # the router has the workers' first digests
+    convs = [
+        {"image": image_data_url(ShapesWorld(40 + i).scene().render()), "turns": [("Describe the image.", "")]}
+        for i in range(4)
+    ]
+    homes: list[str] = []
+    for turn in range(3):
+        for c in convs:
+            before = [_queried(u) for u in pds]
+            body = chat_body(c["turns"], c["image"])
+            r = client.chat.completions.create(
+                model="shapes-qwen2vl", messages=body["messages"], max_tokens=8, temperature=0
+            )
+            served = [u for u, b in zip(pds, before, strict=True) if _queried(u) > b]
+            assert len(served) == 1
+            if turn == 0:
+                homes.append(served[0])
+            else:
+                assert served[0] == homes[convs.index(c)], f"turn {turn} left its KV"
+            c["turns"][-1] = (c["turns"][-1][0], r.choices[0].message.content or "")
+            c["turns"].append(("What else?", ""))
+    # new conversations at once share only the template's preamble: load spreads them
+    before = [_queried(u) for u in pds]
+    fresh = [
+        chat_body([("Describe the image.", "")], image_data_url(ShapesWorld(60 + i).scene().render())) for i in range(6)
+    ]
+    with ThreadPoolExecutor(6) as pool:
+        list(
+            pool.map(
+                lambda b: client.chat.completions.create(
+                    model="shapes-qwen2vl", messages=b["messages"], max_tokens=16, temperature=0
+                ),
+                fresh,
+            )
+        )
+    assert all(_queried(u) > b for u, b in zip(pds, before, strict=True))
+    metrics = http("GET", d.url + "/metrics")[1].decode()
+    routed = re.search(r"^epd_router_kv_routed_total (\S+)$", metrics, re.MULTILINE)
+    assert routed is not None and float(routed[1]) >= 8
