@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--kv-load-tokens", type=int, default=256, help="the router's trade-off (its --kv-load-tokens)")
     args = ap.parse_args()
     rows = []
     for policy in ("least_outstanding", "kv_aware"):
@@ -78,7 +79,14 @@ def main() -> None:
             None,
             port=free_port(),
             extra_pd_args=["--max-model-len", "4096"],
-            extra_router_args=["--policy", policy, "--probe-interval", "0.5"],
+            extra_router_args=[
+                "--policy",
+                policy,
+                "--probe-interval",
+                "0.5",
+                "--kv-load-tokens",
+                str(args.kv_load_tokens),
+            ],
         )
         d.start()
         try:
@@ -101,17 +109,22 @@ def main() -> None:
             query = sum(counter(u, "prefix_cache_query_tokens") for u in pds)
             ttfts = sorted(t for ts in per for t in ts)
             p50, p99 = statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
-            rows.append((policy, hit / query if query else 0.0, p50, p99, args.conversations * args.turns / wall))
+            routed = counter(d.url, "router_kv_routed_total")
+            rows.append(
+                (policy, hit / query if query else 0.0, p50, p99, args.conversations * args.turns / wall, routed)
+            )
         finally:
             d.stop()
     print(
         f"1e+2pd, {args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time, {args.output_len} output tokens\n"
     )
-    print("| PD routing | prefix-cache hit rate | TTFT p50 ms (turns 2+) | TTFT p99 ms | turns/s |")
-    print("|---|---|---|---|---|")
+    print("| PD routing | prefix-cache hit rate | TTFT p50 ms (turns 2+) | TTFT p99 ms | turns/s | routed by prefix |")
+    print("|---|---|---|---|---|---|")
     base = rows[0][2]
-    for policy, rate, p50, p99, tps in rows:
-        print(f"| {policy} | {rate:.1%} | {1e3 * p50:.0f} ({p50 / base:.2f}x) | {1e3 * p99:.0f} | {tps:.2f} |")
+    for policy, rate, p50, p99, tps, routed in rows:
+        print(
+            f"| {policy} | {rate:.1%} | {1e3 * p50:.0f} ({p50 / base:.2f}x) | {1e3 * p99:.0f} | {tps:.2f} | {routed:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -219,3 +220,62 @@ def test_the_serve_front_end_never_loads_torch(model_dir: Path) -> None:
             assert _allowed_cpus(proc.pid) != {str(core)}
     finally:
         stop(proc)
+
+
+def test_items_inside_cached_kv_are_not_fetched_unless_the_blocks_are_gone(model_dir: Path, hf: HFReference) -> None:
+    """A metadata-only item whose placeholders lie in the prefix the engine has cached is never
+    fetched (its lease is given back unread); if those blocks are evicted before the request is
+    admitted, it fetches the item then and answers the same."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    builder = InputBuilder(hf.tok, cfg)
+    grid = (1, 8, 8)
+    emb = torch.randn(builder.num_tokens(grid), cfg.text.hidden_size, generator=torch.Generator().manual_seed(1)) * 0.05
+    ec = ECConfig(shm_bytes=8 << 20, instance="t-skip")
+    producer = make_producer(ec)
+    engine = EngineCore.from_pretrained(model_dir, ENGINE, vision=False, ec=ec, model_id=model_dir.name)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def add(rid: str, question: str) -> AddRequest:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        handle = producer.put("img-kv", emb, model_dir.name)
+        p = builder.build(messages, [MediaInput("img-kv", "image", grid, handle=handle)])
+        return AddRequest(rid, p.token_ids, sp, p.mm_items, WireTensor.of(p.mrope_positions), p.mrope_delta)
+
+    def drain() -> list[int]:
+        out: list[int] = []
+        deadline = time.monotonic() + 60
+        while engine.has_work:
+            for o in engine.step():
+                assert o.error is None, o.error
+                out += o.token_ids
+            if engine.last_step_idle:
+                time.sleep(0.01)  # waiting for a fetch
+            assert time.monotonic() < deadline
+        return out
+
+    def run(msg: AddRequest) -> list[int]:
+        assert engine.add(msg) == []
+        return drain()
+
+    try:
+        first = run(add("a", "Describe the image in a few words, please."))
+        assert engine.fetches_skipped == 0 and engine.stats().ec_bytes > 0
+        fetched = engine.stats().ec_bytes
+        again = run(add("b", "Describe the image in a few words, please!"))  # same image, same prefix
+        assert engine.fetches_skipped == 1 and engine.stats().ec_bytes == fetched  # nothing fetched
+        released = time.monotonic() + 10
+        while producer.live_handles and time.monotonic() < released:  # given back on the fetcher's thread
+            time.sleep(0.01)
+        assert producer.live_handles == 0  # its lease was given back unread
+        # the blocks go between arrival and admission: it fetches after all and answers the same
+        msg = add("c", "Describe the image in a few words, please!")
+        assert engine.add(msg) == [] and engine.fetches_skipped == 2
+        engine.scheduler.blocks.reset_prefix_cache()
+        assert drain() == again and engine.stats().ec_bytes == 2 * fetched
+        released = time.monotonic() + 10
+        while producer.live_handles and time.monotonic() < released:
+            time.sleep(0.01)
+        assert len(first) == len(again) == 6 and producer.live_handles == 0
+    finally:
+        engine.close()
+        producer.close()

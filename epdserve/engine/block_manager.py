@@ -52,9 +52,10 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    def match_prefix(self, req: Request) -> PrefixMatch:
+    def match_prefix(self, req: Request, count: bool = True) -> PrefixMatch:
         """Cached blocks for the longest prefix of the request's tokens (at least one token is left
-        to compute, so the step that finishes the prompt produces logits)."""
+        to compute, so the step that finishes the prompt produces logits). ``count=False``: a look
+        ahead that leaves the hit statistics alone."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], 0)
         blocks = []
@@ -63,8 +64,9 @@ class BlockManager:
             if bid is None:
                 break
             blocks.append(bid)
-        self.queries += req.num_tokens
-        self.hits += len(blocks) * self.block_size
+        if count:
+            self.queries += req.num_tokens
+            self.hits += len(blocks) * self.block_size
         return PrefixMatch(blocks, len(blocks) * self.block_size)
 
     def take_cached(self, req: Request, match: PrefixMatch) -> None:

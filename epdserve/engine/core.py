@@ -44,6 +44,8 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(model, config)
         self.scheduler = Scheduler(config)
+        self.scheduler.media_needed = self._media_needed
+        self.fetches_skipped = 0  # media items not fetched: their KV was cached here
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.last_step_idle = False
@@ -109,7 +111,10 @@ class EngineCore:
             req.pending_fetches += 1
             self._kv_fetcher_get().fetch(req.request_id, KV_INDEX, msg.kv.handle, req.prompt_len, self.kv_layout.width)
         else:
-            self._fetch_media(req)
+            # an item whose placeholders lie inside the prefix this instance has cached is not
+            # needed: its embeddings are fetched only if those blocks are gone at admission
+            covered = self.scheduler.blocks.match_prefix(req, count=False).num_tokens
+            self._fetch_media(req, covered)
         self.scheduler.add(req)
         return []
 
@@ -128,13 +133,27 @@ class EngineCore:
         if kv.first_token is not None and len(msg.prompt_token_ids) + 1 >= self.config.max_model_len:
             raise ValueError("the prompt and its first token leave no room to decode")
 
-    def _fetch_media(self, req: Request) -> None:
-        """Start fetching every media item's embeddings by handle (the fetch owns the lease now)."""
+    def _fetch_media(self, req: Request, covered: int = 0, count: bool = True) -> bool:
+        """Start fetching the embeddings of every media item by handle (the fetch owns the lease
+        now), except items whose placeholders all lie in the first ``covered`` tokens (cached KV);
+        True when a fetch started."""
+        started = False
         for i, it in enumerate(req.mm_items):
-            if it.handle is not None and it.embeddings is None:
-                req.pending_fetches += 1
-                handle, it.handle = it.handle, None
-                self._fetcher_for_handles().fetch(req.request_id, i, handle, it.length, self.runner.hidden_size)
+            if it.handle is None or it.embeddings is not None:
+                continue
+            if it.end <= covered:
+                self.fetches_skipped += count
+                continue
+            req.pending_fetches += 1
+            handle, it.handle = it.handle, None
+            self._fetcher_for_handles().fetch(req.request_id, i, handle, it.length, self.runner.hidden_size)
+            started = True
+        return started
+
+    def _media_needed(self, req: Request) -> bool:
+        """The scheduler admitted ``req`` with what its prefix cache holds now: fetch the items
+        that prefix no longer covers (they were skipped at arrival); True when it must wait."""
+        return self._fetch_media(req, req.num_computed_tokens, count=False)
 
     def add_request(self, req: Request) -> None:
         """Admit an already built request (in-process tools and tests)."""
@@ -328,6 +347,7 @@ class EngineCore:
         sch, enc, f = self.scheduler, self.runner.encoder_cache, self._fetcher
         return EngineStats(
             block_size=sch.blocks.block_size,
+            ec_fetches_skipped=self.fetches_skipped,
             kv_digest=sch.blocks.digest() if digest else b"",
             running=len(sch.running),
             waiting=len(sch.waiting),

@@ -210,6 +210,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     ec_bytes: int = 0  # embedding bytes fetched through the EC connector
     ec_seconds: float = 0.0
     ec_failures: int = 0
+    ec_fetches_skipped: int = 0  # metadata-only items not fetched: their placeholders' KV was cached
     kv_transfers_out: int = 0  # prefill: requests whose KV was handed to a decode instance
     kv_transfers_in: int = 0  # decode: requests whose KV was loaded
     kv_fallbacks: int = 0  # decode: requests whose KV could not be loaded (prefill computed here)

@@ -11,6 +11,7 @@ The plan (``SchedulerOutput``) holds request references and token counts only, n
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epdserve.engine.block_manager import BlockManager
@@ -54,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # set by the engine core: starts fetching media an admitted request's cached prefix does
+        # not cover after all, True when the request must wait for them
+        self.media_needed: Callable[[Request], bool] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -93,6 +97,12 @@ class Scheduler:
                 req.num_computed_tokens = req.prompt_len
             elif not req.block_ids:
                 self.blocks.take_cached(req, self.blocks.match_prefix(req))
+                if self.media_needed is not None and self.media_needed(req):
+                    # blocks it counted on were evicted: it waits for media it skipped fetching
+                    self.blocks.free(req)
+                    req.num_computed_tokens = req.num_cached_tokens = 0
+                    skipped.append(req)
+                    continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.allocate(req, n):
                 self.blocks.free(req)

@@ -162,6 +162,11 @@ class ChatService:
         m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", stat("encoder_cache_bytes"))
         m.gauge("ec_bytes_received", "embedding bytes fetched through the EC connector", stat("ec_bytes"))
         m.gauge("ec_seconds", "seconds spent fetching embeddings", stat("ec_seconds"))
+        m.gauge(
+            "ec_fetches_skipped",
+            "metadata-only items not fetched because their KV was cached here",
+            stat("ec_fetches_skipped"),
+        )
         m.gauge("ec_failures", "metadata-only items whose embeddings could not be fetched", stat("ec_failures"))
         m.gauge("kv_transfers_out", "requests whose KV this prefill instance handed on", stat("kv_transfers_out"))
         m.gauge("kv_transfers_in", "requests continued from KV loaded here", stat("kv_transfers_in"))
