@@ -563,10 +563,17 @@ def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monke
             assert encode_calls() == calls + 1 and computed() == len(urls) + 1
             # the store loses everything: the directory's handles go stale, the request still answers
             redis.Redis.from_url(server.url, password=server.password).flushall()
-            assert ask(d.url, reqs[1]) == expected[1]
-            assert encode_calls() == calls + 2  # encoded afresh (the encoder's own cache still had it)
-            assert _counter(d.url, "router_pd_retries_total") == 1
-            assert ask(d.url, reqs[1]) == expected[1]  # the encoder wrote the entry again: no retry
+            assert ask(d.url, reqs[1]) == expected[1]  # the worker holds its KV: nothing to read
+            assert encode_calls() == calls + 1 and _counter(d.url, "router_pd_retries_total") == 0
+            # the same image behind other text must be read: the entry is gone, it is encoded afresh
+            # (the encoder's own cache still has it) and the request answers
+            behind = {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Look at this."}, *reqs[1]["messages"][0]["content"],
+            ]}]}  # fmt: skip
+            first = ask(d.url, behind)
+            assert first and encode_calls() == calls + 2 and _counter(d.url, "router_pd_retries_total") == 1
+            behind["messages"][0]["content"][0]["text"] = "Now look at this."
+            assert ask(d.url, behind)  # the encoder wrote the entry again: no retry
             assert encode_calls() == calls + 2 and _counter(d.url, "router_pd_retries_total") == 1
             # the store dies: encoders compute alone, workers fall back, nothing fails
             server.kill()

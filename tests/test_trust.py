@@ -104,14 +104,16 @@ def encode(stack: Stack, seeds: list[int]) -> tuple[int, dict]:
     )
 
 
-def embeds_chat(item: dict, handle: dict | None = None) -> dict:
+def embeds_chat(item: dict, handle: dict | None = None, before: str = "") -> dict:
+    """A chat with the item as metadata; ``before``: text ahead of it (a prefix no cache holds)."""
     part = {
         "type": "image_embeds",
         "image_embeds": {"image_grid_thw": item["grid_thw"]},
         "uuid": item["uuid"],
         "ec_handle": item["ec_handle"] if handle is None else handle,
     }
-    return chat([part, {"type": "text", "text": "Describe the image."}])
+    lead = [{"type": "text", "text": before}] if before else []
+    return chat([*lead, part, {"type": "text", "text": "Describe the image."}])
 
 
 def wait_until(check, timeout: float = 10.0) -> bool:
@@ -206,9 +208,15 @@ def test_forged_foreign_tampered_and_replayed_handles_are_refused(stack: Stack) 
     # none of it touched the victim's embeddings: the genuine handle still works, exactly once
     status, ok = post(stack.pd + "/v1/chat/completions", embeds_chat(victim), internal_headers())
     assert status == 200, ok
-    status, err = post(stack.pd + "/v1/chat/completions", embeds_chat(victim), internal_headers())
-    assert 400 <= status < 500 or status == 503, err  # replayed: the lease was released after use
+    # replayed where the embeddings must be read (a prefix nothing cached): the lease was released
+    replay = embeds_chat(victim, before="Look at this.")
+    status, err = post(stack.pd + "/v1/chat/completions", replay, internal_headers())
+    assert 400 <= status < 500 or status == 503, err
     assert err["error"]["message"] and "/dev/shm" not in json.dumps(err)
+    # where the worker has the image's KV cached it reads nothing, yet a forged handle is still refused
+    for name, forged in forgeries.items():
+        status, err = post(stack.pd + "/v1/chat/completions", embeds_chat(victim, forged), internal_headers())
+        assert status == 400, (name, err)
 
 
 # ---------------------------------------------------------------------------- bounded resources

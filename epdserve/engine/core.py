@@ -21,7 +21,8 @@ from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, Erro
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
-from epdserve.transfer.base import TransferError
+from epdserve.transfer import signing
+from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.kv import KVProducer
 
@@ -105,6 +106,14 @@ class EngineCore:
             if msg.kv is not None and msg.kv.handle is not None:
                 self._release_kv([msg.kv.handle])
             return [_error(req.request_id, str(e), "invalid_request")]
+        try:  # every handle must verify, also one never read (its KV cached here): no I/O
+            key = self._ec.handle_key if self._ec is not None and self._ec.has_secret else None
+            for it in req.mm_items:
+                if it.handle is not None:
+                    signing.verify_with(it.handle, key)
+        except InvalidHandle as e:
+            self._release_handles(req)
+            return [_error(req.request_id, str(e), "invalid_handle")]
         self.requests[req.request_id] = req
         if msg.kv is not None and msg.kv.handle is not None:
             # the media handles wait: they are needed only if the KV cannot be loaded

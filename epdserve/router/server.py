@@ -154,6 +154,7 @@ class Router:
             self.metrics.inc("router_kv_cached_tokens_total", 0, help_text="prompt tokens cached on the chosen worker")
         self._store_seen = False  # an encoder has handed out a store handle: the directory can fill
         m = self.metrics
+        m.inc("router_pd_retries_total", 0, help_text="PD calls retried before the first byte")
         m.gauge(
             "router_directory_entries", "media items the directory holds store handles for", lambda: len(self.directory)
         )
