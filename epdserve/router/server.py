@@ -215,16 +215,17 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             log.warning("no KV digest from %s: %s", w.url, e)
 
-    def pick_pd(self, req: ChatRequest, refs: list[MediaRef], exclude: set[str]) -> Worker:
+    async def pick_pd(self, req: ChatRequest, refs: list[MediaRef], exclude: set[str]) -> Worker:
         """The PD worker for a request: by cached prefix and load (``kv_aware``), else the pool's policy."""
         index, blocks = self.kv_index, self.prompt_blocks
         if index is not None and blocks is not None and index.block_size:
-            candidates = [w for w in self.pds.healthy if w.url not in exclude]
             try:
-                hashes = blocks.hashes(req, refs, index.block_size)
+                # rendering and tokenizing a prompt is CPU work: not on the event loop
+                hashes = await asyncio.to_thread(blocks.hashes, req, refs, index.block_size)
             except Exception:  # the router cannot name the blocks (e.g. a template error): balance load
                 log.exception("could not compute the prompt's KV blocks")
                 hashes = []
+            candidates = [w for w in self.pds.healthy if w.url not in exclude]
             chosen = index.choose(candidates, hashes, self.config.kv_load_tokens) if hashes else None
             if chosen is not None:
                 worker, tokens = chosen
@@ -300,9 +301,10 @@ class Router:
         gets its own): from the media directory where it covers the item, else by encoders, one
         encode per item at a time across concurrent requests (``directory``)."""
         todo = list(refs)
-        for r in todo:
+        use_directory = self.directory.max_entries > 0
+        for r in todo:  # content is hashed only once encoders hand out store handles
             r.from_directory = False
-            r.directory_key = content_key(r.modality, r.url) if self.directory.max_entries > 0 else None
+            r.directory_key = content_key(r.modality, r.url) if use_directory and self._store_seen else None
         while todo:
             lead: list[MediaRef] = []
             waits: list[tuple[MediaRef, asyncio.Future[None]]] = []
@@ -319,7 +321,7 @@ class Router:
                 if running is not None:
                     waits.append((r, running))
                     continue
-                if key is not None and key not in leading and self._store_seen:
+                if key is not None and key not in leading:
                     self.directory.begin(key)
                     leading.add(key)
                 lead.append(r)
@@ -328,9 +330,11 @@ class Router:
                     await self._encode_refs(model, lead, leases)
             finally:
                 for r in lead:
-                    if r.directory_key is not None and r.result is not None:
-                        self._store_seen |= r.result.store_handle is not None
-                        self.directory.record(r.directory_key, r.result)
+                    if use_directory and r.result is not None and r.result.store_handle is not None:
+                        self._store_seen = True
+                        r.directory_key = r.directory_key or content_key(r.modality, r.url)
+                        if r.directory_key is not None:
+                            self.directory.record(r.directory_key, r.result)
                     if r.directory_key in leading:
                         self.directory.end(r.directory_key)
                         leading.discard(r.directory_key)
@@ -489,7 +493,7 @@ class Router:
                         assert r.result is not None
                         body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
                 try:
-                    pd = self.pick_pd(req, refs, exclude)
+                    pd = await self.pick_pd(req, refs, exclude)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
                 resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
