@@ -77,8 +77,19 @@ EC_PRODUCER_FLAGS = (
 )
 EC_CONSUMER_FLAGS = ("fs_dir",)
 STORE_PREFIX = "--store-"
-STORE_FLAGS = ("url", "username", "ttl_s", "max_item_bytes", "timeout_s", "down_s", "claim_ttl_s", "wait_s")
-STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s")
+STORE_FLAGS = (
+    "url",
+    "username",
+    "ttl_s",
+    "max_item_bytes",
+    "timeout_s",
+    "down_s",
+    "claim_ttl_s",
+    "wait_s",
+    "local_host",
+    "segment_bytes",
+)
+STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host")
 KV_PREFIX = "--kv-"
 KV_FLAGS = (
     "connector",
@@ -502,8 +513,8 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
 def _store_group(s: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return s.add_argument_group(
         "shared embedding store",
-        "Encoders share what they compute through Redis (pip install 'epdserve[store]'); "
-        "its password is read from EPD_STORE_PASSWORD.",
+        "Encoders share what they compute through Redis (pip install 'epdserve[store]'; its password "
+        "is read from EPD_STORE_PASSWORD) or Mooncake Store (pip install 'epdserve[mooncake]').",
     )
 
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from epdserve.engine.messages import AddRequest, CoreStart, EngineOutput, MediaS
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
 from epdserve.models.config import ModelConfig
+from epdserve.transfer.cached import cached_handle
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_producer
 from tests.server_utils import TEST_DEVICE
@@ -276,6 +278,28 @@ def test_items_inside_cached_kv_are_not_fetched_unless_the_blocks_are_gone(model
         while producer.live_handles and time.monotonic() < released:
             time.sleep(0.01)
         assert len(first) == len(again) == 6 and producer.live_handles == 0
+        # a router's cached handle (the item's header, nothing to read): skipped while the blocks
+        # are here; once they are gone the request fails alone as embeddings_unavailable (the
+        # router then encodes), never with another answer
+        header = producer.put("img-kv", emb, model_dir.name)
+        producer.release(header)
+        cached = cached_handle(header, ec.handle_key, 60)
+
+        def with_cached(rid: str) -> AddRequest:
+            msg = add(rid, "Describe the image in a few words, please!")
+            producer.release(msg.media[0].handle)
+            media = [msgspec.structs.replace(msg.media[0], handle=cached)]
+            return msgspec.structs.replace(msg, media=media)
+
+        assert run(with_cached("d")) == again and engine.fetches_skipped == 3
+        engine.scheduler.blocks.reset_prefix_cache()
+        assert engine.add(with_cached("e")) == []
+        failed = []
+        deadline = time.monotonic() + 30
+        while engine.has_work and time.monotonic() < deadline:
+            failed += [o for o in engine.step() if o.error is not None]
+            time.sleep(0.01)
+        assert [o.error_kind for o in failed] == ["embeddings_unavailable"]
     finally:
         engine.close()
         producer.close()

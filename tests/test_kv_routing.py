@@ -33,7 +33,7 @@ from epdserve.router.pool import Worker
 from epdserve.router.refs import media_refs
 from epdserve.shapes import ShapesWorld
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http
+from tests.server_utils import http, internal_headers
 
 BS = 16
 
@@ -63,7 +63,7 @@ def test_the_router_names_blocks_as_the_block_manager_does(model_dir: Path) -> N
             uuid="u-1", modality="image", grid_thw=grid, num_embeddings=24, dtype="float32",
             shape=(24, 256), ec_handle={}, status="computed",
         )  # fmt: skip
-    ours = PromptBlocks(model_dir).hashes(req, refs, BS)
+    ours = PromptBlocks(model_dir).blocks(req, [(r.modality, r.result) for r in refs], BS).hashes
     # the worker: its own tokenizer and prompt builder, a Request, the block manager's hashes
     builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
     prompt = builder.build(template_messages(req), [MediaInput("u-1", "image", grid)], None)
@@ -71,10 +71,15 @@ def test_the_router_names_blocks_as_the_block_manager_does(model_dir: Path) -> N
     theirs = BlockManager(64, BS)._hashes_upto(engine_req, len(prompt.token_ids))
     assert len(ours) == len(prompt.token_ids) // BS >= 4
     assert ours == theirs
+    # before any encode, an item not known yet ends the named prefix: exactly the blocks before it
+    early = PromptBlocks(model_dir).blocks(req, [("image", None)], BS)
+    first = prompt.mm_items[0].offset // BS
+    assert early.hashes == ours[:first] and not early.complete
+    known = PromptBlocks(model_dir).blocks(req, [(r.modality, r.result) for r in refs], BS)
+    assert known.complete and known.item_ends == [prompt.mm_items[0].offset + prompt.mm_items[0].length]
     # another image (uuid) changes every block from the one holding its placeholders on
     refs[0].result = msgspec.structs.replace(refs[0].result, uuid="u-2")
-    other = PromptBlocks(model_dir).hashes(req, refs, BS)
-    first = prompt.mm_items[0].offset // BS
+    other = PromptBlocks(model_dir).blocks(req, [(r.modality, r.result) for r in refs], BS).hashes
     assert other[:first] == ours[:first] and all(a != b for a, b in zip(other[first:], ours[first:], strict=True))
 
 
@@ -168,3 +173,103 @@ def test_each_conversation_follows_its_kv(kv_aware: Deployment) -> None:
     metrics = http("GET", d.url + "/metrics")[1].decode()
     routed = re.search(r"^epd_router_kv_routed_total (\S+)$", metrics, re.MULTILINE)
     assert routed is not None and float(routed[1]) >= 8
+
+
+def _counter(url: str, name: str) -> float:
+    metrics = http("GET", url + "/metrics")[1].decode()
+    m = re.search(rf"^epd_{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
+    assert m is not None, f"epd_{name} not in {url}/metrics"
+    return float(m[1])
+
+
+def test_media_inside_the_workers_kv_are_not_encoded_and_a_lost_race_costs_an_encode() -> None:
+    """A follow-up turn whose image lies inside the KV its worker holds is answered without an
+    encode call; if those blocks are evicted after the router chose (here: a flood of other
+    prompts straight to the worker, while the router still remembers what it sent there), the
+    worker refuses the cached handle, the router encodes and the answer is the same."""
+    d = Deployment(
+        Topology.parse("1e+1pd"),
+        None,
+        port=free_port(),
+        extra_pd_args=["--max-model-len", "704", "--num-kv-blocks", "44"],
+        extra_router_args=["--policy", "kv_aware", "--probe-interval", "5"],
+    )
+    d.start()
+    try:
+        enc = next(r.url for r in d.roles if r.name.startswith("encoder"))
+        pd = next(r.url for r in d.roles if r.name.startswith("pd"))
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def answer(body: dict) -> str:
+            r = client.chat.completions.create(
+                model="shapes-qwen2vl", messages=body["messages"], max_tokens=12, temperature=0
+            )
+            return r.choices[0].message.content or ""
+
+        deadline = time.monotonic() + 15
+        while _counter(d.url, "router_kv_workers_fresh") < 1:  # the worker's first digest
+            assert time.monotonic() < deadline, "the router has no KV digest"
+            time.sleep(0.2)
+        image = image_data_url(ShapesWorld(77).scene().render())
+        question = "Describe the image: name every shape you see, its color and where it is."  # the prompt's full blocks cover the image
+        first = answer(chat_body([(question, "")], image))
+        assert _counter(enc, "encode_requests_total") == 1
+        follow_up = chat_body([(question, first), ("What else?", "")], image)
+        second = answer(follow_up)
+        assert _counter(enc, "encode_requests_total") == 1  # the image was never encoded again
+        assert _counter(d.url, "router_encodes_skipped_total") >= 1
+        assert _counter(d.url, "router_pd_retries_total") == 0
+        # evict: long text prompts fill the worker's cache
+        for i in range(2):
+            words = " ".join(f"w{i}x{j}" for j in range(95))
+            flood = {"model": "shapes-qwen2vl", "max_tokens": 1, "messages": [{"role": "user", "content": words}]}
+            status, raw = http(
+                "POST", pd + "/v1/chat/completions", msgspec.json.encode(flood), headers=internal_headers()
+            )
+            assert status == 200, raw
+        assert answer(follow_up) == second
+        assert _counter(d.url, "router_pd_retries_total") == 1 and _counter(enc, "encode_requests_total") == 2
+    finally:
+        d.stop()
+
+
+def test_prefill_workers_are_chosen_by_kv_too() -> None:
+    """E/P/D with kv_aware: each conversation's turns run on the prefill worker holding its KV."""
+    d = Deployment(
+        Topology.parse("1e+2p+1d"),
+        None,
+        port=free_port(),
+        extra_pd_args=["--max-model-len", "2048", "--num-kv-blocks", "512"],
+        extra_router_args=["--policy", "kv_aware", "--probe-interval", "0.5"],
+    )
+    d.start()
+    try:
+        prefills = [r.url for r in d.roles if r.name.startswith("prefill")]
+        deadline = time.monotonic() + 15
+        while _counter(d.url, "router_kv_workers_fresh") < 2:
+            assert time.monotonic() < deadline, "the router has no KV digests"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        convs = [
+            {"image": image_data_url(ShapesWorld(90 + i).scene().render()), "turns": [("Describe the image.", "")]}
+            for i in range(3)
+        ]
+        homes: list[str] = []
+        for turn in range(3):
+            for c in convs:
+                before = [_queried(u) for u in prefills]
+                body = chat_body(c["turns"], c["image"])
+                r = client.chat.completions.create(
+                    model="shapes-qwen2vl", messages=body["messages"], max_tokens=8, temperature=0
+                )
+                served = [u for u, b in zip(prefills, before, strict=True) if _queried(u) > b]
+                assert len(served) == 1
+                if turn == 0:
+                    homes.append(served[0])
+                else:
+                    assert served[0] == homes[convs.index(c)], f"turn {turn} left its KV"
+                c["turns"][-1] = (c["turns"][-1][0], r.choices[0].message.content or "")
+                c["turns"].append(("What else?", ""))
+        assert _counter(d.url, "router_kv_routed_total") >= 6
+    finally:
+        d.stop()

@@ -286,11 +286,13 @@ class EngineCore:
     def _fetcher_for_handles(self) -> EmbeddingFetcher:
         if self._fetcher is None:
             from epdserve.store.consumer import StoreConsumer
+            from epdserve.transfer.cached import CACHED_HANDLE
             from epdserve.transfer.config import STORE_HANDLE
             from epdserve.transfer.factory import make_consumer
 
             ec = self._ec or ECConfig()
-            store = {STORE_HANDLE: lambda: StoreConsumer(ec)}
+            # a cached handle is read only when its KV was evicted meanwhile: the store may have it
+            store = {STORE_HANDLE: lambda: StoreConsumer(ec), CACHED_HANDLE: lambda: StoreConsumer(ec)}
             self._fetcher = EmbeddingFetcher(lambda: make_consumer(ec, store), self._model_id, self._fetch_done)
         return self._fetcher
 

@@ -2,7 +2,9 @@
 
 ``PromptBlocks`` names a request's prompt blocks exactly as a worker's block manager will: the
 model's chat template, the placeholder runs its prompt layout gives each item's grid, the items'
-content uuids (from the encoders), and the same block hash (``engine.prefix_hash``); torch-free.
+content uuids (from the encoders, or the router's directory before any encode), and the same block
+hash (``engine.prefix_hash``); torch-free. An item the router knows nothing of yet ends the named
+prefix: the blocks before its placeholders do not depend on it, the ones after do.
 
 ``KVIndex`` knows what each worker holds: its last digest (``GET /v1/kv/digest``, polled with the
 health probes), plus the prompts routed to it since (a worker caches a prompt's blocks as soon as
@@ -17,35 +19,47 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import ChatRequest
+from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.prefix_hash import MediaSpan, prefix_hashes
 from epdserve.models.config import ModelConfig
 from epdserve.pd.messages import template_messages
 from epdserve.pd.tokenizer import FastTokenizer
 from epdserve.router.pool import Worker
-from epdserve.router.refs import MediaRef
 
 MAX_NOTED_BLOCKS = 1 << 18  # block hashes remembered per worker between digests
+_UNKNOWN = "?"  # the uuid of an item not known yet (its blocks are never named)
+
+
+class Blocks(NamedTuple):
+    hashes: list[bytes]  # the prompt's full blocks up to the first unknown item
+    item_ends: list[int]  # per media item, the position after its last placeholder
+    complete: bool  # every item was known: ``hashes`` names every full block
 
 
 class PromptBlocks:
     def __init__(self, model_dir: Path) -> None:
         self.builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
 
-    def hashes(self, req: ChatRequest, refs: list[MediaRef], block_size: int) -> list[bytes]:
-        """The hashes of the prompt's full blocks; [] when its media are not all known (raw media
-        a worker will encode itself: their uuids and grids are the worker's to find)."""
-        media = []
-        for r in refs:
-            if r.result is None:
-                return []
-            media.append(MediaInput(r.result.uuid, r.modality, r.result.grid_thw))
-        prompt = self.builder.build(template_messages(req), media, req.chat_template_kwargs)
+    def blocks(self, req: ChatRequest, media: list[tuple[str, EncodedItem | None]], block_size: int) -> Blocks:
+        """The prompt's blocks, given each media item's modality and what is known of it (None:
+        not yet known)."""
+        items = [it for _, it in media]
+        inputs = [
+            MediaInput(_UNKNOWN, modality, (1, 2, 2)) if it is None else MediaInput(it.uuid, it.modality, it.grid_thw)
+            for modality, it in media
+        ]
+        prompt = self.builder.build(template_messages(req), inputs, req.chat_template_kwargs)
         spans = [MediaSpan(m.uuid, m.offset, m.length) for m in prompt.mm_items]
-        return prefix_hashes(prompt.token_ids, spans, block_size)
+        hashes = prefix_hashes(prompt.token_ids, spans, block_size)
+        unknown = [s.offset for s, it in zip(spans, items, strict=True) if it is None]
+        if unknown:
+            hashes = hashes[: min(unknown) // block_size]
+        return Blocks(hashes, [s.offset + s.length for s in spans], not unknown)
 
 
 class KVIndex:

@@ -23,6 +23,7 @@ class MediaRef:
     encoder: str = ""  # the encoder that issued ``result``'s lease ("" for a directory hit: no lease)
     directory_key: str | None = None  # its key in the router's media directory (data: URLs)
     from_directory: bool = False  # ``result`` came from the directory, not an encode call
+    skipped: bool = False  # not encoded: ``result`` holds a cached handle (the worker holds its KV)
 
 
 def media_refs(body: dict[str, Any]) -> list[MediaRef]:

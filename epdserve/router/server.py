@@ -62,6 +62,7 @@ from epdserve.api.protocol import (
 )
 from epdserve.assets import default_model_dir
 from epdserve.encoder.protocol import (
+    EncodedItem,
     EncodeItem,
     EncodeRequest,
     ReleaseRequest,
@@ -71,11 +72,13 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.media.limits import MediaLimits
 from epdserve.router.directory import MediaDirectory, content_key
-from epdserve.router.kv_routing import KVIndex, PromptBlocks
+from epdserve.router.kv_routing import Blocks, KVIndex, PromptBlocks
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs
 from epdserve.router.split import SplitChat
 from epdserve.router.upstream import RetryableWorker, error_code, error_response, passthrough_error
+from epdserve.transfer.cached import cached_handle
+from epdserve.transfer.config import HANDLE_PURPOSE
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +155,23 @@ class Router:
             self.prompt_blocks = PromptBlocks(Path(config.model) if config.model else default_model_dir())
             self.metrics.inc("router_kv_routed_total", 0, help_text="requests sent to the worker holding their prefix")
             self.metrics.inc("router_kv_cached_tokens_total", 0, help_text="prompt tokens cached on the chosen worker")
-        self._store_seen = False  # an encoder has handed out a store handle: the directory can fill
+            self.metrics.inc(
+                "router_encodes_skipped_total", 0, help_text="media items not encoded: the worker holds their KV"
+            )
+            kv_index = self.kv_index
+            self.metrics.gauge(
+                "router_kv_workers_fresh",
+                "workers whose KV digest is recent enough to route by",
+                lambda: sum(kv_index.fresh(w.url) for w in self.lm_workers),
+            )
+        self._store_seen = False  # an encoder has handed out a store handle: store hits are possible
+        self._handle_key = config.auth.cluster.derive(HANDLE_PURPOSE)  # signs cached handles
         m = self.metrics
         m.inc("router_pd_retries_total", 0, help_text="PD calls retried before the first byte")
         m.gauge(
-            "router_directory_entries", "media items the directory holds store handles for", lambda: len(self.directory)
+            "router_directory_entries",
+            "media items the directory knows (uuid, grid, store handle if any)",
+            lambda: len(self.directory),
         )
         m.gauge(
             "router_directory_hits_total",
@@ -196,7 +211,7 @@ class Router:
                 if self._model is None:
                     await self._learn_model()
                 if self.kv_index is not None:
-                    await asyncio.gather(*(self._poll_digest(w) for w in self.pds.healthy))
+                    await asyncio.gather(*(self._poll_digest(w) for w in (*self.pds.healthy, *self.prefills.healthy)))
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
@@ -215,29 +230,82 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             log.warning("no KV digest from %s: %s", w.url, e)
 
-    async def pick_pd(self, req: ChatRequest, refs: list[MediaRef], exclude: set[str]) -> Worker:
-        """The PD worker for a request: by cached prefix and load (``kv_aware``), else the pool's policy."""
-        index, blocks = self.kv_index, self.prompt_blocks
-        if index is not None and blocks is not None and index.block_size:
+    async def choose_lm(
+        self, pool: WorkerPool, req: ChatRequest, refs: list[MediaRef], exclude: set[str], skip_cached: bool = False
+    ) -> tuple[Worker, Blocks | None]:
+        """The language-model worker for a request, and its prompt's blocks as named then.
+
+        ``kv_aware``: by cached prefix and load, the prefix named from what is known of the media
+        (encode results, else the directory's entries: this can run before any encode). With
+        ``skip_cached``, each item not encoded yet whose placeholders lie inside the chosen
+        worker's cached prefix gets a cached handle instead of an encode. Other policies: the
+        pool's choice."""
+        index, prompt_blocks = self.kv_index, self.prompt_blocks
+        if index is None or prompt_blocks is None or not index.block_size:
+            return pool.pick(exclude=exclude), None
+        self._directory_keys(refs)
+        media = [(r.modality, r.result or self._known(r)) for r in refs]
+        try:
+            # rendering and tokenizing a prompt is CPU work: not on the event loop
+            named = await asyncio.to_thread(prompt_blocks.blocks, req, media, index.block_size)
+        except Exception:  # the router cannot name the blocks (e.g. a template error): balance load
+            log.exception("could not compute the prompt's KV blocks")
+            return pool.pick(exclude=exclude), None
+        candidates = [w for w in pool.healthy if w.url not in exclude]
+        chosen = index.choose(candidates, named.hashes, self.config.kv_load_tokens) if named.hashes else None
+        if chosen is None:
+            worker, tokens = pool.pick(exclude=exclude), 0
+        else:
+            worker, tokens = chosen
+            self.metrics.inc("router_kv_routed_total", help_text="requests sent to the worker holding their prefix")
+            self.metrics.inc(
+                "router_kv_cached_tokens_total", tokens, help_text="prompt tokens cached on the chosen worker"
+            )
+        index.note(worker.url, named.hashes)
+        if skip_cached and tokens:
+            for r, (_, known), end in zip(refs, media, named.item_ends, strict=True):
+                if r.result is None and known is not None and end <= tokens:
+                    r.result = self._cached(known)
+                    r.encoder, r.skipped = "", True
+                    self.metrics.inc(
+                        "router_encodes_skipped_total", help_text="media items not encoded: the worker holds their KV"
+                    )
+        return worker, named
+
+    def _known(self, r: MediaRef) -> EncodedItem | None:
+        return self.directory.known(r.directory_key) if r.directory_key is not None else None
+
+    def _cached(self, known: EncodedItem) -> EncodedItem:
+        """A stand-in for an encode result: the item's cached handle (see ``transfer.cached``)."""
+        handle = cached_handle(known.ec_handle, self._handle_key, self.config.request_timeout_s)
+        return msgspec.structs.replace(known, ec_handle=handle, more_handles=[], store_handle=None)
+
+    def note_complete(self, worker: Worker, req: ChatRequest, refs: list[MediaRef], named: Blocks | None) -> None:
+        """After the encodes: note the blocks past the items that were unknown when the worker was
+        chosen (in the background: the request does not wait for it)."""
+        index, prompt_blocks = self.kv_index, self.prompt_blocks
+        if index is None or prompt_blocks is None or named is None or named.complete:
+            return
+        media = [(r.modality, r.result) for r in refs]
+        block_size = index.block_size
+
+        async def note() -> None:
             try:
-                # rendering and tokenizing a prompt is CPU work: not on the event loop
-                hashes = await asyncio.to_thread(blocks.hashes, req, refs, index.block_size)
-            except Exception:  # the router cannot name the blocks (e.g. a template error): balance load
+                full = await asyncio.to_thread(prompt_blocks.blocks, req, media, block_size)
+            except Exception:
                 log.exception("could not compute the prompt's KV blocks")
-                hashes = []
-            candidates = [w for w in self.pds.healthy if w.url not in exclude]
-            chosen = index.choose(candidates, hashes, self.config.kv_load_tokens) if hashes else None
-            if chosen is not None:
-                worker, tokens = chosen
-                self.metrics.inc("router_kv_routed_total", help_text="requests sent to the worker holding their prefix")
-                self.metrics.inc(
-                    "router_kv_cached_tokens_total", tokens, help_text="prompt tokens cached on the chosen worker"
-                )
-            else:
-                worker = self.pds.pick(exclude=exclude)
-            index.note(worker.url, hashes)
-            return worker
-        return self.pds.pick(exclude=exclude)
+                return
+            index.note(worker.url, full.hashes)
+
+        self.spawn(note())
+
+    def _directory_keys(self, refs: list[MediaRef]) -> None:
+        """Key the refs in the directory, once it can help: encoders hand out store handles, or
+        the router names KV blocks (content is not hashed otherwise)."""
+        use = self.directory.max_entries > 0 and (self._store_seen or self.kv_index is not None)
+        for r in refs:
+            if r.directory_key is None and use:
+                r.directory_key = content_key(r.modality, r.url)
 
     @property
     def pools(self) -> tuple[WorkerPool, ...]:
@@ -301,20 +369,19 @@ class Router:
         gets its own): from the media directory where it covers the item, else by encoders, one
         encode per item at a time across concurrent requests (``directory``)."""
         todo = list(refs)
-        use_directory = self.directory.max_entries > 0
-        for r in todo:  # content is hashed only once encoders hand out store handles
+        self._directory_keys(todo)
+        for r in todo:
             r.from_directory = False
-            r.directory_key = content_key(r.modality, r.url) if use_directory and self._store_seen else None
         while todo:
             lead: list[MediaRef] = []
             waits: list[tuple[MediaRef, asyncio.Future[None]]] = []
             leading: set[str] = set()
             for r in todo:
-                key = r.directory_key
+                # store hits and single-flight: only once the encoders share a store
+                key = r.directory_key if self._store_seen else None
                 item = self.directory.lookup(key) if key is not None else None
                 if item is not None:
-                    assert item.store_handle is not None
-                    r.result = msgspec.structs.replace(item, more_handles=[item.store_handle] * (leases - 1))
+                    r.result = msgspec.structs.replace(item, more_handles=[item.ec_handle] * (leases - 1))
                     r.encoder, r.from_directory = "", True
                     continue
                 running = self.directory.in_flight(key) if key is not None and key not in leading else None
@@ -330,11 +397,11 @@ class Router:
                     await self._encode_refs(model, lead, leases)
             finally:
                 for r in lead:
-                    if use_directory and r.result is not None and r.result.store_handle is not None:
+                    if r.result is not None and r.result.store_handle is not None:
                         self._store_seen = True
-                        r.directory_key = r.directory_key or content_key(r.modality, r.url)
-                        if r.directory_key is not None:
-                            self.directory.record(r.directory_key, r.result)
+                    self._directory_keys([r])
+                    if r.result is not None and r.directory_key is not None:
+                        self.directory.record(r.directory_key, r.result)
                     if r.directory_key in leading:
                         self.directory.end(r.directory_key)
                         leading.discard(r.directory_key)
@@ -441,7 +508,7 @@ class Router:
         for r in refs:
             if r.result is not None and not r.from_directory and r.encoder:  # a directory hit holds no lease
                 leases.setdefault(r.encoder, []).extend((r.result.ec_handle, *r.result.more_handles))
-            r.result = None
+            r.result, r.skipped = None, False
         return leases
 
     def _release(self, leases: dict[str, list[dict]]) -> None:
@@ -481,27 +548,42 @@ class Router:
         refs = [] if self.config.forward_raw_media else media_refs(body)
         attempts_left = 2
         exclude: set[str] = set()
+        skip_cached = True  # until a worker could not use a cached handle: then encode everything
         while True:
             attempts_left -= 1
             consumed = False  # once the PD worker accepted the request, its leases are its own
             try:
-                if refs:
-                    t0 = time.perf_counter()
-                    await self._encode_shielded(req.model, refs)
-                    self.encode_hist.observe(time.perf_counter() - t0)
-                    for r in refs:
-                        assert r.result is not None
-                        body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
+                pd: Worker | None = None
+                named: Blocks | None = None
                 try:
-                    pd = await self.pick_pd(req, refs, exclude)
+                    if self.kv_index is not None:  # chosen first: it decides what must be encoded
+                        pd, named = await self.choose_lm(self.pds, req, refs, exclude, skip_cached)
+                    todo = [r for r in refs if r.result is None]
+                    if todo:
+                        t0 = time.perf_counter()
+                        if pd is not None:
+                            pd.outstanding += 1  # it is busy with this request from now on
+                        try:
+                            await self._encode_shielded(req.model, todo)
+                        finally:
+                            if pd is not None:
+                                pd.outstanding -= 1
+                        self.encode_hist.observe(time.perf_counter() - t0)
+                    if pd is None:
+                        pd, named = await self.choose_lm(self.pds, req, refs, exclude)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
+                for r in refs:
+                    assert r.result is not None
+                    body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
+                self.note_complete(pd, req, refs, named)
                 resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
                 return resp
             except RetryableWorker as e:
                 if not e.worker_ok:
                     exclude.add(e.url)
                 self.forget_directory_hits(refs)
+                skip_cached = False
                 self.metrics.inc("router_pd_retries_total", help_text="PD calls retried before the first byte")
                 if attempts_left <= 0:
                     raise WorkerFailed(f"The prefill/decode worker failed: {e}") from None

@@ -91,7 +91,7 @@ class SplitChat:
                 kv = {"do_remote_decode": True}
                 raw = _body(body, refs, stream=False, kv_transfer_params=kv)
                 try:
-                    worker = r.prefills.pick(exclude=exclude)
+                    worker, _ = await r.choose_lm(r.prefills, req, refs, exclude)
                 except NoWorker:
                     raise Unavailable("No healthy prefill worker is available.") from None
                 answer = await self._read(r.prefills, worker, raw)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from epdserve.store.base import EmbeddingStore
+from epdserve.store.factory import open_store
 from epdserve.store.record import STORE_PURPOSE
 from epdserve.transfer.base import Handle, TransferError
 from epdserve.transfer.config import ECConfig
@@ -28,10 +29,8 @@ class StoreConsumer:
             raise TransferError("this instance has no shared embedding store (--store-url)")
         store = self._stores.get((model_id, width))
         if store is None:
-            from epdserve.store.redis_store import RedisStore  # the optional extra, only when used
-
             key = self._cfg.key(STORE_PURPOSE)
-            store = RedisStore(self._cfg.store, model_id, key, None, width, self._cfg.dtypes)
+            store = open_store(self._cfg.store, model_id, key, None, width, self._cfg.dtypes)
             self._stores[(model_id, width)] = store
         return store
 

@@ -10,34 +10,24 @@ a miss. Claims are released and renewed only by their holder (compare-and-delete
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import secrets
-import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
-import torch
 
-from epdserve.store.base import Claim, StoreStats
+from epdserve.store.base import Claim
 from epdserve.store.config import StoreConfig
-from epdserve.store.record import Grid, StoredItem, pack, unpack
-from epdserve.transfer.base import TransferError
-from epdserve.transfer.header import WireHeader
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
+from epdserve.store.packed import PackedStore
+from epdserve.store.record import Grid
 
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _UNCLAIM = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
-def _no_rows(grid: Grid) -> int:
-    raise TransferError("this store client reads entries only with their expected row count")
+class RedisStore(PackedStore):
+    errors = (aioredis.RedisError, OSError, TimeoutError)
 
-
-class RedisStore:
     def __init__(
         self,
         config: StoreConfig,
@@ -47,15 +37,7 @@ class RedisStore:
         width: int,
         dtypes: Iterable[str] = ("float32", "bfloat16", "float16"),
     ) -> None:
-        self.config = config
-        self.model_id = model_id
-        self._key = key
-        self._rows_of = rows_of or _no_rows
-        self._width = width
-        self._dtypes = tuple(dtypes)
-        self.stats = StoreStats()
-        self._down_until = 0.0
-        self._prefix = f"epd:ec:v1:{model_id}:"
+        super().__init__(config, model_id, key, rows_of, width, dtypes)
         self._redis = aioredis.Redis.from_url(
             config.url,
             username=config.username or None,
@@ -65,55 +47,18 @@ class RedisStore:
             retry_on_timeout=False,
         )
 
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+    async def _read(self, key: str) -> bytes | None:
+        value: Any = await self._redis.get(key)
+        return None if value is None else bytes(value)
 
-    async def _call(self, what: str, op: Callable[[], Awaitable[T]], default: T) -> T:
-        """``op`` within the timeout; ``default`` (and the store marked down) when it fails."""
-        if not self.available:
-            self.stats.skipped += 1
-            return default
-        try:
-            return await asyncio.wait_for(op(), self.config.timeout_s)
-        except (aioredis.RedisError, OSError, TimeoutError) as e:
-            self.stats.errors += 1
-            self._down_until = time.monotonic() + self.config.down_s
-            log.warning(
-                "embedding store %s failed (%s: %s); encoders compute alone for %.0f s",
-                what,
-                type(e).__name__,
-                e,
-                self.config.down_s,
-            )
-            return default
+    async def _write(self, key: str, value: bytes) -> bool:
+        return bool(await self._redis.set(key, value, px=int(self.config.ttl_s * 1000)))
 
-    async def get(self, uuid: str, rows: int | None = None) -> StoredItem | None:
-        value: Any = await self._call("get", lambda: self._redis.get(self._prefix + uuid), None)
-        if value is None:
-            self.stats.misses += 1
-            return None
-        rows_of = self._rows_of if rows is None else (lambda _grid: rows)
-        try:
-            item = unpack(bytes(value), uuid, self.model_id, self._key, rows_of, self._width, self._dtypes)
-        except TransferError as e:
-            self.stats.rejected += 1
-            log.warning("embedding store entry for %s rejected: %s", uuid, e)
-            await self._call("delete", lambda: self._redis.delete(self._prefix + uuid), 0)
-            return None
-        self.stats.hits += 1
-        return item
+    async def _delete(self, key: str) -> None:
+        await self._redis.delete(key)
 
-    async def put(self, uuid: str, grid_thw: Grid, embeddings: torch.Tensor) -> WireHeader | None:
-        if embeddings.numel() * embeddings.element_size() > self.config.max_item_bytes:
-            return None
-        value, header = pack(uuid, self.model_id, grid_thw, embeddings, self._key)
-        ttl_ms = int(self.config.ttl_s * 1000)
-        ok = await self._call("put", lambda: self._redis.set(self._prefix + uuid, value, px=ttl_ms), None)
-        if not ok:
-            return None
-        self.stats.writes += 1
-        return header
+    async def _exists(self, key: str) -> bool:
+        return bool(await self._redis.exists(key))
 
     async def claim(self, uuid: str) -> Claim:
         token = secrets.token_hex(16)
@@ -135,9 +80,6 @@ class RedisStore:
         if claim.token:
             key = self._prefix + "claim:" + uuid
             await self._call("unclaim", lambda: self._redis.eval(_UNCLAIM, 1, key, claim.token), 0)  # type: ignore[no-untyped-call]
-
-    async def present(self, uuid: str) -> bool:
-        return bool(await self._call("present", lambda: self._redis.exists(self._prefix + uuid), 0))
 
     async def claimed(self, uuid: str) -> bool:
         return bool(await self._call("claimed", lambda: self._redis.exists(self._prefix + "claim:" + uuid), 0))

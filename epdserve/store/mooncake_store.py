@@ -1,0 +1,156 @@
+"""The embedding store on Mooncake Store (``mooncake://<master host>:<rpc port>``).
+
+Each instance's store client joins the master's pool in peer-to-peer handshake mode (no metadata
+server), encoders lending ``segment_bytes`` of their memory to it and readers none. Mooncake
+bounds the pool's memory and evicts when it fills; it has no per-entry TTL and no credential, so
+its network must be trusted-only (docs/security.md) and everything read from it is checked like any
+other untrusted input (``record``: MAC, identity, shape, checksum).
+
+The client's calls block (and take seconds when the master is gone), so they run on a small thread
+pool of their own, bounded by ``timeout_s`` like every store call. Mooncake keeps the first value
+written to a key, which makes claims: a claimant writes ``<token> <deadline>`` and has the claim
+when reading the key back gives its own token. A claim is renewed and released by overwriting it
+(with a later, or a past, deadline); one whose deadline passed is anyone's to take. Two takers of
+one lapsed claim may both win: that costs a duplicate encode, never a wrong entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from epdserve.store.base import Claim
+from epdserve.store.config import StoreConfig
+from epdserve.store.packed import PackedStore
+from epdserve.store.record import Grid
+
+T = TypeVar("T")
+LOCAL_BUFFER_BYTES = 16 << 20  # the client's own transfer buffer
+MAX_CLAIM_BYTES = 64
+CLAIM_SETTLE_S = 0.02
+
+
+class MooncakeError(RuntimeError):
+    """A Mooncake call failed (the master is unreachable, the client could not join)."""
+
+
+class MooncakeStore(PackedStore):
+    errors = (MooncakeError, OSError, TimeoutError)
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        model_id: str,
+        key: bytes,
+        rows_of: Callable[[Grid], int] | None,
+        width: int,
+        dtypes: Iterable[str] = ("float32", "bfloat16", "float16"),
+        lend: bool = False,  # an encoder lends ``segment_bytes`` of memory to the pool
+    ) -> None:
+        super().__init__(config, model_id, key, rows_of, width, dtypes)
+        self._master = config.url.removeprefix("mooncake://")
+        self._segment = config.segment_bytes if lend else 0
+        self._client: Any = None
+        self._setup_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epd-mooncake")
+
+    def _store(self) -> Any:
+        """The joined client (joining on first use, on a pool thread)."""
+        with self._setup_lock:
+            if self._client is None:
+                try:
+                    from mooncake.store import MooncakeDistributedStore  # the optional extra
+                except ImportError as e:
+                    raise MooncakeError(f"Mooncake is not installed (pip install 'epdserve[mooncake]'): {e}") from e
+                client = MooncakeDistributedStore()
+                rc = client.setup(
+                    self.config.local_host, "P2PHANDSHAKE", self._segment, LOCAL_BUFFER_BYTES, "tcp", "", self._master
+                )
+                if rc != 0:
+                    raise MooncakeError(f"could not join the Mooncake store at {self._master} (code {rc})")
+                self._client = client
+            return self._client
+
+    async def _run(self, op: Callable[[Any], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: op(self._store()))
+
+    async def _read(self, key: str) -> bytes | None:
+        value = await self._run(lambda c: c.get(key))
+        return bytes(value) if value else None
+
+    async def _write(self, key: str, value: bytes) -> bool:
+        return await self._run(lambda c: c.put(key, value)) == 0  # not written: full (a miss later)
+
+    async def _delete(self, key: str) -> None:
+        await self._run(lambda c: c.remove(key))
+
+    async def _exists(self, key: str) -> bool:
+        return await self._run(lambda c: c.is_exist(key)) == 1
+
+    # ---- claims ------------------------------------------------------------------------------
+    async def _holder(self, key: str) -> tuple[str, float] | None:
+        """The claim's token and deadline, if it names a live one (anything else reads as none)."""
+        raw = await self._call("claimed", lambda: self._read(key), None)
+        if raw is None or len(raw) > MAX_CLAIM_BYTES:
+            return None
+        try:
+            token, deadline = raw.decode("ascii").split(" ")
+            at = float(deadline)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return (token, at) if at > time.time() else None
+
+    async def _set_claim(self, key: str, token: str, deadline: float, fresh: bool) -> bool:
+        value = f"{token} {deadline:.3f}".encode()
+        write = (lambda c: c.put(key, value)) if fresh else (lambda c: c.upsert(key, value))
+        return await self._call("claim", lambda: self._run(write), None) == 0
+
+    async def claim(self, uuid: str) -> Claim:
+        key = self._prefix + "claim:" + uuid
+        if not self.available:
+            self.stats.skipped += 1
+            return Claim(True)  # no store to coordinate through: compute alone
+        if await self._holder(key) is not None:
+            return Claim(False)
+        token = secrets.token_hex(16)
+        exists = await self._call("claim", lambda: self._exists(key), False)
+        written = await self._set_claim(key, token, time.time() + self.config.claim_ttl_s, fresh=not exists)
+        held = await self._holder(key)
+        if held is None and not written and self.available:
+            # another member's write of the claim may be under way (Mooncake refuses a second put
+            # of a key while the first is in flight): look again once before going alone
+            await asyncio.sleep(CLAIM_SETTLE_S)
+            held = await self._holder(key)
+        if held is None:  # the store failed between the calls, or nobody can say: compute alone
+            return Claim(True)
+        return Claim(True, token) if held[0] == token else Claim(False)
+
+    async def renew(self, uuid: str, claim: Claim) -> None:
+        if claim.token:
+            key = self._prefix + "claim:" + uuid
+            await self._set_claim(key, claim.token, time.time() + self.config.claim_ttl_s, fresh=False)
+
+    async def unclaim(self, uuid: str, claim: Claim) -> None:
+        if claim.token:
+            key = self._prefix + "claim:" + uuid
+            held = await self._holder(key)
+            if held is not None and held[0] == claim.token:
+                await self._set_claim(key, claim.token, 0.0, fresh=False)
+
+    async def claimed(self, uuid: str) -> bool:
+        return await self._holder(self._prefix + "claim:" + uuid) is not None
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self.available:  # leaving a dead master would block for seconds
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.get_running_loop().run_in_executor(self._pool, client.close), self.config.timeout_s
+                )
+        self._pool.shutdown(wait=False)

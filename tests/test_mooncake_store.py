@@ -1,0 +1,168 @@
+"""The shared embedding store on a real Mooncake master and real Mooncake clients: entries written
+by one member are read by another and checked before use (a forged entry is rejected and deleted),
+claims make concurrent misses compute once and lapse when their holder dies, a dead master is a
+quick miss, and two encoder processes share their work through it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from epdserve.bench.workload import image_data_url
+from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
+from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.security.credentials import ClusterCredential
+from epdserve.shapes import ShapesWorld
+from epdserve.store.base import Claim
+from epdserve.store.config import StoreConfig
+from epdserve.store.mooncake_master import MooncakeMaster, master_binary, start_master
+from epdserve.store.mooncake_store import MooncakeStore
+from epdserve.store.record import StoredItem
+from epdserve.store.single_flight import fetch_or_claim, holding
+from tests.server_utils import http, internal_headers, post_json
+
+pytest.importorskip("mooncake.store", reason="Mooncake is not installed (pip install 'epdserve[mooncake]')")
+
+MODEL, WIDTH, MERGE = "m", 8, 4
+KEY = ClusterCredential.generate().derive("ec-store")
+
+
+def rows_of(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2] // MERGE
+
+
+def emb(seed: int, rows: int = 4) -> torch.Tensor:
+    return torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def master() -> Iterator[MooncakeMaster]:
+    if master_binary() is None:
+        pytest.skip("mooncake_master is not installed")
+    m = start_master()
+    try:
+        yield m
+    finally:
+        m.kill()
+
+
+def member(master: MooncakeMaster, lend: bool = True, key: bytes = KEY, **cfg: object) -> MooncakeStore:
+    config = StoreConfig(url=master.url, segment_bytes=32 << 20, **cfg)  # type: ignore[arg-type]
+    return MooncakeStore(config, MODEL, key, rows_of, WIDTH, lend=lend)
+
+
+def test_entries_cross_members_and_forged_ones_are_rejected(master: MooncakeMaster) -> None:
+    async def main() -> None:
+        encoder, reader = member(master), member(master, lend=False)
+        e = emb(1)
+        header = await encoder.put("u1", (1, 4, 4), e)
+        assert header is not None and header.key == "u1"
+        got = await reader.get("u1")
+        assert got is not None and torch.equal(got.embeddings, e) and got.grid_thw == (1, 4, 4)
+        assert await reader.present("u1") and not await reader.present("u2")
+        assert await reader.get("u2") is None and reader.stats.misses == 1
+        # a member without the cluster secret writes an entry: nobody uses it, it is deleted
+        other = member(master, key=ClusterCredential.generate().derive("ec-store"))
+        assert await other.put("u3", (1, 4, 4), emb(2)) is not None
+        assert await reader.get("u3") is None and reader.stats.rejected == 1
+        # garbage under an entry's key
+        await encoder._write(encoder._prefix + "u4", b"\x00garbage")
+        assert await reader.get("u4") is None and reader.stats.rejected == 2
+        for s in (encoder, reader, other):
+            await s.close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_misses_compute_once_and_a_dead_holders_claim_lapses(master: MooncakeMaster) -> None:
+    computed: list[str] = []
+
+    async def encoder_request(s: MooncakeStore, uuid: str) -> torch.Tensor:
+        got = await fetch_or_claim(s, uuid, wait_s=10)
+        if isinstance(got, StoredItem):
+            return got.embeddings
+        async with holding(s, uuid, got, renew_s=0.1):
+            computed.append(uuid)
+            await asyncio.sleep(0.3)  # a vision forward
+            e = emb(5)
+            await s.put(uuid, (1, 4, 4), e)
+        return e
+
+    async def main() -> None:
+        a, b = member(master), member(master, lend=False)
+        outs = await asyncio.gather(*(encoder_request(a if i % 2 else b, "cold") for i in range(6)))
+        assert computed == ["cold"] and all(torch.equal(o, outs[0]) for o in outs)
+        assert a.stats.waits + b.stats.waits >= 1
+        # a claim whose holder died (never renewed): taken over after its deadline
+        dead = member(master, lend=False, claim_ttl_s=0.4)
+        claim = await dead.claim("orphan")
+        assert claim.won and claim.token and await a.claimed("orphan")
+        t0 = time.monotonic()
+        got = await fetch_or_claim(a, "orphan", wait_s=10)
+        assert isinstance(got, Claim) and got.won and got.token
+        assert time.monotonic() - t0 < 3 and a.stats.takeovers == 1
+        await a.unclaim("orphan", got)
+        assert not await a.claimed("orphan")
+        for s in (a, b, dead):
+            await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_master_is_a_quick_miss(master: MooncakeMaster) -> None:
+    async def main() -> None:
+        s = member(master, timeout_s=0.5, down_s=30)
+        assert await s.put("u", (1, 4, 4), emb(3)) is not None
+        master.kill()
+        t0 = time.monotonic()
+        assert await s.get("v") is None
+        assert await s.put("w", (1, 4, 4), emb(4)) is None
+        assert (await s.claim("x")).won  # no coordination: compute alone
+        assert time.monotonic() - t0 < 2.0 and s.stats.errors == 1 and s.stats.skipped >= 2
+
+    asyncio.run(main())
+
+
+def _metric(url: str, name: str) -> float:
+    import re
+
+    status, body = http("GET", url + "/metrics")
+    assert status == 200
+    m = re.search(rf"^epd_{re.escape(name)} (\S+)$", body.decode(), re.MULTILINE)
+    assert m is not None, f"epd_{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_two_encoder_processes_share_work_through_mooncake(master: MooncakeMaster) -> None:
+    procs, urls = [], []
+    try:
+        for _ in range(2):
+            port = free_port()
+            args = ["encoder", "--port", str(port), "--ec-shm-bytes", str(16 << 20), "--store-url", master.url]
+            procs.append(start_role([*args, "--store-segment-bytes", str(32 << 20)]))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs, strict=True):
+            wait_healthy(url, proc, timeout=120)
+        image = image_data_url(ShapesWorld(5).sample("describe").scenes[0].render())
+        body = {
+            "version": ENCODER_PROTOCOL_VERSION,
+            "model": "shapes-qwen2vl",
+            "items": [{"modality": "image", "url": image}],
+        }
+        status, out = post_json(urls[0] + "/v1/encode", body, internal_headers())
+        assert status == 200 and out["items"][0]["status"] == "computed"
+        status, out = post_json(urls[1] + "/v1/encode", body, internal_headers())
+        assert status == 200 and out["items"][0]["status"] == "store_hit"
+        assert _metric(urls[1], "encoder_batches_total") == 0
+        master.kill()  # the store dies: encoders compute alone
+        body["items"][0]["url"] = image_data_url(ShapesWorld(6).sample("describe").scenes[0].render())
+        for url in urls:
+            status, out = post_json(url + "/v1/encode", body, internal_headers())
+            assert status == 200, out
+    finally:
+        for p in procs:
+            stop(p, timeout=5)  # leaving a dead master blocks Mooncake's client for a while: no need to wait
