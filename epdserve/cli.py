@@ -377,6 +377,9 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
     except CredentialError as e:
         _usage_error(str(e))
 
+    if args.mooncake_master and args.store_url:
+        _usage_error("--mooncake-master starts the deployment's own store: leave out --store-url")
+
     def forwarded(roles: str) -> list[str]:
         return [arg for _, flags, to in UP_FORWARDED if to == roles for arg in to_argv(args, flags)]
 
@@ -397,6 +400,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),
         cluster=cluster or ClusterCredential.generate(),
         verbose=True,
+        mooncake_master=args.mooncake_master,
     )
 
 
@@ -507,7 +511,14 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     groups = {roles: s.add_argument_group(description=text) for roles, text in UP_ROLES.items()}
     for config, flags, roles in UP_FORWARDED:
         add_flags(groups[roles], config, flags, defaults=False)
-    add_flags(_store_group(s), STORE, STORE_FLAGS, STORE_PREFIX, defaults=False)
+    store = _store_group(s)
+    store.add_argument(
+        "--mooncake-master",
+        action="store_true",
+        help="start a Mooncake master with the deployment and share encoder outputs through it "
+        "(instead of --store-url)",
+    )
+    add_flags(store, STORE, STORE_FLAGS, STORE_PREFIX, defaults=False)
 
 
 def _store_group(s: argparse.ArgumentParser) -> argparse._ArgumentGroup:

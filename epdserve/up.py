@@ -37,6 +37,7 @@ from pathlib import Path
 
 from epdserve.launcher import Cancelled, free_port, port_available, wait_healthy
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
+from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor
 from epdserve.transfer.config import Connector
 
@@ -179,6 +180,7 @@ class Deployment:
         restart: RestartPolicy | None = None,
         startup_timeout_s: float = 180.0,
         verbose: bool = False,
+        mooncake_master: bool = False,
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -200,6 +202,8 @@ class Deployment:
         self.restart = restart or RestartPolicy()
         self.startup_timeout_s = startup_timeout_s
         self.verbose = verbose  # one line per role start and restart on stderr
+        self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
+        self.master: MooncakeMaster | None = None
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
         self.startup_s = 0.0
@@ -277,9 +281,18 @@ class Deployment:
             # private (0700) and unpredictable: nobody else can plant or read embeddings there
             self.fs_dir = Path(tempfile.mkdtemp(prefix="epd-ec-fs-"))
             fs_args = ["--ec-fs-dir", str(self.fs_dir)]
+        store_args: list[str] = []
+        if self.mooncake_master and topo.encoders:
+            log = self.log_dir / "mooncake_master.log" if self.log_dir else None
+            try:
+                self.master = start_master(log)
+            except RuntimeError as e:
+                raise StartupError(f"could not start the Mooncake master: {e}") from None
+            self._say(f"mooncake master pid {self.master.proc.pid} at {self.master.url}")
+            store_args = ["--store-url", self.master.url]
         encoders = []
         for i in range(topo.encoders):
-            args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector, *fs_args]
+            args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector, *fs_args, *store_args]
             if self.ec_connector == "tcp":
                 args += ["--ec-tcp-port", str(free_port())]
             args += [*self.extra_encoder_args, *self.extra_args]
@@ -291,7 +304,7 @@ class Deployment:
         router_args = [] if topo.encoders else ["--forward-raw-media"]
         workers: dict[str, list[Role]] = {"pds": [], "prefills": [], "decodes": []}
         for name in topo.workers:
-            args = ["serve", *self.model_args, *self.extra_pd_args, *vision, *fs_args, "--internal-only"]
+            args = ["serve", *self.model_args, *self.extra_pd_args, *vision, *fs_args, *store_args, "--internal-only"]
             kind = "pds"
             if name.startswith(("prefill", "decode")):
                 kind = "prefills" if name.startswith("prefill") else "decodes"
@@ -345,6 +358,9 @@ class Deployment:
         if self.fs_dir is not None:
             shutil.rmtree(self.fs_dir, ignore_errors=True)
             self.fs_dir = None
+        if self.master is not None:  # after its members: they leave it cleanly
+            self.master.stop()
+            self.master = None
         self.roles = []
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -109,7 +110,13 @@ def aggregated() -> Iterator[tuple[Deployment, list[str], list[str]]]:
         d.stop()
 
 
-@pytest.mark.parametrize("connector", ["shm", "tcp", "fs"])
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+MOONCAKE = pytest.param(
+    "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
+)
+
+
+@pytest.mark.parametrize("connector", ["shm", "tcp", "fs", MOONCAKE])
 def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
     _, expected, answers = aggregated
     d = deploy("1e+1pd", connector)
@@ -581,3 +588,40 @@ def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monke
             assert ask(d.url, new) == answers[0]
         finally:
             d.stop()
+
+
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
+def test_mooncake_store_and_connector_deployment(aggregated) -> None:
+    """``up --mooncake-master --ec-connector mooncake`` in 2e+1pd: identical outputs, each distinct
+    item computed once across both encoders (their Mooncake store), repeated items skip the
+    encoder (router directory); the master stops with the deployment."""
+    from epdserve.launcher import free_port
+
+    _, expected, _ = aggregated
+    d = Deployment(
+        Topology.parse("2e+1pd"),
+        None,
+        port=free_port(),
+        ec_connector="mooncake",
+        extra_pd_args=PD_ARGS,
+        mooncake_master=True,
+    )
+    d.start()
+    master = d.master
+    try:
+        assert master is not None
+        encoders = [r.url for r in d.roles if r.name.startswith("encoder")]
+        reqs = assert_same_answers(d.url, expected)
+        urls = {
+            p[p["type"]]["url"]
+            for r in reqs
+            for m in r["messages"]
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] in ("image_url", "video_url")
+        }
+        assert sum(items_encoded(u, "computed") for u in encoders) == len(urls)
+        assert _counter(d.url, "router_directory_hits_total") >= 2
+    finally:
+        d.stop()
+    assert master is not None and master.proc.poll() is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import importlib.util
 import json
 import mmap
 import os
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from epdserve.launcher import free_port
 from epdserve.transfer import header as wire
 from epdserve.transfer import shm, signing
 from epdserve.transfer.base import (
@@ -95,7 +97,13 @@ def config(kind: str, tmp_path: Path, **overrides: Any) -> ECConfig:
     return ECConfig(**values)
 
 
-@pytest.fixture(params=["shm", "tcp", "fs"])
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+MOONCAKE = pytest.param(
+    "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
+)
+
+
+@pytest.fixture(params=["shm", "tcp", "fs", MOONCAKE])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -185,7 +193,7 @@ def test_got_tensor_is_private(pair: tuple[ECProducer, ECConsumer]) -> None:
     run(go())
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", MOONCAKE])
 def test_round_trip_across_processes(kind: str, tmp_path: Path) -> None:
     cfg = config(kind, tmp_path)
     child = ProducerProcess(
@@ -279,10 +287,11 @@ def test_consumer_refuses_dtypes_it_was_not_configured_for(tmp_path: Path, kind:
 
 def _corrupt_payload(producer: ECProducer, handle: Handle) -> None:
     """Flip one payload byte where the producer keeps it."""
-    if handle["connector"] == "shm":
-        with open(handle["path"], "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+    if handle["connector"] in ("shm", "mooncake"):
+        assert isinstance(producer, ShmProducer)
+        with open(producer.path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
             _, header_len = shm.REGION_PREFIX.unpack_from(mm, handle["offset"])
-            at = handle["offset"] + shm.REGION_HEADER_BYTES + shm._align(header_len) + 5
+            at = handle["offset"] + shm.REGION_HEADER_BYTES + shm.align(header_len) + 5
             mm[at] ^= 0xFF
     elif handle["connector"] == "tcp":
         assert isinstance(producer, TcpProducer)
@@ -440,6 +449,9 @@ def test_unreleased_handles_are_reclaimed_after_ttl(kind: str, tmp_path: Path) -
     cfg = config(kind, tmp_path, ttl_s=0.3, shm_bytes=1 << 20)
     with closing(make_producer(cfg)) as producer:
         consumer = make_consumer(cfg)
+        warm = producer.put("warm", embeddings(2, 8, torch.float32), MODEL)  # a consumer's first read may
+        run(consumer.get(warm, 2, 8, MODEL))  # start what it reads with (mooncake: its engine, a second)
+        run(consumer.release(warm))
         big = embeddings(64, 1024, torch.float32)  # 256 KiB: the 1 MiB slab holds 3
         stale = [producer.put(f"old{i}", big, MODEL) for i in range(3)]
         time.sleep(0.45)
@@ -610,3 +622,31 @@ def test_concurrent_gets(kind: str, tmp_path: Path) -> None:
 
         for got, expected in zip(run(go()), sent, strict=True):
             assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
+def test_mooncake_handles_stay_inside_their_slab_and_fail_cleanly(tmp_path: Path) -> None:
+    """Even a validly signed mooncake handle (a buggy producer of the cluster) is only read within
+    the slab it names; an unreachable producer is a TransferError, never a hang or a crash."""
+    cfg = config("mooncake", tmp_path, timeout_s=5)
+    with closing(make_producer(cfg)) as producer:
+        consumer = make_consumer(cfg)
+        handle = producer.put("k", embeddings(4, 8, torch.float32), MODEL)
+        size = handle["size"]
+        for bad in (
+            {"offset": size - 64},  # the payload would end past the slab
+            {"offset": handle["offset"] + 1},  # not a region boundary
+            {"offset": 0},  # the slab header
+            {"session": "127.0.0.1:notaport"},
+        ):
+            with pytest.raises(TransferError) as e:
+                run(consumer.get(resign(handle, **bad), 4, 8, MODEL))
+            assert not isinstance(e.value, InvalidHandle)
+        unreachable = resign(handle, session=f"127.0.0.1:{free_port()}")
+        with pytest.raises(TransferError):
+            run(consumer.get(unreachable, 4, 8, MODEL))
+        forged = {**handle, "offset": handle["offset"] + 64}  # not re-signed
+        with pytest.raises(InvalidHandle):
+            run(consumer.get(forged, 4, 8, MODEL))
+        assert torch.equal(run(consumer.get(handle, 4, 8, MODEL)), embeddings(4, 8, torch.float32))
+        run(consumer.close())

@@ -13,7 +13,7 @@ from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.store.config import StoreConfig
 from epdserve.transfer.base import TransferError
 
-Connector = Literal["shm", "tcp", "fs"]
+Connector = Literal["shm", "tcp", "fs", "mooncake"]
 CONNECTORS: tuple[Connector, ...] = get_args(Connector)
 STORE_HANDLE = "store"  # the connector a store handle names: an entry of the shared store, no lease
 HANDLE_PURPOSE = "ec-handle"  # the key that signs embedding handles
@@ -29,7 +29,7 @@ def _secret_from_env() -> str:
 
 @dataclass(frozen=True)
 class ECConfig:
-    connector: Connector = "shm"  # producer backend: shm (same host), tcp (any host) or fs (debugging)
+    connector: Connector = "shm"  # producer backend: shm (same host), tcp or mooncake (any host), fs (debugging)
     shm_bytes: int = 0  # bytes of the producer's one /dev/shm slab (0 = auto from the free space of shm_dir)
     shm_dir: str = "/dev/shm"  # where slabs live; a consumer only maps slabs under this directory
     fs_dir: str = ""  # private directory of the fs connector ("" = fs handles are refused)

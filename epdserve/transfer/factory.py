@@ -23,6 +23,10 @@ def make_producer(cfg: ECConfig) -> ECProducer:
         return ShmProducer(cfg)
     if cfg.connector == "tcp":
         return TcpProducer(cfg)
+    if cfg.connector == "mooncake":
+        from epdserve.transfer.mooncake import MooncakeProducer  # the optional extra, only when asked for
+
+        return MooncakeProducer(cfg)
     return FsProducer(cfg)
 
 
@@ -74,4 +78,8 @@ def _new_consumer(kind: str, cfg: ECConfig) -> ECConsumer:
         return ShmConsumer(cfg)
     if kind == "tcp":
         return TcpConsumer(cfg)
+    if kind == "mooncake":
+        from epdserve.transfer.mooncake import MooncakeConsumer
+
+        return MooncakeConsumer(cfg)
     return FsConsumer(cfg)

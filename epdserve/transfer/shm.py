@@ -84,7 +84,7 @@ def slab_name(instance: str, pid: int, nonce: int) -> str:
     return f"epd-ec-{instance}-{pid}-{nonce:016x}"
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -95,7 +95,7 @@ def _random_word() -> int:
             return word
 
 
-def _lease_word(lease: object) -> int:
+def lease_word(lease: object) -> int:
     """The release word of a lease token (its first 64 bits)."""
     try:
         word = int(str(lease)[:16], 16)
@@ -106,7 +106,7 @@ def _lease_word(lease: object) -> int:
     return word
 
 
-def _slot_at(offset: int, slot: int) -> int:
+def slot_at(offset: int, slot: int) -> int:
     return offset + RELEASED_AT + 8 * slot
 
 
@@ -225,14 +225,19 @@ class _Region:
         return (self.header.key, self.header.model_id, self.header.dtype, self.header.shape)
 
 
-class ShmLocation(msgspec.Struct):
-    """The shm fields of a handle."""
+class SlabPlace(msgspec.Struct, kw_only=True):
+    """Where a lease lies in a producer's slab: the fields every slab-backed handle has."""
 
-    path: str  # the slab file
     slab: str  # the slab's nonce (hex), so a handle never reads another producer's slab
     offset: int  # where the region starts in the slab
     generation: int  # the region's generation when the lease was issued
     slot: int  # the lease's release slot in the region header
+
+
+class ShmLocation(SlabPlace, kw_only=True):
+    """The shm fields of a handle."""
+
+    path: str  # the slab file
 
 
 class ShmProducer:
@@ -300,8 +305,8 @@ class ShmProducer:
 
     def _store(self, mm: mmap.mmap, draft: wire.WireHeader, tensor: torch.Tensor, src: wire.Bytes) -> _Region:
         header_len = len(wire.encode(draft))
-        data_at = REGION_HEADER_BYTES + _align(header_len)
-        size = _align(data_at + src.nbytes)
+        data_at = REGION_HEADER_BYTES + align(header_len)
+        size = align(data_at + src.nbytes)
         offset = self._allocate(size)
         try:
             dst = np.frombuffer(mm, np.uint8, src.nbytes, offset + data_at)
@@ -313,7 +318,7 @@ class ShmProducer:
         encoded = wire.encode(header)
         mm[offset + REGION_HEADER_BYTES : offset + REGION_HEADER_BYTES + len(encoded)] = encoded
         REGION_PREFIX.pack_into(mm, offset, REGION_MAGIC, len(encoded))
-        mm[_slot_at(offset, 0) : _slot_at(offset, LEASE_SLOTS)] = bytes(8 * LEASE_SLOTS)
+        mm[slot_at(offset, 0) : slot_at(offset, LEASE_SLOTS)] = bytes(8 * LEASE_SLOTS)
         region = _Region(offset, size, _random_word(), header)
         WORD.pack_into(mm, offset + GENERATION_AT, region.generation)  # last: publishes the region
         self._live[offset] = region
@@ -323,10 +328,14 @@ class ShmProducer:
     def _lease(self, mm: mmap.mmap, region: _Region) -> Handle:
         lease = signing.new_lease()
         slot = len(region.leases)
-        region.leases.append(_Lease(_lease_word(lease), time.monotonic() + self._cfg.ttl_s))
-        location = ShmLocation(str(self.path), f"{self._nonce:016x}", region.offset, region.generation, slot)
-        handle = wire.to_handle(region.header, self.name, **msgspec.structs.asdict(location))
+        region.leases.append(_Lease(lease_word(lease), time.monotonic() + self._cfg.ttl_s))
+        place = SlabPlace(slab=f"{self._nonce:016x}", offset=region.offset, generation=region.generation, slot=slot)
+        handle = wire.to_handle(region.header, self.name, **self._location(place))
         return signing.issue(handle, self._key, self._cfg.ttl_s, lease)
+
+    def _location(self, place: SlabPlace) -> dict[str, object]:
+        """A handle's location fields for a lease at ``place`` (how consumers reach the slab)."""
+        return {**msgspec.structs.asdict(place), "path": str(self.path)}
 
     def _allocate(self, size: int) -> int:
         if size > self._size - SLAB_HEADER_BYTES:
@@ -349,7 +358,7 @@ class ShmProducer:
         for region in list(self._live.values()):
             for slot, lease in enumerate(region.leases):
                 if not lease.done and (
-                    lease.deadline < now or WORD.unpack_from(mm, _slot_at(region.offset, slot))[0] == lease.word
+                    lease.deadline < now or WORD.unpack_from(mm, slot_at(region.offset, slot))[0] == lease.word
                 ):
                     lease.done = True
             if all(lease.done for lease in region.leases):
@@ -364,10 +373,10 @@ class ShmProducer:
 
     def release(self, handle: Handle) -> bool:
         handle = signing.verify(handle, self._key)
-        loc = wire.location_of(handle, ShmLocation)
+        loc = wire.location_of(handle, SlabPlace)
         if handle.get("connector") != self.name or loc.slab != f"{self._nonce:016x}":
             return False
-        word = _lease_word(handle["lease"])
+        word = lease_word(handle["lease"])
         with self._lock:
             mm = self._mm
             region = self._live.get(loc.offset)
@@ -376,7 +385,7 @@ class ShmProducer:
             if not 0 <= loc.slot < len(region.leases) or region.leases[loc.slot].word != word:
                 return False
             lease = region.leases[loc.slot]
-            at = _slot_at(region.offset, loc.slot)
+            at = slot_at(region.offset, loc.slot)
             was_live = not lease.done and WORD.unpack_from(mm, at)[0] != word
             lease.done = True
             WORD.pack_into(mm, at, word)  # a consumer holding the handle now sees it released
@@ -435,6 +444,25 @@ class ShmProducer:
         self.close()
 
 
+def check_region(
+    buf: bytes | mmap.mmap, at: int, place: SlabPlace, header: wire.WireHeader, word: int, what: str
+) -> int:
+    """Where the payload starts after ``at`` (``buf[at:]`` holds the region ``place`` names), if the
+    region is still the one the handle names and the handle's lease is not released."""
+    if not 0 <= place.slot < LEASE_SLOTS:
+        raise TransferError(f"{what} handle for key {header.key!r} has an invalid lease slot")
+    magic, header_len = REGION_PREFIX.unpack_from(buf, at)
+    (generation,) = WORD.unpack_from(buf, at + GENERATION_AT)
+    (released,) = WORD.unpack_from(buf, slot_at(at, place.slot))
+    if magic != REGION_MAGIC or generation != place.generation or released == word:
+        raise InvalidHandle(_GONE)
+    stored_at = at + REGION_HEADER_BYTES
+    if header_len > wire.MAX_WIRE_HEADER or stored_at + header_len > len(buf):
+        raise TransferError(f"{what} region for key {header.key!r} has a corrupt header length {header_len}")
+    wire.check_same(header, wire.decode(buf[stored_at : stored_at + header_len]), f"{what}@{place.offset}")
+    return REGION_HEADER_BYTES + align(header_len)
+
+
 @dataclass(frozen=True)
 class _Mapping:
     mm: mmap.mmap
@@ -457,7 +485,7 @@ class ShmConsumer:
         header = wire.from_handle(handle)
         wire.validate(header, rows, width, model_id, self._dtypes)
         location = wire.location_of(handle, ShmLocation)
-        word = _lease_word(handle["lease"])
+        word = lease_word(handle["lease"])
         if header.nbytes >= wire.THREAD_BYTES:
             return await asyncio.to_thread(self._read, header, location, word)
         return self._read(header, location, word)
@@ -481,18 +509,7 @@ class ShmConsumer:
         handle's lease is not released."""
         if loc.offset < SLAB_HEADER_BYTES or loc.offset % ALIGN or loc.offset + REGION_HEADER_BYTES > len(mm):
             raise TransferError(f"shm handle for key {header.key!r} has an invalid offset")
-        if not 0 <= loc.slot < LEASE_SLOTS:
-            raise TransferError(f"shm handle for key {header.key!r} has an invalid lease slot")
-        magic, header_len = REGION_PREFIX.unpack_from(mm, loc.offset)
-        (generation,) = WORD.unpack_from(mm, loc.offset + GENERATION_AT)
-        (released,) = WORD.unpack_from(mm, _slot_at(loc.offset, loc.slot))
-        if magic != REGION_MAGIC or generation != loc.generation or released == word:
-            raise InvalidHandle(_GONE)
-        stored_at = loc.offset + REGION_HEADER_BYTES
-        if header_len > wire.MAX_WIRE_HEADER or stored_at + header_len > len(mm):
-            raise TransferError(f"shm region for key {header.key!r} has a corrupt header length {header_len}")
-        wire.check_same(header, wire.decode(mm[stored_at : stored_at + header_len]), f"shm@{loc.offset}")
-        return stored_at + _align(header_len)
+        return loc.offset + check_region(mm, loc.offset, loc, header, word, "shm")
 
     def _mapping(self, path: str, nonce: str) -> mmap.mmap:
         with self._lock:
@@ -550,13 +567,13 @@ class ShmConsumer:
         handle = signing.verify_with(handle, self._key)
         header = wire.from_handle(handle)
         loc = wire.location_of(handle, ShmLocation)
-        word = _lease_word(handle["lease"])
+        word = lease_word(handle["lease"])
         try:
             mm = self._mapping(loc.path, loc.slab)
             self._check_region(mm, loc, header, word)
         except TransferError:
             return  # slab gone, region freed, or lease already released: nothing left to release
-        WORD.pack_into(mm, _slot_at(loc.offset, loc.slot), word)
+        WORD.pack_into(mm, slot_at(loc.offset, loc.slot), word)
 
     async def close(self) -> None:
         with self._lock:
