@@ -1,15 +1,18 @@
-"""Issue 16's KV-aware routing benchmark: multi-turn image conversations over two PD workers,
+"""Issue 16's KV-aware routing benchmark: multi-turn image conversations over several PD workers,
 routed by cached prefix (``--policy kv_aware``) vs by load alone (``least_outstanding``). Each
 conversation opens with an image and asks follow-ups whose prompts repeat the whole history;
-conversations run concurrently, turns within one in order. Reports the workers' prefix-cache hit
-rate and TTFT over all turns after the first.
+conversations run concurrently, turns within one in order; with ``--min-turns`` below ``--turns``
+their lengths are uneven (drawn per conversation, the same draw for both policies). Reports the
+workers' prefix-cache hit rate, TTFT over all turns after the first, and the encoder calls made:
+a kv_aware router does not encode an image whose KV its chosen worker already holds.
 
-    python scripts/kv_routing_bench.py --conversations 16 --turns 4 --concurrency 4 --output-len 32
+    python scripts/kv_routing_bench.py --pds 3 --conversations 24 --min-turns 2 --turns 6 --concurrency 6
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import time
@@ -67,15 +70,19 @@ def conversation(url: str, seed: int, turns: int, output_len: int) -> list[float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation (the most, with --min-turns)")
+    ap.add_argument("--min-turns", type=int, default=0, help="uneven conversations: at least this many turns")
+    ap.add_argument("--pds", type=int, default=2, help="PD workers")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--kv-load-tokens", type=int, default=256, help="the router's trade-off (its --kv-load-tokens)")
     args = ap.parse_args()
+    rng = random.Random(7)
+    turns = [rng.randint(args.min_turns or args.turns, args.turns) for _ in range(args.conversations)]
     rows = []
     for policy in ("least_outstanding", "kv_aware"):
         d = Deployment(
-            Topology.parse("1e+2pd"),
+            Topology.parse(f"1e+{args.pds}pd"),
             None,
             port=free_port(),
             extra_pd_args=["--max-model-len", "4096"],
@@ -99,7 +106,7 @@ def main() -> None:
                         conversation,
                         [url] * args.conversations,
                         range(1000, 1000 + args.conversations),
-                        [args.turns] * args.conversations,
+                        turns,
                         [args.output_len] * args.conversations,
                     )
                 )
@@ -110,20 +117,26 @@ def main() -> None:
             ttfts = sorted(t for ts in per for t in ts)
             p50, p99 = statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
             routed = counter(d.url, "router_kv_routed_total")
-            rows.append(
-                (policy, hit / query if query else 0.0, p50, p99, args.conversations * args.turns / wall, routed)
-            )
+            encoder = next(r.url for r in d.roles if r.name.startswith("encoder"))
+            calls = counter(encoder, "encode_requests_total")
+            skipped = counter(d.url, "router_encodes_skipped_total")
+            rows.append((policy, hit / query if query else 0.0, p50, p99, sum(turns) / wall, routed, calls, skipped))
         finally:
             d.stop()
     print(
-        f"1e+2pd, {args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time, {args.output_len} output tokens\n"
+        f"1e+{args.pds}pd, {args.conversations} conversations, {sum(turns)} turns ({min(turns)}-{max(turns)} each), "
+        f"{args.concurrency} at a time, {args.output_len} output tokens\n"
     )
-    print("| PD routing | prefix-cache hit rate | TTFT p50 ms (turns 2+) | TTFT p99 ms | turns/s | routed by prefix |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| PD routing | prefix-cache hit rate | TTFT p50 ms (turns 2+) | TTFT p99 ms | turns/s | routed by prefix "
+        "| encode calls | images not encoded |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     base = rows[0][2]
-    for policy, rate, p50, p99, tps, routed in rows:
+    for policy, rate, p50, p99, tps, routed, calls, skipped in rows:
         print(
-            f"| {policy} | {rate:.1%} | {1e3 * p50:.0f} ({p50 / base:.2f}x) | {1e3 * p99:.0f} | {tps:.2f} | {routed:.0f} |"
+            f"| {policy} | {rate:.1%} | {1e3 * p50:.0f} ({p50 / base:.2f}x) | {1e3 * p99:.0f} | {tps:.2f} | {routed:.0f} "
+            f"| {calls:.0f} | {skipped:.0f} |"
         )
 
 
