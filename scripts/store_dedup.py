@@ -1,15 +1,19 @@
 """Issue 16's reuse benchmark in relative form: two encoders, a workload of repeated images (every
-image drawn from a pool of distinct ones, shuffled, concurrent), with and without the shared Redis
-store, under both encoder policies. Counts the vision forwards (duplicates = forwards beyond the
-first of each distinct image), the router's directory hits, and TTFT.
+image drawn from a pool of distinct ones, shuffled, concurrent), with and without the shared store
+(Redis, or Mooncake with ``--backend mooncake``: a master started per deployment), under the
+chosen encoder policies. Counts the vision forwards (duplicates = forwards beyond the first of
+each distinct image), the router's directory hits, and TTFT. ``--no-encoder-cache`` turns the
+encoders' own caches off, as in the seeds' setup (there every request was encoded without the store).
 
     python scripts/store_dedup.py --requests 512 --pool 64 --concurrency 16 --output-len 16
+    python scripts/store_dedup.py --backend mooncake --policies round_robin --no-encoder-cache --image-size 448
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -48,6 +52,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--image-size", type=int, default=0)
+    ap.add_argument("--backend", choices=("redis", "mooncake"), default="redis")
+    ap.add_argument("--policies", nargs="+", default=["round_robin", "affinity"], help="encoder policies to run")
+    ap.add_argument("--no-encoder-cache", action="store_true", help="encoders keep no cache of their own")
     args = ap.parse_args()
     workload = WorkloadConfig(
         images_per_request=1,
@@ -58,18 +65,22 @@ def main() -> None:
     )
     distinct = distinct_images(workload, args.requests, seed=0)
     rows = []
-    with redis_server(maxmemory="512mb") as server:
-        os.environ["EPD_STORE_PASSWORD"] = server.password
-        for policy in ("round_robin", "affinity"):
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(redis_server(maxmemory="512mb")) if args.backend == "redis" else None
+        if server is not None:
+            os.environ["EPD_STORE_PASSWORD"] = server.password
+        own_cache = ["--encoder-cache-bytes", "0"] if args.no_encoder_cache else []
+        for policy in args.policies:
             for store in (False, True):
-                extra = ["--store-url", server.url] if store else []
+                extra = ["--store-url", server.url] if store and server is not None else []
                 d = Deployment(
                     Topology.parse("2e+1pd"),
                     None,
                     port=free_port(),
                     extra_pd_args=["--max-model-len", "2048", *extra],
-                    extra_encoder_args=extra,
+                    extra_encoder_args=[*extra, *own_cache],
                     extra_router_args=["--encoder-policy", policy],
+                    mooncake_master=store and args.backend == "mooncake",
                 )
                 d.start()
                 try:
@@ -82,11 +93,14 @@ def main() -> None:
                     rows.append((policy, store, s.completed, forwards, forwards - distinct, calls, hits, s))
                 finally:
                     d.stop()
-                    if store:
+                    if store and server is not None:
                         import redis
 
                         redis.Redis.from_url(server.url, password=server.password).flushall()
-    print(f"{args.requests} requests over {distinct} distinct images, 2e+1pd, concurrency {args.concurrency}\n")
+    cache = "no encoder cache" if args.no_encoder_cache else "encoder caches on"
+    print(
+        f"{args.requests} requests over {distinct} distinct images, 2e+1pd, concurrency {args.concurrency}, {cache}\n"
+    )
     print(
         "| encoder policy | store | ok | vision forwards | duplicates | encode calls | directory hits | TTFT p50 ms | TTFT p99 ms | req/s |"
     )
@@ -96,7 +110,7 @@ def main() -> None:
         base.setdefault(policy, s.ttft.p50)
         ratio = f" ({s.ttft.p50 / base[policy]:.2f}x)" if store else ""
         print(
-            f"| {policy} | {'redis' if store else 'none'} | {ok} | {fw:.0f} | {dup:.0f} | {calls:.0f} | {hits:.0f} "
+            f"| {policy} | {args.backend if store else 'none'} | {ok} | {fw:.0f} | {dup:.0f} | {calls:.0f} | {hits:.0f} "
             f"| {1e3 * s.ttft.p50:.0f}{ratio} | {1e3 * s.ttft.p99:.0f} | {s.request_throughput:.2f} |"
         )
 
