@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -59,3 +60,12 @@ def http(
 def post_json(url: str, payload: object, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     status, body = http("POST", url, json.dumps(payload).encode(), headers=headers)
     return status, json.loads(body)
+
+
+def counter(url: str, name: str) -> float:
+    """The value of the unlabelled metric ``epd_<name>`` on a role's ``/metrics``."""
+    status, body = http("GET", url + "/metrics")
+    assert status == 200
+    m = re.search(rf"^epd_{re.escape(name)} (\S+)$", body.decode(), re.MULTILINE)
+    assert m is not None, f"epd_{name} not in {url}/metrics"
+    return float(m[1])

@@ -33,7 +33,7 @@ from epdserve.router.pool import Worker
 from epdserve.router.refs import media_refs
 from epdserve.shapes import ShapesWorld
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http, internal_headers
+from tests.server_utils import counter, http, internal_headers
 
 BS = 16
 
@@ -114,16 +114,43 @@ def _queried(url: str) -> float:
     return float(m[1])
 
 
-@pytest.fixture(scope="module")
-def kv_aware() -> Iterator[Deployment]:
+def converse(client: openai.OpenAI, convs: list[dict], workers: list[str], turns: int) -> None:
+    """Each conversation's turns in rounds; every turn after the first must run on the worker
+    (of ``workers``, seen by its prefix-cache queries) that ran its first."""
+    homes: list[str] = []
+    for turn in range(turns):
+        for c in convs:
+            before = [_queried(u) for u in workers]
+            body = chat_body(c["turns"], c["image"])
+            r = client.chat.completions.create(
+                model="shapes-qwen2vl", messages=body["messages"], max_tokens=8, temperature=0
+            )
+            served = [u for u, b in zip(workers, before, strict=True) if _queried(u) > b]
+            assert len(served) == 1
+            if turn == 0:
+                homes.append(served[0])
+            else:
+                assert served[0] == homes[convs.index(c)], f"turn {turn} left its KV"
+            c["turns"][-1] = (c["turns"][-1][0], r.choices[0].message.content or "")
+            c["turns"].append(("What else?", ""))
+
+
+def kv_deployment(topology: str, pd_args: list[str] | None = None, probe_s: float = 0.5) -> Deployment:
+    """A started deployment whose router routes by KV (digests polled every ``probe_s``)."""
     d = Deployment(
-        Topology.parse("1e+2pd"),
+        Topology.parse(topology),
         None,
         port=free_port(),
-        extra_pd_args=["--max-model-len", "2048", "--num-kv-blocks", "512"],
-        extra_router_args=["--policy", "kv_aware", "--probe-interval", "0.5"],
+        extra_pd_args=pd_args or ["--max-model-len", "2048", "--num-kv-blocks", "512"],
+        extra_router_args=["--policy", "kv_aware", "--probe-interval", str(probe_s)],
     )
     d.start()
+    return d
+
+
+@pytest.fixture(scope="module")
+def kv_aware() -> Iterator[Deployment]:
+    d = kv_deployment("1e+2pd")
     try:
         yield d
     finally:
@@ -139,22 +166,7 @@ def test_each_conversation_follows_its_kv(kv_aware: Deployment) -> None:
         {"image": image_data_url(ShapesWorld(40 + i).scene().render()), "turns": [("Describe the image.", "")]}
         for i in range(4)
     ]
-    homes: list[str] = []
-    for turn in range(3):
-        for c in convs:
-            before = [_queried(u) for u in pds]
-            body = chat_body(c["turns"], c["image"])
-            r = client.chat.completions.create(
-                model="shapes-qwen2vl", messages=body["messages"], max_tokens=8, temperature=0
-            )
-            served = [u for u, b in zip(pds, before, strict=True) if _queried(u) > b]
-            assert len(served) == 1
-            if turn == 0:
-                homes.append(served[0])
-            else:
-                assert served[0] == homes[convs.index(c)], f"turn {turn} left its KV"
-            c["turns"][-1] = (c["turns"][-1][0], r.choices[0].message.content or "")
-            c["turns"].append(("What else?", ""))
+    converse(client, convs, pds, turns=3)
     # new conversations at once share only the template's preamble: load spreads them
     before = [_queried(u) for u in pds]
     fresh = [
@@ -175,26 +187,12 @@ def test_each_conversation_follows_its_kv(kv_aware: Deployment) -> None:
     assert routed is not None and float(routed[1]) >= 8
 
 
-def _counter(url: str, name: str) -> float:
-    metrics = http("GET", url + "/metrics")[1].decode()
-    m = re.search(rf"^epd_{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
-    assert m is not None, f"epd_{name} not in {url}/metrics"
-    return float(m[1])
-
-
 def test_media_inside_the_workers_kv_are_not_encoded_and_a_lost_race_costs_an_encode() -> None:
     """A follow-up turn whose image lies inside the KV its worker holds is answered without an
     encode call; if those blocks are evicted after the router chose (here: a flood of other
     prompts straight to the worker, while the router still remembers what it sent there), the
     worker refuses the cached handle, the router encodes and the answer is the same."""
-    d = Deployment(
-        Topology.parse("1e+1pd"),
-        None,
-        port=free_port(),
-        extra_pd_args=["--max-model-len", "704", "--num-kv-blocks", "44"],
-        extra_router_args=["--policy", "kv_aware", "--probe-interval", "5"],
-    )
-    d.start()
+    d = kv_deployment("1e+1pd", ["--max-model-len", "704", "--num-kv-blocks", "44"], probe_s=5)
     try:
         enc = next(r.url for r in d.roles if r.name.startswith("encoder"))
         pd = next(r.url for r in d.roles if r.name.startswith("pd"))
@@ -207,18 +205,18 @@ def test_media_inside_the_workers_kv_are_not_encoded_and_a_lost_race_costs_an_en
             return r.choices[0].message.content or ""
 
         deadline = time.monotonic() + 15
-        while _counter(d.url, "router_kv_workers_fresh") < 1:  # the worker's first digest
+        while counter(d.url, "router_kv_workers_fresh") < 1:  # the worker's first digest
             assert time.monotonic() < deadline, "the router has no KV digest"
             time.sleep(0.2)
         image = image_data_url(ShapesWorld(77).scene().render())
         question = "Describe the image: name every shape you see, its color and where it is."  # the prompt's full blocks cover the image
         first = answer(chat_body([(question, "")], image))
-        assert _counter(enc, "encode_requests_total") == 1
+        assert counter(enc, "encode_requests_total") == 1
         follow_up = chat_body([(question, first), ("What else?", "")], image)
         second = answer(follow_up)
-        assert _counter(enc, "encode_requests_total") == 1  # the image was never encoded again
-        assert _counter(d.url, "router_encodes_skipped_total") >= 1
-        assert _counter(d.url, "router_pd_retries_total") == 0
+        assert counter(enc, "encode_requests_total") == 1  # the image was never encoded again
+        assert counter(d.url, "router_encodes_skipped_total") >= 1
+        assert counter(d.url, "router_pd_retries_total") == 0
         # evict: long text prompts fill the worker's cache
         for i in range(2):
             words = " ".join(f"w{i}x{j}" for j in range(95))
@@ -228,48 +226,31 @@ def test_media_inside_the_workers_kv_are_not_encoded_and_a_lost_race_costs_an_en
             )
             assert status == 200, raw
         assert answer(follow_up) == second
-        assert _counter(d.url, "router_pd_retries_total") == 1 and _counter(enc, "encode_requests_total") == 2
+        assert counter(d.url, "router_pd_retries_total") == 1 and counter(enc, "encode_requests_total") == 2
     finally:
         d.stop()
 
 
 def test_prefill_workers_are_chosen_by_kv_too() -> None:
-    """E/P/D with kv_aware: each conversation's turns run on the prefill worker holding its KV."""
-    d = Deployment(
-        Topology.parse("1e+2p+1d"),
-        None,
-        port=free_port(),
-        extra_pd_args=["--max-model-len", "2048", "--num-kv-blocks", "512"],
-        extra_router_args=["--policy", "kv_aware", "--probe-interval", "0.5"],
-    )
-    d.start()
+    """E/P/D with kv_aware: each conversation's turns run on the prefill worker holding its KV, and
+    an image inside that KV is not encoded again."""
+    d = kv_deployment("1e+2p+1d")
     try:
         prefills = [r.url for r in d.roles if r.name.startswith("prefill")]
         deadline = time.monotonic() + 15
-        while _counter(d.url, "router_kv_workers_fresh") < 2:
+        while counter(d.url, "router_kv_workers_fresh") < 2:
             assert time.monotonic() < deadline, "the router has no KV digests"
             time.sleep(0.2)
         client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        question = "Describe the image: name every shape you see, its color and where it is."
         convs = [
-            {"image": image_data_url(ShapesWorld(90 + i).scene().render()), "turns": [("Describe the image.", "")]}
-            for i in range(3)
+            {"image": image_data_url(ShapesWorld(90 + i).scene().render()), "turns": [(question, "")]} for i in range(3)
         ]
-        homes: list[str] = []
-        for turn in range(3):
-            for c in convs:
-                before = [_queried(u) for u in prefills]
-                body = chat_body(c["turns"], c["image"])
-                r = client.chat.completions.create(
-                    model="shapes-qwen2vl", messages=body["messages"], max_tokens=8, temperature=0
-                )
-                served = [u for u, b in zip(prefills, before, strict=True) if _queried(u) > b]
-                assert len(served) == 1
-                if turn == 0:
-                    homes.append(served[0])
-                else:
-                    assert served[0] == homes[convs.index(c)], f"turn {turn} left its KV"
-                c["turns"][-1] = (c["turns"][-1][0], r.choices[0].message.content or "")
-                c["turns"].append(("What else?", ""))
-        assert _counter(d.url, "router_kv_routed_total") >= 6
+        encoder = next(r.url for r in d.roles if r.name.startswith("encoder"))
+        converse(client, convs, prefills, turns=3)
+        assert counter(d.url, "router_kv_routed_total") >= 6
+        # later turns' images lie inside the prefill worker's KV: not encoded again
+        assert counter(d.url, "router_encodes_skipped_total") >= 3
+        assert counter(encoder, "encode_requests_total") <= 9 - 3
     finally:
         d.stop()

@@ -1,7 +1,8 @@
 """The shared embedding store on a real Mooncake master and real Mooncake clients: entries written
 by one member are read by another and checked before use (a forged entry is rejected and deleted),
 claims make concurrent misses compute once and lapse when their holder dies, a dead master is a
-quick miss, and two encoder processes share their work through it."""
+quick miss, a member that has not joined yet answers misses (never waits), and two encoder
+processes share their work through it."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from epdserve.store.base import Claim
 from epdserve.store.config import StoreConfig
 from epdserve.store.mooncake_master import MooncakeMaster, master_binary, start_master
 from epdserve.store.mooncake_store import MooncakeStore
-from epdserve.store.record import StoredItem
-from epdserve.store.single_flight import fetch_or_claim, holding
-from tests.server_utils import http, internal_headers, post_json
+from epdserve.store.record import EntryCheck
+from epdserve.store.single_flight import fetch_or_claim
+from tests.server_utils import counter, internal_headers, post_json
+from tests.store_work import encoder_request
 
 pytest.importorskip("mooncake.store", reason="Mooncake is not installed (pip install 'epdserve[mooncake]')")
 
@@ -52,12 +54,13 @@ def master() -> Iterator[MooncakeMaster]:
 
 def member(master: MooncakeMaster, lend: bool = True, key: bytes = KEY, **cfg: object) -> MooncakeStore:
     config = StoreConfig(url=master.url, segment_bytes=32 << 20, **cfg)  # type: ignore[arg-type]
-    return MooncakeStore(config, MODEL, key, rows_of, WIDTH, lend=lend)
+    return MooncakeStore(config, EntryCheck(MODEL, key, WIDTH, rows_of), lend=lend)
 
 
 def test_entries_cross_members_and_forged_ones_are_rejected(master: MooncakeMaster) -> None:
     async def main() -> None:
         encoder, reader = member(master), member(master, lend=False)
+        assert await encoder.wait_joined(20) and await reader.wait_joined(20)
         e = emb(1)
         header = await encoder.put("u1", (1, 4, 4), e)
         assert header is not None and header.key == "u1"
@@ -67,6 +70,7 @@ def test_entries_cross_members_and_forged_ones_are_rejected(master: MooncakeMast
         assert await reader.get("u2") is None and reader.stats.misses == 1
         # a member without the cluster secret writes an entry: nobody uses it, it is deleted
         other = member(master, key=ClusterCredential.generate().derive("ec-store"))
+        assert await other.wait_joined(20)
         assert await other.put("u3", (1, 4, 4), emb(2)) is not None
         assert await reader.get("u3") is None and reader.stats.rejected == 1
         # garbage under an entry's key
@@ -81,24 +85,15 @@ def test_entries_cross_members_and_forged_ones_are_rejected(master: MooncakeMast
 def test_concurrent_misses_compute_once_and_a_dead_holders_claim_lapses(master: MooncakeMaster) -> None:
     computed: list[str] = []
 
-    async def encoder_request(s: MooncakeStore, uuid: str) -> torch.Tensor:
-        got = await fetch_or_claim(s, uuid, wait_s=10)
-        if isinstance(got, StoredItem):
-            return got.embeddings
-        async with holding(s, uuid, got, renew_s=0.1):
-            computed.append(uuid)
-            await asyncio.sleep(0.3)  # a vision forward
-            e = emb(5)
-            await s.put(uuid, (1, 4, 4), e)
-        return e
-
     async def main() -> None:
         a, b = member(master), member(master, lend=False)
-        outs = await asyncio.gather(*(encoder_request(a if i % 2 else b, "cold") for i in range(6)))
+        assert await a.wait_joined(20) and await b.wait_joined(20)
+        outs = await asyncio.gather(*(encoder_request(a if i % 2 else b, "cold", computed, emb(5)) for i in range(6)))
         assert computed == ["cold"] and all(torch.equal(o, outs[0]) for o in outs)
         assert a.stats.waits + b.stats.waits >= 1
         # a claim whose holder died (never renewed): taken over after its deadline
         dead = member(master, lend=False, claim_ttl_s=0.4)
+        assert await dead.wait_joined(20)
         claim = await dead.claim("orphan")
         assert claim.won and claim.token and await a.claimed("orphan")
         t0 = time.monotonic()
@@ -115,7 +110,12 @@ def test_concurrent_misses_compute_once_and_a_dead_holders_claim_lapses(master: 
 
 def test_a_dead_master_is_a_quick_miss(master: MooncakeMaster) -> None:
     async def main() -> None:
+        early = member(master)  # asked at once: a miss, not a wait for the join
+        assert await early.get("u") is None and early.stats.skipped == 1 and early.stats.errors == 0
+        assert await early.wait_joined(20)
+        await early.close()
         s = member(master, timeout_s=0.5, down_s=30)
+        assert await s.wait_joined(20)
         assert await s.put("u", (1, 4, 4), emb(3)) is not None
         master.kill()
         t0 = time.monotonic()
@@ -125,16 +125,6 @@ def test_a_dead_master_is_a_quick_miss(master: MooncakeMaster) -> None:
         assert time.monotonic() - t0 < 2.0 and s.stats.errors == 1 and s.stats.skipped >= 2
 
     asyncio.run(main())
-
-
-def _metric(url: str, name: str) -> float:
-    import re
-
-    status, body = http("GET", url + "/metrics")
-    assert status == 200
-    m = re.search(rf"^epd_{re.escape(name)} (\S+)$", body.decode(), re.MULTILINE)
-    assert m is not None, f"epd_{name} not in /metrics"
-    return float(m.group(1))
 
 
 def test_two_encoder_processes_share_work_through_mooncake(master: MooncakeMaster) -> None:
@@ -157,7 +147,7 @@ def test_two_encoder_processes_share_work_through_mooncake(master: MooncakeMaste
         assert status == 200 and out["items"][0]["status"] == "computed"
         status, out = post_json(urls[1] + "/v1/encode", body, internal_headers())
         assert status == 200 and out["items"][0]["status"] == "store_hit"
-        assert _metric(urls[1], "encoder_batches_total") == 0
+        assert counter(urls[1], "encoder_batches_total") == 0
         master.kill()  # the store dies: encoders compute alone
         body["items"][0]["url"] = image_data_url(ShapesWorld(6).sample("describe").scenes[0].render())
         for url in urls:

@@ -23,11 +23,12 @@ from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.store.base import Claim
 from epdserve.store.config import StoreConfig
-from epdserve.store.record import StoredItem, pack
+from epdserve.store.record import EntryCheck, pack
 from epdserve.store.redis_store import RedisStore
 from epdserve.store.single_flight import fetch_or_claim, holding
 from tests.redis_server import RedisServer, redis_server
 from tests.server_utils import http, internal_headers, post_json
+from tests.store_work import encoder_request
 
 MODEL, WIDTH, MERGE = "m", 8, 4
 KEY = ClusterCredential.generate().derive("ec-store")
@@ -45,7 +46,7 @@ def server() -> Iterator[RedisServer]:
 
 def store(server: RedisServer, key: bytes = KEY, model: str = MODEL, **cfg: object) -> RedisStore:
     config = StoreConfig(url=server.url, password=server.password, **cfg)  # type: ignore[arg-type]
-    return RedisStore(config, model, key, rows_of, WIDTH)
+    return RedisStore(config, EntryCheck(model, key, WIDTH, rows_of))
 
 
 def emb(seed: int, rows: int = 4) -> torch.Tensor:
@@ -100,7 +101,8 @@ def test_a_bad_entry_is_rejected_deleted_and_counted(server: RedisServer, harm: 
 
 def test_a_store_that_refuses_or_dies_is_a_quick_miss(server: RedisServer) -> None:
     async def main() -> None:
-        wrong = RedisStore(StoreConfig(url=server.url, password="not-it", timeout_s=0.5), MODEL, KEY, rows_of, WIDTH)
+        config = StoreConfig(url=server.url, password="not-it", timeout_s=0.5)
+        wrong = RedisStore(config, EntryCheck(MODEL, KEY, WIDTH, rows_of))
         assert await wrong.get("u") is None and wrong.stats.errors == 1 and not wrong.available
         assert await wrong.get("u") is None and wrong.stats.skipped == 1  # not asked again for down_s
         assert (await wrong.claim("u")).won  # no coordination: compute alone
@@ -120,20 +122,9 @@ def test_a_store_that_refuses_or_dies_is_a_quick_miss(server: RedisServer) -> No
 def test_concurrent_misses_across_encoders_compute_once(server: RedisServer) -> None:
     computed: list[str] = []
 
-    async def encoder_request(s: RedisStore, uuid: str) -> torch.Tensor:
-        got = await fetch_or_claim(s, uuid, wait_s=10)
-        if isinstance(got, StoredItem):
-            return got.embeddings
-        async with holding(s, uuid, got, renew_s=0.1):
-            computed.append(uuid)
-            await asyncio.sleep(0.3)  # a vision forward
-            e = emb(5)
-            await s.put(uuid, (1, 4, 4), e)
-        return e
-
     async def main() -> None:
         a, b = store(server), store(server)  # two encoders
-        outs = await asyncio.gather(*(encoder_request(a if i % 2 else b, "cold") for i in range(8)))
+        outs = await asyncio.gather(*(encoder_request(a if i % 2 else b, "cold", computed, emb(5)) for i in range(8)))
         assert computed == ["cold"]
         assert all(torch.equal(o, outs[0]) for o in outs)
         assert a.stats.waits + b.stats.waits == 7

@@ -151,6 +151,18 @@ def assert_same_answers(url: str, expected: list[str]) -> list[dict]:
     return reqs
 
 
+def media_urls(reqs: list[dict]) -> set[str]:
+    """The distinct media URLs of a request set."""
+    return {
+        p[p["type"]]["url"]
+        for r in reqs
+        for m in r["messages"]
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] in ("image_url", "video_url")
+    }
+
+
 def items_encoded(url: str, status: str) -> float:
     """The encoder's ``epd_encoder_items_total`` counter for one status."""
     metrics = http("GET", url + "/metrics")[1].decode()
@@ -544,14 +556,7 @@ def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monke
 
             reqs = request_set()
             assert [ask(d.url, r) for r in reqs] == expected
-            urls = {
-                p[p["type"]]["url"]
-                for r in reqs
-                for m in r["messages"]
-                if isinstance(m["content"], list)
-                for p in m["content"]
-                if p["type"] in ("image_url", "video_url")
-            }
+            urls = media_urls(reqs)
             assert computed() == len(urls)  # each distinct item once, across both encoders
             assert _counter(d.url, "router_directory_hits_total") >= 2  # the repeated image, twice
             # sixteen at a time: everything is known, no encoder is called
@@ -612,14 +617,7 @@ def test_mooncake_store_and_connector_deployment(aggregated) -> None:
         assert master is not None
         encoders = [r.url for r in d.roles if r.name.startswith("encoder")]
         reqs = assert_same_answers(d.url, expected)
-        urls = {
-            p[p["type"]]["url"]
-            for r in reqs
-            for m in r["messages"]
-            if isinstance(m["content"], list)
-            for p in m["content"]
-            if p["type"] in ("image_url", "video_url")
-        }
+        urls = media_urls(reqs)
         assert sum(items_encoded(u, "computed") for u in encoders) == len(urls)
         assert _counter(d.url, "router_directory_hits_total") >= 2
     finally:

@@ -68,7 +68,7 @@ from epdserve.models.precision import DType, torch_dtype
 from epdserve.models.registry import prompt_layout
 from epdserve.store.base import EmbeddingStore
 from epdserve.store.factory import open_store
-from epdserve.store.record import STORE_PURPOSE, Grid, StoredItem
+from epdserve.store.record import STORE_PURPOSE, EntryCheck, Grid, StoredItem
 from epdserve.store.single_flight import fetch_or_claim, holding
 from epdserve.transfer import signing
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
@@ -189,14 +189,13 @@ class EncoderService:
         self.store: EmbeddingStore | None = None
         self._stored: OrderedDict[str, WireHeader] = OrderedDict()
         if config.ec.store.enabled:
-            self.store = open_store(
-                config.ec.store,
+            check = EntryCheck(
                 config.model_name,
                 config.ec.key(STORE_PURPOSE),
-                prompt_layout(model_config).num_placeholders,
                 model_config.vision.out_hidden_size,
-                lend=True,
+                prompt_layout(model_config).num_placeholders,
             )
+            self.store = open_store(config.ec.store, check, lend=True)
         self._init_metrics()
 
     # ---- lifecycle -------------------------------------------------------------------------

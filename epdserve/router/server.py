@@ -231,7 +231,13 @@ class Router:
             log.warning("no KV digest from %s: %s", w.url, e)
 
     async def choose_lm(
-        self, pool: WorkerPool, req: ChatRequest, refs: list[MediaRef], exclude: set[str], skip_cached: bool = False
+        self,
+        pool: WorkerPool,
+        req: ChatRequest,
+        refs: list[MediaRef],
+        exclude: set[str],
+        skip_cached: bool = False,
+        leases: int = 1,
     ) -> tuple[Worker, Blocks | None]:
         """The language-model worker for a request, and its prompt's blocks as named then.
 
@@ -265,7 +271,7 @@ class Router:
         if skip_cached and tokens:
             for r, (_, known), end in zip(refs, media, named.item_ends, strict=True):
                 if r.result is None and known is not None and end <= tokens:
-                    r.result = self._cached(known)
+                    r.result = self._cached(known, leases)
                     r.encoder, r.skipped = "", True
                     self.metrics.inc(
                         "router_encodes_skipped_total", help_text="media items not encoded: the worker holds their KV"
@@ -275,10 +281,44 @@ class Router:
     def _known(self, r: MediaRef) -> EncodedItem | None:
         return self.directory.known(r.directory_key) if r.directory_key is not None else None
 
-    def _cached(self, known: EncodedItem) -> EncodedItem:
-        """A stand-in for an encode result: the item's cached handle (see ``transfer.cached``)."""
-        handle = cached_handle(known.ec_handle, self._handle_key, self.config.request_timeout_s)
-        return msgspec.structs.replace(known, ec_handle=handle, more_handles=[], store_handle=None)
+    def _cached(self, known: EncodedItem, leases: int) -> EncodedItem:
+        """A stand-in for an encode result: ``leases`` cached handles (see ``transfer.cached``)."""
+        ttl = self.config.request_timeout_s
+        handles = [cached_handle(known.ec_handle, self._handle_key, ttl) for _ in range(leases)]
+        return msgspec.structs.replace(known, ec_handle=handles[0], more_handles=handles[1:], store_handle=None)
+
+    async def place(
+        self,
+        pool: WorkerPool,
+        req: ChatRequest,
+        refs: list[MediaRef],
+        exclude: set[str],
+        skip_cached: bool,
+        leases: int,
+    ) -> Worker:
+        """The worker of ``pool`` for a request, and every media ref filled (``leases`` handles
+        each). kv_aware: the worker is chosen first, so items inside its cached prefix need no
+        encode (``skip_cached``), and counts as busy while the rest are encoded; other policies
+        choose after the encodes, by the load then."""
+        worker: Worker | None = None
+        named: Blocks | None = None
+        if self.kv_index is not None:
+            worker, named = await self.choose_lm(pool, req, refs, exclude, skip_cached, leases)
+        todo = [r for r in refs if r.result is None]
+        if todo:
+            t0 = time.perf_counter()
+            if worker is not None:
+                worker.outstanding += 1
+            try:
+                await self._encode_shielded(req.model, todo, leases)
+            finally:
+                if worker is not None:
+                    worker.outstanding -= 1
+            self.encode_hist.observe(time.perf_counter() - t0)
+        if worker is None:
+            worker, named = await self.choose_lm(pool, req, refs, exclude)
+        self.note_complete(worker, req, refs, named)
+        return worker
 
     def note_complete(self, worker: Worker, req: ChatRequest, refs: list[MediaRef], named: Blocks | None) -> None:
         """After the encodes: note the blocks past the items that were unknown when the worker was
@@ -553,30 +593,13 @@ class Router:
             attempts_left -= 1
             consumed = False  # once the PD worker accepted the request, its leases are its own
             try:
-                pd: Worker | None = None
-                named: Blocks | None = None
                 try:
-                    if self.kv_index is not None:  # chosen first: it decides what must be encoded
-                        pd, named = await self.choose_lm(self.pds, req, refs, exclude, skip_cached)
-                    todo = [r for r in refs if r.result is None]
-                    if todo:
-                        t0 = time.perf_counter()
-                        if pd is not None:
-                            pd.outstanding += 1  # it is busy with this request from now on
-                        try:
-                            await self._encode_shielded(req.model, todo)
-                        finally:
-                            if pd is not None:
-                                pd.outstanding -= 1
-                        self.encode_hist.observe(time.perf_counter() - t0)
-                    if pd is None:
-                        pd, named = await self.choose_lm(self.pds, req, refs, exclude)
+                    pd = await self.place(self.pds, req, refs, exclude, skip_cached, leases=1)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
                 for r in refs:
                     assert r.result is not None
                     body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
-                self.note_complete(pd, req, refs, named)
                 resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
                 return resp
             except RetryableWorker as e:

@@ -86,14 +86,13 @@ class SplitChat:
         exclude: set[str] = set()
         for attempt in (1, 2):
             try:
-                if refs:
-                    await r._encode_shielded(req.model, refs, leases=2)
-                kv = {"do_remote_decode": True}
-                raw = _body(body, refs, stream=False, kv_transfer_params=kv)
                 try:
-                    worker, _ = await r.choose_lm(r.prefills, req, refs, exclude)
+                    # after a failure nothing is skipped: the worker may have lost the KV it held
+                    worker = await r.place(r.prefills, req, refs, exclude, skip_cached=attempt == 1, leases=2)
                 except NoWorker:
                     raise Unavailable("No healthy prefill worker is available.") from None
+                kv = {"do_remote_decode": True}
+                raw = _body(body, refs, stream=False, kv_transfer_params=kv)
                 answer = await self._read(r.prefills, worker, raw)
                 _take_first_leases(refs)  # the prefill worker read them
                 try:

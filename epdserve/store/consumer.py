@@ -13,7 +13,7 @@ import torch
 
 from epdserve.store.base import EmbeddingStore
 from epdserve.store.factory import open_store
-from epdserve.store.record import STORE_PURPOSE
+from epdserve.store.record import STORE_PURPOSE, EntryCheck
 from epdserve.transfer.base import Handle, TransferError
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.header import check_same, from_handle, validate
@@ -30,7 +30,7 @@ class StoreConsumer:
         store = self._stores.get((model_id, width))
         if store is None:
             key = self._cfg.key(STORE_PURPOSE)
-            store = open_store(self._cfg.store, model_id, key, None, width, self._cfg.dtypes)
+            store = open_store(self._cfg.store, EntryCheck(model_id, key, width, dtypes=self._cfg.dtypes))
             self._stores[(model_id, width)] = store
         return store
 

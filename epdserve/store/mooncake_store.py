@@ -7,7 +7,8 @@ its network must be trusted-only (docs/security.md) and everything read from it 
 other untrusted input (``record``: MAC, identity, shape, checksum).
 
 The client's calls block (and take seconds when the master is gone), so they run on a small thread
-pool of their own, bounded by ``timeout_s`` like every store call. Mooncake keeps the first value
+pool of their own, bounded by ``timeout_s`` like every store call. Joining starts when the member
+is made; until it is done every call is a miss (the encoder computes alone), never a wait. Mooncake keeps the first value
 written to a key, which makes claims: a claimant writes ``<token> <deadline>`` and has the claim
 when reading the key back gives its own token. A claim is renewed and released by overwriting it
 (with a later, or a past, deadline); one whose deadline passed is anyone's to take. Two takers of
@@ -21,19 +22,20 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from epdserve.store.base import Claim
 from epdserve.store.config import StoreConfig
 from epdserve.store.packed import PackedStore
-from epdserve.store.record import Grid
+from epdserve.store.record import EntryCheck
 
 T = TypeVar("T")
 LOCAL_BUFFER_BYTES = 16 << 20  # the client's own transfer buffer
 MAX_CLAIM_BYTES = 64
-CLAIM_SETTLE_S = 0.02
+CLAIM_SETTLE_S = 0.01
+CLAIM_SETTLE_TRIES = 10
 
 
 class MooncakeError(RuntimeError):
@@ -43,22 +45,37 @@ class MooncakeError(RuntimeError):
 class MooncakeStore(PackedStore):
     errors = (MooncakeError, OSError, TimeoutError)
 
-    def __init__(
-        self,
-        config: StoreConfig,
-        model_id: str,
-        key: bytes,
-        rows_of: Callable[[Grid], int] | None,
-        width: int,
-        dtypes: Iterable[str] = ("float32", "bfloat16", "float16"),
-        lend: bool = False,  # an encoder lends ``segment_bytes`` of memory to the pool
-    ) -> None:
-        super().__init__(config, model_id, key, rows_of, width, dtypes)
+    def __init__(self, config: StoreConfig, check: EntryCheck, lend: bool = False) -> None:
+        """``lend``: this member (an encoder) lends ``segment_bytes`` of memory to the pool."""
+        super().__init__(config, check)
         self._master = config.url.removeprefix("mooncake://")
         self._segment = config.segment_bytes if lend else 0
         self._client: Any = None
         self._setup_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epd-mooncake")
+        # joining takes from milliseconds to seconds: it starts now, and calls made before it is
+        # done answer as misses instead of waiting for it
+        self._join: Future[Any] = self._pool.submit(self._store)
+
+    async def _call(self, what: str, op: Callable[[], Awaitable[T]], default: T) -> T:
+        if self._client is None:
+            join = self._join
+            if not join.done():
+                self.stats.skipped += 1
+                return default
+            if join.exception() is not None:
+                if self.available:  # a failed join counts once, then is retried after down_s
+                    self._join = self._pool.submit(self._store)
+                    return await super()._call(what, lambda: asyncio.wrap_future(join), default)
+                self.stats.skipped += 1
+                return default
+        return await super()._call(what, op, default)
+
+    async def wait_joined(self, timeout_s: float) -> bool:
+        """Whether this member joined the store within ``timeout_s`` (tests, tools)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.wrap_future(self._join), timeout_s)
+        return self._client is not None
 
     def _store(self) -> Any:
         """The joined client (joining on first use, on a pool thread)."""
@@ -120,11 +137,13 @@ class MooncakeStore(PackedStore):
             return Claim(False)
         token = secrets.token_hex(16)
         exists = await self._call("claim", lambda: self._exists(key), False)
-        written = await self._set_claim(key, token, time.time() + self.config.claim_ttl_s, fresh=not exists)
+        await self._set_claim(key, token, time.time() + self.config.claim_ttl_s, fresh=not exists)
         held = await self._holder(key)
-        if held is None and not written and self.available:
-            # another member's write of the claim may be under way (Mooncake refuses a second put
-            # of a key while the first is in flight): look again once before going alone
+        for _ in range(CLAIM_SETTLE_TRIES):
+            if held is not None or not self.available:
+                break
+            # a write of the claim (ours, or another member's that made ours fail) may not read
+            # back yet: look again before going alone
             await asyncio.sleep(CLAIM_SETTLE_S)
             held = await self._holder(key)
         if held is None:  # the store failed between the calls, or nobody can say: compute alone

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import torch
 
 from epdserve.store.base import StoreStats
 from epdserve.store.config import StoreConfig
-from epdserve.store.record import Grid, StoredItem, pack, unpack
+from epdserve.store.record import EntryCheck, Grid, StoredItem, pack, unpack
 from epdserve.transfer.base import TransferError
 from epdserve.transfer.header import WireHeader
 
@@ -34,24 +34,13 @@ def _no_rows(grid: Grid) -> int:
 class PackedStore:
     errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)  # what a backend call may raise
 
-    def __init__(
-        self,
-        config: StoreConfig,
-        model_id: str,
-        key: bytes,
-        rows_of: Callable[[Grid], int] | None,
-        width: int,
-        dtypes: Iterable[str] = ("float32", "bfloat16", "float16"),
-    ) -> None:
+    def __init__(self, config: StoreConfig, check: EntryCheck) -> None:
         self.config = config
-        self.model_id = model_id
-        self._key = key
-        self._rows_of = rows_of or _no_rows
-        self._width = width
-        self._dtypes = tuple(dtypes)
+        self.check = check
+        self.model_id = check.model_id
         self.stats = StoreStats()
         self._down_until = 0.0
-        self._prefix = f"epd:ec:v1:{model_id}:"
+        self._prefix = f"epd:ec:v1:{check.model_id}:"
 
     # ---- the backend's part ------------------------------------------------------------------
     async def _read(self, key: str) -> bytes | None:
@@ -95,9 +84,10 @@ class PackedStore:
         if value is None:
             self.stats.misses += 1
             return None
-        rows_of = self._rows_of if rows is None else (lambda _grid: rows)
+        c = self.check
+        rows_of = (c.rows_of or _no_rows) if rows is None else (lambda _grid: rows)
         try:
-            item = unpack(value, uuid, self.model_id, self._key, rows_of, self._width, self._dtypes)
+            item = unpack(value, uuid, c.model_id, c.key, rows_of, c.width, c.dtypes)
         except TransferError as e:
             self.stats.rejected += 1
             log.warning("embedding store entry for %s rejected: %s", uuid, e)
@@ -109,7 +99,7 @@ class PackedStore:
     async def put(self, uuid: str, grid_thw: Grid, embeddings: torch.Tensor) -> WireHeader | None:
         if embeddings.numel() * embeddings.element_size() > self.config.max_item_bytes:
             return None
-        value, header = pack(uuid, self.model_id, grid_thw, embeddings, self._key)
+        value, header = pack(uuid, self.model_id, grid_thw, embeddings, self.check.key)
         if not await self._call("put", lambda: self._write(self._prefix + uuid, value), False):
             return None
         self.stats.writes += 1

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
@@ -32,6 +33,18 @@ class StoredHeader(msgspec.Struct, frozen=True):
     wire: wire.WireHeader
     grid_thw: Grid
     mac: str = ""
+
+
+@dataclass(frozen=True)
+class EntryCheck:
+    """What a reader holds an entry to: the model it is for, the key that signs entries, the
+    embedding width, the rows the model gives a grid (None: each read says), the dtypes accepted."""
+
+    model_id: str
+    key: bytes
+    width: int
+    rows_of: Callable[[Grid], int] | None = None
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 class StoredItem(NamedTuple):

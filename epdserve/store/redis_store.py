@@ -11,7 +11,6 @@ a miss. Claims are released and renewed only by their holder (compare-and-delete
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,7 +18,7 @@ import redis.asyncio as aioredis
 from epdserve.store.base import Claim
 from epdserve.store.config import StoreConfig
 from epdserve.store.packed import PackedStore
-from epdserve.store.record import Grid
+from epdserve.store.record import EntryCheck
 
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _UNCLAIM = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -28,16 +27,8 @@ _UNCLAIM = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 class RedisStore(PackedStore):
     errors = (aioredis.RedisError, OSError, TimeoutError)
 
-    def __init__(
-        self,
-        config: StoreConfig,
-        model_id: str,
-        key: bytes,
-        rows_of: Callable[[Grid], int] | None,
-        width: int,
-        dtypes: Iterable[str] = ("float32", "bfloat16", "float16"),
-    ) -> None:
-        super().__init__(config, model_id, key, rows_of, width, dtypes)
+    def __init__(self, config: StoreConfig, check: EntryCheck) -> None:
+        super().__init__(config, check)
         self._redis = aioredis.Redis.from_url(
             config.url,
             username=config.username or None,
