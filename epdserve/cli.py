@@ -73,9 +73,11 @@ EC_PRODUCER_FLAGS = (
     "shm_bytes",
     "fs_dir",
     "tcp_port",
+    "mooncake_protocol",
+    "mooncake_device",
     Flag("instance", default=None, default_help="encoder-<port>"),
 )
-EC_CONSUMER_FLAGS = ("fs_dir",)
+EC_CONSUMER_FLAGS = ("fs_dir", "mooncake_protocol", "mooncake_device")
 STORE_PREFIX = "--store-"
 STORE_FLAGS = (
     "url",
@@ -88,8 +90,10 @@ STORE_FLAGS = (
     "wait_s",
     "local_host",
     "segment_bytes",
+    "protocol",
+    "device",
 )
-STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host")
+STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host", "protocol", "device")
 KV_PREFIX = "--kv-"
 KV_FLAGS = (
     "connector",

@@ -366,6 +366,10 @@ def test_config_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         ECConfig(connector="fs")
     with pytest.raises(ValueError, match="at least 1 MiB"):
         ECConfig(shm_bytes=4096)
+    with pytest.raises(ValueError, match="needs mooncake_device"):
+        ECConfig(connector="mooncake", mooncake_protocol="rdma")
+    with pytest.raises(ValueError, match="Mooncake protocol"):
+        ECConfig(connector="mooncake", mooncake_protocol="udp")  # type: ignore[arg-type]
     assert ECConfig().shm_bytes == 0  # automatic
     with pytest.raises(ValueError, match="at least 16 bytes"):
         ECConfig(secret="short")

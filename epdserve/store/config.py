@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
+Transport = Literal["tcp", "rdma"]  # how Mooncake members move data
 STORE_PASSWORD_ENV = "EPD_STORE_PASSWORD"  # the store's password (never a flag: flags show in ps)
 _URL_RE = re.compile(r"(redis://[A-Za-z0-9_.\-\[\]:]+(/\d{1,2})?|mooncake://[A-Za-z0-9_.\-\[\]]+:\d{1,5})")
 
@@ -28,6 +30,8 @@ class StoreConfig:
     wait_s: float = 30.0  # the longest an encoder waits for another encoder computing the same item
     local_host: str = "127.0.0.1"  # mooncake: the address this instance's store client is reached at by peers
     segment_bytes: int = 256 << 20  # mooncake: memory an encoder lends to the store (readers lend none)
+    protocol: Transport = "tcp"  # mooncake: transport between members, tcp or rdma (where the NICs have it)
+    device: str = ""  # mooncake over rdma: the RDMA devices to use, e.g. mlx5_0
 
     def __post_init__(self) -> None:
         if self.url and not _URL_RE.fullmatch(self.url):
@@ -39,6 +43,8 @@ class StoreConfig:
                 raise ValueError(f"store {name} must be positive")
         if self.max_item_bytes < 1:
             raise ValueError("store max_item_bytes must be positive")
+        if self.protocol not in get_args(Transport) or (self.protocol == "rdma" and not self.device):
+            raise ValueError("store protocol must be tcp, or rdma with a device")
         if self.segment_bytes < 0:
             raise ValueError("store segment_bytes must be 0 or more")
 

@@ -86,8 +86,15 @@ class MooncakeStore(PackedStore):
                 except ImportError as e:
                     raise MooncakeError(f"Mooncake is not installed (pip install 'epdserve[mooncake]'): {e}") from e
                 client = MooncakeDistributedStore()
+                cfg = self.config
                 rc = client.setup(
-                    self.config.local_host, "P2PHANDSHAKE", self._segment, LOCAL_BUFFER_BYTES, "tcp", "", self._master
+                    cfg.local_host,
+                    "P2PHANDSHAKE",
+                    self._segment,
+                    LOCAL_BUFFER_BYTES,
+                    cfg.protocol,
+                    cfg.device,
+                    self._master,
                 )
                 if rc != 0:
                     raise MooncakeError(f"could not join the Mooncake store at {self._master} (code {rc})")

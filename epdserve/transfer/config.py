@@ -15,6 +15,7 @@ from epdserve.transfer.base import TransferError
 
 Connector = Literal["shm", "tcp", "fs", "mooncake"]
 CONNECTORS: tuple[Connector, ...] = get_args(Connector)
+MooncakeProtocol = Literal["tcp", "rdma"]
 STORE_HANDLE = "store"  # the connector a store handle names: an entry of the shared store, no lease
 HANDLE_PURPOSE = "ec-handle"  # the key that signs embedding handles
 KV_HANDLE_PURPOSE = "kv-handle"  # the key that signs KV-cache handles (never accepted as the other)
@@ -42,6 +43,8 @@ class ECConfig:
     timeout_s: float = 30.0  # a consumer's get/release gives up after this many seconds
     instance: str = "ec"  # name of this instance, used in slab and file names
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # dtypes a consumer accepts
+    mooncake_protocol: MooncakeProtocol = "tcp"  # mooncake connector transport: tcp, or rdma where the NICs have it
+    mooncake_device: str = ""  # mooncake connector over rdma: the RDMA devices to use, e.g. mlx5_0 ("" = tcp)
     handle_purpose: str = HANDLE_PURPOSE  # which subkey signs and verifies handles (KV connectors: their own)
     store: StoreConfig = field(
         default_factory=StoreConfig
@@ -64,6 +67,10 @@ class ECConfig:
             raise ValueError(f"instance {self.instance!r} must be 1-64 characters of [A-Za-z0-9_.-]")
         if self.handle_purpose not in (HANDLE_PURPOSE, KV_HANDLE_PURPOSE):
             raise ValueError(f"unknown handle purpose {self.handle_purpose!r}")
+        if self.mooncake_protocol not in get_args(MooncakeProtocol):
+            raise ValueError(f"unknown Mooncake protocol {self.mooncake_protocol!r} (tcp or rdma)")
+        if self.mooncake_protocol == "rdma" and not self.mooncake_device:
+            raise ValueError("the mooncake connector over rdma needs mooncake_device (e.g. mlx5_0)")
         if self.connector == "fs" and not self.fs_dir:
             raise ValueError("the fs connector needs fs_dir")
 

@@ -1,5 +1,6 @@
-"""The mooncake EC connector: embeddings read point to point with Mooncake's transfer engine (TCP
-here, RDMA where the hardware has it), from the same slab layout as ``shm``.
+"""The mooncake EC connector: embeddings read point to point with Mooncake's transfer engine (TCP,
+or RDMA with ``mooncake_protocol="rdma"`` where the hardware has it; only TCP has run here), from
+the same slab layout as ``shm``.
 
 The producer is an shm producer whose slab is also registered with a transfer engine; its handles
 carry, instead of the slab's path, the engine's session (``host:port``) and the slab's address in
@@ -56,14 +57,14 @@ class MooncakeLocation(SlabPlace, kw_only=True):
     size: int  # the slab's size: nothing outside [base, base + size) is ever read or written
 
 
-def _engine(host: str) -> Any:
+def _engine(host: str, protocol: str, device: str) -> Any:
     try:
         from mooncake.engine import TransferEngine  # the optional extra
     except ImportError as e:
         raise TransferError(f"the mooncake EC connector needs Mooncake (pip install 'epdserve[mooncake]'): {e}") from e
     engine = TransferEngine()
-    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-        raise TransferError(f"could not start Mooncake's transfer engine on {host}")
+    if engine.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
+        raise TransferError(f"could not start Mooncake's transfer engine on {host} ({protocol})")
     return engine
 
 
@@ -74,7 +75,7 @@ class MooncakeProducer(ShmProducer):
         super().__init__(cfg)
         mm = self._mapped()
         try:
-            self._engine = _engine(cfg.tcp_host)
+            self._engine = _engine(cfg.tcp_host, cfg.mooncake_protocol, cfg.mooncake_device)
             self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mm)
             self._base = ctypes.addressof(self._anchor)
             if self._engine.register_memory(self._base, self._size) != 0:
@@ -102,7 +103,7 @@ class MooncakeConsumer:
     def __init__(self, cfg: ECConfig) -> None:
         self._key = cfg.handle_key if cfg.has_secret else None
         self._dtypes = cfg.dtypes
-        self._host = cfg.tcp_host
+        self._engine_args = (cfg.tcp_host, cfg.mooncake_protocol, cfg.mooncake_device)
         self._timeout_s = cfg.timeout_s
         self._engine: Any = None
         self._scratch = np.empty(0, np.uint8)
@@ -111,7 +112,7 @@ class MooncakeConsumer:
     def _buffer(self, nbytes: int) -> tuple[Any, np.ndarray]:
         """The engine, and a registered buffer of at least ``nbytes`` (under ``_lock``)."""
         if self._engine is None:
-            self._engine = _engine(self._host)
+            self._engine = _engine(*self._engine_args)
         if len(self._scratch) < nbytes:
             if len(self._scratch):
                 self._engine.unregister_memory(self._scratch.ctypes.data)
