@@ -112,8 +112,8 @@ def main() -> None:
                 )
             wall = time.perf_counter() - t0
             pds = [r.url for r in d.roles if r.name.startswith("pd")]
-            hit = sum(counter(u, "prefix_cache_hit_tokens") for u in pds)
-            query = sum(counter(u, "prefix_cache_query_tokens") for u in pds)
+            hit = sum(counter(u, "prefix_cache_hits_total") for u in pds)
+            query = sum(counter(u, "prefix_cache_queries_total") for u in pds)
             ttfts = sorted(t for ts in per for t in ts)
             p50, p99 = statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
             routed = counter(d.url, "router_kv_routed_total")

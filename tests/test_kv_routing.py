@@ -109,7 +109,7 @@ def test_the_index_weighs_cached_prefix_against_load_and_forgets_stale_workers()
 
 def _queried(url: str) -> float:
     metrics = http("GET", url + "/metrics")[1].decode()
-    m = re.search(r"^epd_prefix_cache_query_tokens (\S+)$", metrics, re.MULTILINE)
+    m = re.search(r"^epd_prefix_cache_queries_total (\S+)$", metrics, re.MULTILINE)
     assert m is not None, metrics
     return float(m[1])
 

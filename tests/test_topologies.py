@@ -371,9 +371,9 @@ def test_1e1p1d_equals_aggregated(aggregated, kv_connector: str) -> None:
         p = next(r for r in d.roles if r.name == "prefill0")
         dec = next(r for r in d.roles if r.name == "decode0")
         n = len(reqs) + 16 + 1
-        assert metric(p.url, "kv_transfers_out") >= n - 2  # (a request may end with its first token)
-        assert metric(dec.url, "kv_transfers_in") == metric(p.url, "kv_transfers_out")
-        assert metric(dec.url, "kv_fallbacks") == 0
+        assert metric(p.url, "kv_transfers_out_total") >= n - 2  # (a request may end with its first token)
+        assert metric(dec.url, "kv_transfers_in_total") == metric(p.url, "kv_transfers_out_total")
+        assert metric(dec.url, "kv_fallbacks_total") == 0
         # neither holds vision weights: every image went through the encoder
         for role in (p, dec):
             assert metric(role.url, "vision_tower_loaded") == 0
@@ -384,7 +384,7 @@ def test_1e1p1d_equals_aggregated(aggregated, kv_connector: str) -> None:
         assert status == 400 and "internal" in json.loads(raw)["error"]["message"]
         # a repeated prompt is prefilled from the prefill worker's prefix cache (the decode side's
         # registration of loaded blocks is tested in test_pd_transfer)
-        assert metric(p.url, "prefix_cache_hit_tokens") > 0
+        assert metric(p.url, "prefix_cache_hits_total") > 0
     finally:
         pids = [r.proc.pid for r in d.roles]
         d.stop()
@@ -432,8 +432,8 @@ def test_kv_that_cannot_be_loaded_is_recomputed_by_the_decode_worker(aggregated,
         wait_healthy(urls["router"], procs["router"])
         reqs = request_set()
         assert [ask(urls["router"], r) for r in reqs] == expected
-        assert metric(urls["decode"], "kv_transfers_in") == 0
-        assert metric(urls["decode"], "kv_fallbacks") >= len(reqs) - 1
+        assert metric(urls["decode"], "kv_transfers_in_total") == 0
+        assert metric(urls["decode"], "kv_fallbacks_total") >= len(reqs) - 1
         # every KV lease and every embedding lease was given back (read or not)
         deadline = time.monotonic() + 5
         while metric(urls["encoder"], "encoder_ec_live_handles") and time.monotonic() < deadline:
@@ -509,7 +509,7 @@ def test_1p1d_without_encoders_equals_aggregated(aggregated) -> None:
         p = next(r for r in d.roles if r.name == "prefill0")
         dec = next(r for r in d.roles if r.name == "decode0")
         assert metric(p.url, "vision_tower_loaded") == 1 and metric(dec.url, "vision_tower_loaded") == 1
-        assert metric(dec.url, "kv_transfers_in") >= len(reqs) - 1 and metric(dec.url, "kv_fallbacks") == 0
+        assert metric(dec.url, "kv_transfers_in_total") >= len(reqs) - 1 and metric(dec.url, "kv_fallbacks_total") == 0
     finally:
         pids = [r.proc.pid for r in d.roles]
         d.stop()

@@ -1,70 +1,115 @@
-"""Prometheus text-format metrics without a client library: counters, gauges, histograms."""
+"""Each role's metrics, on ``prometheus-client``: one registry per role instance, names prefixed
+``epd_`` and, where vLLM has the same quantity, named as vLLM names it (``epd_num_requests_running``
+for ``vllm:num_requests_running``).
+
+Three kinds: counters (``inc``, labelled or not; declare them with ``counter`` so they are
+exported at 0 before the first event), histograms (``histogram``), and values read at scrape time
+from the role's own state (``gauge``; ``monotonic=True`` exports a count that only grows, e.g. one
+kept by the engine core, as a counter).
+"""
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+# ``<name>_created`` series double every counter and histogram and nothing here reads them
+prometheus_client.disable_created_metrics()
 
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
+class _Reads(Collector):
+    """The values read at scrape time."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def __init__(self) -> None:
+        self.reads: dict[str, tuple[str, bool, Callable[[], float]]] = {}
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        acc = 0
-        for b, c in zip(self.buckets, self.counts, strict=False):
-            acc += c
-            lines.append(f'{self.name}_bucket{{le="{b}"}} {acc}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        for name, (help_text, monotonic, read) in self.reads.items():
+            if monotonic:
+                yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=read())
+            else:
+                yield GaugeMetricFamily(name, help_text, value=read())
 
 
 class Metrics:
-    """One registry per process role; gauges are read through callbacks at scrape time."""
-
     def __init__(self, prefix: str = "epd_") -> None:
         self.prefix = prefix
-        self.counters: dict[tuple[str, str], float] = {}
-        self.help: dict[str, str] = {}
-        self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
-        self.histograms: dict[str, Histogram] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._counters: dict[str, Counter] = {}
+        self._histograms: dict[str, Histogram] = {}
+        self._reads = _Reads()
+        self.registry.register(self._reads)
 
-    def inc(self, name: str, value: float = 1.0, labels: str = "", help_text: str = "") -> None:
-        key = (self.prefix + name, labels)
-        self.counters[key] = self.counters.get(key, 0.0) + value
-        self.help.setdefault(self.prefix + name, help_text or name)
-
-    def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        self.gauges[self.prefix + name] = (help_text, read)
-
-    def histogram(self, name: str, help_text: str) -> Histogram:
+    def counter(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
+        """The counter ``name`` (made on first use; without labels it is exported at 0 from now)."""
         full = self.prefix + name
-        if full not in self.histograms:
-            self.histograms[full] = Histogram(full, help_text)
-        return self.histograms[full]
+        c = self._counters.get(full)
+        if c is None:
+            c = self._counters[full] = Counter(
+                full, help_text or name, labelnames=tuple(labels), registry=self.registry
+            )
+        return c
 
-    def render(self) -> str:
-        lines: list[str] = []
-        seen: set[str] = set()
-        for (name, labels), v in sorted(self.counters.items()):
-            if name not in seen:
-                lines += [f"# HELP {name} {self.help[name]}", f"# TYPE {name} counter"]
-                seen.add(name)
-            lines.append(f"{name}{{{labels}}} {v}" if labels else f"{name} {v}")
-        for name, (h, read) in sorted(self.gauges.items()):
-            lines += [f"# HELP {name} {h}", f"# TYPE {name} gauge", f"{name} {read()}"]
-        for hist in self.histograms.values():
-            lines += hist.render()
-        return "\n".join(lines) + "\n"
+    def inc(self, name: str, value: float = 1.0, labels: Mapping[str, str] | None = None, help_text: str = "") -> None:
+        c = self.counter(name, help_text, tuple(labels or ()))
+        (c.labels(**labels) if labels else c).inc(value)
+
+    def gauge(self, name: str, help_text: str, read: Callable[[], float], monotonic: bool = False) -> None:
+        self._reads.reads[self.prefix + name] = (help_text, monotonic, read)
+
+    def histogram(
+        self,
+        name: str,
+        help_text: str,
+        labels: Sequence[str] = (),
+        buckets: Sequence[float] = LATENCY_BUCKETS,
+    ) -> Histogram:
+        full = self.prefix + name
+        h = self._histograms.get(full)
+        if h is None:
+            h = self._histograms[full] = Histogram(
+                full, help_text, labelnames=tuple(labels), buckets=tuple(buckets), registry=self.registry
+            )
+        return h
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def federate(scrapes: Sequence[tuple[str, str, str]]) -> bytes:
+    """Workers' expositions as one: each ``(role, instance, text)``'s samples get ``role`` and
+    ``instance`` labels, and families of one name are merged across workers. A worker whose text
+    does not parse is left out (its families would be partial)."""
+    merged: dict[str, Metric] = {}
+    for role, instance, text in scrapes:
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for fam in families:
+            into = merged.get(fam.name)
+            if into is None:
+                into = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            elif into.type != fam.type:
+                continue  # workers of another version disagree on a family: keep the first
+            for s in fam.samples:
+                into.add_sample(s.name, {**s.labels, "role": role, "instance": instance}, s.value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return prometheus_client.generate_latest(registry)

@@ -97,6 +97,22 @@ def part_modality(part: MediaPart) -> Literal["image", "video"]:
     return "image" if isinstance(part, ImageUrlPart | ImageEmbedsPart) else "video"
 
 
+RequestKind = Literal["text", "image", "video"]
+
+
+def request_kind(req: ChatRequest) -> RequestKind:
+    """What a request is, for metrics and logs: "video" if it has a video, else "image" if it has an
+    image, else "text"."""
+    kinds = {
+        part_modality(part)
+        for m in req.messages
+        if isinstance(m, UserMessage) and not isinstance(m.content, str)
+        for part in m.content
+        if not isinstance(part, TextPart)
+    }
+    return "video" if "video" in kinds else "image" if "image" in kinds else "text"
+
+
 def embeds_of(part: ImageEmbedsPart | VideoEmbedsPart) -> ImageEmbeds | VideoEmbeds:
     return part.image_embeds if isinstance(part, ImageEmbedsPart) else part.video_embeds
 

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
+from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, parse_server_timing
+
+# every request asks for its stage timing (Server-Timing): a header's worth of cost
+_JSON_HEADERS = {"Content-Type": "application/json", TIMING_HEADER: "1"}
 
 
 @dataclass
@@ -30,6 +33,7 @@ class RequestResult:
     error: str = ""
     kind: str = ""  # request type label (e.g. "text", "image")
     start: float = 0.0  # time.perf_counter() when the request was sent
+    stages: dict[str, float] = field(default_factory=dict)  # the server's stage timing (seconds), if any
 
     @property
     def tpot(self) -> float:
@@ -60,6 +64,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict | 
             if resp.status != 200:
                 res.error = (await resp.text())[:300]
                 return res
+            res.stages = parse_server_timing(resp.headers.get(SERVER_TIMING, ""))
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):

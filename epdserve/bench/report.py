@@ -11,7 +11,7 @@ import dataclasses
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +114,7 @@ class Summary:
     e2e: Stats  # end-to-end latency, per request
     slo_met: int | None  # requests that met every SLO bound (None: no SLO given)
     goodput: float | None  # SLO-meeting requests per second (None: no SLO given)
+    stages: dict[str, Stats] = field(default_factory=dict)  # the server's stage timing, per stage
 
 
 def error_label(r: RequestResult) -> str:
@@ -147,6 +148,10 @@ def summarize(results: list[RequestResult], duration_s: float, slo: SLO | None =
         e2e=Stats.of([r.e2e for r in ok]),
         slo_met=met,
         goodput=None if met is None else met * per_s,
+        stages={
+            name: Stats.of([r.stages[name] for r in ok if name in r.stages])
+            for name in dict.fromkeys(n for r in ok for n in r.stages)
+        },
     )
 
 
@@ -179,6 +184,13 @@ def format_summary(s: Summary, slo: SLO | None = None, title: str = "all request
         st: Stats = getattr(s, name)
         row = (st.mean, st.p50, st.p90, st.p99, st.max)
         lines.append(f"{name.upper():<6}" + "".join(f"{1e3 * v:>10.2f}" for v in row))
+    if s.stages:
+        lines.append("where the time went (server's stage timing, ms):")
+        width = max(len(n) for n in s.stages) + 2
+        lines.append(f"{'':<{width}}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
+        for name, st in s.stages.items():
+            row = (st.mean, st.p50, st.p90, st.p99, st.max)
+            lines.append(f"{name:<{width}}" + "".join(f"{1e3 * v:>10.2f}" for v in row))
     return "\n".join(lines)
 
 
@@ -218,6 +230,7 @@ def request_record(r: RequestResult, started: float, slo: SLO) -> dict[str, Any]
         "prompt_tokens": r.prompt_tokens,
         "output_tokens": r.output_tokens,
         "slo_met": slo.met_by(r) if slo.given else None,
+        "stages_s": r.stages,
     }
 
 

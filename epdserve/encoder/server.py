@@ -43,7 +43,7 @@ from epdserve.api.errors import (
 )
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.media import MediaResolver
-from epdserve.api.metrics import Metrics
+from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.protocol import ModelCard, ModelList, encode_json
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, BatchReport, EncodeBatcher, EncodeError, QueueFull
@@ -76,6 +76,7 @@ from epdserve.transfer.config import STORE_HANDLE, ECConfig
 from epdserve.transfer.factory import make_producer
 from epdserve.transfer.header import WireHeader, to_handle
 
+VISUAL_TOKENS = "visual tokens (embedding rows) served, by how"
 log = logging.getLogger(__name__)
 STORED_REMEMBERED = 65536  # uuids whose store entries this encoder remembers (for store handles on cache hits)
 
@@ -233,9 +234,16 @@ class EncoderService:
         self.forward_seconds = m.histogram("encoder_forward_seconds", "wall time of one batched vision forward")
         self.request_seconds = m.histogram("encode_request_seconds", "wall time of one /v1/encode request")
         self.put_seconds = m.histogram("encoder_put_seconds", "wall time of one EC-connector put")
+        self.batch_size = m.histogram(
+            "encoder_batch_size", "distinct items per batched vision forward", buckets=(1, 2, 4, 8, 16, 32, 64)
+        )
+        failures = m.counter("encoder_put_failures_total", "EC-connector puts that failed, by cause", ("cause",))
+        for cause in ("full", "error"):
+            failures.labels(cause=cause)
         # declared up front so a scrape shows zeros before the first request
         for status in get_args(ItemStatus):
-            m.inc("encoder_items_total", 0, f'status="{status}"', "media items encoded, by how")
+            m.inc("encoder_items_total", 0, {"status": status}, "media items encoded, by how")
+            m.inc("encoder_visual_tokens_total", 0, {"status": status}, VISUAL_TOKENS)
         if self.store is not None:
             st = self.store.stats
             for name, text in (
@@ -264,6 +272,7 @@ class EncoderService:
         m.inc("encoder_batches_total", help_text="batched vision forwards run")
         m.inc("encoder_batch_items_total", report.items, help_text="items in batched vision forwards")
         m.inc("encoder_batch_rows_total", report.rows, help_text="patch rows in batched vision forwards")
+        self.batch_size.observe(report.items)
         if report.error is not None:
             m.inc("encoder_batch_errors_total", help_text="vision forwards that failed")
         self.forward_seconds.observe(report.seconds)
@@ -295,7 +304,8 @@ class EncoderService:
                 help_text="bytes put into the EC connector",
             )
             status = r.status
-            self.metrics.inc("encoder_items_total", 1, f'status="{status}"', "media items encoded, by how")
+            self.metrics.inc("encoder_items_total", 1, {"status": status}, "media items encoded, by how")
+            self.metrics.inc("encoder_visual_tokens_total", r.embeddings.shape[0], {"status": status}, VISUAL_TOKENS)
             items.append(
                 EncodedItem(
                     uuid=r.uuid,
@@ -415,6 +425,7 @@ class EncoderService:
                 # consumers hold everything the connector can store: a load signal, not a failure,
                 # so the encoder stays healthy and the router spreads or sheds the load
                 self._release_all([h for hs in handles for h in hs])
+                self.metrics.inc("encoder_put_failures_total", labels={"cause": "full"})
                 log.warning("EC connector full: %s", e)
                 raise Overloaded(
                     "The encoder's embedding store is full; retry shortly.",
@@ -423,6 +434,7 @@ class EncoderService:
                 ) from None
             except TransferError as e:
                 self._release_all([h for hs in handles for h in hs])
+                self.metrics.inc("encoder_put_failures_total", labels={"cause": "error"})
                 raise Unavailable(f"The embeddings could not be published: {e}", param=f"items[{i}]") from None
             r.timings.put_ms = _ms(time.perf_counter() - t0)
         return handles
@@ -469,7 +481,7 @@ class EncoderHandlers:
             body = await read_body(request, s.config.max_request_bytes)
             resp = await s.encode(body)
         except ApiError as e:
-            s.metrics.inc("encode_request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")
+            s.metrics.inc("encode_request_errors_total", labels={"status": str(e.status)}, help_text="requests failed")
             raise
         s.request_seconds.observe(time.perf_counter() - t0)
         return json_response(encode_response(resp))
@@ -489,7 +501,7 @@ class EncoderHandlers:
         return web.json_response({"status": "ok", "role": "encoder"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.s.metrics.render(), content_type="text/plain")
+        return web.Response(body=self.s.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def build_app(service: EncoderService) -> web.Application:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.engine.embeddings import EmbeddingFetcher, Fetched
-from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, ErrorKind, FinishReason
+from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, ErrorKind, FinishReason, StageTimes
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
@@ -115,6 +116,7 @@ class EngineCore:
             self._release_handles(req)
             return [_error(req.request_id, str(e), "invalid_handle")]
         self.requests[req.request_id] = req
+        req.t_added = time.perf_counter()
         if msg.kv is not None and msg.kv.handle is not None:
             # the media handles wait: they are needed only if the KV cannot be loaded
             req.pending_fetches += 1
@@ -124,6 +126,8 @@ class EngineCore:
             # needed: its embeddings are fetched only if those blocks are gone at admission
             covered = self.scheduler.blocks.match_prefix(req, count=False).num_tokens
             self._fetch_media(req, covered)
+        if req.ready:
+            req.t_ready = req.t_added
         self.scheduler.add(req)
         return []
 
@@ -169,6 +173,7 @@ class EngineCore:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
         self.requests[req.request_id] = req
+        req.t_added = req.t_ready = time.perf_counter()
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
@@ -251,7 +256,9 @@ class EngineCore:
             prompt_tokens=req.prompt_len,
             cached_tokens=req.num_cached_tokens,
             kv_handle=kv_handle,
+            stages=None if req.timed else _stages(req),
         )
+        req.timed = True
         if reason is not None:
             self._retire(req, reason)
         return out
@@ -324,6 +331,8 @@ class EngineCore:
             if req is None:
                 continue  # aborted or failed meanwhile; the fetch has released its lease
             req.pending_fetches -= 1
+            if req.ready:
+                req.t_ready = req.t_ready or time.perf_counter()
             if f.index == KV_INDEX:
                 self._apply_kv(req, f)
                 continue
@@ -420,6 +429,14 @@ def request_from(msg: AddRequest) -> Request:
         if msg.kv.first_token is not None:  # sampled by the prefill instance: decoding continues after it
             req.output_token_ids.append(msg.kv.first_token)
     return req
+
+
+def _stages(req: Request) -> StageTimes:
+    """Where the request's time went until now, its first output."""
+    now = time.perf_counter()
+    ready = req.t_ready or req.t_added
+    admitted = req.t_admitted or now
+    return StageTimes(fetch=max(0.0, ready - req.t_added), queue=max(0.0, admitted - ready), prefill=now - admitted)
 
 
 def _error(request_id: str, message: str, kind: ErrorKind) -> EngineOutput:

@@ -173,6 +173,14 @@ class CoreFailed(msgspec.Struct, frozen=True, tag="failed"):
     message: str
 
 
+class StageTimes(msgspec.Struct, frozen=True):
+    """Where a request's time went inside the engine core until its first output, in seconds."""
+
+    fetch: float = 0.0  # waiting for its embeddings (or KV) to arrive through a connector
+    queue: float = 0.0  # ready, waiting for the scheduler to admit it
+    prefill: float = 0.0  # admitted, until its first token was sampled
+
+
 class EngineOutput(msgspec.Struct):
     """What one step produced for one request: new token ids (with logprobs when asked), or its end."""
 
@@ -186,6 +194,7 @@ class EngineOutput(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_handle: dict[str, Any] | None = None  # with finish_reason "transferred": the prompt's KV
+    stages: StageTimes | None = None  # on a request's first output only
 
     @property
     def finished(self) -> bool:

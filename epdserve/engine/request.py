@@ -62,6 +62,11 @@ class Request:
     pending_fetches: int = 0  # media items (or the KV) still being fetched by handle
     kv_produce: bool = False  # prefill instance: hand the prompt's KV on after the first token
     kv_rows: torch.Tensor | None = None  # decode instance: the prompt's KV, loaded, not yet in blocks
+    # stage clock (the core's perf_counter): added, every fetch done, first admitted; 0 = not yet
+    t_added: float = 0.0
+    t_ready: float = 0.0
+    t_admitted: float = 0.0
+    timed: bool = False  # its first output (which carries the stage times) was made
 
     @property
     def ready(self) -> bool:

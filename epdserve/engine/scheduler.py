@@ -10,6 +10,7 @@ The plan (``SchedulerOutput``) holds request references and token counts only, n
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             req.status = Status.RUNNING
+            req.t_admitted = req.t_admitted or time.perf_counter()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import msgspec
 from aiohttp import web
@@ -31,7 +31,7 @@ from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFou
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.media import MediaResolver
-from epdserve.api.metrics import Metrics
+from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.protocol import (
     SSE_DONE,
     ChatCompletion,
@@ -47,6 +47,7 @@ from epdserve.api.protocol import (
     ModelCard,
     ModelList,
     PrefillCompletion,
+    RequestKind,
     ResponseMessage,
     TokenLogprob,
     Usage,
@@ -58,14 +59,16 @@ from epdserve.api.protocol import (
     encode_json,
     new_completion_id,
     now_s,
+    request_kind,
     sse_error,
     sse_event,
     to_sampling_params,
 )
+from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
-from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, WireTensor
+from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, StageTimes, WireTensor
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
@@ -149,34 +152,52 @@ class ChatService:
         m.gauge("num_requests_running", "requests in the running batch", stat("running"))
         m.gauge("num_requests_waiting", "requests waiting to be scheduled", stat("waiting"))
         m.gauge("kv_blocks_free", "free KV-cache blocks", stat("kv_blocks_free"))
-        m.gauge(
-            "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", stat("prefix_cache_hit_tokens")
+        m.gauge("kv_cache_usage_perc", "fraction of KV-cache blocks in use (1 = full)", self._kv_usage)
+        counts = (
+            ("prefix_cache_hits_total", "prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
+            ("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache", "prefix_cache_query_tokens"),
+            ("num_preemptions_total", "requests preempted for lack of KV blocks", "preemptions"),
+            ("encoder_cache_hits_total", "vision embeddings served from the local cache", "encoder_cache_hits"),
+            ("ec_bytes_received_total", "embedding bytes fetched through the EC connector", "ec_bytes"),
+            ("ec_fetch_seconds_total", "seconds spent fetching embeddings", "ec_seconds"),
+            ("ec_fetches_skipped_total", "media items not fetched: their KV was cached here", "ec_fetches_skipped"),
+            ("ec_failures_total", "media items whose embeddings could not be fetched", "ec_failures"),
+            ("kv_transfers_out_total", "requests whose KV this prefill instance handed on", "kv_transfers_out"),
+            ("kv_transfers_in_total", "requests continued from KV loaded here", "kv_transfers_in"),
+            ("kv_fallbacks_total", "requests whose KV could not be loaded (prefill computed here)", "kv_fallbacks"),
+            ("kv_bytes_received_total", "KV bytes loaded through the KV connector", "kv_bytes_in"),
         )
-        m.gauge(
-            "prefix_cache_query_tokens",
-            "prompt tokens looked up in the prefix cache",
-            stat("prefix_cache_query_tokens"),
-        )
-        m.gauge("num_preemptions", "requests preempted for lack of KV blocks", stat("preemptions"))
-        m.gauge("encoder_cache_hits", "vision embeddings served from the local cache", stat("encoder_cache_hits"))
+        for name, text, field in counts:
+            m.gauge(name, text, stat(field), monotonic=True)
         m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", stat("encoder_cache_bytes"))
-        m.gauge("ec_bytes_received", "embedding bytes fetched through the EC connector", stat("ec_bytes"))
-        m.gauge("ec_seconds", "seconds spent fetching embeddings", stat("ec_seconds"))
-        m.gauge(
-            "ec_fetches_skipped",
-            "metadata-only items not fetched because their KV was cached here",
-            stat("ec_fetches_skipped"),
-        )
-        m.gauge("ec_failures", "metadata-only items whose embeddings could not be fetched", stat("ec_failures"))
-        m.gauge("kv_transfers_out", "requests whose KV this prefill instance handed on", stat("kv_transfers_out"))
-        m.gauge("kv_transfers_in", "requests continued from KV loaded here", stat("kv_transfers_in"))
-        m.gauge("kv_fallbacks", "requests whose KV could not be loaded (prefill computed here)", stat("kv_fallbacks"))
-        m.gauge("kv_bytes_received", "KV bytes loaded through the KV connector", stat("kv_bytes_in"))
         m.gauge("kv_live_handles", "KV leases handed out and not yet released or expired", stat("kv_live_handles"))
+        answered = m.counter("requests_total", "chat requests answered, by kind and HTTP status", ("kind", "status"))
+        for kind in get_args(RequestKind):
+            answered.labels(kind=kind, status="200")  # exported at 0 before the first request
         self.ttft = m.histogram("time_to_first_token_seconds", "time to first token")
         self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")
         self.prep = m.histogram("request_preprocess_seconds", "media fetch + decode + preprocess + template")
+        self.queue_time = m.histogram("request_queue_time_seconds", "ready in the engine, waiting to be admitted")
+        self.stage_hist = m.histogram("request_stage_seconds", "where requests' time went, by stage", ("stage",))
+        for stage in STAGES:
+            self.stage_hist.labels(stage=stage)  # exported before the first request
+
+    def stages(self, preprocess: float, core: StageTimes | None) -> dict[str, float]:
+        """A request's stages up to its first token, recorded in the histograms."""
+        c = core or StageTimes()
+        stages = {"preprocess": preprocess, "fetch": c.fetch, "queue": c.queue, "prefill": c.prefill}
+        for name, seconds in stages.items():
+            self.stage_hist.labels(stage=name).observe(seconds)
+        self.queue_time.observe(c.queue)
+        return stages
+
+    def _kv_usage(self) -> float:
+        st = self.stats
+        return 1.0 - st.kv_blocks_free / st.kv_blocks_total if st.kv_blocks_total else 0.0
+
+    def count(self, kind: str, status: int) -> None:
+        self.metrics.inc("requests_total", labels={"kind": kind, "status": str(status)})
 
     async def refresh_stats(self) -> None:
         with contextlib.suppress(ConnectionError, TimeoutError):
@@ -295,6 +316,24 @@ class Piece:
     prompt_tokens: int
     completion_tokens: int
     kv: dict | None = None  # prefill instance: what the decode instance continues from
+    stages: StageTimes | None = None  # the engine core's stage times (first piece only)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One answered request's stages so far, and whether its client asked to see them."""
+
+    stages: dict[str, float]
+    ttft: float
+    t0: float
+    role: str  # prefixes the stage names in the header: pd, prefill or decode
+    wanted: bool
+
+    def header(self, stages: dict[str, float]) -> str:
+        return server_timing(prefixed(self.role, stages))
+
+
+STAGES = ("preprocess", "fetch", "queue", "prefill", "decode")
 
 
 class Generation:
@@ -355,7 +394,7 @@ class Generation:
                 kv = {"kv_handle": out.kv_handle, "first_token_id": out.token_ids[0]}
             else:  # a stop string ended the answer with its first token: nobody will read the KV
                 self.s.core.release([], [out.kv_handle])
-        return Piece(text, logprobs, _finish(finish), self.prompt_tokens, self.completion_tokens, kv)
+        return Piece(text, logprobs, _finish(finish), self.prompt_tokens, self.completion_tokens, kv, out.stages)
 
 
 class KVRelease(msgspec.Struct, forbid_unknown_fields=True):
@@ -379,9 +418,11 @@ class ChatHandlers:
         s = self.s
         t0 = time.perf_counter()
         body = await read_body(request, s.config.max_request_bytes)
-        s.metrics.inc("requests_total", help_text="chat requests received")
+        kind = "unknown"  # until the body parses
         try:
             req, add = await s.prepare(body, is_internal(request))
+            t_prepared = time.perf_counter()
+            kind = request_kind(req)
             gen = Generation(s, add)
             try:
                 first = await gen.first()
@@ -389,24 +430,32 @@ class ChatHandlers:
                 await gen.aclose()
                 raise
         except ApiError as e:
-            s.metrics.inc("request_errors_total", labels=f'status="{e.status}"', help_text="requests failed")
+            s.count(kind, e.status)
             raise
-        s.ttft.observe(time.perf_counter() - t0)
+        s.count(kind, 200)
+        ttft = time.perf_counter() - t0
+        s.ttft.observe(ttft)
+        stages = s.stages(t_prepared - t0, first.stages)
+        timing = Timing(stages, ttft, t0, s.config.role if s.config.role != "both" else "pd", wanted(request.headers))
         async with contextlib.aclosing(gen.rest()) as rest:  # closing early aborts the request
             if add.kv is not None and add.kv.produce:
-                return await self._complete(req, add, first, rest, t0, prefill=True)
+                return await self._complete(req, add, first, rest, timing, prefill=True)
             if req.stream:
-                return await self._stream(request, req, add, gen, first, rest, t0)
-            return await self._complete(req, add, first, rest, t0)
+                return await self._stream(request, req, add, gen, first, rest, timing)
+            return await self._complete(req, add, first, rest, timing)
 
-    def _done(self, last: Piece, t0: float) -> None:
+    def _done(self, last: Piece, timing: Timing) -> float:
+        """Record a finished answer; its decode time (after the first token)."""
         s = self.s
-        s.e2e.observe(time.perf_counter() - t0)
+        e2e = time.perf_counter() - timing.t0
+        s.e2e.observe(e2e)
+        s.stage_hist.labels(stage="decode").observe(e2e - timing.ttft)
         s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
         s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
+        return e2e - timing.ttft
 
     async def _complete(
-        self, req: ChatRequest, add: AddRequest, first: Piece, rest, t0: float, prefill: bool = False
+        self, req: ChatRequest, add: AddRequest, first: Piece, rest, timing: Timing, prefill: bool = False
     ) -> web.Response:
         s = self.s
         text, logprobs, last = [first.text], list(first.logprobs or []), first
@@ -418,7 +467,7 @@ class ChatHandlers:
                     last = piece
         except WorkerFailedMidStream as e:
             raise e.error from None
-        self._done(last, t0)
+        decode = self._done(last, timing)
         choice = Choice(
             message=ResponseMessage(content="".join(text)),
             logprobs=ChoiceLogprobs(content=logprobs) if add.params.logprobs else None,
@@ -433,13 +482,25 @@ class ChatHandlers:
         )
         if isinstance(resp, PrefillCompletion):
             resp.kv_transfer_params = first.kv
-        return json_response(encode_json(resp))
+        out = json_response(encode_json(resp))
+        if timing.wanted:
+            out.headers[SERVER_TIMING] = timing.header({**timing.stages, "decode": decode})
+        return out
 
     async def _stream(
-        self, request: web.Request, req: ChatRequest, add: AddRequest, gen: Generation, first: Piece, rest, t0: float
+        self,
+        request: web.Request,
+        req: ChatRequest,
+        add: AddRequest,
+        gen: Generation,
+        first: Piece,
+        rest,
+        timing: Timing,
     ) -> web.StreamResponse:
         s = self.s
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if timing.wanted:  # what is known before the first byte: up to the first token
+            resp.headers[SERVER_TIMING] = timing.header(timing.stages)
         await resp.prepare(request)
         model, created = s.config.model_name, now_s()
         want_lp = add.params.logprobs
@@ -473,7 +534,7 @@ class ChatHandlers:
                 failed = True
                 await resp.write(sse_error(e.error))
             if not failed:
-                self._done(last, t0)
+                self._done(last, timing)
                 if req.include_usage:
                     await resp.write(chunk(Delta(), usage=Usage.of(last.prompt_tokens, last.completion_tokens)))
             await resp.write(SSE_DONE)
@@ -508,7 +569,7 @@ class ChatHandlers:
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.s.refresh_stats()
-        return web.Response(text=self.s.metrics.render(), content_type="text/plain")
+        return web.Response(body=self.s.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def _completion_id(req: ChatRequest, add: AddRequest) -> str:

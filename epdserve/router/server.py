@@ -40,6 +40,7 @@ from aiohttp import web
 from epdserve.api.auth import AuthConfig
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
+    ApiError,
     BadRequest,
     NotFound,
     Overloaded,
@@ -49,17 +50,20 @@ from epdserve.api.errors import (
 )
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
-from epdserve.api.metrics import Metrics
+from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate
 from epdserve.api.protocol import (
     DEFAULT_MAX_PROMPT_CHARS,
     SSE_DONE,
     ChatRequest,
+    RequestKind,
     check_embeds_trust,
     check_kv_trust,
     decode_chat_request,
+    request_kind,
     sse_error,
     to_sampling_params,
 )
+from epdserve.api.timing import SERVER_TIMING, wanted
 from epdserve.assets import default_model_dir
 from epdserve.encoder.protocol import (
     EncodedItem,
@@ -76,6 +80,7 @@ from epdserve.router.kv_routing import Blocks, KVIndex, PromptBlocks
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs
 from epdserve.router.split import SplitChat
+from epdserve.router.trail import ROUTER_STAGES, Trail
 from epdserve.router.upstream import RetryableWorker, error_code, error_response, passthrough_error
 from epdserve.transfer.cached import cached_handle
 from epdserve.transfer.config import HANDLE_PURPOSE
@@ -83,6 +88,7 @@ from epdserve.transfer.config import HANDLE_PURPOSE
 log = logging.getLogger(__name__)
 
 _TAIL = len(SSE_DONE)
+MAX_SCRAPE_BYTES = 4 << 20  # one worker's /metrics
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,11 @@ class Router:
         self._store_seen = False  # an encoder has handed out a store handle: store hits are possible
         self._handle_key = config.auth.cluster.derive(HANDLE_PURPOSE)  # signs cached handles
         m = self.metrics
+        answered = m.counter("router_requests_total", "chat requests answered, by kind and status", ("kind", "status"))
+        for kind in get_args(RequestKind):
+            answered.labels(kind=kind, status="200")  # exported at 0 before the first request
         m.inc("router_pd_retries_total", 0, help_text="PD calls retried before the first byte")
+        m.inc("router_scrape_failures_total", 0, help_text="worker metrics the router could not read")
         m.gauge(
             "router_directory_entries",
             "media items the directory knows (uuid, grid, store handle if any)",
@@ -188,6 +198,9 @@ class Router:
         m.gauge("router_prefills_healthy", "healthy prefill workers", lambda: len(self.prefills.healthy))
         m.gauge("router_decodes_healthy", "healthy decode workers", lambda: len(self.decodes.healthy))
         self.encode_hist = m.histogram("router_encode_seconds", "time to encode a request's media")
+        self.stage_hist = m.histogram("router_stage_seconds", "where requests' time went before a worker", ("stage",))
+        for stage in ROUTER_STAGES:
+            self.stage_hist.labels(stage=stage)  # exported before the first request
         self.ttfb_hist = m.histogram("router_first_byte_seconds", "time to the PD worker's first byte")
 
     async def start(self) -> None:
@@ -295,6 +308,7 @@ class Router:
         exclude: set[str],
         skip_cached: bool,
         leases: int,
+        trail: Trail,
     ) -> Worker:
         """The worker of ``pool`` for a request, and every media ref filled (``leases`` handles
         each). kv_aware: the worker is chosen first, so items inside its cached prefix need no
@@ -314,10 +328,16 @@ class Router:
             finally:
                 if worker is not None:
                     worker.outstanding -= 1
-            self.encode_hist.observe(time.perf_counter() - t0)
+            encode = time.perf_counter() - t0
+            self.encode_hist.observe(encode)
+            trail.add("router_encode", encode)
         if worker is None:
             worker, named = await self.choose_lm(pool, req, refs, exclude)
         self.note_complete(worker, req, refs, named)
+        trail.add_media(refs)
+        for stage in ROUTER_STAGES:
+            if stage in trail.stages:
+                self.stage_hist.labels(stage=stage).observe(trail.stages[stage])
         return worker
 
     def note_complete(self, worker: Worker, req: ChatRequest, refs: list[MediaRef], named: Blocks | None) -> None:
@@ -580,11 +600,25 @@ class Router:
     # ---- chat --------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        self.metrics.inc("router_requests_total", help_text="chat requests received")
-        req = await self.validate(raw)
+        kind = "unknown"  # until the body parses
+        trail = Trail(wanted(request.headers))
+        try:
+            req = await self.validate(raw)
+            kind = request_kind(req)
+            resp = await self._chat(request, req, raw, trail)
+        except ApiError as e:
+            self._count(kind, e.status)
+            raise
+        self._count(kind, resp.status)
+        return resp
+
+    def _count(self, kind: str, status: int) -> None:
+        self.metrics.inc("router_requests_total", labels={"kind": kind, "status": str(status)})
+
+    async def _chat(self, request: web.Request, req: ChatRequest, raw: bytes, trail: Trail) -> web.StreamResponse:
         body: dict[str, Any] = msgspec.json.decode(raw)
         if self.splits:
-            return await self.split.chat(request, req, body)
+            return await self.split.chat(request, req, body, trail)
         refs = [] if self.config.forward_raw_media else media_refs(body)
         attempts_left = 2
         exclude: set[str] = set()
@@ -594,13 +628,13 @@ class Router:
             consumed = False  # once the PD worker accepted the request, its leases are its own
             try:
                 try:
-                    pd = await self.place(self.pds, req, refs, exclude, skip_cached, leases=1)
+                    pd = await self.place(self.pds, req, refs, exclude, skip_cached, 1, trail)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
                 for r in refs:
                     assert r.result is not None
                     body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
-                resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream))
+                resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream), trail)
                 return resp
             except RetryableWorker as e:
                 if not e.worker_ok:
@@ -615,15 +649,16 @@ class Router:
                     self._release(self._take_leases(refs))
 
     async def _forward(
-        self, request: web.Request, pd: Worker, body: bytes, stream: bool
+        self, request: web.Request, pd: Worker, body: bytes, stream: bool, trail: Trail
     ) -> tuple[web.StreamResponse, bool]:
         """The client's response, and whether the PD worker accepted the request (took its leases)."""
         assert self.session is not None
         t0 = time.perf_counter()
         pd.outstanding += 1
         try:
-            upstream = await self.post_chat(self.pds, pd, body)
+            upstream = await self.post_chat(self.pds, pd, body, trail)
             async with upstream:
+                trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
                 if upstream.status == 503:
                     raw = await upstream.read()
                     if error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
@@ -638,13 +673,13 @@ class Router:
                         self.pds.mark_failed(pd)  # died mid-body: nothing reached the client yet
                         raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
                     self.ttfb_hist.observe(time.perf_counter() - t0)
-                    return error_response(upstream, raw), upstream.status == 200
+                    return trail.stamp(error_response(upstream, raw)), upstream.status == 200
                 self.ttfb_hist.observe(time.perf_counter() - t0)
-                return await self._relay_stream(request, upstream, pd), True
+                return await self._relay_stream(request, upstream, pd, trail), True
         finally:
             pd.outstanding -= 1
 
-    async def post_chat(self, pool: WorkerPool, worker: Worker, body: bytes) -> aiohttp.ClientResponse:
+    async def post_chat(self, pool: WorkerPool, worker: Worker, body: bytes, trail: Trail) -> aiohttp.ClientResponse:
         """POST a chat request to a worker, response unread. One that cannot be reached is marked
         failed and the call is retryable elsewhere."""
         assert self.session is not None
@@ -652,7 +687,7 @@ class Router:
             return await self.session.post(
                 worker.url + "/v1/chat/completions",
                 data=body,
-                headers={"Content-Type": "application/json", **self.internal_headers},
+                headers={"Content-Type": "application/json", **self.internal_headers, **trail.ask()},
                 timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
             )
         except TimeoutError:
@@ -662,12 +697,13 @@ class Router:
             raise RetryableWorker(worker.url, str(e)) from None
 
     async def _relay_stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker
+        self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker, trail: Trail
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=200)
         for h in ("Content-Type", "Cache-Control"):
             if h in upstream.headers:
                 resp.headers[h] = upstream.headers[h]
+        trail.stamp(resp)
         await resp.prepare(request)
         await self.relay(resp, upstream, pd, self.pds)
         return resp
@@ -746,7 +782,26 @@ class Router:
         return web.json_response({"status": "ok", **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
+        """The router's own metrics, then every worker's (``role`` and ``instance`` labels added):
+        one scrape target for the whole deployment."""
+        assert self.session is not None
+        workers = [(pool.role, w) for pool in self.pools for w in pool.workers.values()]
+        texts = await asyncio.gather(*(self._scrape(w) for _, w in workers))
+        federated = federate([(role, w.url, text) for (role, w), text in zip(workers, texts, strict=True) if text])
+        return web.Response(body=self.metrics.render() + federated, headers={"Content-Type": CONTENT_TYPE})
+
+    async def _scrape(self, w: Worker) -> str | None:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                w.url + "/metrics", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                if r.status == 200:
+                    return (await r.content.read(MAX_SCRAPE_BYTES)).decode("utf-8", "replace")
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            log.debug("no metrics from %s: %s", w.url, e)
+        self.metrics.inc("router_scrape_failures_total", help_text="worker metrics the router could not read")
+        return None
 
 
 async def _json_body(request: web.Request) -> dict:

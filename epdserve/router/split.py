@@ -42,8 +42,10 @@ from epdserve.api.protocol import (
     sse_error,
     sse_event,
 )
+from epdserve.api.timing import SERVER_TIMING
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs
+from epdserve.router.trail import Trail
 from epdserve.router.upstream import RetryableWorker, error_code, passthrough_error
 
 if TYPE_CHECKING:
@@ -58,20 +60,22 @@ class SplitChat:
     def __init__(self, router: Router) -> None:
         self.r = router
 
-    async def chat(self, request: web.Request, req: ChatRequest, body: dict[str, Any]) -> web.StreamResponse:
+    async def chat(
+        self, request: web.Request, req: ChatRequest, body: dict[str, Any], trail: Trail
+    ) -> web.StreamResponse:
         r = self.r
         r.metrics.inc("router_split_requests_total", help_text="requests sent through prefill and decode workers")
         refs = [] if r.config.forward_raw_media else media_refs(body)
         try:
-            first, prefill = await self._prefill(req, body, refs)
+            first, prefill = await self._prefill(req, body, refs, trail)
             kv = first.kv_transfer_params
             if kv is None:  # the answer ended with its first token (or the prefill worker decoded it all)
-                return await self._finished(request, req, first)
+                return await self._finished(request, req, first, trail)
             handoff = _Handoff(first, prefill, kv)
             try:
                 if req.stream:
-                    return await self._stream(request, req, body, refs, handoff)
-                return await self._complete(req, body, refs, handoff)
+                    return await self._stream(request, req, body, refs, handoff, trail)
+                return await self._complete(req, body, refs, handoff, trail)
             finally:
                 if not handoff.delivered:  # no decode worker took the KV: give it back
                     r.spawn(self._release_kv(prefill, kv.get("kv_handle")))
@@ -80,7 +84,7 @@ class SplitChat:
 
     # ---- prefill -----------------------------------------------------------------------------
     async def _prefill(
-        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef]
+        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], trail: Trail
     ) -> tuple[PrefillCompletion, Worker]:
         r = self.r
         exclude: set[str] = set()
@@ -88,12 +92,12 @@ class SplitChat:
             try:
                 try:
                     # after a failure nothing is skipped: the worker may have lost the KV it held
-                    worker = await r.place(r.prefills, req, refs, exclude, skip_cached=attempt == 1, leases=2)
+                    worker = await r.place(r.prefills, req, refs, exclude, attempt == 1, 2, trail)
                 except NoWorker:
                     raise Unavailable("No healthy prefill worker is available.") from None
                 kv = {"do_remote_decode": True}
                 raw = _body(body, refs, stream=False, kv_transfer_params=kv)
-                answer = await self._read(r.prefills, worker, raw)
+                answer = await self._read(r.prefills, worker, raw, trail)
                 _take_first_leases(refs)  # the prefill worker read them
                 try:
                     return msgspec.json.decode(answer, type=PrefillCompletion), worker
@@ -111,7 +115,7 @@ class SplitChat:
 
     # ---- decode ------------------------------------------------------------------------------
     async def _decode(
-        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff
+        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff, trail: Trail
     ) -> tuple[aiohttp.ClientResponse, Worker]:
         """A decode worker's open 200 response, continuing after the first token: from the KV,
         or, when that worker fails before answering, another one computing the prefill."""
@@ -133,7 +137,7 @@ class SplitChat:
                     except NoWorker:
                         raise Unavailable("No healthy decode worker is available.") from None
                 raw = _body(body, refs, stream=bool(req.stream), kv_transfer_params=params)
-                upstream = await self._open(r.decodes, worker, raw)
+                upstream = await self._open(r.decodes, worker, raw, trail)
                 handoff.delivered = True  # the decode worker took (or gave back) the KV lease
                 _take_first_leases(refs)
                 return upstream, worker
@@ -153,10 +157,16 @@ class SplitChat:
         raise AssertionError("unreachable")
 
     async def _stream(
-        self, request: web.Request, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff
+        self,
+        request: web.Request,
+        req: ChatRequest,
+        body: dict[str, Any],
+        refs: list[MediaRef],
+        handoff: _Handoff,
+        trail: Trail,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        await trail.stamp(resp).prepare(request)  # the decode worker's stages come too late for it
         first = handoff.first
         choice = first.choices[0]
         try:
@@ -166,7 +176,7 @@ class SplitChat:
         except ConnectionResetError:
             return resp
         try:
-            upstream, worker = await self._decode(req, body, refs, handoff)
+            upstream, worker = await self._decode(req, body, refs, handoff, trail)
         except ApiError as e:
             log.warning("no decode worker continued %s: %s", handoff.id, e.message)
             try:
@@ -180,9 +190,9 @@ class SplitChat:
         return resp
 
     async def _complete(
-        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff
+        self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff, trail: Trail
     ) -> web.Response:
-        upstream, worker = await self._decode(req, body, refs, handoff)
+        upstream, worker = await self._decode(req, body, refs, handoff, trail)
         async with upstream:
             try:
                 raw = await upstream.read()
@@ -195,17 +205,19 @@ class SplitChat:
         if first.logprobs is not None and last.logprobs is not None:
             last.logprobs.content = [*(first.logprobs.content or []), *(last.logprobs.content or [])]
         rest.id = handoff.id
-        return web.Response(body=encode_json(rest), content_type="application/json")
+        return trail.stamp(web.Response(body=encode_json(rest), content_type="application/json"))
 
-    async def _finished(self, request: web.Request, req: ChatRequest, first: PrefillCompletion) -> web.StreamResponse:
+    async def _finished(
+        self, request: web.Request, req: ChatRequest, first: PrefillCompletion, trail: Trail
+    ) -> web.StreamResponse:
         """The prefill worker's answer is the whole answer: as the client asked for it."""
         done = ChatCompletion(
             id=first.id, created=first.created, model=first.model, choices=first.choices, usage=first.usage
         )
         if not req.stream:
-            return web.Response(body=encode_json(done), content_type="application/json")
+            return trail.stamp(web.Response(body=encode_json(done), content_type="application/json"))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        await trail.stamp(resp).prepare(request)
         choice = done.choices[0]
         text = choice.message.content or ""
         events = [
@@ -224,15 +236,16 @@ class SplitChat:
         return resp
 
     # ---- calls -------------------------------------------------------------------------------
-    async def _open(self, pool: WorkerPool, worker: Worker, raw: bytes) -> aiohttp.ClientResponse:
+    async def _open(self, pool: WorkerPool, worker: Worker, raw: bytes, trail: Trail) -> aiohttp.ClientResponse:
         """POST a chat request; the open response when it is a 200. A worker that cannot be
         reached, answers 5xx or lost the embeddings is retryable; a 4xx is the client's error."""
         worker.outstanding += 1
         try:
-            upstream = await self.r.post_chat(pool, worker, raw)
+            upstream = await self.r.post_chat(pool, worker, raw, trail)
         finally:
             worker.outstanding -= 1
         if upstream.status == 200:
+            trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
             return upstream
         async with upstream:
             answer = await upstream.read()
@@ -242,9 +255,9 @@ class SplitChat:
             raise RetryableWorker(worker.url, f"HTTP {upstream.status}")
         raise passthrough_error(upstream.status, answer)
 
-    async def _read(self, pool: WorkerPool, worker: Worker, raw: bytes) -> bytes:
+    async def _read(self, pool: WorkerPool, worker: Worker, raw: bytes, trail: Trail) -> bytes:
         """``_open``, read to the end."""
-        upstream = await self._open(pool, worker, raw)
+        upstream = await self._open(pool, worker, raw, trail)
         async with upstream:
             try:
                 return await upstream.read()

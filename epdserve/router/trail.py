@@ -1,0 +1,64 @@
+"""One request's stage timing as the router sees it (``api.timing``): its own encode time, what
+the encoders reported for each item, how each item was obtained, and the ``Server-Timing`` values
+of the workers that served it, merged into the header a client that asked for it gets."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from aiohttp import web
+
+from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, server_timing
+from epdserve.router.refs import MediaRef
+
+ENCODER_STAGES = {  # the encoders' ItemTimings field of each stage
+    "encoder_fetch": "fetch_ms",
+    "encoder_preprocess": "preprocess_ms",
+    "encoder_queue": "queue_ms",
+    "encoder_compute": "encode_ms",
+    "encoder_put": "put_ms",
+}
+ROUTER_STAGES = ("router_encode", *ENCODER_STAGES)
+R = TypeVar("R", bound=web.StreamResponse)
+
+
+@dataclass
+class Trail:
+    wanted: bool  # the client asked for Server-Timing
+    stages: dict[str, float] = field(default_factory=dict)
+    media: Counter[str] = field(default_factory=Counter)
+    workers: list[str] = field(default_factory=list)  # the workers' Server-Timing values
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+
+    def add_media(self, refs: list[MediaRef]) -> None:
+        """The items' origins, and the encoders' stages (the slowest item of each) of those encoded."""
+        for r in refs:
+            if r.result is None:
+                continue
+            if r.skipped:
+                self.media["skipped"] += 1
+            elif r.from_directory:
+                self.media["directory"] += 1
+            else:
+                self.media[r.result.status] += 1
+                for stage, name in ENCODER_STAGES.items():
+                    ms = getattr(r.result.timings, name)
+                    self.stages[stage] = max(self.stages.get(stage, 0.0), ms / 1e3)
+
+    def ask(self) -> dict[str, str]:
+        """Headers asking a worker for its stages (when the client asked for them)."""
+        return {TIMING_HEADER: "1"} if self.wanted else {}
+
+    def stamp(self, resp: R) -> R:
+        """``resp`` with the ``Server-Timing`` header, if the client asked (before it is prepared)."""
+        if self.wanted:
+            resp.headers[SERVER_TIMING] = self.header()
+        return resp
+
+    def header(self) -> str:
+        desc = {"media": ", ".join(f"{n} {how}" for how, n in sorted(self.media.items()))} if self.media else {}
+        return ", ".join(v for v in (server_timing(self.stages, desc), *self.workers) if v)
