@@ -41,7 +41,8 @@ AUTH = "epdserve.api.auth:AuthConfig"
 STORE = "epdserve.store.config:StoreConfig"
 
 MODEL = Flag("model", default=None, default_help="the embedded model")
-SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role")
+STATS_INTERVAL = Flag("log_stats_interval_s", "--log-stats-interval")
+SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role", STATS_INTERVAL)
 PUBLIC_FLAGS = ("max_prompt_chars", "enable_mm_embeds")  # of ServerConfig and RouterConfig alike
 ENGINE_FLAGS = (
     "max_model_len",
@@ -66,6 +67,7 @@ ENCODER_FLAGS = (
     "threads",
     "device",
     "dtype",
+    STATS_INTERVAL,
 )
 EC_PREFIX = "--ec-"
 EC_PRODUCER_FLAGS = (
@@ -116,6 +118,7 @@ ROUTER_FLAGS = (
     Flag("probe_interval_s", "--probe-interval"),
     "forward_raw_media",
     "directory_entries",
+    STATS_INTERVAL,
     Flag("model", default_help="the embedded model"),
 )
 API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
@@ -133,6 +136,7 @@ UP_FORWARDED = (
     (ENGINE, ("threads", "device", "dtype"), "models"),
     (ENGINE, ("max_model_len",), "lm"),
     (MEDIA, MEDIA_FLAGS, "all"),
+    (SERVER, (STATS_INTERVAL,), "all"),
 )
 UP_ROLES = {
     "router": "passed to the router (unset: its default)",
@@ -142,11 +146,15 @@ UP_ROLES = {
 }
 
 
-def _log_to_stderr() -> None:
-    """One log format for every long-running role."""
-    import logging
+def _log_to_stderr(args: argparse.Namespace) -> None:
+    """One log format for every long-running role (``--log-format``); the engine core process it
+    starts logs the same way (``EPD_LOG_FORMAT``, inherited)."""
+    import os
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from epdserve.api import logs
+
+    os.environ[logs.LOG_FORMAT_ENV] = args.log_format
+    logs.setup(args.log_format)
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -344,7 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
     from epdserve.pd.launch import launch_core
 
     config = serve_config(args)
-    _log_to_stderr()
+    _log_to_stderr(args)
     core = launch_core(config)  # loads the model while the front end imports (nothing heavy so far)
     from epdserve.pd.server import serve
 
@@ -356,7 +364,7 @@ def _encoder(args: argparse.Namespace) -> int:
     from epdserve.encoder.server import serve
 
     config = encoder_config(args)
-    _log_to_stderr()
+    _log_to_stderr(args)
     serve(config)
     return 0
 
@@ -365,7 +373,7 @@ def _router(args: argparse.Namespace) -> int:
     from epdserve.router.server import serve_router
 
     config = router_config(args)
-    _log_to_stderr()
+    _log_to_stderr(args)
     serve_router(config)
     return 0
 
@@ -398,7 +406,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         extra_pd_args=[*forwarded("models"), *forwarded("lm"), *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)],
         extra_encoder_args=[*forwarded("models"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
         extra_router_args=forwarded("router"),
-        extra_args=forwarded("all"),
+        extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
         log_dir=Path(args.log_dir) if args.log_dir else None,
         api_key=api_key_from(args.api_key),
         admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),
@@ -429,6 +437,7 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     add_flags(credentials, AUTH, [API_KEY, "internal_only"])
     add_cluster_args(credentials)
     add_media_args(s)
+    add_log_args(s)
 
 
 def add_encoder_args(s: argparse.ArgumentParser) -> None:
@@ -438,6 +447,7 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
     add_flags(_store_group(s), STORE, STORE_FLAGS, STORE_PREFIX)
     add_cluster_args(s.add_argument_group("credentials"))
     add_media_args(s)
+    add_log_args(s)
 
 
 def add_router_args(s: argparse.ArgumentParser) -> None:
@@ -447,6 +457,7 @@ def add_router_args(s: argparse.ArgumentParser) -> None:
     add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY])
     add_cluster_args(credentials)
     add_media_args(s)
+    add_log_args(s)
 
 
 def add_cluster_args(s: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -455,6 +466,15 @@ def add_cluster_args(s: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         "--cluster-secret-file",
         default=None,
         help="file holding the deployment's internal secret (default: $EPD_CLUSTER_SECRET; 'up' makes one)",
+    )
+
+
+def add_log_args(s: argparse.ArgumentParser, default: str | None = "text") -> None:
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=default,
+        help="log lines as text or as one JSON object each (default: text)",
     )
 
 
@@ -506,6 +526,7 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
         default="shm",
         help="how prefill instances hand KV to decode instances in <N>e+<P>p+<D>d (default: shm)",
     )
+    add_log_args(s, default=None)  # unset: each role logs text
     s.add_argument("--log-dir", default=None, help="write each role's log here")
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY], defaults=False)

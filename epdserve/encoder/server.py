@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,6 +32,7 @@ from typing import NamedTuple, get_args
 import torch
 from aiohttp import web
 
+from epdserve.api import logs
 from epdserve.api.auth import AuthConfig
 from epdserve.api.errors import (
     ApiError,
@@ -42,6 +43,7 @@ from epdserve.api.errors import (
     from_media_error,
 )
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
+from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.protocol import ModelCard, ModelList, encode_json
@@ -103,6 +105,7 @@ class EncoderConfig:
     ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
     auth: AuthConfig = field(default_factory=AuthConfig)  # the cluster credential /v1/encode needs
     retry_after_s: int = 1  # Retry-After of a 429 when the queue or the connector is full
+    log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # raises for an unknown name
@@ -198,6 +201,8 @@ class EncoderService:
             )
             self.store = open_store(config.ec.store, check, lend=True)
         self._init_metrics()
+        self.window = Counter[str]()  # requests and items since the last stats line
+        self.stats_line = logs.StatsLine(lambda: bool(self.window), self._stats_fields, config.log_stats_interval_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -205,8 +210,19 @@ class EncoderService:
             self.config.model_name, self.processor, self.config.limits, self.executor, media_session(self.config.limits)
         )
         self.batcher.start()
+        self.stats_line.start()
+
+    def _stats_fields(self, seconds: float) -> dict[str, object]:
+        w, self.window = self.window, Counter()
+        fields: dict[str, object] = {"req_per_s": w.pop("requests", 0) / seconds}
+        fields.update({f"{how}_items_per_s": n / seconds for how, n in sorted(w.items())})
+        fields["queue_depth"] = self.batcher.queue_depth
+        fields["ec_held_pct"] = 100 * self.producer.held_bytes / max(1, self.producer.capacity_bytes)
+        return fields
 
     async def close(self) -> None:
+        log.info("encoder on http://%s:%d stopping", self.config.host, self.config.port)
+        await self.stats_line.stop()
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         self.batcher.close()
@@ -476,14 +492,28 @@ class EncoderHandlers:
     async def encode(self, request: web.Request) -> web.Response:
         s = self.s
         t0 = time.perf_counter()
+        rid = request_id(request.headers)
         s.metrics.inc("encode_requests_total", help_text="/v1/encode requests received")
+        s.window["requests"] += 1
         try:
             body = await read_body(request, s.config.max_request_bytes)
             resp = await s.encode(body)
         except ApiError as e:
             s.metrics.inc("encode_request_errors_total", labels={"status": str(e.status)}, help_text="requests failed")
+            logs.access(id=rid, status=e.status, e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
             raise
-        s.request_seconds.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        s.request_seconds.observe(seconds)
+        how = Counter(item.status for item in resp.items)
+        s.window.update(how)
+        logs.access(
+            id=rid,
+            status=200,
+            items=len(resp.items),
+            media=", ".join(f"{n} {status}" for status, n in sorted(how.items())),
+            visual_tokens=sum(item.num_embeddings for item in resp.items),
+            e2e_ms=1e3 * seconds,
+        )
         return json_response(encode_response(resp))
 
     async def release(self, request: web.Request) -> web.Response:

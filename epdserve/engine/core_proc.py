@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 
+from epdserve.api import logs
 from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
 from epdserve.engine.loop import StepLoop
@@ -89,7 +90,8 @@ def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the core stops
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    fmt = os.environ.get(logs.LOG_FORMAT_ENV, "text")
+    logs.setup("json" if fmt == "json" else "text", prefix="[core] ")
     channel = Channel(socket.socket(fileno=fd), ToCore)
     try:
         start = channel.recv()

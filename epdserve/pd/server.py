@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from typing import Annotated, Any, get_args
 import msgspec
 from aiohttp import web
 
+from epdserve.api import logs
 from epdserve.api.auth import is_internal
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
+from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.protocol import (
@@ -106,6 +109,11 @@ class ChatService:
         self.stats = EngineStats()
         self.metrics = Metrics()
         self._init_metrics()
+        self.window = Counter[str]()  # requests and tokens since the last stats line
+        self._prefix_seen = (0, 0)  # prefix-cache (hits, queries) at the last stats line
+        self.stats_line = logs.StatsLine(
+            lambda: bool(self.window or self.stats.running), self._stats_fields, config.log_stats_interval_s
+        )
 
     def _make_core(self, launched: MPClient | None) -> EngineCoreClient:
         cfg = self.config
@@ -130,12 +138,33 @@ class ChatService:
 
     async def start(self) -> None:
         await self.core.start()
+        self.stats_line.start()
         session = media_session(self.config.limits)
         self.resolver = MediaResolver(
             self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds
         )
 
+    async def _stats_fields(self, seconds: float) -> dict[str, object]:
+        await self.refresh_stats()
+        w, self.window = self.window, Counter()
+        st = self.stats
+        hits = st.prefix_cache_hit_tokens - self._prefix_seen[0]
+        queries = st.prefix_cache_query_tokens - self._prefix_seen[1]
+        self._prefix_seen = (st.prefix_cache_hit_tokens, st.prefix_cache_query_tokens)
+        return {
+            "running": st.running,
+            "waiting": st.waiting,
+            "kv_cache_usage_pct": 100 * self._kv_usage(),
+            "req_per_s": w["requests"] / seconds,
+            "prompt_tok_per_s": w["prompt_tokens"] / seconds,
+            "gen_tok_per_s": w["generation_tokens"] / seconds,
+            "prefix_hit_pct": 100 * hits / queries if queries else 0.0,
+        }
+
     async def close(self) -> None:
+        role = "prefill+decode" if self.config.role == "both" else self.config.role
+        log.info("%s worker on http://%s:%d stopping", role, self.config.host, self.config.port)
+        await self.stats_line.stop()
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         await self.core.close()
@@ -319,15 +348,19 @@ class Piece:
     stages: StageTimes | None = None  # the engine core's stage times (first piece only)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Timing:
-    """One answered request's stages so far, and whether its client asked to see them."""
+    """One answered request's stages so far, whether its client asked to see them, and (once it
+    is done) its size and length, for its access line."""
 
     stages: dict[str, float]
     ttft: float
     t0: float
     role: str  # prefixes the stage names in the header: pd, prefill or decode
     wanted: bool
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    e2e: float = 0.0
 
     def header(self, stages: dict[str, float]) -> str:
         return server_timing(prefixed(self.role, stages))
@@ -419,6 +452,7 @@ class ChatHandlers:
         t0 = time.perf_counter()
         body = await read_body(request, s.config.max_request_bytes)
         kind = "unknown"  # until the body parses
+        rid = request_id(request.headers)
         try:
             req, add = await s.prepare(body, is_internal(request))
             t_prepared = time.perf_counter()
@@ -431,27 +465,43 @@ class ChatHandlers:
                 raise
         except ApiError as e:
             s.count(kind, e.status)
+            logs.access(id=rid, status=e.status, kind=kind, e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
             raise
         s.count(kind, 200)
         ttft = time.perf_counter() - t0
         s.ttft.observe(ttft)
         stages = s.stages(t_prepared - t0, first.stages)
         timing = Timing(stages, ttft, t0, s.config.role if s.config.role != "both" else "pd", wanted(request.headers))
-        async with contextlib.aclosing(gen.rest()) as rest:  # closing early aborts the request
-            if add.kv is not None and add.kv.produce:
-                return await self._complete(req, add, first, rest, timing, prefill=True)
-            if req.stream:
-                return await self._stream(request, req, add, gen, first, rest, timing)
-            return await self._complete(req, add, first, rest, timing)
+        try:
+            async with contextlib.aclosing(gen.rest()) as rest:  # closing early aborts the request
+                if add.kv is not None and add.kv.produce:
+                    return await self._complete(req, add, first, rest, timing, prefill=True)
+                if req.stream:
+                    return await self._stream(request, req, add, gen, first, rest, timing)
+                return await self._complete(req, add, first, rest, timing)
+        finally:
+            logs.access(
+                id=rid,
+                status=200,
+                kind=kind,
+                prompt_tokens=timing.prompt_tokens,
+                output_tokens=timing.completion_tokens,
+                ttft_ms=1e3 * ttft,
+                e2e_ms=1e3 * (timing.e2e or time.perf_counter() - t0),
+                ran_on=f"{timing.role} {s.config.host}:{s.config.port}",
+                finished="yes" if timing.e2e else "no (client left or worker failed)",
+            )
 
     def _done(self, last: Piece, timing: Timing) -> float:
         """Record a finished answer; its decode time (after the first token)."""
         s = self.s
-        e2e = time.perf_counter() - timing.t0
+        e2e = timing.e2e = time.perf_counter() - timing.t0
+        timing.prompt_tokens, timing.completion_tokens = last.prompt_tokens, last.completion_tokens
         s.e2e.observe(e2e)
         s.stage_hist.labels(stage="decode").observe(e2e - timing.ttft)
         s.metrics.inc("generation_tokens_total", last.completion_tokens, help_text="generated tokens")
         s.metrics.inc("prompt_tokens_total", last.prompt_tokens, help_text="prompt tokens")
+        s.window.update(requests=1, prompt_tokens=last.prompt_tokens, generation_tokens=last.completion_tokens)
         return e2e - timing.ttft
 
     async def _complete(
@@ -613,7 +663,15 @@ def build_app(service: ChatService) -> web.Application:
 def serve(config: ServerConfig, core: MPClient | None = None) -> None:
     """Run the server until SIGINT/SIGTERM; exits 3 when the engine core died."""
     service = ChatService(config, core)
-    log.info("epdserve serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    log.info(
+        "epdserve serving %s on http://%s:%d (role %s, vision tower %s%s)",
+        config.model_name,
+        config.host,
+        config.port,
+        config.role,
+        "loaded" if config.vision else "not loaded",
+        ", internal only" if config.auth.internal_only else "",
+    )
     try:
         run_app(build_app(service), config.host, config.port)
     except CoreStartError as e:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from enum import Enum
@@ -37,6 +38,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from epdserve.api import logs
 from epdserve.api.auth import AuthConfig
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
@@ -50,6 +52,7 @@ from epdserve.api.errors import (
 )
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
+from epdserve.api.logs import REQUEST_ID_HEADER, request_id
 from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate
 from epdserve.api.protocol import (
     DEFAULT_MAX_PROMPT_CHARS,
@@ -113,6 +116,7 @@ class RouterConfig:
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
+    log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
 
@@ -156,20 +160,24 @@ class Router:
         self.directory = MediaDirectory(config.directory_entries)
         self.kv_index: KVIndex | None = None
         self.prompt_blocks: PromptBlocks | None = None
+        # counted with kv_aware routing; exported by every router so dashboards find them
+        self.metrics.inc("router_kv_routed_total", 0, help_text="requests sent to the worker holding their prefix")
+        self.metrics.inc("router_kv_cached_tokens_total", 0, help_text="prompt tokens cached on the chosen worker")
+        self.metrics.inc(
+            "router_encodes_skipped_total", 0, help_text="media items not encoded: the worker holds their KV"
+        )
+        self.metrics.inc("router_encoder_retries_total", 0, help_text="encoder calls retried elsewhere")
         if config.policy == "kv_aware":
             self.kv_index = KVIndex(stale_s=3 * config.probe_interval_s + 1)
             self.prompt_blocks = PromptBlocks(Path(config.model) if config.model else default_model_dir())
-            self.metrics.inc("router_kv_routed_total", 0, help_text="requests sent to the worker holding their prefix")
-            self.metrics.inc("router_kv_cached_tokens_total", 0, help_text="prompt tokens cached on the chosen worker")
-            self.metrics.inc(
-                "router_encodes_skipped_total", 0, help_text="media items not encoded: the worker holds their KV"
-            )
             kv_index = self.kv_index
             self.metrics.gauge(
                 "router_kv_workers_fresh",
                 "workers whose KV digest is recent enough to route by",
                 lambda: sum(kv_index.fresh(w.url) for w in self.lm_workers),
             )
+        self.window = Counter[str]()  # requests since the last stats line
+        self.stats_line = logs.StatsLine(lambda: bool(self.window), self._stats_fields, config.log_stats_interval_s)
         self._store_seen = False  # an encoder has handed out a store handle: store hits are possible
         self._handle_key = config.auth.cluster.derive(HANDLE_PURPOSE)  # signs cached handles
         m = self.metrics
@@ -207,8 +215,31 @@ class Router:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None))
         self._probe_task = asyncio.create_task(self._probe_loop())
+        self.stats_line.start()
+        cfg = self.config
+        log.info(
+            "router on http://%s:%d: encoders %s; prefill+decode workers %s; prefill workers %s; decode "
+            "workers %s; PD policy %s",
+            cfg.host,
+            cfg.port,
+            list(cfg.encoders) or "none",
+            list(cfg.pds) or "none",
+            list(cfg.prefills) or "none",
+            list(cfg.decodes) or "none",
+            cfg.policy,
+        )
+
+    def _stats_fields(self, seconds: float) -> dict[str, object]:
+        w, self.window = self.window, Counter()
+        return {
+            "req_per_s": w["requests"] / seconds,
+            "in_flight": sum(wk.outstanding for wk in self.lm_workers),
+            **{f"{pool.role}s_healthy": len(pool.healthy) for pool in self.pools if pool.workers},
+        }
 
     async def close(self) -> None:
+        log.info("router on http://%s:%d stopping", self.config.host, self.config.port)
+        await self.stats_line.stop()
         if self._probe_task:
             self._probe_task.cancel()
         if self._releases:
@@ -324,7 +355,7 @@ class Router:
             if worker is not None:
                 worker.outstanding += 1
             try:
-                await self._encode_shielded(req.model, todo, leases)
+                await self._encode_shielded(req.model, todo, leases, trail.request_id)
             finally:
                 if worker is not None:
                     worker.outstanding -= 1
@@ -424,10 +455,11 @@ class Router:
         return req
 
     # ---- encode ------------------------------------------------------------------------------
-    async def encode(self, model: str, refs: list[MediaRef], leases: int = 1) -> None:
+    async def encode(self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
         """Fill ``ref.result`` for every ref (``leases`` handles per item: 2 when a decode instance
         gets its own): from the media directory where it covers the item, else by encoders, one
-        encode per item at a time across concurrent requests (``directory``)."""
+        encode per item at a time across concurrent requests (``directory``). ``rid``: the
+        request's id, for the encoders' access lines."""
         todo = list(refs)
         self._directory_keys(todo)
         for r in todo:
@@ -454,7 +486,7 @@ class Router:
                 lead.append(r)
             try:
                 if lead:
-                    await self._encode_refs(model, lead, leases)
+                    await self._encode_refs(model, lead, leases, rid)
             finally:
                 for r in lead:
                     if r.result is not None and r.result.store_handle is not None:
@@ -477,7 +509,7 @@ class Router:
             if r.from_directory and r.directory_key is not None:
                 self.directory.forget(r.directory_key)
 
-    async def _encode_refs(self, model: str, refs: list[MediaRef], leases: int) -> None:
+    async def _encode_refs(self, model: str, refs: list[MediaRef], leases: int, rid: str = "") -> None:
         """Fill ``ref.result`` for every ref by encoders: items grouped per encoder, failed groups
         retried elsewhere."""
         pending = list(refs)
@@ -498,7 +530,7 @@ class Router:
                 raise Unavailable("No healthy encoder worker is available.") from None
             n = self.config.max_items_per_encode
             calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
-            results = await asyncio.gather(*(self._encode_on(model, w, rs, leases) for w, rs in calls))
+            results = await asyncio.gather(*(self._encode_on(model, w, rs, leases, rid) for w, rs in calls))
             pending = []
             for (w, rs), outcome in zip(calls, results, strict=True):
                 if outcome is not _Outcome.OK:
@@ -507,7 +539,7 @@ class Router:
                     self.metrics.inc("router_encoder_retries_total", help_text="encoder calls retried elsewhere")
                     pending += rs
 
-    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef], leases: int) -> _Outcome:
+    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef], leases: int, rid: str) -> _Outcome:
         assert self.session is not None
         items = [EncodeItem(r.modality, r.url) for r in refs]  # type: ignore[arg-type]
         body = encode_request(EncodeRequest(model=model, items=items, leases=leases))
@@ -516,7 +548,11 @@ class Router:
             async with self.session.post(
                 w.url + "/v1/encode",
                 data=body,
-                headers={"Content-Type": "application/json", **self.internal_headers},
+                headers={
+                    "Content-Type": "application/json",
+                    **self.internal_headers,
+                    **({REQUEST_ID_HEADER: rid} if rid else {}),
+                },
                 timeout=aiohttp.ClientTimeout(total=self.config.encode_timeout_s),
             ) as resp:
                 raw = await resp.read()
@@ -546,10 +582,10 @@ class Router:
             r.result, r.encoder = item, w.url
         return _Outcome.OK
 
-    async def _encode_shielded(self, model: str, refs: list[MediaRef], leases: int = 1) -> None:
+    async def _encode_shielded(self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
         """``encode``, finishing in the background if the client leaves meanwhile: the leases the
         encoders issue for it are then given back as soon as they arrive, not after their TTL."""
-        task = asyncio.ensure_future(self.encode(model, refs, leases))
+        task = asyncio.ensure_future(self.encode(model, refs, leases, rid))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -601,16 +637,31 @@ class Router:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         kind = "unknown"  # until the body parses
-        trail = Trail(wanted(request.headers))
+        t0 = time.perf_counter()
+        trail = Trail(wanted(request.headers), request_id(request.headers))
+        status, error = 200, ""
         try:
             req = await self.validate(raw)
             kind = request_kind(req)
             resp = await self._chat(request, req, raw, trail)
+            status = resp.status
+            return resp
         except ApiError as e:
-            self._count(kind, e.status)
+            status, error = e.status, e.code or ""
             raise
-        self._count(kind, resp.status)
-        return resp
+        finally:
+            self._count(kind, status)
+            self.window["requests"] += 1
+            logs.access(
+                id=trail.request_id,
+                status=status,
+                kind=kind,
+                e2e_ms=1e3 * (time.perf_counter() - t0),
+                encode_ms=1e3 * trail.stages.get("router_encode", 0.0),
+                media=", ".join(f"{n} {how}" for how, n in sorted(trail.media.items())),
+                ran_on=" ".join(trail.ran_on),
+                error=error,
+            )
 
     def _count(self, kind: str, status: int) -> None:
         self.metrics.inc("router_requests_total", labels={"kind": kind, "status": str(status)})
@@ -659,6 +710,7 @@ class Router:
             upstream = await self.post_chat(self.pds, pd, body, trail)
             async with upstream:
                 trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
+                trail.ran_on.append(pd.url)
                 if upstream.status == 503:
                     raw = await upstream.read()
                     if error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh

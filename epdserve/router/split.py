@@ -153,7 +153,7 @@ class SplitChat:
                 if not e.worker_ok:
                     exclude.add(e.url)
                 if refs:
-                    await r._encode_shielded(req.model, refs, leases=1)
+                    await r._encode_shielded(req.model, refs, 1, trail.request_id)
         raise AssertionError("unreachable")
 
     async def _stream(
@@ -246,6 +246,7 @@ class SplitChat:
             worker.outstanding -= 1
         if upstream.status == 200:
             trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
+            trail.ran_on.append(worker.url)
             return upstream
         async with upstream:
             answer = await upstream.read()

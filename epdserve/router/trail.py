@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from epdserve.api.logs import REQUEST_ID_HEADER
 from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, server_timing
 from epdserve.router.refs import MediaRef
 
@@ -27,9 +28,11 @@ R = TypeVar("R", bound=web.StreamResponse)
 @dataclass
 class Trail:
     wanted: bool  # the client asked for Server-Timing
+    request_id: str = ""  # passed to the workers (their access lines carry it)
     stages: dict[str, float] = field(default_factory=dict)
     media: Counter[str] = field(default_factory=Counter)
     workers: list[str] = field(default_factory=list)  # the workers' Server-Timing values
+    ran_on: list[str] = field(default_factory=list)  # the workers that answered (for the access line)
 
     def add(self, stage: str, seconds: float) -> None:
         self.stages[stage] = self.stages.get(stage, 0.0) + seconds
@@ -50,8 +53,10 @@ class Trail:
                     self.stages[stage] = max(self.stages.get(stage, 0.0), ms / 1e3)
 
     def ask(self) -> dict[str, str]:
-        """Headers asking a worker for its stages (when the client asked for them)."""
-        return {TIMING_HEADER: "1"} if self.wanted else {}
+        """Headers for a worker's call: the request's id, and the ask for its stages (when the
+        client asked for them)."""
+        headers = {REQUEST_ID_HEADER: self.request_id} if self.request_id else {}
+        return {**headers, TIMING_HEADER: "1"} if self.wanted else headers
 
     def stamp(self, resp: R) -> R:
         """``resp`` with the ``Server-Timing`` header, if the client asked (before it is prepared)."""

@@ -1,0 +1,116 @@
+"""How every long-running role logs: one line per event on stderr, as text or as JSON
+(``--log-format json``: one object per line, with the event's fields as keys, for log pipelines).
+
+Two kinds of lines beyond ordinary messages: an *access line* per request (``access``), and a
+periodic *stats line* while there is traffic (``StatsLine``), as vLLM prints one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+LogFormat = Literal["text", "json"]
+LOG_FORMAT_ENV = "EPD_LOG_FORMAT"  # how a role's engine core process logs (set by the role)
+ACCESS = logging.getLogger("epdserve.access")
+STATS = logging.getLogger("epdserve.stats")
+STATS_INTERVAL_S = 10.0
+
+
+REQUEST_ID_HEADER = "X-Request-Id"  # one id per request across the roles' access lines
+_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The request's id: the caller's ``X-Request-Id`` when it is a plain token, else a new one."""
+    given = headers.get(REQUEST_ID_HEADER, "")
+    return given if _ID.fullmatch(given) else uuid.uuid4().hex[:16]
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(fmt: LogFormat = "text", prefix: str = "") -> None:
+    """Configure the process's logging (``prefix`` marks a sub-process, e.g. "[core] ")."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def _text(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_value(v)}" for k, v in fields.items() if v is not None and v != "")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    text = str(v)
+    return f'"{text}"' if " " in text else text
+
+
+def access(**fields: Any) -> None:
+    """One request's access line: ``fields`` in order (text), or as JSON keys."""
+    ACCESS.info(_text(fields), extra={"fields": fields})
+
+
+def stats(**fields: Any) -> None:
+    STATS.info(_text(fields), extra={"fields": fields})
+
+
+class StatsLine:
+    """Every ``interval_s``, while there was traffic since the last line (``busy``), log the
+    fields ``read(seconds since the last line)`` returns (or awaits: it may ask the engine core)."""
+
+    def __init__(
+        self, busy: Callable[[], bool], read: Callable[[float], Any], interval_s: float = STATS_INTERVAL_S
+    ) -> None:
+        self.busy, self.read, self.interval_s = busy, read, interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.interval_s > 0:
+            self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            if self.busy():
+                try:
+                    fields = self.read(now - last)
+                    if asyncio.iscoroutine(fields):
+                        fields = await fields
+                    stats(**fields)
+                except Exception:  # a stats line must never end the role
+                    logging.getLogger(__name__).exception("stats line failed")
+            last = now

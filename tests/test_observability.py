@@ -1,0 +1,170 @@
+"""Observability: every role's metrics through prometheus-client, the router's federated view of
+its workers (one scrape target), the Grafana dashboard's queries naming exported metrics, and
+per-request stage timing through router → encoder → connector → PD, returned when asked."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epdserve.api.timing import parse_server_timing, server_timing
+from epdserve.launcher import free_port
+from epdserve.up import Deployment, Topology
+from tests.server_utils import http
+from tests.test_topologies import request_set
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "epdserve.json"
+PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "le", "max", "min", "avg", "increase"}
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Iterator[Deployment]:
+    d = Deployment(Topology.parse("1e+1pd"), None, port=free_port(), extra_pd_args=["--max-model-len", "1024"])
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def chat(url: str, req: dict, stream: bool, timing: bool) -> tuple[int, dict[str, str], bytes]:
+    body = {"model": "shapes-qwen2vl", "max_tokens": 8, **{k: v for k, v in req.items() if k != "stream"}}
+    body["stream"] = stream
+    headers = {"X-EPD-Timing": "1"} if timing else {}
+    import urllib.request
+
+    r = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
+    with urllib.request.urlopen(r, timeout=120) as resp:
+        return resp.status, dict(resp.headers), resp.read()
+
+
+def scrape(url: str) -> dict[str, list]:
+    """Sample name -> samples of a /metrics exposition (which must parse)."""
+    status, raw = http("GET", url + "/metrics")
+    assert status == 200
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(raw.decode()):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_server_timing_round_trips() -> None:
+    value = server_timing({"a": 0.0123, "b_c": 1.5}, {"media": "1 computed"})
+    assert parse_server_timing(value) == pytest.approx({"a": 0.0123, "b_c": 1.5})
+    assert parse_server_timing('x;dur=abc, y;desc="no dur", z ; dur=2') == {"z": 0.002}
+
+
+def test_stage_timing_is_returned_only_when_asked(deployment: Deployment) -> None:
+    req = request_set()[1]  # one image
+    _, headers, _ = chat(deployment.url, req, stream=False, timing=False)
+    assert "Server-Timing" not in headers
+    _, headers, _ = chat(deployment.url, request_set()[2], stream=False, timing=True)  # four new images
+    stages = parse_server_timing(headers["Server-Timing"])
+    for stage in ("router_encode", "encoder_compute", "encoder_queue", "encoder_put", "pd_preprocess"):
+        assert stage in stages, stages
+    for stage in ("pd_fetch", "pd_queue", "pd_prefill", "pd_decode"):
+        assert stage in stages, stages
+    assert all(v >= 0 for v in stages.values())
+    assert stages["encoder_compute"] > 0 and stages["pd_prefill"] > 0 and stages["pd_decode"] > 0
+    assert 'media;desc="4 computed"' in headers["Server-Timing"]
+    # streamed: the stages up to the first token (decode comes after the headers)
+    _, headers, body = chat(deployment.url, request_set()[2], stream=True, timing=True)
+    stages = parse_server_timing(headers["Server-Timing"])
+    assert "pd_prefill" in stages and "pd_decode" not in stages and body.endswith(b"data: [DONE]\n\n")
+    assert 'media;desc="4 cache_hit"' in headers["Server-Timing"]
+
+
+def test_the_router_is_one_scrape_target_for_the_deployment(deployment: Deployment) -> None:
+    chat(deployment.url, request_set()[0], stream=False, timing=False)  # text only
+    samples = scrape(deployment.url)
+    enc = next(r.url for r in deployment.roles if r.name.startswith("encoder"))
+    pd = next(r.url for r in deployment.roles if r.name.startswith("pd"))
+    # the router's own, and each worker's with role and instance labels
+    assert any(
+        s.labels == {"kind": "text", "status": "200"} and s.value >= 1 for s in samples["epd_router_requests_total"]
+    )
+    pd_requests = samples["epd_requests_total"]
+    assert {s.labels["role"] for s in pd_requests} == {"pd"} and {s.labels["instance"] for s in pd_requests} == {pd}
+    assert any(s.labels["kind"] == "image" and s.value >= 1 for s in pd_requests)
+    assert {s.labels["instance"] for s in samples["epd_encoder_items_total"]} == {enc}
+    stages = {s.labels["stage"] for s in samples["epd_request_stage_seconds_count"]}
+    assert stages >= {"preprocess", "fetch", "queue", "prefill", "decode"}
+    assert 0.0 <= samples["epd_kv_cache_usage_perc"][0].value <= 1.0
+    # a worker's own /metrics: prometheus-client's exposition, vLLM's names
+    own = scrape(pd)
+    for name in ("epd_num_requests_running", "epd_time_to_first_token_seconds_bucket", "epd_prefix_cache_hits_total"):
+        assert name in own
+
+
+def test_every_dashboard_query_names_an_exported_metric(deployment: Deployment) -> None:
+    exported = set(scrape(deployment.url))
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(queries) >= 20
+    for q in queries:
+        names = {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", q) if w.startswith("epd_")}
+        assert names, f"a panel queries no epdserve metric: {q}"
+        missing = names - exported
+        assert not missing, f"{q} names {missing}, not exported"
+    assert {w for q in queries for w in re.findall(r"\b([a-z_]+)\(", q)} <= PROMQL_WORDS
+
+
+def test_access_lines_stats_lines_and_json_logs(tmp_path: Path) -> None:
+    """``--log-format json``: every role writes one JSON object per line; one access line per
+    request on the router and on each worker, all carrying the request's id; stats lines while
+    there is traffic; start and stop lines saying where each role listens."""
+    d = Deployment(
+        Topology.parse("1e+1pd"),
+        None,
+        port=free_port(),
+        log_dir=tmp_path,
+        extra_args=["--log-format", "json", "--log-stats-interval", "0.5"],
+    )
+    d.start()
+    try:
+        import time
+        import urllib.request
+
+        body = {"model": "shapes-qwen2vl", "max_tokens": 8, **request_set()[1]}
+        r = urllib.request.Request(
+            d.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-Request-Id": "req-42"},
+        )
+        urllib.request.urlopen(r, timeout=120).read()
+        bad = urllib.request.Request(
+            d.url + "/v1/chat/completions",
+            data=json.dumps({**body, "temperature": -1}).encode(),
+            headers={"Content-Type": "application/json", "X-Request-Id": "req-43"},
+        )
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(bad, timeout=120)
+        time.sleep(1.2)  # a stats line
+        urls = {r.name: r.url for r in d.roles}
+    finally:
+        d.stop()
+    lines = {name: [json.loads(x) for x in (tmp_path / f"{name}.log").read_text().splitlines() if x.startswith("{")]
+             for name in ("router", "encoder0", "pd0")}  # fmt: skip
+    for name, records in lines.items():
+        access = [r for r in records if r["logger"] == "epdserve.access"]
+        assert [r["id"] for r in access if r["id"].startswith("req-")][:1] == ["req-42"], name
+        assert any(r["logger"] == "epdserve.stats" for r in records), name
+        port = urls[name].rsplit(":", 1)[1]
+        assert any(port in r["message"] and "stopping" in r["message"] for r in records), name
+    router = [r for r in lines["router"] if r["logger"] == "epdserve.access"]
+    assert {(r["id"], r["status"]) for r in router} == {("req-42", 200), ("req-43", 400)}
+    ok = next(r for r in router if r["id"] == "req-42")
+    assert ok["kind"] == "image" and ok["media"] == "1 computed" and ok["ran_on"] == urls["pd0"]
+    pd = next(r for r in lines["pd0"] if r["logger"] == "epdserve.access")
+    assert pd["output_tokens"] == 8 and pd["prompt_tokens"] > 0 and pd["ttft_ms"] <= pd["e2e_ms"]
+    assert any(urls["encoder0"] in r["message"] and urls["pd0"] in r["message"] for r in lines["router"])
