@@ -1,6 +1,6 @@
 """The shared embedding store on a real Mooncake master and real Mooncake clients: entries written
 by one member are read by another and checked before use (a forged entry is rejected and deleted),
-claims make concurrent misses compute once and lapse when their holder dies, a dead master is a
+claims make concurrent misses compute (almost always) once and lapse when their holder dies, a dead master is a
 quick miss, a member that has not joined yet answers misses (never waits), and two encoder
 processes share their work through it."""
 
@@ -53,7 +53,9 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 def member(master: MooncakeMaster, lend: bool = True, key: bytes = KEY, **cfg: object) -> MooncakeStore:
-    config = StoreConfig(url=master.url, segment_bytes=32 << 20, **cfg)  # type: ignore[arg-type]
+    # calls get a longer timeout than a deployment's: a slow call under a loaded test machine must
+    # not make a member compute alone (that is tested on its own: the dead master)
+    config = StoreConfig(**{"url": master.url, "segment_bytes": 32 << 20, "timeout_s": 3.0, **cfg})  # type: ignore[arg-type]
     return MooncakeStore(config, EntryCheck(MODEL, key, WIDTH, rows_of), lend=lend)
 
 
@@ -89,7 +91,9 @@ def test_concurrent_misses_compute_once_and_a_dead_holders_claim_lapses(master: 
         a, b = member(master), member(master, lend=False)
         assert await a.wait_joined(20) and await b.wait_joined(20)
         outs = await asyncio.gather(*(encoder_request(a if i % 2 else b, "cold", computed, emb(5)) for i in range(6)))
-        assert computed == ["cold"] and all(torch.equal(o, outs[0]) for o in outs)
+        # Mooncake has no compare-and-set: claims cut duplicates but cannot exclude them (a race of
+        # two first writes may let both compute); without claims all six would compute
+        assert 1 <= len(computed) <= 2 and all(torch.equal(o, outs[0]) for o in outs)
         assert a.stats.waits + b.stats.waits >= 1
         # a claim whose holder died (never renewed): taken over after its deadline
         dead = member(master, lend=False, claim_ttl_s=0.4)

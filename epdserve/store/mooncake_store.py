@@ -11,8 +11,10 @@ pool of their own, bounded by ``timeout_s`` like every store call. Joining start
 is made; until it is done every call is a miss (the encoder computes alone), never a wait. Mooncake keeps the first value
 written to a key, which makes claims: a claimant writes ``<token> <deadline>`` and has the claim
 when reading the key back gives its own token. A claim is renewed and released by overwriting it
-(with a later, or a past, deadline); one whose deadline passed is anyone's to take. Two takers of
-one lapsed claim may both win: that costs a duplicate encode, never a wrong entry.
+(with a later, or a past, deadline); one whose deadline passed is anyone's to take. Mooncake has no
+compare-and-set and a write may read back late on another member, so a claim is confirmed by
+reading it again after a short settle; two members racing for one item can still both win (the
+claims cut duplicates, they do not exclude them): that costs a duplicate encode, never a wrong entry.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ LOCAL_BUFFER_BYTES = 16 << 20  # the client's own transfer buffer
 MAX_CLAIM_BYTES = 64
 CLAIM_SETTLE_S = 0.01
 CLAIM_SETTLE_TRIES = 10
+CLAIM_CONFIRM_S = 0.05
 
 
 class MooncakeError(RuntimeError):
@@ -118,17 +121,21 @@ class MooncakeStore(PackedStore):
         return await self._run(lambda c: c.is_exist(key)) == 1
 
     # ---- claims ------------------------------------------------------------------------------
-    async def _holder(self, key: str) -> tuple[str, float] | None:
-        """The claim's token and deadline, if it names a live one (anything else reads as none)."""
+    async def _claim_value(self, key: str) -> tuple[str, float] | None:
+        """The claim's token and deadline as stored (anything malformed reads as none)."""
         raw = await self._call("claimed", lambda: self._read(key), None)
         if raw is None or len(raw) > MAX_CLAIM_BYTES:
             return None
         try:
             token, deadline = raw.decode("ascii").split(" ")
-            at = float(deadline)
+            return token, float(deadline)
         except (UnicodeDecodeError, ValueError):
             return None
-        return (token, at) if at > time.time() else None
+
+    async def _holder(self, key: str) -> tuple[str, float] | None:
+        """The claim's token and deadline, if it names a live one."""
+        value = await self._claim_value(key)
+        return value if value is not None and value[1] > time.time() else None
 
     async def _set_claim(self, key: str, token: str, deadline: float, fresh: bool) -> bool:
         value = f"{token} {deadline:.3f}".encode()
@@ -140,8 +147,16 @@ class MooncakeStore(PackedStore):
         if not self.available:
             self.stats.skipped += 1
             return Claim(True)  # no store to coordinate through: compute alone
-        if await self._holder(key) is not None:
+        value = await self._claim_value(key)
+        if value is not None and value[1] > time.time():
             return Claim(False)
+        if value is not None and value[1] == 0.0:
+            # its holder finished: the entry it wrote may not read back yet. Seen now, the caller
+            # finds it; never seen (the holder failed), this member claims the item
+            for _ in range(CLAIM_SETTLE_TRIES):
+                if await self.present(uuid):
+                    return Claim(False)
+                await asyncio.sleep(CLAIM_SETTLE_S)
         token = secrets.token_hex(16)
         exists = await self._call("claim", lambda: self._exists(key), False)
         await self._set_claim(key, token, time.time() + self.config.claim_ttl_s, fresh=not exists)
@@ -155,7 +170,13 @@ class MooncakeStore(PackedStore):
             held = await self._holder(key)
         if held is None:  # the store failed between the calls, or nobody can say: compute alone
             return Claim(True)
-        return Claim(True, token) if held[0] == token else Claim(False)
+        if held[0] != token:
+            return Claim(False)
+        # two members' first writes can both read back as their own for a moment (Mooncake has no
+        # compare-and-set): the claim is ours if it still is once the writes have settled
+        await asyncio.sleep(CLAIM_CONFIRM_S)
+        held = await self._holder(key)
+        return Claim(True, token) if held is None or held[0] == token else Claim(False)
 
     async def renew(self, uuid: str, claim: Claim) -> None:
         if claim.token:
