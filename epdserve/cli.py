@@ -131,15 +131,20 @@ MEDIA_FLAGS = (
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
 # flags, which roles get them)
 UP_FORWARDED = (
-    (ROUTER, ("policy", "kv_load_tokens"), "router"),
+    (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries"), "router"),
+    (SERVER, PUBLIC_FLAGS, "public"),
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("threads", "device", "dtype"), "models"),
-    (ENGINE, ("max_model_len",), "lm"),
+    (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
+    (ENGINE, ("enable_prefix_caching",), "lm"),
+    (ENCODER, ("encode_token_budget", "encoder_cache_bytes"), "encoders"),
     (MEDIA, MEDIA_FLAGS, "all"),
     (SERVER, (STATS_INTERVAL,), "all"),
 )
 UP_ROLES = {
     "router": "passed to the router (unset: its default)",
+    "public": "passed to the public endpoint and the language-model instances (unset: their default)",
+    "encoders": "passed to every encoder (unset: the encoder's default)",
     "models": "passed to every encoder and language-model instance (unset: each role's default)",
     "lm": "passed to every language-model instance (unset: serve's default)",
     "all": "passed to every role (unset: each role's default)",
@@ -403,9 +408,14 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         pin=args.pin_cores,
         ec_connector=args.ec_connector,
         kv_connector=args.kv_connector,
-        extra_pd_args=[*forwarded("models"), *forwarded("lm"), *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)],
-        extra_encoder_args=[*forwarded("models"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
-        extra_router_args=forwarded("router"),
+        extra_pd_args=[
+            *forwarded("models"),
+            *forwarded("lm"),
+            *forwarded("public"),
+            *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX),
+        ],
+        extra_encoder_args=[*forwarded("models"), *forwarded("encoders"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
+        extra_router_args=[*forwarded("router"), *forwarded("public")],
         extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
         log_dir=Path(args.log_dir) if args.log_dir else None,
         api_key=api_key_from(args.api_key),
@@ -582,7 +592,7 @@ def add_sweep_args(s: argparse.ArgumentParser) -> None:
 
 def add_demo_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="model directory (default: embedded)")
-    s.add_argument("--seed", type=int, default=7)
+    s.add_argument("--seed", type=int, default=7, help="seed of the generated images and questions")
     s.add_argument("-n", type=int, default=5, help="number of questions")
     s.add_argument("--url", default=None, help="ask a running server (e.g. http://127.0.0.1:8000) instead")
 
@@ -623,11 +633,17 @@ COMMANDS = {
     "eval-shapes": Command(
         "exact-match accuracy per question type (transformers, greedy)", _eval_shapes, add_eval_args
     ),
-    "serve": Command("serve the model: OpenAI-compatible API (aggregated E+P+D)", _serve, add_engine_args),
-    "encoder": Command(
-        "run an encoder-only instance (the E of EPD): media in, embeddings out", _encoder, add_encoder_args
+    "serve": Command(
+        "one language-model instance: the whole model behind an OpenAI-compatible API, or a worker behind a router",
+        _serve,
+        add_engine_args,
     ),
-    "router": Command("the public OpenAI endpoint in front of encoder and PD workers", _router, add_router_args),
+    "encoder": Command(
+        "one encoder instance: turns images and videos into embeddings for the workers", _encoder, add_encoder_args
+    ),
+    "router": Command(
+        "the public OpenAI-compatible endpoint in front of encoders and workers", _router, add_router_args
+    ),
     "up": Command(
         "start a whole topology locally (aggregated, 1e+1pd, 1e+1p+1d, ...) and keep it running",
         _up,
@@ -637,22 +653,50 @@ COMMANDS = {
         "signal, 1 a role failed to start, 2 bad flags or the public port is in use.",
     ),
     "bench": Command(
-        "load-test an OpenAI-compatible chat endpoint (TTFT/TPOT/ITL/E2E, goodput)", _bench, add_bench_args
+        "load-test an OpenAI-compatible chat endpoint: latency (time to first token, per token, end to end), "
+        "throughput, and where each request's time went",
+        _bench,
+        add_bench_args,
     ),
     "sweep": Command(
-        "when does EPD pay here: a workload grid against each topology, gain heatmaps", _sweep, add_sweep_args
+        "measure when separate encoders pay on this machine: a grid of workloads against each topology",
+        _sweep,
+        add_sweep_args,
     ),
     "train-shapes": Command("train the shapes-world model (see docs/model.md)", _train_shapes, add_train_args),
 }
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one worth showing (not a flag that
+    is off, not an unset or empty value) and the help does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = default not in (None, False, "", [], (), argparse.SUPPRESS)
+        if shown and "default" not in text and "%(default)" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command. With ``only``, flags are added to that command alone: building
     another command's flags would import its role for nothing."""
-    p = argparse.ArgumentParser(prog="epdserve", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from epdserve import __version__
+
+    p = argparse.ArgumentParser(
+        prog="epdserve",
+        description="Serve vision-language models with an OpenAI-compatible API, the image/video encoder, "
+        "the prompt's prefill and the token-by-token decode in separate instances that batch and scale on "
+        "their own. Start with 'epdserve up'; 'epdserve <command> --help' shows a command's options.",
+    )
+    p.add_argument("--version", action="version", version=f"epdserve {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="command")
     for name, command in COMMANDS.items():
-        s = sub.add_parser(name, help=command.help, description=command.description or command.help)
+        s = sub.add_parser(
+            name, help=command.help, description=command.description or command.help, formatter_class=DefaultsShown
+        )
         if command.add_args is not None and only in (None, name):
             command.add_args(s)
     return p
@@ -660,7 +704,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(only=argv[0] if argv else "").parse_args(argv)
+    parser = build_parser(only=argv[0] if argv else "")
+    args = parser.parse_args(argv)
+    if args.cmd is None:  # a bare ``epdserve``: what it can do
+        parser.print_help()
+        return 0
     return COMMANDS[args.cmd].run(args)
 
 

@@ -200,6 +200,44 @@ def test_up_hands_role_flags_on_to_the_right_roles() -> None:
     )
     encoder = parse("encoder", *d.extra_encoder_args, *d.extra_args)
     assert (encoder.device, encoder.dtype, encoder.threads) == ("cuda:1", "bfloat16", 2)
+    # the worker and router options a new user reaches for
+    argv = "up --max-num-seqs 4 --no-enable-prefix-caching --num-kv-blocks 64 --encode-token-budget 900"
+    argv += " --encoder-cache-bytes 0 --max-prompt-chars 100 --enable-mm-embeds --encoder-policy round_robin"
+    argv += " --log-format json --log-stats-interval 5 --api-key k"
+    d = cli.up_deployment(parse(*argv.split()))
+    serve = parse("serve", *d.extra_pd_args, *d.extra_args)
+    assert (serve.max_num_seqs, serve.enable_prefix_caching, serve.num_kv_blocks) == (4, False, 64)
+    assert (serve.max_prompt_chars, serve.enable_mm_embeds, serve.log_format) == (100, True, "json")
+    assert serve.log_stats_interval == 5
+    encoder = parse("encoder", *d.extra_encoder_args, *d.extra_args)
+    assert (encoder.encode_token_budget, encoder.encoder_cache_bytes, encoder.log_format) == (900, 0, "json")
+    router = parse("router", *d.extra_router_args, *d.extra_args)
+    assert (router.encoder_policy, router.max_prompt_chars, router.enable_mm_embeds) == ("round_robin", 100, True)
+    assert d.api_key == "k"
+
+
+def test_the_cli_explains_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bare ``epdserve`` prints its commands, ``--version`` its version, and every option of every
+    command has a sentence of help, its default shown where it has one, and no internal jargon."""
+    from epdserve import __version__
+
+    assert cli.main([]) == 0
+    assert "up " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"epdserve {__version__}"
+    for name in cli.COMMANDS:
+        parser = cli.build_parser(only=name)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        for action in sub._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or "-h" in action.option_strings:
+                continue
+            assert action.help and len(action.help) > 8, f"{name} {action.option_strings} has no help"
+        text = sub.format_help()
+        for jargon in ("runs 1-3", "spec's", "2x their", "issue "):
+            assert jargon not in text, f"{name} --help says {jargon!r}"
+        if name in ("serve", "encoder", "router", "bench"):
+            assert text.count("(default:") >= 10, f"{name} --help shows few defaults"
 
 
 # ---- choices and bad values -----------------------------------------------------------------------

@@ -117,7 +117,7 @@ class SweepConfig:
     topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES  # started in turn; names as ``Topology.parse`` reads them
     images: tuple[int, ...] = (1, 4, 10)  # images per request: the grid's rows
     output_lens: tuple[int, ...] = (16, 64, 256)  # output tokens per request: the grid's columns
-    image_size: int = 0  # side of every image in px; 0 keeps the shapes spec's 84–168 px
+    image_size: int = 0  # side of every image in px (0: the generated shapes images' own sizes, 84 to 168 px)
     prompt_tokens: int = 0  # pad every prompt's text to about this many tokens (long prompts); 0: the question only
     requests: int = 16  # measured requests per cell and topology
     warmup: int = 2  # unmeasured requests before each cell

@@ -36,7 +36,7 @@ class WorkloadConfig:
     """What each request of a benchmark looks like."""
 
     images_per_request: int = 1  # images in each "image" request (0–50); 0 makes those requests text-only
-    image_size: int = 0  # resize images and video frames to this square side (px); 0 keeps the spec's 84–168 px
+    image_size: int = 0  # resize images and video frames to this square side in px (0: their own sizes, 84 to 168 px)
     prompt_tokens: int = 0  # pad the question with neutral words to roughly this many text tokens; 0: no padding
     output_len: int = 64  # output tokens per request (max_tokens)
     exact_output: bool = True  # also send min_tokens=max_tokens and ignore_eos so every answer is output_len long

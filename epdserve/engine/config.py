@@ -19,7 +19,7 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + output tokens per request
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
-    contiguous_decode_kv: bool = True  # decoding sequences' KV also kept contiguous: no gather, 2x their KV memory
+    contiguous_decode_kv: bool = True  # decoding requests' KV also in one contiguous copy: faster, more memory
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models
     device: str = "cpu"  # torch device of the model and KV cache: cpu | cuda | cuda:N
