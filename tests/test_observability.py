@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epdserve.api.timing import parse_server_timing, server_timing
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http
+from tests.server_utils import http, internal_headers
 from tests.test_topologies import request_set
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "epdserve.json"
@@ -168,3 +168,29 @@ def test_access_lines_stats_lines_and_json_logs(tmp_path: Path) -> None:
     pd = next(r for r in lines["pd0"] if r["logger"] == "epdserve.access")
     assert pd["output_tokens"] == 8 and pd["prompt_tokens"] > 0 and pd["ttft_ms"] <= pd["e2e_ms"]
     assert any(urls["encoder0"] in r["message"] and urls["pd0"] in r["message"] for r in lines["router"])
+
+
+def test_the_router_answers_completions_and_version(deployment: Deployment) -> None:
+    """Through the router: ``/v1/completions`` (streamed and not, by the official client) answers
+    as the worker does, ``model`` may be left out, and ``/version`` exists on every role."""
+    import openai
+
+    client = openai.OpenAI(base_url=deployment.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    pd = next(r.url for r in deployment.roles if r.name.startswith("pd"))
+    prompt = "<|im_start|>user\nWhat shapes are there?<|im_end|>\n<|im_start|>assistant\n"
+    r = client.completions.create(model="shapes-qwen2vl", prompt=prompt, max_tokens=10, temperature=0)
+    status, direct = http(
+        "POST",
+        pd + "/v1/completions",
+        json.dumps({"prompt": prompt, "max_tokens": 10, "temperature": 0}).encode(),
+        headers=internal_headers(),
+    )
+    assert status == 200 and r.choices[0].text == json.loads(direct)["choices"][0]["text"]
+    streamed = client.completions.create(
+        model="shapes-qwen2vl", prompt=prompt, max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    status, raw = http("POST", deployment.url + "/v1/completions", json.dumps({"prompt": prompt}).encode())
+    assert status == 200 and json.loads(raw)["model"] == "shapes-qwen2vl"
+    for role in deployment.roles:
+        assert http("GET", role.url + "/version")[0] == 200

@@ -317,3 +317,39 @@ def test_http_image_url_fetched_with_private_addresses_allowed(model_dir: Path) 
             assert r.choices[0].message.content == ref.answer(s.question, images=render_images(s))
     finally:
         media.shutdown()
+
+
+def test_text_completions_match_transformers_and_model_is_optional(
+    server: str, client: openai.OpenAI, hf: HFReference
+) -> None:
+    """``/v1/completions``: a raw prompt, no template; greedy tokens identical to transformers',
+    streamed or not; ``model`` may be left out (chat and completions alike); ``/version``."""
+    import torch
+
+    prompt = "<|im_start|>user\nWhat shapes are there?<|im_end|>\n<|im_start|>assistant\n"
+    ids = hf.tok(prompt, add_special_tokens=False)["input_ids"]
+    inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+    expected = hf.tok.decode(hf.generate_ids(inputs, max_new_tokens=12), skip_special_tokens=True)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == expected
+    assert r.usage is not None and r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens <= 12
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == expected
+    # model left out: the served one
+    status, body = post_json(server + "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert status == 200 and body["model"] == MODEL and body["choices"][0]["text"] == expected
+    status, body = post_json(
+        server + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
+    assert status == 200 and body["model"] == MODEL
+    # refused clearly
+    for bad, param in (({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": "x", "n": 2}, "n"),
+                       ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "model": "other"}, None)):  # fmt: skip
+        status, body = post_json(server + "/v1/completions", bad)
+        assert 400 <= status < 500 and body["error"]["message"], (bad, body)
+        if param:
+            assert body["error"]["param"] == param
+    status, raw = http("GET", server + "/version")
+    assert status == 200 and b'"version"' in raw

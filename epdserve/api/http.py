@@ -50,6 +50,12 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
 Route = tuple[str, str, Handler, Access]  # (method, path, handler, who may call it)
 
 
+async def version(request: web.Request) -> web.Response:
+    from epdserve import __version__
+
+    return web.json_response({"version": __version__})
+
+
 def role_app(
     max_request_bytes: int,
     routes: list[Route],
@@ -57,10 +63,10 @@ def role_app(
     close: Callable[[], Awaitable[None]],
     auth: AuthConfig,
 ) -> web.Application:
-    """The aiohttp app of one role: its routes behind the error middleware and their access
-    checks, with lifecycle hooks."""
+    """The aiohttp app of one role: its routes (and ``GET /version``, as vLLM serves it) behind
+    the error middleware and their access checks, with lifecycle hooks."""
     app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
-    for method, path, handler, access in routes:
+    for method, path, handler, access in [*routes, ("GET", "/version", version, "open")]:
         app.router.add_route(method, path, guard(handler, access, auth))
 
     async def on_startup(app: web.Application) -> None:

@@ -222,7 +222,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 class ChatRequest(msgspec.Struct, kw_only=True):
     """POST /v1/chat/completions. Range checks live in ``to_sampling_params``."""
 
-    model: str
+    model: str = ""  # optional, as in vLLM: the served model
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -75,6 +75,7 @@ from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTr
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
+from epdserve.pd.completions import CompletionHandlers
 from epdserve.pd.config import ServerConfig
 from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.pd.launch import launch_core
@@ -249,7 +250,7 @@ class ChatService:
 
     async def _prepare(self, req: ChatRequest) -> AddRequest:
         cfg = self.config
-        if req.model != cfg.model_name:
+        if req.model and req.model != cfg.model_name:  # optional, as in vLLM
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
         kv = self._kv_transfer(req)
@@ -651,6 +652,7 @@ def build_app(service: ChatService) -> web.Application:
     h = ChatHandlers(service)
     routes: list[Route] = [
         ("POST", "/v1/chat/completions", h.chat, "public"),
+        ("POST", "/v1/completions", CompletionHandlers(service).completions, "public"),
         ("GET", "/v1/models", h.models, "public"),
         ("GET", "/health", h.health, "open"),
         ("GET", "/metrics", h.metrics, "open"),

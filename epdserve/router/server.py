@@ -40,6 +40,7 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.auth import AuthConfig
+from epdserve.api.completions import decode_completion_request
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
     ApiError,
@@ -91,6 +92,8 @@ from epdserve.transfer.config import HANDLE_PURPOSE
 log = logging.getLogger(__name__)
 
 _TAIL = len(SSE_DONE)
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 MAX_SCRAPE_BYTES = 4 << 20  # one worker's /metrics
 
 
@@ -449,6 +452,8 @@ class Router:
         if model is None:
             raise Unavailable("No healthy prefill/decode worker is available.")
         name, max_model_len = model
+        if not req.model:  # optional, as in vLLM: the one model served
+            req.model = name
         if req.model != name:
             raise NotFound.model(req.model)
         to_sampling_params(req, 1, max_model_len or 1 << 30)
@@ -663,6 +668,47 @@ class Router:
                 error=error,
             )
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
+        worker (a prefill+decode one, else a decode one), retried once on another before its first byte."""
+        raw = await request.read()
+        t0 = time.perf_counter()
+        trail = Trail(wanted(request.headers), request_id(request.headers))
+        status, error = 200, ""
+        try:
+            req = decode_completion_request(raw, self.config.max_prompt_chars)
+            model = self._model or await self._learn_model()
+            if model is None:
+                raise Unavailable("No healthy language-model worker is available.")
+            name, max_model_len = model
+            if req.model and req.model != name:
+                raise NotFound.model(req.model)
+            to_sampling_params(req.as_chat(), 1, max_model_len or 1 << 30)
+            pool = self.pds if self.pds.healthy else self.decodes
+            exclude: set[str] = set()
+            for attempt in (1, 2):
+                try:
+                    worker = pool.pick(exclude=exclude)
+                except NoWorker:
+                    raise Unavailable("No healthy language-model worker is available.") from None
+                try:
+                    resp, _ = await self._forward(request, worker, raw, bool(req.stream), trail, pool, COMPLETIONS_PATH)
+                    status = resp.status
+                    return resp
+                except RetryableWorker as e:
+                    exclude.add(e.url)
+                    if attempt == 2:
+                        raise WorkerFailed(f"The worker failed: {e}") from None
+            raise AssertionError("unreachable")
+        except ApiError as e:
+            status, error = e.status, e.code or ""
+            raise
+        finally:
+            self._count("text", status)
+            self.window["requests"] += 1
+            logs.access(id=trail.request_id, status=status, kind="text", endpoint="completions",
+                        e2e_ms=1e3 * (time.perf_counter() - t0), ran_on=" ".join(trail.ran_on), error=error)  # fmt: skip
+
     def _count(self, kind: str, status: int) -> None:
         self.metrics.inc("router_requests_total", labels={"kind": kind, "status": str(status)})
 
@@ -700,14 +746,22 @@ class Router:
                     self._release(self._take_leases(refs))
 
     async def _forward(
-        self, request: web.Request, pd: Worker, body: bytes, stream: bool, trail: Trail
+        self,
+        request: web.Request,
+        pd: Worker,
+        body: bytes,
+        stream: bool,
+        trail: Trail,
+        pool: WorkerPool | None = None,
+        path: str = CHAT_PATH,
     ) -> tuple[web.StreamResponse, bool]:
         """The client's response, and whether the PD worker accepted the request (took its leases)."""
         assert self.session is not None
+        pool = pool or self.pds
         t0 = time.perf_counter()
         pd.outstanding += 1
         try:
-            upstream = await self.post_chat(self.pds, pd, body, trail)
+            upstream = await self.post_chat(pool, pd, body, trail, path)
             async with upstream:
                 trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
                 trail.ran_on.append(pd.url)
@@ -722,22 +776,24 @@ class Router:
                     try:
                         raw = await upstream.read()
                     except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                        self.pds.mark_failed(pd)  # died mid-body: nothing reached the client yet
+                        pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
                         raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
                     self.ttfb_hist.observe(time.perf_counter() - t0)
                     return trail.stamp(error_response(upstream, raw)), upstream.status == 200
                 self.ttfb_hist.observe(time.perf_counter() - t0)
-                return await self._relay_stream(request, upstream, pd, trail), True
+                return await self._relay_stream(request, upstream, pd, trail, pool), True
         finally:
             pd.outstanding -= 1
 
-    async def post_chat(self, pool: WorkerPool, worker: Worker, body: bytes, trail: Trail) -> aiohttp.ClientResponse:
+    async def post_chat(
+        self, pool: WorkerPool, worker: Worker, body: bytes, trail: Trail, path: str = CHAT_PATH
+    ) -> aiohttp.ClientResponse:
         """POST a chat request to a worker, response unread. One that cannot be reached is marked
         failed and the call is retryable elsewhere."""
         assert self.session is not None
         try:
             return await self.session.post(
-                worker.url + "/v1/chat/completions",
+                worker.url + path,
                 data=body,
                 headers={"Content-Type": "application/json", **self.internal_headers, **trail.ask()},
                 timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
@@ -749,7 +805,7 @@ class Router:
             raise RetryableWorker(worker.url, str(e)) from None
 
     async def _relay_stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker, trail: Trail
+        self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker, trail: Trail, pool: WorkerPool
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=200)
         for h in ("Content-Type", "Cache-Control"):
@@ -757,7 +813,7 @@ class Router:
                 resp.headers[h] = upstream.headers[h]
         trail.stamp(resp)
         await resp.prepare(request)
-        await self.relay(resp, upstream, pd, self.pds)
+        await self.relay(resp, upstream, pd, pool)
         return resp
 
     async def relay(
@@ -869,6 +925,7 @@ async def _json_body(request: web.Request) -> dict:
 def build_app(router: Router) -> web.Application:
     routes: list[Route] = [
         ("POST", "/v1/chat/completions", router.chat, "public"),
+        ("POST", "/v1/completions", router.completions, "public"),
         ("GET", "/v1/models", router.models, "public"),
         ("GET", "/health", router.health, "open"),
         ("GET", "/metrics", router.metrics_text, "open"),
