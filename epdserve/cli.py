@@ -42,7 +42,8 @@ STORE = "epdserve.store.config:StoreConfig"
 
 MODEL = Flag("model", default=None, default_help="the embedded model")
 STATS_INTERVAL = Flag("log_stats_interval_s", "--log-stats-interval")
-SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role", STATS_INTERVAL)
+OTLP = "otlp_traces_endpoint"
+SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role", STATS_INTERVAL, OTLP)
 PUBLIC_FLAGS = ("max_prompt_chars", "enable_mm_embeds")  # of ServerConfig and RouterConfig alike
 ENGINE_FLAGS = (
     "max_model_len",
@@ -68,6 +69,7 @@ ENCODER_FLAGS = (
     "device",
     "dtype",
     STATS_INTERVAL,
+    OTLP,
 )
 EC_PREFIX = "--ec-"
 EC_PRODUCER_FLAGS = (
@@ -119,6 +121,7 @@ ROUTER_FLAGS = (
     "forward_raw_media",
     "directory_entries",
     STATS_INTERVAL,
+    OTLP,
     Flag("model", default_help="the embedded model"),
 )
 API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
@@ -139,7 +142,7 @@ UP_FORWARDED = (
     (ENGINE, ("enable_prefix_caching",), "lm"),
     (ENCODER, ("encode_token_budget", "encoder_cache_bytes"), "encoders"),
     (MEDIA, MEDIA_FLAGS, "all"),
-    (SERVER, (STATS_INTERVAL,), "all"),
+    (SERVER, (STATS_INTERVAL, OTLP), "all"),
 )
 UP_ROLES = {
     "router": "passed to the router (unset: its default)",

@@ -194,3 +194,57 @@ def test_the_router_answers_completions_and_version(deployment: Deployment) -> N
     assert status == 200 and json.loads(raw)["model"] == "shapes-qwen2vl"
     for role in deployment.roles:
         assert http("GET", role.url + "/version")[0] == 200
+
+
+def test_one_trace_across_the_roles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--otlp-traces-endpoint``: router, encoder and worker export to a real OTLP/HTTP receiver;
+    a request is one trace under the client's own span, each role's server span under the
+    router's client span that called it, the worker's stages under its server span."""
+    pytest.importorskip("opentelemetry.sdk", reason="pip install 'epdserve[tracing]'")
+    import time
+    import urllib.request
+
+    from tests.otlp_collector import otlp_collector
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s
+    with otlp_collector() as collector:
+        d = Deployment(
+            Topology.parse("1e+1pd"), None, port=free_port(), extra_args=["--otlp-traces-endpoint", collector.url]
+        )
+        d.start()
+        try:
+            trace_id, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+            body = {"model": "shapes-qwen2vl", "max_tokens": 8, **request_set()[1]}
+            r = urllib.request.Request(
+                d.url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{client_span}-01"},
+            )
+            urllib.request.urlopen(r, timeout=120).read()
+            deadline = time.monotonic() + 10
+            while len({s.service for s in collector.spans if s.trace_id == trace_id}) < 3:
+                assert time.monotonic() < deadline, collector.spans
+                time.sleep(0.1)
+            time.sleep(0.3)  # the last batches
+        finally:
+            d.stop()
+    spans = [s for s in collector.spans if s.trace_id == trace_id]
+    by = {(s.service, s.name): s for s in spans}
+    router = next(s for s in spans if s.service == "epdserve-router" and s.kind == 2)  # SERVER
+    assert router.name == "POST /v1/chat/completions" and router.parent_id == client_span
+    assert router.attributes["http.status_code"] == 200 and router.attributes["epd.kind"] == "image"
+    encode_call = by[("epdserve-router", "POST /v1/encode")]
+    worker_call = next(
+        s for s in spans if s.service == "epdserve-router" and s.kind == 3 and s.name != "POST /v1/encode"
+    )
+    assert encode_call.parent_id == router.span_id and worker_call.parent_id == router.span_id
+    encoder = by[("epdserve-encoder", "POST /v1/encode")]
+    assert encoder.parent_id == encode_call.span_id and encoder.attributes["epd.computed"] == 1
+    pd = by[("epdserve-pd", "POST /v1/chat/completions")]
+    assert (
+        pd.parent_id == worker_call.span_id and pd.attributes["epd.request_id"] == router.attributes["epd.request_id"]
+    )
+    stages = {s.name: s for s in spans if s.service == "epdserve-pd" and s.parent_id == pd.span_id}
+    assert set(stages) == {"preprocess", "fetch", "queue", "prefill", "decode"}
+    assert stages["preprocess"].start_ns <= stages["prefill"].start_ns <= stages["decode"].start_ns
+    assert router.start_ns <= encode_call.start_ns <= worker_call.start_ns <= router.end_ns

@@ -33,7 +33,9 @@ class Tracing:
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
         except ImportError as e:
-            raise ValueError(f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'epdserve[tracing]' ({e})") from e
+            raise ValueError(
+                f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'epdserve[tracing]' ({e})"
+            ) from e
         self._provider = TracerProvider(resource=Resource.create({"service.name": service}))
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self._tracer = self._provider.get_tracer("epdserve")

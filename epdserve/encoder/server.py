@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple, get_args
+from typing import Any, NamedTuple, get_args
 
 import torch
 from aiohttp import web
@@ -47,6 +47,7 @@ from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.protocol import ModelCard, ModelList, encode_json
+from epdserve.api.tracing import Tracing
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, BatchReport, EncodeBatcher, EncodeError, QueueFull
 from epdserve.encoder.protocol import (
@@ -105,6 +106,7 @@ class EncoderConfig:
     ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
     auth: AuthConfig = field(default_factory=AuthConfig)  # the cluster credential /v1/encode needs
     retry_after_s: int = 1  # Retry-After of a 429 when the queue or the connector is full
+    otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
 
     def __post_init__(self) -> None:
@@ -201,6 +203,7 @@ class EncoderService:
             )
             self.store = open_store(config.ec.store, check, lend=True)
         self._init_metrics()
+        self.tracing = Tracing("epdserve-encoder", config.otlp_traces_endpoint)
         self.window = Counter[str]()  # requests and items since the last stats line
         self.stats_line = logs.StatsLine(lambda: bool(self.window), self._stats_fields, config.log_stats_interval_s)
 
@@ -223,6 +226,7 @@ class EncoderService:
     async def close(self) -> None:
         log.info("encoder on http://%s:%d stopping", self.config.host, self.config.port)
         await self.stats_line.stop()
+        self.tracing.shutdown()
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         self.batcher.close()
@@ -490,6 +494,10 @@ class EncoderHandlers:
         self.s = service
 
     async def encode(self, request: web.Request) -> web.Response:
+        with self.s.tracing.server_span("POST /v1/encode", request.headers) as span:
+            return await self._encode(request, span)
+
+    async def _encode(self, request: web.Request, span: Any) -> web.Response:
         s = self.s
         t0 = time.perf_counter()
         rid = request_id(request.headers)
@@ -506,6 +514,9 @@ class EncoderHandlers:
         s.request_seconds.observe(seconds)
         how = Counter(item.status for item in resp.items)
         s.window.update(how)
+        Tracing.set(
+            span, **{"epd.request_id": rid, "epd.items": len(resp.items), **{f"epd.{k}": n for k, n in how.items()}}
+        )
         logs.access(
             id=rid,
             status=200,

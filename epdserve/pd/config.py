@@ -30,6 +30,7 @@ class ServerConfig:
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     preprocess_threads: int = 2  # threads decoding and preprocessing media
     template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)
+    otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, cluster credential, internal-only

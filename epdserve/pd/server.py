@@ -68,6 +68,7 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
+from epdserve.api.tracing import Tracing, wall_ns
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
@@ -110,6 +111,8 @@ class ChatService:
         self.stats = EngineStats()
         self.metrics = Metrics()
         self._init_metrics()
+        role = {"both": "pd", "prefill": "prefill", "decode": "decode"}[config.role]
+        self.tracing = Tracing(f"epdserve-{role}", config.otlp_traces_endpoint)
         self.window = Counter[str]()  # requests and tokens since the last stats line
         self._prefix_seen = (0, 0)  # prefix-cache (hits, queries) at the last stats line
         self.stats_line = logs.StatsLine(
@@ -166,6 +169,7 @@ class ChatService:
         role = "prefill+decode" if self.config.role == "both" else self.config.role
         log.info("%s worker on http://%s:%d stopping", role, self.config.host, self.config.port)
         await self.stats_line.stop()
+        self.tracing.shutdown()
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         await self.core.close()
@@ -449,6 +453,10 @@ class ChatHandlers:
         self.s = service
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        with self.s.tracing.server_span("POST /v1/chat/completions", request.headers) as span:
+            return await self._chat(request, span)
+
+    async def _chat(self, request: web.Request, span: Any) -> web.StreamResponse:
         s = self.s
         t0 = time.perf_counter()
         body = await read_body(request, s.config.max_request_bytes)
@@ -466,12 +474,14 @@ class ChatHandlers:
                 raise
         except ApiError as e:
             s.count(kind, e.status)
+            Tracing.set(span, **{"epd.request_id": rid, "http.status_code": e.status})
             logs.access(id=rid, status=e.status, kind=kind, e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
             raise
         s.count(kind, 200)
         ttft = time.perf_counter() - t0
         s.ttft.observe(ttft)
         stages = s.stages(t_prepared - t0, first.stages)
+        s.tracing.stages(wall_ns(t0), stages)
         timing = Timing(stages, ttft, t0, s.config.role if s.config.role != "both" else "pd", wanted(request.headers))
         try:
             async with contextlib.aclosing(gen.rest()) as rest:  # closing early aborts the request
@@ -481,6 +491,9 @@ class ChatHandlers:
                     return await self._stream(request, req, add, gen, first, rest, timing)
                 return await self._complete(req, add, first, rest, timing)
         finally:
+            Tracing.set(span, **{"epd.request_id": rid, "epd.kind": kind, "http.status_code": 200})
+            if timing.e2e:
+                s.tracing.stages(wall_ns(t0 + ttft), {"decode": timing.e2e - ttft})
             logs.access(
                 id=rid,
                 status=200,

@@ -68,6 +68,7 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.api.timing import SERVER_TIMING, wanted
+from epdserve.api.tracing import Tracing
 from epdserve.assets import default_model_dir
 from epdserve.encoder.protocol import (
     EncodedItem,
@@ -119,6 +120,7 @@ class RouterConfig:
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
+    otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
@@ -156,6 +158,7 @@ class Router:
         self.decodes = WorkerPool("decode", list(config.decodes), policy)
         self.split = SplitChat(self)
         self.metrics = Metrics()
+        self.tracing = Tracing("epdserve-router", config.otlp_traces_endpoint)
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
@@ -249,6 +252,7 @@ class Router:
             await asyncio.wait(self._releases, timeout=5)
         if self.session:
             await self.session.close()
+        self.tracing.shutdown()
 
     async def _probe_loop(self) -> None:
         assert self.session is not None
@@ -550,29 +554,32 @@ class Router:
         body = encode_request(EncodeRequest(model=model, items=items, leases=leases))
         w.outstanding += 1
         try:
-            async with self.session.post(
-                w.url + "/v1/encode",
-                data=body,
-                headers={
-                    "Content-Type": "application/json",
-                    **self.internal_headers,
-                    **({REQUEST_ID_HEADER: rid} if rid else {}),
-                },
-                timeout=aiohttp.ClientTimeout(total=self.config.encode_timeout_s),
-            ) as resp:
-                raw = await resp.read()
-                if resp.status == 429:
-                    return _Outcome.BUSY
-                if resp.status in (401, 403):  # a worker that does not know our credential is misconfigured
-                    log.error("encoder %s refused the cluster credential", w.url)
-                    self.encoders.mark_failed(w)
-                    return _Outcome.FAILED
-                if 400 <= resp.status < 500:  # the media itself is bad: the client's error
-                    raise passthrough_error(resp.status, raw)
-                if resp.status != 200:
-                    self.encoders.mark_failed(w)
-                    return _Outcome.FAILED
-                out = decode_response(raw)
+            encoding = {"epd.encoder": w.url, "epd.items": len(refs)}
+            with self.tracing.client_span("POST /v1/encode", **encoding) as trace:
+                async with self.session.post(
+                    w.url + "/v1/encode",
+                    data=body,
+                    headers={
+                        "Content-Type": "application/json",
+                        **self.internal_headers,
+                        **({REQUEST_ID_HEADER: rid} if rid else {}),
+                        **trace,
+                    },
+                    timeout=aiohttp.ClientTimeout(total=self.config.encode_timeout_s),
+                ) as resp:
+                    raw = await resp.read()
+                    if resp.status == 429:
+                        return _Outcome.BUSY
+                    if resp.status in (401, 403):  # a worker that does not know our credential is misconfigured
+                        log.error("encoder %s refused the cluster credential", w.url)
+                        self.encoders.mark_failed(w)
+                        return _Outcome.FAILED
+                    if 400 <= resp.status < 500:  # the media itself is bad: the client's error
+                        raise passthrough_error(resp.status, raw)
+                    if resp.status != 200:
+                        self.encoders.mark_failed(w)
+                        return _Outcome.FAILED
+                    out = decode_response(raw)
         except TimeoutError:
             raise Timeout("An encoder did not answer in time.") from None
         except (aiohttp.ClientError, OSError):
@@ -640,6 +647,10 @@ class Router:
 
     # ---- chat --------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        with self.tracing.server_span("POST /v1/chat/completions", request.headers) as span:
+            return await self._chat_logged(request, span)
+
+    async def _chat_logged(self, request: web.Request, span: Any) -> web.StreamResponse:
         raw = await request.read()
         kind = "unknown"  # until the body parses
         t0 = time.perf_counter()
@@ -657,6 +668,7 @@ class Router:
         finally:
             self._count(kind, status)
             self.window["requests"] += 1
+            Tracing.set(span, **{"epd.request_id": trail.request_id, "epd.kind": kind, "http.status_code": status})
             logs.access(
                 id=trail.request_id,
                 status=status,
@@ -671,6 +683,10 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
         worker (a prefill+decode one, else a decode one), retried once on another before its first byte."""
+        with self.tracing.server_span("POST /v1/completions", request.headers):
+            return await self._completions(request)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         t0 = time.perf_counter()
         trail = Trail(wanted(request.headers), request_id(request.headers))
@@ -761,32 +777,39 @@ class Router:
         t0 = time.perf_counter()
         pd.outstanding += 1
         try:
-            upstream = await self.post_chat(pool, pd, body, trail, path)
-            async with upstream:
-                trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
-                trail.ran_on.append(pd.url)
-                if upstream.status == 503:
-                    raw = await upstream.read()
-                    if error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
-                        raise RetryableWorker(pd.url, "embeddings unavailable", worker_ok=True)
-                    return error_response(upstream, raw), False
-                if upstream.status >= 500:
-                    raise RetryableWorker(pd.url, f"HTTP {upstream.status}")
-                if upstream.status != 200 or not stream:
-                    try:
+            with self.tracing.client_span(f"POST {path}", **{"epd.worker": pd.url, "epd.role": pool.role}) as trace:
+                upstream = await self.post_chat(pool, pd, body, trail, path, trace)
+                async with upstream:
+                    trail.workers.append(upstream.headers.get(SERVER_TIMING, ""))
+                    trail.ran_on.append(pd.url)
+                    if upstream.status == 503:
                         raw = await upstream.read()
-                    except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                        pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
-                        raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
+                        if error_code(raw) == EMBEDS_UNAVAILABLE:  # an encoder died: encode afresh
+                            raise RetryableWorker(pd.url, "embeddings unavailable", worker_ok=True)
+                        return error_response(upstream, raw), False
+                    if upstream.status >= 500:
+                        raise RetryableWorker(pd.url, f"HTTP {upstream.status}")
+                    if upstream.status != 200 or not stream:
+                        try:
+                            raw = await upstream.read()
+                        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                            pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
+                            raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
+                        self.ttfb_hist.observe(time.perf_counter() - t0)
+                        return trail.stamp(error_response(upstream, raw)), upstream.status == 200
                     self.ttfb_hist.observe(time.perf_counter() - t0)
-                    return trail.stamp(error_response(upstream, raw)), upstream.status == 200
-                self.ttfb_hist.observe(time.perf_counter() - t0)
-                return await self._relay_stream(request, upstream, pd, trail, pool), True
+                    return await self._relay_stream(request, upstream, pd, trail, pool), True
         finally:
             pd.outstanding -= 1
 
     async def post_chat(
-        self, pool: WorkerPool, worker: Worker, body: bytes, trail: Trail, path: str = CHAT_PATH
+        self,
+        pool: WorkerPool,
+        worker: Worker,
+        body: bytes,
+        trail: Trail,
+        path: str = CHAT_PATH,
+        trace: dict[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         """POST a chat request to a worker, response unread. One that cannot be reached is marked
         failed and the call is retryable elsewhere."""
@@ -795,7 +818,7 @@ class Router:
             return await self.session.post(
                 worker.url + path,
                 data=body,
-                headers={"Content-Type": "application/json", **self.internal_headers, **trail.ask()},
+                headers={"Content-Type": "application/json", **self.internal_headers, **trail.ask(), **(trace or {})},
                 timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
             )
         except TimeoutError:

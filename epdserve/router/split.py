@@ -241,7 +241,11 @@ class SplitChat:
         reached, answers 5xx or lost the embeddings is retryable; a 4xx is the client's error."""
         worker.outstanding += 1
         try:
-            upstream = await self.r.post_chat(pool, worker, raw, trail)
+            # the span covers the call up to the worker's answer (a decode worker's stream follows)
+            with self.r.tracing.client_span(
+                f"POST /v1/chat/completions ({pool.role})", **{"epd.worker": worker.url}
+            ) as trace:
+                upstream = await self.r.post_chat(pool, worker, raw, trail, trace=trace)
         finally:
             worker.outstanding -= 1
         if upstream.status == 200:
