@@ -213,6 +213,11 @@ def test_forged_foreign_tampered_and_replayed_handles_are_refused(stack: Stack) 
     status, err = post(stack.pd + "/v1/chat/completions", replay, internal_headers())
     assert 400 <= status < 500 or status == 503, err
     assert err["error"]["message"] and "/dev/shm" not in json.dumps(err)
+    # the failed read is counted, by its cause
+    causes = {
+        c: stack.metric(stack.pd, f'epd_ec_failures_total{{cause="{c}"}}') for c in ("invalid_handle", "unavailable")
+    }
+    assert causes["invalid_handle" if status == 400 else "unavailable"] >= 1, causes
     # where the worker has the image's KV cached it reads nothing, yet a forged handle is still refused
     for name, forged in forgeries.items():
         status, err = post(stack.pd + "/v1/chat/completions", embeds_chat(victim, forged), internal_headers())

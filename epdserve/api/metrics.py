@@ -30,6 +30,7 @@ class _Reads(Collector):
 
     def __init__(self) -> None:
         self.reads: dict[str, tuple[str, bool, Callable[[], float]]] = {}
+        self.labelled: dict[str, tuple[str, str, Callable[[], Mapping[str, float]]]] = {}
 
     def collect(self) -> Iterator[Metric]:
         for name, (help_text, monotonic, read) in self.reads.items():
@@ -37,6 +38,11 @@ class _Reads(Collector):
                 yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=read())
             else:
                 yield GaugeMetricFamily(name, help_text, value=read())
+        for name, (help_text, label, read_all) in self.labelled.items():
+            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=(label,))
+            for value, count in read_all().items():
+                family.add_metric((value,), count)
+            yield family
 
 
 class Metrics:
@@ -64,6 +70,10 @@ class Metrics:
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float], monotonic: bool = False) -> None:
         self._reads.reads[self.prefix + name] = (help_text, monotonic, read)
+
+    def counts(self, name: str, help_text: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
+        """A count kept elsewhere (e.g. by the engine core), by one label, read at scrape time."""
+        self._reads.labelled[self.prefix + name] = (help_text, label, read)
 
     def histogram(
         self,

@@ -382,6 +382,7 @@ class EngineCore:
             ec_bytes=f.bytes if f else 0,
             ec_seconds=f.seconds if f else 0.0,
             ec_failures=f.failures if f else 0,
+            ec_invalid_handles=f.invalid if f else 0,
             kv_transfers_out=self.kv_out,
             kv_transfers_in=self.kv_in,
             kv_fallbacks=self.kv_fallbacks,

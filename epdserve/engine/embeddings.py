@@ -54,6 +54,7 @@ class EmbeddingFetcher:
         self.bytes = 0
         self.seconds = 0.0
         self.failures = 0
+        self.invalid = 0  # of the failures: handles that did not verify (the others: data gone or bad)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="epd-ec-fetch", daemon=True)
         self._thread.start()
@@ -72,6 +73,7 @@ class EmbeddingFetcher:
             emb = await self._consumer.get(handle, rows, width, self.model_id)
         except InvalidHandle as e:
             self.failures += 1
+            self.invalid += 1
             log.warning("refused a handle (%s) of %s: %s", self.what, request_id, e)
             self.on_done(Fetched(request_id, index, None, f"The ec_handle is not valid: {e}", "invalid_handle"))
             return

@@ -219,6 +219,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     ec_bytes: int = 0  # embedding bytes fetched through the EC connector
     ec_seconds: float = 0.0
     ec_failures: int = 0
+    ec_invalid_handles: int = 0  # of the failures: handles that did not verify
     ec_fetches_skipped: int = 0  # metadata-only items not fetched: their placeholders' KV was cached
     kv_transfers_out: int = 0  # prefill: requests whose KV was handed to a decode instance
     kv_transfers_in: int = 0  # decode: requests whose KV was loaded

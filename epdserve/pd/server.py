@@ -195,7 +195,6 @@ class ChatService:
             ("ec_bytes_received_total", "embedding bytes fetched through the EC connector", "ec_bytes"),
             ("ec_fetch_seconds_total", "seconds spent fetching embeddings", "ec_seconds"),
             ("ec_fetches_skipped_total", "media items not fetched: their KV was cached here", "ec_fetches_skipped"),
-            ("ec_failures_total", "media items whose embeddings could not be fetched", "ec_failures"),
             ("kv_transfers_out_total", "requests whose KV this prefill instance handed on", "kv_transfers_out"),
             ("kv_transfers_in_total", "requests continued from KV loaded here", "kv_transfers_in"),
             ("kv_fallbacks_total", "requests whose KV could not be loaded (prefill computed here)", "kv_fallbacks"),
@@ -203,6 +202,12 @@ class ChatService:
         )
         for name, text, field in counts:
             m.gauge(name, text, stat(field), monotonic=True)
+
+        def failures() -> dict[str, float]:
+            st = self.stats
+            return {"invalid_handle": st.ec_invalid_handles, "unavailable": st.ec_failures - st.ec_invalid_handles}
+
+        m.counts("ec_failures_total", "media items whose embeddings could not be fetched, by cause", "cause", failures)
         m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", stat("encoder_cache_bytes"))
         m.gauge("kv_live_handles", "KV leases handed out and not yet released or expired", stat("kv_live_handles"))
         answered = m.counter("requests_total", "chat requests answered, by kind and HTTP status", ("kind", "status"))
