@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -219,15 +219,14 @@ class KVTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     completion_id: str | None = None
 
 
-class ChatRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/chat/completions. Range checks live in ``to_sampling_params``."""
+class SamplingRequest(msgspec.Struct, kw_only=True):
+    """What chat and text completions share: the model, streaming and the sampling fields. Range
+    checks live in ``to_sampling_params``."""
 
     model: str = ""  # optional, as in vLLM: the served model
-    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # preferred over max_tokens when both are given
     min_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -236,16 +235,23 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     ignore_eos: bool | None = False
     n: int | None = 1
-    logprobs: bool | None = False
-    top_logprobs: int | None = None  # alternatives per token, 0..20; needs logprobs
     user: str | None = None
-    # extra chat-template variables (vLLM's extension), e.g. {"add_vision_id": false}
-    chat_template_kwargs: dict[str, Any] | None = None
-    kv_transfer_params: KVTransferParams | None = None  # internal: P/D disaggregation
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(SamplingRequest, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    max_completion_tokens: int | None = None  # preferred over max_tokens when both are given
+    logprobs: bool | None = False
+    top_logprobs: int | None = None  # alternatives per token, 0..20; needs logprobs
+    # extra chat-template variables (vLLM's extension), e.g. {"add_vision_id": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # internal: P/D disaggregation
 
     def media_parts(self) -> list[MediaPart]:
         """Media parts of all messages, in prompt order."""
@@ -284,18 +290,29 @@ def prompt_chars(req: ChatRequest) -> int:
     return n
 
 
-def decode_chat_request(
-    body: bytes, limits: MediaLimits, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
-) -> ChatRequest:
-    """Parse and validate a chat request body; every failure is a ``BadRequest``. The text is bounded
-    by characters here, before any templating or tokenization can spend time on it."""
+R = TypeVar("R", bound=SamplingRequest)
+
+
+def decode_request(body: bytes, kind: type[R]) -> R:
+    """A request body as ``kind``; BadRequest (naming the field) when it is not one."""
     try:
-        req = msgspec.json.decode(body, type=ChatRequest)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         msg = str(e)
         raise BadRequest(f"Invalid request: {msg}", param=param_of(msg)) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"Request body is not valid JSON: {e}") from None
+    if req.n is not None and req.n != 1:
+        raise BadRequest(f"Only n=1 is supported, got n={req.n}.", param="n")
+    return req
+
+
+def decode_chat_request(
+    body: bytes, limits: MediaLimits, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+) -> ChatRequest:
+    """Parse and validate a chat request body; every failure is a ``BadRequest``. The text is bounded
+    by characters here, before any templating or tokenization can spend time on it."""
+    req = decode_request(body, ChatRequest)
 
     chars = prompt_chars(req)
     if chars > max_prompt_chars:
@@ -303,8 +320,6 @@ def decode_chat_request(
             f"The messages hold {chars} characters of text; this server accepts at most {max_prompt_chars}.",
             param="messages",
         )
-    if req.n is not None and req.n != 1:
-        raise BadRequest(f"Only n=1 is supported, got n={req.n}.", param="n")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed when stream is true.", param="stream_options")
 
@@ -330,8 +345,10 @@ def decode_chat_request(
     return req
 
 
-def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len: int) -> SamplingParams:
-    """Validate the sampling fields of ``req`` (OpenAI/vLLM ranges) and build ``SamplingParams``."""
+def to_sampling_params(req: SamplingRequest, default_max_tokens: int, max_model_len: int) -> SamplingParams:
+    """Validate the sampling fields of ``req`` (OpenAI/vLLM ranges) and build ``SamplingParams``
+    (logprobs: chat requests only)."""
+    chat = req if isinstance(req, ChatRequest) else None
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise BadRequest(f"temperature must be in [0, 2], got {temperature}.", param="temperature")
@@ -347,8 +364,8 @@ def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len:
         raise BadRequest(f"top_k must be -1 or 0 (disabled) or at least 1, got {top_k}.", param="top_k")
     top_k = max(top_k, 0)
 
-    if req.max_completion_tokens is not None:
-        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    if chat is not None and chat.max_completion_tokens is not None:
+        max_tokens, max_param = chat.max_completion_tokens, "max_completion_tokens"
     elif req.max_tokens is not None:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     else:
@@ -383,13 +400,14 @@ def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len:
     if req.seed is not None and not _INT64_MIN <= req.seed <= _UINT64_MAX:
         raise BadRequest(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
 
-    top_logprobs = 0 if req.top_logprobs is None else req.top_logprobs
-    if req.top_logprobs is not None:
+    want_logprobs = bool(chat is not None and chat.logprobs)
+    top_logprobs = 0 if chat is None or chat.top_logprobs is None else chat.top_logprobs
+    if chat is not None and chat.top_logprobs is not None:
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}.", param="top_logprobs"
             )
-        if not req.logprobs:
+        if not want_logprobs:
             raise BadRequest("top_logprobs may only be given when logprobs is true.", param="top_logprobs")
 
     return SamplingParams(
@@ -401,7 +419,7 @@ def to_sampling_params(req: ChatRequest, default_max_tokens: int, max_model_len:
         min_tokens=min_tokens,
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
-        logprobs=bool(req.logprobs),
+        logprobs=want_logprobs,
         top_logprobs=top_logprobs,
     )
 

@@ -40,7 +40,7 @@ class CompletionHandlers:
         req = decode_completion_request(body, cfg.max_prompt_chars)
         if req.model and req.model != cfg.model_name:
             raise NotFound.model(req.model)
-        params = to_sampling_params(req.as_chat(), cfg.default_max_tokens, cfg.engine.max_model_len)
+        params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
         if isinstance(req.prompt, str):
             loop = asyncio.get_running_loop()
             tok, text = self.s.tokenizer, req.prompt
@@ -71,12 +71,7 @@ class CompletionHandlers:
         rid = request_id(request.headers)
         try:
             req, add = await self._prepare(await read_body(request, s.config.max_request_bytes))
-            gen = Generation(s, add)
-            try:
-                first = await gen.first()
-            except BaseException:
-                await gen.aclose()
-                raise
+            gen, first = await Generation.started(s, add)
         except ApiError as e:
             s.count("text", e.status)
             logs.access(id=rid, status=e.status, kind="text", e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)

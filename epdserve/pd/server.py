@@ -399,6 +399,16 @@ class Generation:
     async def aclose(self) -> None:
         await self._outputs.aclose()  # type: ignore[attr-defined]
 
+    @classmethod
+    async def started(cls, service: ChatService, add: AddRequest) -> tuple[Generation, Piece]:
+        """A generation and its first piece (the request is aborted if that fails)."""
+        gen = cls(service, add)
+        try:
+            return gen, await gen.first()
+        except BaseException:
+            await gen.aclose()
+            raise
+
     async def first(self) -> Piece:
         """The first piece; raises the request's error as an HTTP error (nothing is sent yet)."""
         out = await anext(self._outputs)
@@ -471,12 +481,7 @@ class ChatHandlers:
             req, add = await s.prepare(body, is_internal(request))
             t_prepared = time.perf_counter()
             kind = request_kind(req)
-            gen = Generation(s, add)
-            try:
-                first = await gen.first()
-            except BaseException:
-                await gen.aclose()
-                raise
+            gen, first = await Generation.started(s, add)
         except ApiError as e:
             s.count(kind, e.status)
             Tracing.set(span, **{"epd.request_id": rid, "http.status_code": e.status})

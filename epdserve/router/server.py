@@ -699,7 +699,7 @@ class Router:
             name, max_model_len = model
             if req.model and req.model != name:
                 raise NotFound.model(req.model)
-            to_sampling_params(req.as_chat(), 1, max_model_len or 1 << 30)
+            to_sampling_params(req, 1, max_model_len or 1 << 30)
             pool = self.pds if self.pds.healthy else self.decodes
             exclude: set[str] = set()
             for attempt in (1, 2):
