@@ -47,9 +47,10 @@ def chat(url: str, req: dict, stream: bool, timing: bool) -> tuple[int, dict[str
         return resp.status, dict(resp.headers), resp.read()
 
 
-def scrape(url: str) -> dict[str, list]:
-    """Sample name -> samples of a /metrics exposition (which must parse)."""
-    status, raw = http("GET", url + "/metrics")
+def scrape(url: str, operator: bool = True) -> dict[str, list]:
+    """Sample name -> samples of a /metrics exposition (which must parse); ``operator``: with the
+    cluster credential (the router adds its workers' metrics only for the operator)."""
+    status, raw = http("GET", url + "/metrics", headers=internal_headers() if operator else None)
     assert status == 200
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(raw.decode()):
@@ -104,6 +105,10 @@ def test_the_router_is_one_scrape_target_for_the_deployment(deployment: Deployme
     own = scrape(pd)
     for name in ("epd_num_requests_running", "epd_time_to_first_token_seconds_bucket", "epd_prefix_cache_hits_total"):
         assert name in own
+    # anyone else gets the router's own metrics: no worker's, so no internal address
+    public = scrape(deployment.url, operator=False)
+    assert "epd_router_requests_total" in public and "epd_requests_total" not in public
+    assert pd not in http("GET", deployment.url + "/metrics")[1].decode()
 
 
 def test_every_dashboard_query_names_an_exported_metric(deployment: Deployment) -> None:

@@ -44,6 +44,14 @@ def is_internal(request: web.Request) -> bool:
     return bool(request.get(_INTERNAL_KEY, False))
 
 
+def is_operator(request: web.Request, auth: AuthConfig) -> bool:
+    """Whether the caller proved the cluster credential or the admin key (what an open route may
+    show only to the deployment's operator, e.g. the workers' addresses)."""
+    if auth.cluster is not None and auth.cluster.accepts(request.headers.get(CLUSTER_HEADER)):
+        return True
+    return bool(auth.admin_key) and same(bearer(request.headers.get("Authorization")), auth.admin_key)
+
+
 def guard(handler: Handler, access: Access, auth: AuthConfig) -> Handler:
     """``handler`` behind the check of ``access``."""
     if access == "open":

@@ -39,7 +39,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api import logs
-from epdserve.api.auth import AuthConfig
+from epdserve.api.auth import AuthConfig, is_operator
 from epdserve.api.completions import decode_completion_request
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
@@ -913,9 +913,12 @@ class Router:
         return web.json_response({"status": "ok", **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        """The router's own metrics, then every worker's (``role`` and ``instance`` labels added):
-        one scrape target for the whole deployment."""
+        """The router's own metrics, then, for the operator (the admin key or the cluster
+        credential: the labels name internal addresses), every worker's with ``role`` and
+        ``instance`` labels added: one scrape target for the whole deployment."""
         assert self.session is not None
+        if not is_operator(request, self.config.auth):
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
         workers = [(pool.role, w) for pool in self.pools for w in pool.workers.values()]
         texts = await asyncio.gather(*(self._scrape(w) for _, w in workers))
         federated = federate([(role, w.url, text) for (role, w), text in zip(workers, texts, strict=True) if text])
