@@ -30,7 +30,7 @@ class _Reads(Collector):
 
     def __init__(self) -> None:
         self.reads: dict[str, tuple[str, bool, Callable[[], float]]] = {}
-        self.labelled: dict[str, tuple[str, str, Callable[[], Mapping[str, float]]]] = {}
+        self.labelled: dict[str, tuple[str, str, bool, Callable[[], Mapping[str, float]]]] = {}
 
     def collect(self) -> Iterator[Metric]:
         for name, (help_text, monotonic, read) in self.reads.items():
@@ -38,8 +38,12 @@ class _Reads(Collector):
                 yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=read())
             else:
                 yield GaugeMetricFamily(name, help_text, value=read())
-        for name, (help_text, label, read_all) in self.labelled.items():
-            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=(label,))
+        for name, (help_text, label, monotonic, read_all) in self.labelled.items():
+            family: CounterMetricFamily | GaugeMetricFamily = (
+                CounterMetricFamily(name.removesuffix("_total"), help_text, labels=(label,))
+                if monotonic
+                else GaugeMetricFamily(name, help_text, labels=(label,))
+            )
             for value, count in read_all().items():
                 family.add_metric((value,), count)
             yield family
@@ -71,9 +75,12 @@ class Metrics:
     def gauge(self, name: str, help_text: str, read: Callable[[], float], monotonic: bool = False) -> None:
         self._reads.reads[self.prefix + name] = (help_text, monotonic, read)
 
-    def counts(self, name: str, help_text: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
-        """A count kept elsewhere (e.g. by the engine core), by one label, read at scrape time."""
-        self._reads.labelled[self.prefix + name] = (help_text, label, read)
+    def counts(
+        self, name: str, help_text: str, label: str, read: Callable[[], Mapping[str, float]], monotonic: bool = True
+    ) -> None:
+        """Values kept elsewhere (e.g. counts of the engine core), by one label, read at scrape
+        time; a counter, or a gauge (``monotonic=False``)."""
+        self._reads.labelled[self.prefix + name] = (help_text, label, monotonic, read)
 
     def histogram(
         self,

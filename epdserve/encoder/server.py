@@ -43,6 +43,7 @@ from epdserve.api.errors import (
     from_media_error,
 )
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
+from epdserve.api.load import EncoderLoad
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
@@ -202,8 +203,14 @@ class EncoderService:
                 prompt_layout(model_config).num_placeholders,
             )
             self.store = open_store(config.ec.store, check, lend=True)
+        self.load = EncoderLoad()  # the autoscaling signal
         self._init_metrics()
         self.tracing = Tracing("epdserve-encoder", config.otlp_traces_endpoint)
+        self.metrics.gauge(
+            "encoder_load_ratio",
+            "visual work offered over what the vision forward serves (autoscaling)",
+            self.load.ratio,
+        )
         self.window = Counter[str]()  # requests and items since the last stats line
         self.stats_line = logs.StatsLine(lambda: bool(self.window), self._stats_fields, config.log_stats_interval_s)
 
@@ -293,6 +300,8 @@ class EncoderService:
         m.inc("encoder_batch_items_total", report.items, help_text="items in batched vision forwards")
         m.inc("encoder_batch_rows_total", report.rows, help_text="patch rows in batched vision forwards")
         self.batch_size.observe(report.items)
+        if report.error is None:
+            self.load.served(report.rows, report.seconds)
         if report.error is not None:
             m.inc("encoder_batch_errors_total", help_text="vision forwards that failed")
         self.forward_seconds.observe(report.seconds)
@@ -414,6 +423,7 @@ class EncoderService:
         t2 = time.perf_counter()
         if media.pixel_values is None:  # process_bytes always returns pixels
             raise ApiError("preprocessing produced no pixels")
+        self.load.offer(media.pixel_values.shape[0])
         try:
             res = await self.batcher.encode(uuid, media.grid_thw, torch.from_numpy(media.pixel_values))
         except QueueFull as e:
@@ -527,6 +537,10 @@ class EncoderHandlers:
         )
         return json_response(encode_response(resp))
 
+    async def load(self, request: web.Request) -> web.Response:
+        """Internal: this encoder's load ratio (the router's autoscaling signal)."""
+        return web.json_response({"load_ratio": self.s.load.ratio()})
+
     async def release(self, request: web.Request) -> web.Response:
         released = await self.s.release(await request.read())
         self.s.metrics.inc("encoder_released_by_router_total", released, help_text="leases the router gave back")
@@ -550,6 +564,7 @@ def build_app(service: EncoderService) -> web.Application:
     routes: list[Route] = [
         ("POST", "/v1/encode", h.encode, "internal"),
         ("POST", "/v1/release", h.release, "internal"),
+        ("GET", "/v1/load", h.load, "internal"),
         ("GET", "/v1/models", h.models, "internal"),
         ("GET", "/health", h.health, "open"),
         ("GET", "/metrics", h.metrics, "open"),

@@ -32,6 +32,7 @@ from epdserve.api.auth import is_internal
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
+from epdserve.api.load import worker_ratio
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
@@ -187,6 +188,9 @@ class ChatService:
         m.gauge("num_requests_waiting", "requests waiting to be scheduled", stat("waiting"))
         m.gauge("kv_blocks_free", "free KV-cache blocks", stat("kv_blocks_free"))
         m.gauge("kv_cache_usage_perc", "fraction of KV-cache blocks in use (1 = full)", self._kv_usage)
+        m.gauge(
+            "load_ratio", "demand over capacity: KV usage, or requests over the batch (autoscaling)", self.load_ratio
+        )
         counts = (
             ("prefix_cache_hits_total", "prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
             ("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache", "prefix_cache_query_tokens"),
@@ -230,6 +234,10 @@ class ChatService:
             self.stage_hist.labels(stage=name).observe(seconds)
         self.queue_time.observe(c.queue)
         return stages
+
+    def load_ratio(self) -> float:
+        st = self.stats
+        return worker_ratio(self._kv_usage(), st.running, st.waiting, self.config.engine.max_num_seqs)
 
     def _kv_usage(self) -> float:
         st = self.stats
@@ -625,6 +633,11 @@ class ChatHandlers:
         self.s.release_kv(handles)
         return web.json_response({"released": len(handles)})
 
+    async def load(self, request: web.Request) -> web.Response:
+        """Internal: this worker's load ratio (the router's autoscaling signal)."""
+        await self.s.refresh_stats()
+        return web.json_response({"load_ratio": self.s.load_ratio()})
+
     async def kv_digest(self, request: web.Request) -> web.Response:
         """Internal: the block hashes of this instance's prefix cache (KV-aware routing)."""
         stats = await self.s.core.stats(digest=True)
@@ -681,6 +694,7 @@ def build_app(service: ChatService) -> web.Application:
         ("GET", "/metrics", h.metrics, "open"),
         ("POST", "/v1/kv/release", h.release_kv, "internal"),
         ("GET", "/v1/kv/digest", h.kv_digest, "internal"),
+        ("GET", "/v1/load", h.load, "internal"),
     ]
     return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
 

@@ -32,6 +32,7 @@ class Worker:
     healthy: bool = True
     outstanding: int = 0
     failures: int = 0  # consecutive failed probes or calls
+    load: float = 0.0  # its load ratio at the last probe (api.load)
 
 
 class NoWorker(RuntimeError):

@@ -53,6 +53,7 @@ from epdserve.api.errors import (
 )
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
+from epdserve.api.load import recommended_replicas
 from epdserve.api.logs import REQUEST_ID_HEADER, request_id
 from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate
 from epdserve.api.protocol import (
@@ -208,6 +209,20 @@ class Router:
             lambda: self.directory.waits,
         )
         m.gauge("router_encoders_healthy", "healthy encoder workers", lambda: len(self.encoders.healthy))
+        m.counts(
+            "router_recommended_replicas",
+            "replicas of each role that would serve its demand at the target utilization (autoscaling)",
+            "role",
+            self._replicas,
+            monotonic=False,
+        )
+        m.counts(
+            "router_load_ratio",
+            "summed load ratio of each role's healthy workers (1 = one worker's capacity)",
+            "role",
+            lambda: {p.role: sum(w.load for w in p.healthy) for p in self.pools if p.workers},
+            monotonic=False,
+        )
         m.gauge("router_pds_healthy", "healthy PD workers", lambda: len(self.pds.healthy))
         m.gauge("router_prefills_healthy", "healthy prefill workers", lambda: len(self.prefills.healthy))
         m.gauge("router_decodes_healthy", "healthy decode workers", lambda: len(self.decodes.healthy))
@@ -263,9 +278,32 @@ class Router:
                     await self._learn_model()
                 if self.kv_index is not None:
                     await asyncio.gather(*(self._poll_digest(w) for w in (*self.pds.healthy, *self.prefills.healthy)))
+                await asyncio.gather(*(self._poll_load(w) for pool in self.pools for w in pool.healthy))
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
+
+    async def _poll_load(self, w: Worker) -> None:
+        """A worker's load ratio (kept at its last value when it cannot say)."""
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                w.url + "/v1/load", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                if r.status == 200:
+                    ratio = msgspec.json.decode(await r.content.read(4096)).get("load_ratio")
+                    if isinstance(ratio, int | float) and 0 <= ratio < 1e6:
+                        w.load = float(ratio)
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError, AttributeError):
+            pass
+
+    def _replicas(self) -> dict[str, float]:
+        """Per role with workers: the replicas that would serve its demand (api.load)."""
+        return {
+            pool.role: float(recommended_replicas([w.load for w in pool.healthy]))
+            for pool in self.pools
+            if pool.workers
+        }
 
     async def _poll_digest(self, w: Worker) -> None:
         """A worker's prefix-cache digest into the KV index (a worker that cannot say goes stale)."""
