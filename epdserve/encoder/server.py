@@ -285,6 +285,7 @@ class EncoderService:
             ):
                 m.gauge(f"encoder_store_{name}_total", text, partial(getattr, st, name))
         m.inc("encoder_batches_total", 0, help_text="batched vision forwards run")
+        m.inc("encoder_put_bytes_total", 0, help_text="bytes put into the EC connector")
         m.inc("encoder_batch_items_total", 0, help_text="items in batched vision forwards")
         m.inc("encoder_batch_rows_total", 0, help_text="patch rows in batched vision forwards")
         m.inc("encode_requests_total", 0, help_text="/v1/encode requests received")
