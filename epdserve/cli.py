@@ -120,6 +120,9 @@ ROUTER_FLAGS = (
     Flag("probe_interval_s", "--probe-interval"),
     "forward_raw_media",
     "directory_entries",
+    "max_inflight_text",
+    "max_inflight_media",
+    "admission_wait_s",
     STATS_INTERVAL,
     OTLP,
     Flag("model", default_help="the embedded model"),
@@ -135,6 +138,7 @@ MEDIA_FLAGS = (
 # flags, which roles get them)
 UP_FORWARDED = (
     (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries"), "router"),
+    (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s"), "router"),
     (SERVER, PUBLIC_FLAGS, "public"),
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("threads", "device", "dtype"), "models"),

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.auth import AuthConfig, is_operator
-from epdserve.api.completions import decode_completion_request
+from epdserve.api.completions import CompletionRequest, decode_completion_request
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
     ApiError,
@@ -81,6 +81,7 @@ from epdserve.encoder.protocol import (
     encode_request,
 )
 from epdserve.media.limits import MediaLimits
+from epdserve.router.admission import Gate
 from epdserve.router.directory import MediaDirectory, content_key
 from epdserve.router.kv_routing import Blocks, KVIndex, PromptBlocks
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
@@ -121,6 +122,9 @@ class RouterConfig:
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
+    max_inflight_text: int = 0  # text-only requests served at once (0: no limit); more wait in their own queue
+    max_inflight_media: int = 0  # requests with images or video served at once (0: no limit); more wait apart
+    admission_wait_s: float = 10.0  # longest a request waits for admission; then 429 with Retry-After
     otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
@@ -183,6 +187,17 @@ class Router:
                 "workers whose KV digest is recent enough to route by",
                 lambda: sum(kv_index.fresh(w.url) for w in self.lm_workers),
             )
+        self.gates = {
+            "text": Gate("text-only", config.max_inflight_text, config.admission_wait_s, config.retry_after_s),
+            "media": Gate("image and video", config.max_inflight_media, config.admission_wait_s, config.retry_after_s),
+        }
+        gates, m = self.gates, self.metrics
+        m.counts("router_admission_in_flight", "requests admitted and not done, by class", "class",
+                 lambda: {k: g.in_flight for k, g in gates.items()}, monotonic=False)  # fmt: skip
+        m.counts("router_admission_waiting", "requests waiting for admission, by class", "class",
+                 lambda: {k: g.waiting for k, g in gates.items()}, monotonic=False)  # fmt: skip
+        m.counts("router_admission_rejected_total", "requests answered 429 after waiting for admission, by class",
+                 "class", lambda: {k: g.rejected for k, g in gates.items()})  # fmt: skip
         self.window = Counter[str]()  # requests since the last stats line
         self.stats_line = logs.StatsLine(lambda: bool(self.window), self._stats_fields, config.log_stats_interval_s)
         self._store_seen = False  # an encoder has handed out a store handle: store hits are possible
@@ -697,7 +712,8 @@ class Router:
         try:
             req = await self.validate(raw)
             kind = request_kind(req)
-            resp = await self._chat(request, req, raw, trail)
+            async with self.gates["text" if kind == "text" else "media"].admit():
+                resp = await self._chat(request, req, raw, trail)
             status = resp.status
             return resp
         except ApiError as e:
@@ -738,22 +754,10 @@ class Router:
             if req.model and req.model != name:
                 raise NotFound.model(req.model)
             to_sampling_params(req, 1, max_model_len or 1 << 30)
-            pool = self.pds if self.pds.healthy else self.decodes
-            exclude: set[str] = set()
-            for attempt in (1, 2):
-                try:
-                    worker = pool.pick(exclude=exclude)
-                except NoWorker:
-                    raise Unavailable("No healthy language-model worker is available.") from None
-                try:
-                    resp, _ = await self._forward(request, worker, raw, bool(req.stream), trail, pool, COMPLETIONS_PATH)
-                    status = resp.status
-                    return resp
-                except RetryableWorker as e:
-                    exclude.add(e.url)
-                    if attempt == 2:
-                        raise WorkerFailed(f"The worker failed: {e}") from None
-            raise AssertionError("unreachable")
+            async with self.gates["text"].admit():
+                resp = await self._complete_text(request, req, raw, trail)
+            status = resp.status
+            return resp
         except ApiError as e:
             status, error = e.status, e.code or ""
             raise
@@ -762,6 +766,26 @@ class Router:
             self.window["requests"] += 1
             logs.access(id=trail.request_id, status=status, kind="text", endpoint="completions",
                         e2e_ms=1e3 * (time.perf_counter() - t0), ran_on=" ".join(trail.ran_on), error=error)  # fmt: skip
+
+    async def _complete_text(
+        self, request: web.Request, req: CompletionRequest, raw: bytes, trail: Trail
+    ) -> web.StreamResponse:
+        """A text completion on a language-model worker, retried once on another before its first byte."""
+        pool = self.pds if self.pds.healthy else self.decodes
+        exclude: set[str] = set()
+        for attempt in (1, 2):
+            try:
+                worker = pool.pick(exclude=exclude)
+            except NoWorker:
+                raise Unavailable("No healthy language-model worker is available.") from None
+            try:
+                resp, _ = await self._forward(request, worker, raw, bool(req.stream), trail, pool, COMPLETIONS_PATH)
+                return resp
+            except RetryableWorker as e:
+                exclude.add(e.url)
+                if attempt == 2:
+                    raise WorkerFailed(f"The worker failed: {e}") from None
+        raise AssertionError("unreachable")
 
     def _count(self, kind: str, status: int) -> None:
         self.metrics.inc("router_requests_total", labels={"kind": kind, "status": str(status)})
