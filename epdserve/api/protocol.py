@@ -534,8 +534,9 @@ class ModelList(msgspec.Struct, kw_only=True):
 SSE_DONE: Final = b"data: [DONE]\n\n"
 
 
-def new_completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+def new_completion_id(prefix: str = "chatcmpl") -> str:
+    """OpenAI's style of id: ``chatcmpl-…`` for chat, ``cmpl-…`` for text completions."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now_s() -> int:

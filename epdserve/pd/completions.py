@@ -59,7 +59,7 @@ class CompletionHandlers:
                 f"requested ({len(ids)} in the prompt, {params.max_tokens} in the completion).",
                 param="max_tokens",
             )
-        add = AddRequest(new_completion_id().replace("chatcmpl", "cmpl"), ids, params, eos_token_ids=self.s.eos,
+        add = AddRequest(new_completion_id("cmpl"), ids, params, eos_token_ids=self.s.eos,
                          arrival=time.time())  # fmt: skip
         return req, add
 

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -61,6 +61,7 @@ from epdserve.api.protocol import (
     SSE_DONE,
     ChatRequest,
     RequestKind,
+    SamplingRequest,
     check_embeds_trust,
     check_kv_trust,
     decode_chat_request,
@@ -505,6 +506,11 @@ class Router:
         req = decode_chat_request(raw, cfg.limits, cfg.max_prompt_chars)
         check_embeds_trust(req, internal=False, enable_mm_embeds=cfg.enable_mm_embeds)
         check_kv_trust(req, internal=False)
+        await self._check_sampling(req)
+        return req
+
+    async def _check_sampling(self, req: SamplingRequest) -> None:
+        """The model named (the one served when none is) and the sampling fields in range."""
         model = self._model or await self._learn_model()
         if model is None:
             raise Unavailable("No healthy prefill/decode worker is available.")
@@ -514,7 +520,6 @@ class Router:
         if req.model != name:
             raise NotFound.model(req.model)
         to_sampling_params(req, 1, max_model_len or 1 << 30)
-        return req
 
     # ---- encode ------------------------------------------------------------------------------
     async def encode(self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
@@ -703,69 +708,59 @@ class Router:
         with self.tracing.server_span("POST /v1/chat/completions", request.headers) as span:
             return await self._chat_logged(request, span)
 
-    async def _chat_logged(self, request: web.Request, span: Any) -> web.StreamResponse:
-        raw = await request.read()
-        kind = "unknown"  # until the body parses
-        t0 = time.perf_counter()
-        trail = Trail(wanted(request.headers), request_id(request.headers))
-        status, error = 200, ""
+    @contextlib.contextmanager
+    def _answered(self, trail: Trail, span: Any = None, endpoint: str = "") -> Iterator[_Answer]:
+        """Account for one public request however it ends: the request counter by kind and
+        status, the stats window, its span's attributes and its access line."""
+        answer, t0 = _Answer(), time.perf_counter()
         try:
-            req = await self.validate(raw)
-            kind = request_kind(req)
-            async with self.gates["text" if kind == "text" else "media"].admit():
-                resp = await self._chat(request, req, raw, trail)
-            status = resp.status
-            return resp
+            yield answer
         except ApiError as e:
-            status, error = e.status, e.code or ""
+            answer.status, answer.error = e.status, e.code or ""
             raise
         finally:
-            self._count(kind, status)
+            self._count(answer.kind, answer.status)
             self.window["requests"] += 1
-            Tracing.set(span, **{"epd.request_id": trail.request_id, "epd.kind": kind, "http.status_code": status})
+            Tracing.set(
+                span, **{"epd.request_id": trail.request_id, "epd.kind": answer.kind, "http.status_code": answer.status}
+            )
             logs.access(
                 id=trail.request_id,
-                status=status,
-                kind=kind,
+                status=answer.status,
+                kind=answer.kind,
+                endpoint=endpoint,
                 e2e_ms=1e3 * (time.perf_counter() - t0),
                 encode_ms=1e3 * trail.stages.get("router_encode", 0.0),
                 media=", ".join(f"{n} {how}" for how, n in sorted(trail.media.items())),
                 ran_on=" ".join(trail.ran_on),
-                error=error,
+                error=answer.error,
             )
+
+    async def _chat_logged(self, request: web.Request, span: Any) -> web.StreamResponse:
+        raw = await request.read()
+        trail = Trail(wanted(request.headers), request_id(request.headers))
+        with self._answered(trail, span) as answer:
+            req = await self.validate(raw)
+            answer.kind = request_kind(req)
+            async with self.gates["text" if answer.kind == "text" else "media"].admit():
+                resp = await self._chat(request, req, raw, trail)
+            answer.status = resp.status
+            return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
         worker (a prefill+decode one, else a decode one), retried once on another before its first byte."""
-        with self.tracing.server_span("POST /v1/completions", request.headers):
-            return await self._completions(request)
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        t0 = time.perf_counter()
-        trail = Trail(wanted(request.headers), request_id(request.headers))
-        status, error = 200, ""
-        try:
-            req = decode_completion_request(raw, self.config.max_prompt_chars)
-            model = self._model or await self._learn_model()
-            if model is None:
-                raise Unavailable("No healthy language-model worker is available.")
-            name, max_model_len = model
-            if req.model and req.model != name:
-                raise NotFound.model(req.model)
-            to_sampling_params(req, 1, max_model_len or 1 << 30)
-            async with self.gates["text"].admit():
-                resp = await self._complete_text(request, req, raw, trail)
-            status = resp.status
-            return resp
-        except ApiError as e:
-            status, error = e.status, e.code or ""
-            raise
-        finally:
-            self._count("text", status)
-            self.window["requests"] += 1
-            logs.access(id=trail.request_id, status=status, kind="text", endpoint="completions",
-                        e2e_ms=1e3 * (time.perf_counter() - t0), ran_on=" ".join(trail.ran_on), error=error)  # fmt: skip
+        with self.tracing.server_span("POST /v1/completions", request.headers) as span:
+            raw = await request.read()
+            trail = Trail(wanted(request.headers), request_id(request.headers))
+            with self._answered(trail, span, "completions") as answer:
+                answer.kind = "text"
+                req = decode_completion_request(raw, self.config.max_prompt_chars)
+                await self._check_sampling(req)
+                async with self.gates["text"].admit():
+                    resp = await self._complete_text(request, req, raw, trail)
+                answer.status = resp.status
+                return resp
 
     async def _complete_text(
         self, request: web.Request, req: CompletionRequest, raw: bytes, trail: Trail
@@ -998,6 +993,15 @@ class Router:
             log.debug("no metrics from %s: %s", w.url, e)
         self.metrics.inc("router_scrape_failures_total", help_text="worker metrics the router could not read")
         return None
+
+
+@dataclass
+class _Answer:
+    """How a public request ended, as far as it got."""
+
+    kind: str = "unknown"  # until the body parses
+    status: int = 200
+    error: str = ""
 
 
 async def _json_body(request: web.Request) -> dict:
