@@ -597,6 +597,19 @@ def add_sweep_args(s: argparse.ArgumentParser) -> None:
     add_cli_flags(s)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from epdserve.plan.planner import run_cli
+
+    return run_cli(args)
+
+
+def add_plan_args(s: argparse.ArgumentParser) -> None:
+    """Flags of ``epdserve plan``."""
+    from epdserve.plan.planner import add_cli_flags
+
+    add_cli_flags(s)
+
+
 def add_demo_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="model directory (default: embedded)")
     s.add_argument("--seed", type=int, default=7, help="seed of the generated images and questions")
@@ -669,6 +682,12 @@ COMMANDS = {
         "measure when separate encoders pay on this machine: a grid of workloads against each topology",
         _sweep,
         add_sweep_args,
+    ),
+    "plan": Command(
+        "recommend a topology and E:PD ratio for a workload, with its expected TTFT, throughput and goodput, "
+        "from measured stage costs",
+        _plan,
+        add_plan_args,
     ),
     "train-shapes": Command("train the shapes-world model (see docs/model.md)", _train_shapes, add_train_args),
 }

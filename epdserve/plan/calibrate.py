@@ -1,0 +1,203 @@
+"""A short calibration run: requests of known shape against a live deployment, timed stage by stage.
+
+``calibrate_url(CalibrationConfig, url)`` sends, one at a time (nothing queues, so every stage
+time is a cost), text requests plain and padded and image requests of a few counts and sizes, then
+text requests with a longer answer at a few concurrencies (the decode step's growth with the
+batch). Every request asks for ``X-EPD-Timing`` (the load client always does); the deployment's
+path — aggregated, E+PD or E+P+D — is read from the stages it reports. ``calibrate`` turns the
+samples of one or more deployments into a ``Profile``; ``calibrate_topologies`` starts each
+topology on this machine (pinned, as ``up --pin-cores``), calibrates it and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from epdserve.bench.client import RequestResult
+from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, _cpu_model
+from epdserve.bench.workload import WorkloadConfig
+from epdserve.launcher import free_port
+from epdserve.plan.profile import PATHS, PathCosts, Profile, ProfileError, Sample, fit_path, fit_token_counts
+from epdserve.shapes import ShapesWorld
+from epdserve.up import Deployment, Topology
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What a calibration run sends; a few dozen short requests per deployment."""
+
+    images: tuple[int, ...] = (1, 4, 8)  # image counts of the unloaded image requests
+    image_sides: tuple[int, ...] = (0, 224)  # image sides in px (0: the generator's own sizes, 84 to 168 px)
+    padding: int = 96  # prompt tokens of the padded text requests (prefill's cost per token)
+    output_len: int = 8  # output tokens of the unloaded requests
+    decode_output_len: int = 48  # output tokens of the decode runs
+    concurrencies: tuple[int, ...] = (1, 2, 4)  # closed-loop concurrencies of the decode runs
+    requests: int = 4  # measured requests per unloaded cell (decode runs: this × concurrency)
+    warmup: int = 1  # unmeasured requests before each cell
+    seed: int = 0  # payload seed; each cell adds its own offset so no cell hits another's caches
+    timeout_s: float = 120.0  # time allowed per request
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or not self.images or not self.image_sides or not self.concurrencies:
+            raise ValueError("calibration needs requests >= 1, image counts, image sides and concurrencies")
+        if min(self.concurrencies) < 1 or 0 in self.images:
+            raise ValueError("concurrencies and image counts must be >= 1")
+        if self.output_len < 1 or self.decode_output_len < 2:
+            raise ValueError("output_len must be >= 1 and decode_output_len >= 2")
+
+    def cells(self) -> list[tuple[WorkloadConfig, int]]:
+        """(workload, concurrency) of every run, in the order they are sent."""
+        quiet = [
+            (WorkloadConfig(images_per_request=0, output_len=self.output_len), 1),
+            (WorkloadConfig(images_per_request=0, prompt_tokens=self.padding, output_len=self.output_len), 1),
+            *(
+                (WorkloadConfig(images_per_request=n, image_size=side, output_len=self.output_len), 1)
+                for side in self.image_sides
+                for n in self.images
+            ),
+        ]
+        decode = [
+            (WorkloadConfig(images_per_request=0, output_len=self.decode_output_len), c) for c in self.concurrencies
+        ]
+        return [*quiet, *decode]
+
+
+def native_pixels(seed: int = 0, n: int = 64) -> float:
+    """Mean pixels of the workload generator's own images (the size an image_size of 0 sends)."""
+    world = ShapesWorld(seed)
+    sizes = [world.scene().render().size for _ in range(n)]
+    return sum(w * h for w, h in sizes) / n
+
+
+def path_of_stages(stages: dict[str, float]) -> str:
+    """The serving path a request's Server-Timing shows: prefill workers report ``prefill_*``,
+    the router (in front of encoders) ``router_*``; an aggregated server only ``pd_*``."""
+    if any(s.startswith("prefill_") for s in stages):
+        return "split"
+    if any(s.startswith(("router_", "encoder_")) for s in stages):
+        return "epd"
+    if any(s.startswith("pd_") for s in stages):
+        return "aggregated"
+    raise ProfileError("the deployment reported no stage timing (Server-Timing): is it an epdserve deployment?")
+
+
+def samples_of_run(results: list[RequestResult], w: WorkloadConfig, concurrency: int, pixels: float) -> list[Sample]:
+    """The successful requests of one run as samples (a failed request would fit nonsense)."""
+    ok = [r for r in results if r.ok and r.e2e > 0]
+    if len(ok) < len(results):
+        bad = next(r for r in results if not r.ok)
+        raise ProfileError(
+            f"a calibration request failed ({bad.error or f'HTTP {bad.status}'}): fix the deployment first"
+        )
+    decoding = sum((r.e2e - r.ttft) / r.e2e for r in ok) / len(ok)
+    media = [r for r in ok if r.kind == "image"]
+    path = path_of_stages(media[0].stages if media else ok[0].stages) if ok else ""
+    return [
+        Sample(
+            path=path,
+            images=w.images_per_request if r.kind == "image" else 0,
+            image_side=w.image_size,
+            pixels=float(w.image_size**2) if w.image_size else pixels,
+            padding=w.prompt_tokens,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens,
+            concurrency=concurrency,
+            ttft_s=r.ttft,
+            tpot_s=r.tpot,
+            decode_batch=concurrency * decoding,
+            stages=dict(r.stages),
+        )
+        for r in ok
+    ]
+
+
+def calibrate_url(config: CalibrationConfig, url: str, say: Callable[[str], None] = lambda s: None) -> list[Sample]:
+    """Every calibration run against the deployment at ``url``, as samples of its path."""
+    pixels = native_pixels(config.seed)
+    samples: list[Sample] = []
+    for i, (w, concurrency) in enumerate(config.cells()):
+        bench = BenchConfig(
+            url=url.rstrip("/"),
+            workload=w,
+            num_requests=config.requests * concurrency,
+            warmup=config.warmup,
+            concurrency=concurrency,
+            seed=config.seed + 100 * (i + 1),
+            timeout_s=config.timeout_s,
+        )
+        res = asyncio.run(run_bench(bench))
+        samples += samples_of_run(res.results, w, concurrency, pixels)
+        s = res.summary
+        say(
+            f"{url}: {w.images_per_request} img × {w.image_size or 'own'} px, pad {w.prompt_tokens}, "
+            f"{w.output_len} tok, concurrency {concurrency}: TTFT p50 {1e3 * s.ttft.p50:.1f} ms, "
+            f"TPOT p50 {1e3 * s.tpot.p50:.2f} ms"
+        )
+    paths = {s.path for s in samples if s.images}
+    if len(paths) != 1:
+        raise ProfileError(f"{url}: image requests took more than one path ({', '.join(sorted(paths))})")
+    path = paths.pop()
+    return [Sample(**{**s.__dict__, "path": path}) for s in samples]  # text requests show no router stage
+
+
+def calibrate(samples: list[Sample], source: str, pixels: float) -> Profile:
+    """The profile of samples from one or more deployments (one path each)."""
+    paths: dict[str, PathCosts] = {
+        p: fit_path([s for s in samples if s.path == p]) for p in PATHS if any(s.path == p for s in samples)
+    }
+    if not paths:
+        raise ProfileError("no samples")
+    text, extra, image_tokens = fit_token_counts(samples)
+    return Profile(
+        paths=paths,
+        text_tokens=text,
+        padded_extra_tokens=extra,
+        image_tokens=image_tokens,
+        native_pixels=pixels,
+        nproc=len(os.sched_getaffinity(0)),
+        cpu_model=_cpu_model(),
+        source=f"{source}, {datetime.now().astimezone().isoformat(timespec='seconds')}",
+    )
+
+
+def calibrate_urls(config: CalibrationConfig, urls: list[str], say: Callable[[str], None] = lambda s: None) -> Profile:
+    samples = [s for url in urls for s in calibrate_url(config, url, say)]
+    return calibrate(samples, "calibration of " + ", ".join(urls), native_pixels(config.seed))
+
+
+def calibrate_topologies(
+    config: CalibrationConfig,
+    topologies: list[str],
+    model: str | None = None,
+    log_dir: Path | None = None,
+    say: Callable[[str], None] = lambda s: None,
+) -> Profile:
+    """Start each topology on this machine in turn (roles pinned as ``up --pin-cores`` pins them),
+    calibrate it, stop it. Role logs go to ``log_dir`` (default: a new temporary directory)."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="epd-plan-"))
+    say(f"role logs in {log_dir}")
+    samples: list[Sample] = []
+    for name in topologies:
+        deployment = Deployment(
+            Topology.parse(name),
+            model,
+            port=free_port(),
+            pin=True,
+            extra_pd_args=list(MEDIA_LIMIT_ARGS),
+            extra_router_args=list(MEDIA_LIMIT_ARGS),
+            log_dir=log_dir / name.replace("+", "_"),
+        )
+        say(f"starting {name}")
+        try:
+            deployment.start()
+            samples += calibrate_url(config, deployment.url, say)
+        finally:
+            deployment.stop()
+    return calibrate(samples, "calibration of " + ", ".join(topologies) + " started pinned", native_pixels(config.seed))

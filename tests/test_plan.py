@@ -1,0 +1,321 @@
+"""``epdserve plan``: the fit recovers known costs, the model behaves as queues do, the planner's
+choice follows the workload, profiles are versioned, and a calibration against a real deployment."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from epdserve.bench.report import SLO
+from epdserve.bench.workload import WorkloadConfig
+from epdserve.cli import main
+from epdserve.plan.model import Load, erlang_c, predict
+from epdserve.plan.planner import PlanConfig, candidates, plan
+from epdserve.plan.profile import (
+    PROFILE_VERSION,
+    PathCosts,
+    Profile,
+    ProfileError,
+    Sample,
+    fit_path,
+    fit_token_counts,
+    load_profile,
+    save_profile,
+)
+
+# ---- factories -------------------------------------------------------------------------------------
+
+
+def costs(**kw: float) -> PathCosts:
+    base = dict(
+        encode_call_s=0.004,
+        encode_image_s=0.006,
+        encode_mpx_s=0.05,
+        prefill_s=0.003,
+        prefill_token_s=0.0002,
+        prefill_media_s=0.004,
+        prefill_image_s=0.0005,
+        overhead_s=0.003,
+        overhead_image_s=0.0004,
+        decode_step_s=0.004,
+        decode_seq_s=0.0005,
+        samples=0,
+        ttft_rms_s=0.0,
+    )
+    return PathCosts(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def profile(**paths: PathCosts) -> Profile:
+    """An aggregated engine that runs the vision forward inside prefill (6 ms an image) and an E+PD
+    path that moves it to encoders at the price of a router hop (8 ms more latency)."""
+    default = {
+        "aggregated": costs(encode_call_s=0, encode_image_s=0, encode_mpx_s=0, prefill_image_s=0.0065),
+        "epd": costs(overhead_s=0.011),
+    }
+    return Profile(
+        paths={**default, **paths},
+        text_tokens=30,
+        padded_extra_tokens=20,
+        image_tokens={0: 17.0, 224: 20.0},
+        native_pixels=16000,
+        nproc=2,
+        cpu_model="test",
+        source="synthetic",
+    )
+
+
+def samples_of(c: PathCosts, path: str = "epd") -> list[Sample]:
+    """Exact samples of ``c``: unloaded runs of several shapes, then decode runs at batches 1, 2, 4."""
+    out = []
+    for images, side, padding in [(0, 0, 0), (0, 0, 96), (1, 0, 0), (4, 0, 0), (8, 0, 0), (1, 224, 0), (4, 224, 0)]:
+        pixels = float(side * side) if side else 16000.0
+        tokens = 30 + padding + images * (17 if side == 0 else 20)
+        ttft = c.overhead(images) + c.encode(images, pixels) + c.prefill(tokens, images)
+        stages = {"pd_queue": 0.0, "pd_prefill": c.prefill(tokens, images)}
+        if images:
+            stages["router_encode"] = c.encode(images, pixels)
+        for _ in range(3):
+            out.append(Sample(path, images, side, pixels, padding, tokens, 8, 1, ttft, c.step(0.9), 0.9, stages))
+    for batch in (1.0, 2.0, 4.0):
+        conc = int(batch)
+        out += [Sample(path, 0, 0, 16000.0, 0, 30, 48, conc, 0.02, c.step(batch), batch, {}) for _ in range(3)]
+    return out
+
+
+def image_load(rate: float, images: int = 10, out: int = 16, **kw: object) -> Load:
+    return Load(WorkloadConfig(images_per_request=images, output_len=out), request_rate=rate, **kw)  # type: ignore[arg-type]
+
+
+# ---- fitting ---------------------------------------------------------------------------------------
+
+
+def test_fit_recovers_known_costs() -> None:
+    truth = costs()
+    fitted = fit_path(samples_of(truth))
+    for f in dataclasses.fields(PathCosts):
+        if f.name in ("samples", "ttft_rms_s"):
+            continue
+        assert getattr(fitted, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-6, abs=1e-9), f.name
+    assert fitted.ttft_rms_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_ignores_one_stalled_request_per_run() -> None:
+    """A run counts by its median request: one request stalled by a busy machine does not move the fit."""
+    truth = costs()
+    samples = samples_of(truth)
+    stalled = next(i for i, s in enumerate(samples) if s.images == 4 and s.image_side == 0)
+    s = samples[stalled]
+    samples[stalled] = dataclasses.replace(s, stages={k: 10 * v for k, v in s.stages.items()}, ttft_s=10 * s.ttft_s)
+    fitted = fit_path(samples)
+    assert fitted.encode_image_s == pytest.approx(truth.encode_image_s, rel=1e-6)
+    assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=1e-6)
+
+
+def test_fit_never_returns_a_negative_cost() -> None:
+    """Prefill that does not grow with the prompt (noise makes the slope negative) is fitted as 0, not < 0."""
+    samples = [
+        dataclasses.replace(s, stages={**s.stages, "pd_prefill": 0.01 - 1e-5 * s.prompt_tokens})
+        for s in samples_of(costs())
+    ]
+    fitted = fit_path(samples)
+    assert all(getattr(fitted, f.name) >= 0 for f in dataclasses.fields(PathCosts))
+    assert fitted.prefill_token_s == 0
+
+
+def test_fit_needs_unloaded_requests() -> None:
+    loaded = [s for s in samples_of(costs()) if s.concurrency > 1]
+    with pytest.raises(ProfileError, match="unloaded"):
+        fit_path(loaded)
+
+
+def test_token_counts_from_usage() -> None:
+    text, extra, per_image = fit_token_counts(samples_of(costs()))
+    assert (text, extra) == (30, 0 + 30)  # padded requests: 96 padding + 30 tokens of template and question
+    assert per_image == {0: pytest.approx(17.0), 224: pytest.approx(20.0)}
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+
+def test_erlang_c_of_one_server_is_its_utilization() -> None:
+    assert erlang_c(1, 0.3) == pytest.approx(0.3)
+    assert erlang_c(4, 2.0) < erlang_c(2, 1.8)  # more servers at similar per-server load wait less
+
+
+def test_more_encoders_never_predict_a_worse_encode_wait() -> None:
+    p = profile()
+    load = image_load(12.0, images=10, out=16)
+    waits = []
+    for cores in (2, 8):
+        for e in (1, 2, 3, 4):
+            pred = predict(p, f"{e}e+1pd", cores, load)
+            assert pred.stable
+            waits.append((cores, e, pred.utilization["encoders"], pred.ttft_by_kind_s["image"]))
+    for (c1, _, u1, t1), (c2, _, u2, t2) in itertools.pairwise(waits):
+        if c1 == c2:
+            assert u2 <= u1 + 1e-12 and t2 <= t1 + 1e-12
+    # on 2 cores the encoders share one core: a second adds nothing; on 8 it halves their load
+    assert waits[1][2] == pytest.approx(waits[0][2])
+    assert waits[5][2] == pytest.approx(waits[4][2] / 2)
+
+
+def test_over_capacity_is_unstable_not_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    p = profile()
+    capacity = predict(p, "aggregated", 2, image_load(1.0)).capacity_rps
+    over = predict(p, "aggregated", 2, image_load(1.5 * capacity, slo=SLO(ttft=0.5)))
+    assert not over.stable
+    assert over.ttft_p50_s is None and over.ttft_mean_s is None and over.goodput_rps is None
+    assert over.throughput_rps == pytest.approx(capacity)
+    under = predict(p, "aggregated", 2, image_load(0.5 * capacity))
+    assert under.stable and under.ttft_p50_s is not None and math.isfinite(under.ttft_p50_s)
+
+
+def test_latency_grows_with_the_arrival_rate() -> None:
+    p = profile()
+    capacity = predict(p, "1e+1pd", 2, image_load(1.0)).capacity_rps
+    ttfts = [predict(p, "1e+1pd", 2, image_load(f * capacity)).ttft_p90_s for f in (0.1, 0.4, 0.7, 0.95)]
+    assert all(t is not None for t in ttfts)
+    assert ttfts == sorted(ttfts)  # type: ignore[type-var]
+
+
+def test_closed_loop_obeys_littles_law() -> None:
+    p = profile()
+    pred = predict(p, "1e+1pd", 2, Load(WorkloadConfig(images_per_request=4, output_len=64), concurrency=4))
+    assert pred.stable and pred.e2e_mean_s is not None
+    assert pred.request_rate * pred.e2e_mean_s == pytest.approx(4, rel=1e-3)
+
+
+def test_goodput_falls_when_the_slo_tightens() -> None:
+    """At the predicted TTFT p50 as the bound, half the requests meet it; looser, all; below the
+    latency without any wait, none."""
+    p = profile()
+    p50 = predict(p, "aggregated", 2, image_load(4.0)).ttft_p50_s
+    assert p50 is not None
+    loose = predict(p, "aggregated", 2, image_load(4.0, slo=SLO(ttft=20 * p50)))
+    median = predict(p, "aggregated", 2, image_load(4.0, slo=SLO(ttft=p50)))
+    impossible = predict(p, "aggregated", 2, image_load(4.0, slo=SLO(ttft=0.001)))
+    assert loose.goodput_rps == pytest.approx(4.0, rel=0.01)
+    assert median.slo_fraction == pytest.approx(0.5, abs=1e-6)
+    assert impossible.goodput_rps == 0
+
+
+# ---- the planner -----------------------------------------------------------------------------------
+
+
+def test_candidates_stay_within_the_replica_budget() -> None:
+    names = candidates(3, split=True)
+    assert names[0] == "aggregated"
+    assert {"1e+1pd", "2e+1pd", "1e+2pd", "1e+1p+1d"} <= set(names)
+    assert "2e+2pd" not in names and "1e+1p+2d" not in names
+    assert not any("p+" in n for n in candidates(3, split=False))
+
+
+def test_recommendation_follows_the_workload() -> None:
+    """Image-heavy short answers: the encode moves off the engine, E+PD wins. Text with long
+    answers: nothing to encode, the router's hop only adds latency, aggregated wins."""
+    p = profile()
+    images = plan(p, PlanConfig(image_load(10.0, images=10, out=16, slo=SLO(ttft=0.3)), cores=2))
+    text = plan(p, PlanConfig(Load(WorkloadConfig(images_per_request=0, output_len=256), request_rate=2.0), cores=2))
+    assert images.best is not None and text.best is not None
+    assert images.best.path == "epd", images.ranked[:3]
+    assert text.best.topology == "aggregated", text.ranked[:3]
+    # the fewest processes among equals: 1e+1pd, not 2e+1pd, on 2 cores
+    assert images.best.topology == "1e+1pd"
+
+
+def test_no_stable_candidate_is_no_recommendation() -> None:
+    result = plan(profile(), PlanConfig(image_load(1000.0), cores=2))
+    assert result.best is None and result.ranked and not any(p.stable for p in result.ranked)
+
+
+# ---- profiles --------------------------------------------------------------------------------------
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    p = profile()
+    assert load_profile(save_profile(p, tmp_path / "p.json")) == p
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(version=PROFILE_VERSION + 1), "version"),
+        (lambda d: d.pop("version"), "version"),
+        (lambda d: d.pop("text_tokens"), "missing text_tokens"),
+        (lambda d: d["paths"]["epd"].pop("decode_step_s"), "lacks decode_step_s"),
+        (lambda d: d["paths"]["epd"].update(prefill_s=-1), "negative"),
+        (lambda d: d["paths"].update(gpu={}), "unknown path"),
+    ],
+)
+def test_a_bad_profile_is_refused_clearly(tmp_path: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    data = profile().to_json()
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
+def test_not_json_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text("{")
+    with pytest.raises(ProfileError, match="not JSON"):
+        load_profile(path)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+def test_cli_prints_the_ranking(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_profile(profile(), tmp_path / "p.json")
+    flags = ["--images-per-request", "10", "--output-len", "16", "--request-rate", "10", "--slo", "ttft=300ms"]
+    assert main(["plan", "--profile", str(path), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: 1e+1pd" in out and "epdserve up --topology 1e+1pd --pin-cores" in out
+    assert "aggregated" in out.split("recommendation")[0]
+    assert main(["plan", "--profile", str(path), *flags, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommendation"] == "1e+1pd"
+    assert data["ranked"][0]["topology"] == "1e+1pd" and data["ranked"][0]["stable"] is True
+
+
+def test_cli_over_capacity_says_unstable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_profile(profile(), tmp_path / "p.json")
+    assert main(["plan", "--profile", str(path), "--request-rate", "1000", "--topologies", "aggregated"]) == 1
+    out = capsys.readouterr().out
+    assert "unstable" in out and "no candidate keeps up" in out
+
+
+def test_cli_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_profile(profile(), tmp_path / "p.json")
+    assert main(["plan", "--profile", str(path)]) == 2  # no arrivals
+    assert "--request-rate" in capsys.readouterr().err
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({**profile().to_json(), "version": 0}))
+    assert main(["plan", "--profile", str(bad), "--request-rate", "1"]) == 2
+    assert "profile version 0" in capsys.readouterr().err
+
+
+# ---- calibration against a real deployment ---------------------------------------------------------
+
+
+def test_calibration_against_a_started_deployment(tmp_path: Path) -> None:
+    """1e+1pd started pinned, a few requests of each shape: the E+PD path is recognised from its
+    stage timing, and its costs come out positive where the work is."""
+    from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies
+
+    config = CalibrationConfig(images=(1, 4), image_sides=(0,), concurrencies=(1, 2), requests=2, decode_output_len=16)
+    p = calibrate_topologies(config, ["1e+1pd"], log_dir=tmp_path / "logs")
+    assert set(p.paths) == {"epd"}
+    c = p.paths["epd"]
+    assert c.encode_call_s + c.encode_image_s > 0
+    assert c.decode_step_s > 0 and c.prefill_s + c.prefill_token_s > 0
+    assert 0 < p.image_tokens[0] < 100 and p.text_tokens > 0
+    pred = predict(p, "1e+1pd", 2, image_load(1.0, images=4))
+    assert pred.stable and pred.ttft_p50_s is not None and 0 < pred.ttft_p50_s < 5
+    assert load_profile(save_profile(p, tmp_path / "p.json")) == p
