@@ -133,9 +133,18 @@ def test_fit_needs_unloaded_requests() -> None:
         fit_path(loaded)
 
 
+def test_token_counts_without_text_requests() -> None:
+    """Image runs at two counts tell the text's tokens from the images'; at one count they cannot."""
+    samples = [s for s in samples_of(costs()) if s.images and s.image_side == 0]
+    text, _, per_image = fit_token_counts(samples)
+    assert text == pytest.approx(30) and per_image[0] == pytest.approx(17)
+    with pytest.raises(ProfileError, match="cannot tell"):
+        fit_token_counts([s for s in samples if s.images == 4])
+
+
 def test_token_counts_from_usage() -> None:
     text, extra, per_image = fit_token_counts(samples_of(costs()))
-    assert (text, extra) == (30, 0 + 30)  # padded requests: 96 padding + 30 tokens of template and question
+    assert (text, extra) == (pytest.approx(30), pytest.approx(30))  # padded: 96 padding + 30 of template and question
     assert per_image == {0: pytest.approx(17.0), 224: pytest.approx(20.0)}
 
 
@@ -266,6 +275,66 @@ def test_not_json_is_refused(tmp_path: Path) -> None:
     path.write_text("{")
     with pytest.raises(ProfileError, match="not JSON"):
         load_profile(path)
+
+
+def synthetic_sweep(c: PathCosts, queue_s: float = 0.005) -> dict:
+    """A sweep.json of 1e+1pd cells whose stage means follow ``c``, each with ``queue_s`` of encoder
+    and prefill queueing (closed loop, concurrency 2)."""
+    cells = []
+    for images in (0, 1, 4, 10):
+        for out in (8, 32):
+            tokens = 30 + 17 * images
+            encode, prefill = c.encode(images, 16000.0), c.prefill(tokens, images)
+            stages = {"pd_queue": queue_s, "pd_prefill": prefill}
+            if images:
+                stages |= {"router_encode": encode + queue_s, "encoder_queue": queue_s}
+            ttft = c.overhead(images) + encode + prefill + (2 if images else 1) * queue_s
+            e2e = ttft + 0.1 * out
+            tpot = c.step(2 * (e2e - ttft) / e2e)
+            stat = lambda v: {"count": 4, "mean": v, "p50": v, "p90": v, "p99": v, "max": v}  # noqa: E731
+            summary = {
+                "completed": 4,
+                "input_tokens": 4 * tokens,
+                "output_tokens": 4 * out,
+                "ttft": stat(ttft),
+                "e2e": stat(e2e),
+                "tpot": stat(tpot),
+                "stages": {k: stat(v) for k, v in stages.items()},
+            }
+            cells.append(
+                {"topology": "1e+1pd", "cell": {"images": images, "output_len": out, "mixed": False}, "clean": True}
+                | {"summary": summary}
+            )
+    config = {"request_rate": 0.0, "concurrency": 2, "image_size": 0, "prompt_tokens": 0, "seed": 0}
+    env = {"nproc": 2, "cpu_model": "test", "date": "today", "commit": "abc"}
+    return {"config": config, "environment": env, "cells": cells}
+
+
+def test_profile_from_a_sweep(tmp_path: Path) -> None:
+    """A sweep's cells, their queues taken out, give back the costs they were made of."""
+    from epdserve.plan.calibrate import native_pixels, profile_from_sweep
+
+    truth = costs(encode_mpx_s=0.0)  # one image size in the sweep: pixels cannot be told from images
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(synthetic_sweep(truth)))
+    p = profile_from_sweep(path)
+    assert set(p.paths) == {"epd"} and p.image_tokens == {0: pytest.approx(17)}
+    fitted = p.paths["epd"]
+    for name in ("encode_call_s", "encode_image_s", "overhead_s", "overhead_image_s", "decode_step_s", "decode_seq_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3, abs=1e-8), name
+    # with one image size, a prompt's tokens grow with its images: only their sum is identified
+    for images in (0, 1, 4, 10):
+        tokens = 30 + 17 * images
+        assert fitted.prefill(tokens, images) == pytest.approx(truth.prefill(tokens, images), rel=1e-6)
+    assert native_pixels() == p.native_pixels
+
+
+def test_a_sweep_without_stage_timing_is_refused_clearly() -> None:
+    """The sweeps in docs/results ran before the client recorded Server-Timing."""
+    from epdserve.plan.calibrate import profile_from_sweep
+
+    with pytest.raises(ProfileError, match="no clean cell with stage timing"):
+        profile_from_sweep(Path(__file__).parent.parent / "docs" / "results" / "sweep" / "sweep.json")
 
 
 # ---- command line ----------------------------------------------------------------------------------

@@ -7,11 +7,17 @@ batch). Every request asks for ``X-EPD-Timing`` (the load client always does); t
 path — aggregated, E+PD or E+P+D — is read from the stages it reports. ``calibrate`` turns the
 samples of one or more deployments into a ``Profile``; ``calibrate_topologies`` starts each
 topology on this machine (pinned, as ``up --pin-cores``), calibrates it and stops it.
+
+``profile_from_sweep`` fits a profile to the cells of an ``epdserve sweep`` instead: each cell's
+mean stage times, its queueing stages taken out. Its cells ran loaded, so what load adds to a stage
+beyond its queue (a prefill sharing steps with running decodes) stays in the costs; a calibration
+is the sharper measurement.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -24,6 +30,7 @@ from epdserve.bench.loadgen import BenchConfig, run_bench
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, _cpu_model
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port
+from epdserve.plan.model import path_of
 from epdserve.plan.profile import PATHS, PathCosts, Profile, ProfileError, Sample, fit_path, fit_token_counts
 from epdserve.shapes import ShapesWorld
 from epdserve.up import Deployment, Topology
@@ -201,3 +208,74 @@ def calibrate_topologies(
         finally:
             deployment.stop()
     return calibrate(samples, "calibration of " + ", ".join(topologies) + " started pinned", native_pixels(config.seed))
+
+
+def samples_from_sweep(data: dict, pixels: float) -> list[Sample]:
+    """One sample per clean, unmixed cell of a sweep (sweep.json): its mean request, stage times
+    without their queues."""
+    config = data["config"]
+    rate, concurrency = config["request_rate"], config["concurrency"]
+    out = []
+    for cell in data["cells"]:
+        if not cell["clean"] or cell["cell"]["mixed"]:
+            continue  # a mixed cell's means blend text and image requests
+        s = cell["summary"]
+        stages = {name: st["mean"] for name, st in s.get("stages", {}).items()}
+        if not stages:
+            continue
+        enc_queue = stages.get("encoder_queue", 0.0)
+        if "router_encode" in stages:
+            stages["router_encode"] = max(0.0, stages["router_encode"] - enc_queue)
+        ttft, e2e = s["ttft"]["mean"], s["e2e"]["mean"]
+        # requests decoding at once: closed loop, the clients' share of time in decode; open, Little's law
+        batch = rate * (e2e - ttft) if rate > 0 else concurrency * (e2e - ttft) / e2e
+        side = config.get("image_size", 0)
+        n = s["completed"]
+        out.append(
+            Sample(
+                path=path_of(Topology.parse(cell["topology"])),
+                images=cell["cell"]["images"],
+                image_side=side,
+                pixels=float(side * side) if side else pixels,
+                padding=config.get("prompt_tokens", 0),
+                prompt_tokens=round(s["input_tokens"] / n),
+                output_tokens=round(s["output_tokens"] / n),
+                concurrency=0 if rate > 0 else concurrency,
+                ttft_s=ttft - enc_queue,
+                tpot_s=s["tpot"]["mean"],
+                decode_batch=batch,
+                stages=stages,
+            )
+        )
+    return out
+
+
+def profile_from_sweep(path: Path) -> Profile:
+    """The profile of a sweep.json's cells (``samples_from_sweep``), per topology path it ran."""
+    try:
+        data = json.loads(path.read_text())
+        env = data["environment"]
+        samples = samples_from_sweep(data, native_pixels(data["config"].get("seed", 0)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ProfileError(f"{path}: not a readable sweep.json ({type(e).__name__}: {e})") from None
+    if not samples:
+        raise ProfileError(
+            f"{path}: no clean cell with stage timing (sweeps before the client recorded Server-Timing have "
+            "none); calibrate instead: epdserve plan --calibrate-topologies aggregated,1e+1pd"
+        )
+    paths: dict[str, PathCosts] = {
+        p: fit_path([s for s in samples if s.path == p], loaded=True)
+        for p in PATHS
+        if any(s.path == p for s in samples)
+    }
+    text, extra, image_tokens = fit_token_counts(samples)
+    return Profile(
+        paths=paths,
+        text_tokens=text,
+        padded_extra_tokens=extra,
+        image_tokens=image_tokens,
+        native_pixels=native_pixels(data["config"].get("seed", 0)),
+        nproc=int(env["nproc"]),
+        cpu_model=str(env["cpu_model"]),
+        source=f"sweep {path} (run {env['date']} at commit {env['commit']})",
+    )

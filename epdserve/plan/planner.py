@@ -234,6 +234,12 @@ def add_cli_flags(s: argparse.ArgumentParser) -> None:
         metavar="T,T",
         help="start these topologies here in turn (pinned), calibrate each, stop it, e.g. aggregated,1e+1pd,1e+1p+1d",
     )
+    src.add_argument(
+        "--sweep",
+        default=None,
+        metavar="SWEEP_JSON",
+        help="fit the profile to the cells of an epdserve sweep (sweep.json with stage timing)",
+    )
     s.add_argument("--save-profile", default=None, help="write the calibrated profile to this file")
     s.add_argument("--model", default=None, help="checkpoint of --calibrate-topologies (default: embedded)")
     add_flags(s.add_argument_group("calibration"), CalibrationConfig, [Flag("requests", "--calibration-requests")])
@@ -262,13 +268,23 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
 
 
 def profile_from_args(args: argparse.Namespace) -> Profile:
-    from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies, calibrate_urls
+    from epdserve.plan.calibrate import (
+        CalibrationConfig,
+        calibrate_topologies,
+        calibrate_urls,
+        profile_from_sweep,
+    )
 
-    given = [x for x in (args.profile, args.calibrate, args.calibrate_topologies) if x]
+    given = [x for x in (args.profile, args.calibrate, args.calibrate_topologies, args.sweep) if x]
     if len(given) != 1:
-        raise ValueError("give one of --profile FILE, --calibrate URL..., --calibrate-topologies T,T")
+        raise ValueError("give one of --profile FILE, --calibrate URL..., --calibrate-topologies T,T, --sweep FILE")
     if args.profile:
         return load_profile(Path(args.profile))
+    if args.sweep:
+        profile = profile_from_sweep(Path(args.sweep))
+        if args.save_profile:
+            save_profile(profile, Path(args.save_profile))
+        return profile
     calibration = CalibrationConfig(**values(args, [Flag("requests", "--calibration-requests")]))
 
     def say(text: str) -> None:

@@ -259,14 +259,18 @@ def _median(values: Sequence[float]) -> float:
     return float(np.median(np.asarray(values, dtype=float)))
 
 
-def fit_path(samples: Sequence[Sample]) -> PathCosts:
+def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
     """The costs of one path from its samples: stage costs from the unloaded ones, the decode step's
     growth with the batch from every run. Each run counts once, by its median request: a shared
-    machine's occasional stall should not tilt a line fitted to a few dozen requests."""
-    quiet = [s for s in samples if s.concurrency == 1 and s.timed]
+    machine's occasional stall should not tilt a line fitted to a few dozen requests.
+
+    ``loaded``: the stage costs from samples of loaded runs too, whose queueing stages were taken
+    out already (a sweep's cells); what else load adds to a stage stays in it."""
+    quiet = [s for s in samples if (loaded or s.concurrency == 1) and s.timed]
     if len(quiet) < MIN_SAMPLES:
+        what = "runs" if loaded else "unloaded requests"
         raise ProfileError(
-            f"{len(quiet)} unloaded requests with stage timing measured; fitting a path needs at least {MIN_SAMPLES}"
+            f"{len(quiet)} {what} with stage timing measured; fitting a path needs at least {MIN_SAMPLES}"
         )
     cells = _cells(quiet)
 
@@ -291,9 +295,10 @@ def fit_path(samples: Sequence[Sample]) -> PathCosts:
         [med(c, lambda s: max(0.0, s.ttft_s - s.encode_s - s.queue_s - s.prefill_s)) for c in cells],
     )
     # text-only requests: no prefill of long image prompts interrupting their decode steps
-    decoding = [c for c in _cells(samples) if c[0].output_tokens > 1 and c[0].images == 0]
+    answers = [c for c in _cells(samples) if c[0].output_tokens > 1]
+    decoding = [c for c in answers if c[0].images == 0] or answers
     if not decoding:
-        raise ProfileError("no text request with more than one output token: the decode step cannot be fitted")
+        raise ProfileError("no request with more than one output token: the decode step cannot be fitted")
     d0, d_seq = _fit(
         [[1.0, med(c, lambda s: s.decode_batch)] for c in decoding], [med(c, lambda s: s.tpot_s) for c in decoding]
     )
@@ -323,19 +328,25 @@ def fit_path(samples: Sequence[Sample]) -> PathCosts:
 
 
 def fit_token_counts(samples: Sequence[Sample]) -> tuple[float, float, dict[int, float]]:
-    """From usage: (prompt tokens of an unpadded text request, tokens of a padded text request beyond
-    its padding, visual tokens per image by image side). Without padded requests the padding is
-    taken to be the whole prompt."""
-    plain = [s.prompt_tokens for s in samples if s.images == 0 and s.padding == 0]
-    if not plain:
-        raise ProfileError("no unpadded text-only request measured: an image's tokens cannot be told from the text's")
-    base = sum(plain) / len(plain)
-    padded = [s.prompt_tokens - s.padding for s in samples if s.images == 0 and s.padding > 0]
-    extra = sum(padded) / len(padded) if padded else 0.0
-    per_side: dict[int, list[float]] = {}
-    for s in samples:
-        if s.images > 0:
-            text = base if s.padding == 0 else max(base, s.padding + extra)
-            per_side.setdefault(s.image_side, []).append((s.prompt_tokens - text) / s.images)
-    # image questions are worded differently from the text ones: the difference is spread over the images
-    return base, extra, {side: max(0.0, sum(v) / len(v)) for side, v in sorted(per_side.items())}
+    """From usage: (prompt tokens of an unpadded text request, tokens of a padded request beyond its
+    padding, visual tokens per image by image side), by least squares over the runs
+
+        prompt tokens = [unpadded] × text + [padded] × (padding + extra) + images × tokens(side)
+
+    Text-only runs, or image runs of two image counts, tell the text's tokens from the images'."""
+    cells = _cells(samples)
+    sides = sorted({c[0].image_side for c in cells if c[0].images})
+    rows = [
+        [float(c[0].padding == 0), float(c[0].padding > 0), *(c[0].images * float(c[0].image_side == s) for s in sides)]
+        for c in cells
+    ]
+    targets = [_median([s.prompt_tokens for s in c]) - c[0].padding for c in cells]
+    a = np.asarray(rows)
+    used = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
+    if not cells or np.linalg.matrix_rank(a[:, used]) < len(used):
+        raise ProfileError(
+            "the runs cannot tell the text's tokens from the images': measure text-only requests, "
+            "or images at two counts per image size"
+        )
+    x = _fit(rows, targets)
+    return x[0], x[1], {side: x[2 + i] for i, side in enumerate(sides)}
