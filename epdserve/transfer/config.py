@@ -19,6 +19,7 @@ MooncakeProtocol = Literal["tcp", "rdma"]
 STORE_HANDLE = "store"  # the connector a store handle names: an entry of the shared store, no lease
 HANDLE_PURPOSE = "ec-handle"  # the key that signs embedding handles
 KV_HANDLE_PURPOSE = "kv-handle"  # the key that signs KV-cache handles (never accepted as the other)
+PIXEL_HANDLE_PURPOSE = "pixel-handle"  # the key that signs decoded-pixel handles (router → encoder)
 TCP_PURPOSE = "ec-tcp"  # the key of the tcp connector's mutual authentication
 MISSING_SECRET = "the EC connector needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file"
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -65,7 +66,7 @@ class ECConfig:
             ClusterCredential.from_text(self.secret)  # raises CredentialError (a ValueError) if too short
         if not _INSTANCE_RE.fullmatch(self.instance):
             raise ValueError(f"instance {self.instance!r} must be 1-64 characters of [A-Za-z0-9_.-]")
-        if self.handle_purpose not in (HANDLE_PURPOSE, KV_HANDLE_PURPOSE):
+        if self.handle_purpose not in (HANDLE_PURPOSE, KV_HANDLE_PURPOSE, PIXEL_HANDLE_PURPOSE):
             raise ValueError(f"unknown handle purpose {self.handle_purpose!r}")
         if self.mooncake_protocol not in get_args(MooncakeProtocol):
             raise ValueError(f"unknown Mooncake protocol {self.mooncake_protocol!r} (tcp or rdma)")

@@ -38,6 +38,7 @@ import safetensors.torch
 import torch
 import xxhash
 
+from epdserve.models.precision import torch_dtype
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError
@@ -285,7 +286,7 @@ class FsConsumer:
             raise InvalidHandle(_GONE) from None
         except (OSError, safetensors.SafetensorError) as e:
             raise TransferError(f"cannot read embeddings from {path}: {e}") from e
-        if list(tensor.shape) != list(header.shape) or tensor.dtype != wire.TORCH_DTYPES[header.dtype]:
+        if list(tensor.shape) != list(header.shape) or tensor.dtype != torch_dtype(header.dtype):
             raise TransferError(
                 f"{path} holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, not what its header says"
             )

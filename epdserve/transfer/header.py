@@ -5,22 +5,27 @@ against what the prompt expects.
 The header is also the common part of every handle: a handle is the header's JSON object plus
 ``connector``, the backend's location fields and the lease fields ``signing`` adds (``issued_at``,
 ``expires_at``, ``lease``, ``mac``). Validation here runs only after the MAC verified.
+
+Torch is imported on first use of the tensor helpers (``raw_bytes``, ``as_tensor``): the router
+writes byte payloads (decoded pixels, ``transfer.pixels``) through the shm slab without it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import torch
 import xxhash
 
-from epdserve.models.precision import TORCH_DTYPES
+from epdserve.models import precision
 from epdserve.transfer.base import PROTOCOL_VERSION, Handle, TransferError
+
+if TYPE_CHECKING:
+    import torch
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -84,8 +89,10 @@ def location_of(handle: Handle, kind: type[T]) -> T:
 
 def raw_bytes(tensor: torch.Tensor) -> Bytes:
     """The payload bytes of a tensor a producer is about to put, as a flat uint8 array."""
-    if tensor.dtype not in TORCH_DTYPES.values():
-        raise TransferError(f"cannot transfer a {tensor.dtype} tensor (supported: {', '.join(TORCH_DTYPES)})")
+    import torch
+
+    if tensor.dtype not in precision.TORCH_DTYPES.values():
+        raise TransferError(f"cannot transfer a {tensor.dtype} tensor (supported: {', '.join(precision.DTYPES)})")
     if tensor.dim() != 2:
         raise TransferError(f"embeddings must be 2-D [rows, width], got shape {list(tensor.shape)}")
     flat = tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1)
@@ -132,7 +139,7 @@ def validate(header: WireHeader, rows: int, width: int, model_id: str, dtypes: I
             f"embeddings were produced for model {header.model_id!r} but this instance serves {model_id!r}"
         )
     allowed = tuple(dtypes)
-    if header.dtype not in allowed or header.dtype not in TORCH_DTYPES:
+    if header.dtype not in allowed or header.dtype not in precision.ITEMSIZE:
         raise TransferError(f"embeddings have dtype {header.dtype} (accepted: {', '.join(allowed)})")
     shape = list(header.shape)
     if len(shape) != 2:
@@ -141,7 +148,7 @@ def validate(header: WireHeader, rows: int, width: int, model_id: str, dtypes: I
         raise TransferError(f"embeddings have shape {shape} but the prompt has {rows} placeholders")
     if shape[1] != width:
         raise TransferError(f"embeddings have shape {shape} but the model expects width {width}")
-    expected = rows * width * TORCH_DTYPES[header.dtype].itemsize
+    expected = rows * width * precision.ITEMSIZE[header.dtype]
     if header.nbytes != expected:
         raise TransferError(
             f"embeddings header says {header.nbytes} bytes but shape {shape} of {header.dtype} is {expected}"
@@ -163,7 +170,9 @@ def check_checksum(header: WireHeader, actual: str) -> None:
 
 def as_tensor(header: WireHeader, data: Bytes) -> torch.Tensor:
     """A tensor over ``data`` (validated payload bytes) with the header's dtype and shape."""
-    dtype = TORCH_DTYPES[header.dtype]
+    import torch
+
+    dtype = precision.torch_dtype(header.dtype)
     if header.nbytes == 0:  # torch cannot reinterpret an empty byte tensor
         return torch.empty(header.shape, dtype=dtype)
     return torch.from_numpy(data).view(dtype).reshape(header.shape)

@@ -46,20 +46,23 @@ import struct
 import threading
 import time
 from bisect import insort
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.owners import pid_alive
+
+if TYPE_CHECKING:  # torch only for tensors: the router puts raw bytes (``put_bytes``) without it
+    import torch
 
 ALIGN = 64
 SLAB_MAGIC = b"EPDECSLB"
@@ -280,16 +283,21 @@ class ShmProducer:
         self._lock = threading.Lock()
 
     def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle:
-        src = wire.raw_bytes(tensor)
         # Checksums are fixed-length hex, so the header's size is known before the payload is hashed.
-        draft = wire.make_header(key, model_id, tensor, "0" * 16)
+        return self.put_bytes(wire.make_header(key, model_id, tensor, "0" * 16), wire.raw_bytes(tensor))
+
+    def put_bytes(self, draft: wire.WireHeader, src: wire.Bytes, extra: Mapping[str, object] | None = None) -> Handle:
+        """Store ``src`` (flat uint8, ``draft.nbytes`` long) under ``draft`` (its checksum is
+        computed here), or lease an identical live payload; ``extra``: more signed handle fields."""
+        if src.nbytes != draft.nbytes:
+            raise TransferError(f"payload of {src.nbytes} bytes, but its header says {draft.nbytes}")
         with self._lock:
             mm = self._mapped()
             self._reclaim(mm)
-            region = self._reusable((key, model_id, draft.dtype, draft.shape))
+            region = self._reusable((draft.key, draft.model_id, draft.dtype, draft.shape))
             if region is None:
-                region = self._store(mm, draft, tensor, src)
-            return self._lease(mm, region)
+                region = self._store(mm, draft, src)
+            return self._lease(mm, region, extra or {})
 
     def _mapped(self) -> mmap.mmap:
         if self._mm is None:
@@ -303,14 +311,14 @@ class ShmProducer:
             return None
         return region
 
-    def _store(self, mm: mmap.mmap, draft: wire.WireHeader, tensor: torch.Tensor, src: wire.Bytes) -> _Region:
+    def _store(self, mm: mmap.mmap, draft: wire.WireHeader, src: wire.Bytes) -> _Region:
         header_len = len(wire.encode(draft))
         data_at = REGION_HEADER_BYTES + align(header_len)
         size = align(data_at + src.nbytes)
         offset = self._allocate(size)
         try:
             dst = np.frombuffer(mm, np.uint8, src.nbytes, offset + data_at)
-            header = wire.make_header(draft.key, draft.model_id, tensor, wire.copy_and_checksum(dst, src))
+            header = msgspec.structs.replace(draft, checksum=wire.copy_and_checksum(dst, src))
             del dst  # a live numpy view would keep the mapping from closing
         except BaseException:
             self._free.free(offset, size)
@@ -325,12 +333,12 @@ class ShmProducer:
         self._index[region.cache_key] = offset
         return region
 
-    def _lease(self, mm: mmap.mmap, region: _Region) -> Handle:
+    def _lease(self, mm: mmap.mmap, region: _Region, extra: Mapping[str, object]) -> Handle:
         lease = signing.new_lease()
         slot = len(region.leases)
         region.leases.append(_Lease(lease_word(lease), time.monotonic() + self._cfg.ttl_s))
         place = SlabPlace(slab=f"{self._nonce:016x}", offset=region.offset, generation=region.generation, slot=slot)
-        handle = wire.to_handle(region.header, self.name, **self._location(place))
+        handle = wire.to_handle(region.header, self.name, **extra, **self._location(place))
         return signing.issue(handle, self._key, self._cfg.ttl_s, lease)
 
     def _location(self, place: SlabPlace) -> dict[str, object]:
@@ -490,7 +498,20 @@ class ShmConsumer:
             return await asyncio.to_thread(self._read, header, location, word)
         return self._read(header, location, word)
 
+    def read_bytes(self, handle: Handle, check: Callable[[Handle, wire.WireHeader], None]) -> wire.Bytes:
+        """The payload of a handle of any payload kind (blocking: call it off the event loop), as a
+        private flat uint8 copy. ``check`` validates the verified handle and its header before any
+        byte is read, so a bad header never makes this instance allocate or read what it did not
+        expect."""
+        handle = signing.verify_with(handle, self._key)
+        header = wire.from_handle(handle)
+        check(handle, header)
+        return self._read_bytes(header, wire.location_of(handle, ShmLocation), lease_word(handle["lease"]))
+
     def _read(self, header: wire.WireHeader, loc: ShmLocation, word: int) -> torch.Tensor:
+        return wire.as_tensor(header, self._read_bytes(header, loc, word))
+
+    def _read_bytes(self, header: wire.WireHeader, loc: ShmLocation, word: int) -> wire.Bytes:
         mm = self._mapping(loc.path, loc.slab)
         data_at = self._check_region(mm, loc, header, word)
         if data_at + header.nbytes > len(mm):
@@ -501,7 +522,7 @@ class ShmConsumer:
         del src
         self._check_region(mm, loc, header, word)  # freed while we copied?
         wire.check_checksum(header, digest)
-        return wire.as_tensor(header, out)
+        return out
 
     @staticmethod
     def _check_region(mm: mmap.mmap, loc: ShmLocation, header: wire.WireHeader, word: int) -> int:
