@@ -49,16 +49,7 @@ class MediaResolver:
         self.executor = executor
         self.session = session
         self.embeds = embeds
-        c = processor.config
-        self.processor_kwargs = {
-            "min_pixels": c.min_pixels,
-            "max_pixels": c.max_pixels,
-            "video_max_pixels": c.video_max_pixels,
-            "video_frames": limits.video_frames,
-            "patch_size": c.patch_size,
-            "temporal_patch_size": c.temporal_patch_size,
-            "merge_size": c.merge_size,
-        }
+        self.processor_kwargs = processor.config.hash_kwargs(limits.video_frames)
 
     async def resolve(self, parts: list[MediaPart]) -> list[MediaInput]:
         return list(await asyncio.gather(*(self._one(p) for p in parts)))

@@ -60,6 +60,19 @@ class ProcessorConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    def hash_kwargs(self, video_frames: int) -> dict[str, int]:
+        """The settings an item's content hash covers (``media.hashing``): every role that hashes
+        media (encoders, language-model workers, a router that decodes) takes them from here."""
+        return {
+            "min_pixels": self.min_pixels,
+            "max_pixels": self.max_pixels,
+            "video_max_pixels": self.video_max_pixels,
+            "video_frames": video_frames,
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "merge_size": self.merge_size,
+        }
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ProcessorConfig:
         d = Path(model_dir)
@@ -96,12 +109,27 @@ class VisionProcessor:
         self._mean = np.asarray(config.image_mean, dtype=np.float32)[:, None, None]
         self._std = np.asarray(config.image_std, dtype=np.float32)[:, None, None]
 
-    def _frame(self, img: Image.Image, max_pixels: int) -> np.ndarray:
+    def _resized(self, img: Image.Image, max_pixels: int) -> Image.Image:
         c = self.config
         img = img.convert("RGB")
         h, w = smart_resize(img.height, img.width, c.factor, c.min_pixels, max_pixels)
         if (h, w) != (img.height, img.width):
             img = img.resize((w, h), resample=Image.Resampling.BICUBIC)
+        return img
+
+    def is_resized(self, height: int, width: int, modality: str) -> bool:
+        """Whether a frame of this size is left as it is (``image``/``video`` do not resize it
+        again): a frame from ``resized_image``/``resized_video`` almost always is; only extreme
+        aspect ratios can round to a size the next call would change."""
+        c = self.config
+        max_pixels = c.max_pixels if modality == "image" else c.video_max_pixels
+        return smart_resize(height, width, c.factor, c.min_pixels, max_pixels) == (height, width)
+
+    def _frame(self, img: Image.Image, max_pixels: int) -> np.ndarray:
+        return self._normalized(self._resized(img, max_pixels))
+
+    def _normalized(self, img: Image.Image) -> np.ndarray:
+        c = self.config
         arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1)  # C, H, W
         # same arithmetic order as the reference: rescale, then normalize
         arr = arr * np.float32(c.rescale_factor)
@@ -118,21 +146,31 @@ class VisionProcessor:
         flat = np.ascontiguousarray(x.reshape(gt * gh * gw, ch * tp * ps * ps), dtype=np.float32)
         return VisionInput(flat, (gt, gh, gw))
 
+    def resized_image(self, img: Image.Image) -> Image.Image:
+        """The RGB image at the size the vision tower sees it (``image`` without normalizing):
+        what a router that decodes media hands an encoder."""
+        return self._resized(img, self.config.max_pixels)
+
+    def resized_video(self, frames: list[Image.Image]) -> list[Image.Image]:
+        """The RGB frames at the size the vision tower sees them (``video`` without normalizing)."""
+        if not frames:
+            raise ValueError("a video needs at least one frame")
+        c = self.config
+        first = frames[0].convert("RGB")
+        h, w = smart_resize(first.height, first.width, c.factor, c.min_pixels, c.video_max_pixels)
+        return [
+            self._resized(f.convert("RGB").resize((w, h)) if f.size != first.size else f, c.video_max_pixels)
+            for f in frames
+        ]
+
     def image(self, img: Image.Image) -> VisionInput:
         arr = self._frame(img, self.config.max_pixels)
         frames = np.broadcast_to(arr[None], (self.config.temporal_patch_size, *arr.shape))
         return self._patchify(np.asarray(frames))
 
     def video(self, frames: list[Image.Image]) -> VisionInput:
-        if not frames:
-            raise ValueError("a video needs at least one frame")
         c = self.config
-        first = frames[0].convert("RGB")
-        h, w = smart_resize(first.height, first.width, c.factor, c.min_pixels, c.video_max_pixels)
-        arrs = [
-            self._frame(f.convert("RGB").resize((w, h)) if f.size != first.size else f, c.video_max_pixels)
-            for f in frames
-        ]
+        arrs = [self._normalized(f) for f in self.resized_video(frames)]
         while len(arrs) % c.temporal_patch_size:
             arrs.append(arrs[-1])  # pad with the last frame, as the reference does
         return self._patchify(np.stack(arrs))
