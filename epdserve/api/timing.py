@@ -10,8 +10,10 @@ standard ``Server-Timing`` response header: ``stage;dur=<ms>`` entries, e.g.::
 Stages (each role prefixes its own):
 
 - ``router_encode``: the router's wall time for the request's encode calls (0 when every item came
-  from its directory or was skipped); ``encoder_fetch``, ``encoder_preprocess``, ``encoder_queue``,
-  ``encoder_compute``, ``encoder_put``: the encoders' own report, the slowest item per stage;
+  from its directory or was skipped); ``router_decode``: with ``--frontend-decode``, the router's
+  own fetch and decode of the slowest item (a part of ``router_encode``); ``encoder_fetch``,
+  ``encoder_preprocess``, ``encoder_queue``, ``encoder_compute``, ``encoder_put``: the encoders'
+  own report, the slowest item per stage;
   ``media``: how each item was obtained (computed, cache_hit, store_hit, directory, skipped);
 - ``pd_`` (or ``prefill_``/``decode_``): ``preprocess`` (template, media decode), ``fetch``
   (embeddings, or KV, arriving through a connector), ``queue`` (ready, not admitted yet),

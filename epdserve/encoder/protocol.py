@@ -4,14 +4,17 @@ One request carries the media items of one (or several) chat requests that the r
 this encoder; the response carries, per item and in request order, the layout metadata the
 language model needs and the EC-connector handle of the embeddings::
 
-    → {"version": 2, "model": "shapes-qwen2vl",
+    → {"version": 3, "model": "shapes-qwen2vl",
        "items": [{"modality": "image", "url": "data:image/png;base64,..."}]}
-    ← {"version": 2,
+    ← {"version": 3,
        "items": [{"uuid": "<sha256>", "modality": "image", "grid_thw": [1, 8, 8], "num_embeddings": 16,
                   "dtype": "float32", "shape": [16, 256], "ec_handle": {"connector": "shm", ...},
                   "status": "computed",
                   "timings": {"fetch_ms": 0.1, "preprocess_ms": 1.2, "queue_ms": 0.0,
                               "encode_ms": 9.8, "put_ms": 0.1}}]}
+
+An item may carry ``pixels`` instead of ``url``: a signed handle on its decoded frames in the
+router's slab (``transfer.pixels``), when the router decodes media itself (``--frontend-decode``).
 
 Every message goes through the ``encode_*`` / ``decode_*`` functions below, which check the
 protocol version first: a peer speaking another version gets a clear error, not a field error.
@@ -26,7 +29,7 @@ import msgspec
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import param_of
 
-ENCODER_PROTOCOL_VERSION: Final = 2  # bump on any incompatible change of the messages below (2: "store_hit")
+ENCODER_PROTOCOL_VERSION: Final = 3  # bump on any incompatible change of the messages below (3: "pixels")
 
 MAX_RELEASE_HANDLES: Final = 1024  # handles one /v1/release call may carry
 MAX_LEASES: Final = 2  # handles one item may be given
@@ -50,10 +53,12 @@ class _Envelope(msgspec.Struct):
 
 
 class EncodeItem(msgspec.Struct, forbid_unknown_fields=True):
-    """One media item to encode."""
+    """One media item to encode: a URL, or its decoded pixels (exactly one of the two)."""
 
     modality: Modality
-    url: Annotated[str, msgspec.Meta(min_length=1)]  # data: URL or http(s) URL
+    url: Annotated[str, msgspec.Meta(min_length=1)] | None = None  # data: URL or http(s) URL
+    # a signed pixel handle (``transfer.pixels``): the router fetched, decoded and resized the item
+    pixels: dict[str, Any] | None = None
 
 
 class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -157,6 +162,9 @@ def decode_request(body: bytes, max_items: int) -> EncodeRequest:
         raise BadRequest(
             f"At most {max_items} items may be encoded in one request, got {len(req.items)}.", param="items"
         )
+    for i, item in enumerate(req.items):
+        if (item.url is None) == (item.pixels is None):
+            raise BadRequest(f"Item {i} must carry exactly one of url and pixels.", param=f"items[{i}]")
     return req
 
 
