@@ -35,6 +35,7 @@ SERVER = "epdserve.pd.config:ServerConfig"
 ENGINE = "epdserve.engine.config:EngineConfig"
 ENCODER = "epdserve.encoder.server:EncoderConfig"
 ROUTER = "epdserve.router.server:RouterConfig"
+FRONTEND = "epdserve.router.frontend_decode:FrontendDecodeConfig"
 EC = "epdserve.transfer.config:ECConfig"
 MEDIA = "epdserve.media.limits:MediaLimits"
 AUTH = "epdserve.api.auth:AuthConfig"
@@ -118,15 +119,19 @@ ROUTER_FLAGS = (
     "kv_load_tokens",
     "encoder_policy",
     Flag("probe_interval_s", "--probe-interval"),
-    "forward_raw_media",
+    "dispatch",
+    "dispatch_interference",
     "directory_entries",
     "max_inflight_text",
     "max_inflight_media",
     "admission_wait_s",
+    "text_ttft_target_ms",
     STATS_INTERVAL,
     OTLP,
     Flag("model", default_help="the embedded model"),
 )
+FRONTEND_PREFIX = "--frontend-decode-"
+FRONTEND_FLAGS = (Flag("enabled", "--frontend-decode"), "workers", "max_queued", "shm_bytes")
 API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
 ADMIN_KEY = Flag("admin_key", default=None, default_help=f"${ADMIN_KEY_ENV}; unset: registration is off")
 MEDIA_FLAGS = (
@@ -137,8 +142,8 @@ MEDIA_FLAGS = (
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
 # flags, which roles get them)
 UP_FORWARDED = (
-    (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries"), "router"),
-    (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s"), "router"),
+    (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries", "dispatch_interference"), "router"),
+    (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s", "text_ttft_target_ms"), "router"),
     (SERVER, PUBLIC_FLAGS, "public"),
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("threads", "device", "dtype"), "models"),
@@ -344,6 +349,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The ``RouterConfig`` of ``epdserve router``'s flags."""
     from epdserve.api.auth import AuthConfig
+    from epdserve.router.frontend_decode import FrontendDecodeConfig
     from epdserve.router.server import RouterConfig
     from epdserve.security.credentials import api_key_from
 
@@ -355,7 +361,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     )
     return _checked(
         lambda: RouterConfig(
-            **values(args, ROUTER_FLAGS), **values(args, PUBLIC_FLAGS), limits=media_limits(args), auth=auth
+            **values(args, ROUTER_FLAGS),
+            **values(args, PUBLIC_FLAGS),
+            limits=media_limits(args),
+            frontend=FrontendDecodeConfig(**values(args, FRONTEND_FLAGS, FRONTEND_PREFIX)),
+            auth=auth,
         )
     )
 
@@ -422,7 +432,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
             *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX),
         ],
         extra_encoder_args=[*forwarded("models"), *forwarded("encoders"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
-        extra_router_args=[*forwarded("router"), *forwarded("public")],
+        extra_router_args=[*forwarded("router"), *forwarded("public"), *to_argv(args, FRONTEND_FLAGS, FRONTEND_PREFIX)],
         extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
         log_dir=Path(args.log_dir) if args.log_dir else None,
         api_key=api_key_from(args.api_key),
@@ -430,6 +440,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         cluster=cluster or ClusterCredential.generate(),
         verbose=True,
         mooncake_master=args.mooncake_master,
+        **({"dispatch": args.dispatch} if args.dispatch else {}),
     )
 
 
@@ -470,6 +481,7 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
 def add_router_args(s: argparse.ArgumentParser) -> None:
     """Flags of the router."""
     add_flags(s, ROUTER, [*ROUTER_FLAGS, *PUBLIC_FLAGS])
+    add_flags(s.add_argument_group("frontend media decoding"), FRONTEND, FRONTEND_FLAGS, FRONTEND_PREFIX)
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY])
     add_cluster_args(credentials)
@@ -550,9 +562,11 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     credentials.add_argument(
         "--cluster-secret-file", default=None, help="secret shared by the roles (default: a new one per run)"
     )
+    add_flags(s, ROUTER, [Flag("dispatch", default_help="always")], defaults=False)
     groups = {roles: s.add_argument_group(description=text) for roles, text in UP_ROLES.items()}
     for config, flags, roles in UP_FORWARDED:
         add_flags(groups[roles], config, flags, defaults=False)
+    add_flags(groups["router"], FRONTEND, FRONTEND_FLAGS, FRONTEND_PREFIX, defaults=False)
     store = _store_group(s)
     store.add_argument(
         "--mooncake-master",

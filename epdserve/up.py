@@ -34,12 +34,16 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from epdserve.launcher import Cancelled, free_port, port_available, wait_healthy
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor
 from epdserve.transfer.config import Connector
+
+if TYPE_CHECKING:
+    from epdserve.router.dispatch import Dispatch
 
 __all__ = ["Deployment", "PortInUseError", "Role", "StartupError", "Topology", "plan_cores", "run_up"]
 
@@ -181,6 +185,7 @@ class Deployment:
         startup_timeout_s: float = 180.0,
         verbose: bool = False,
         mooncake_master: bool = False,
+        dispatch: Dispatch = "always",
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -204,6 +209,7 @@ class Deployment:
         self.verbose = verbose  # one line per role start and restart on stderr
         self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
         self.master: MooncakeMaster | None = None
+        self.dispatch = dispatch  # behind encoders: where the router has media encoded
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
         self.startup_s = 0.0
@@ -297,11 +303,12 @@ class Deployment:
                 args += ["--ec-tcp-port", str(free_port())]
             args += [*self.extra_encoder_args, *self.extra_args]
             encoders.append(self._launch(f"encoder{i}", args, free_port(), plan.roles.get(f"encoder{i}")))
-        # behind encoders the language-model workers only see metadata-only media: no vision
-        # weights, unless the router forwards raw media (no encoders, or the metadata-only baseline)
-        raw_media = "--forward-raw-media" in self.extra_router_args or not topo.encoders
-        vision = ["--vision-tower"] if raw_media else ["--no-vision-tower"]
-        router_args = [] if topo.encoders else ["--forward-raw-media"]
+        # behind encoders that encode everything the language-model workers only see
+        # metadata-only media: no vision weights; with raw media to them (no encoders, adaptive
+        # dispatch, the metadata-only baseline) they encode it themselves
+        dispatch = self.dispatch if topo.encoders else "never"
+        vision = ["--no-vision-tower"] if dispatch == "always" else ["--vision-tower"]
+        router_args = ["--dispatch", dispatch]
         workers: dict[str, list[Role]] = {"pds": [], "prefills": [], "decodes": []}
         for name in topo.workers:
             args = ["serve", *self.model_args, *self.extra_pd_args, *vision, *fs_args, *store_args, "--internal-only"]

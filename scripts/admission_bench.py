@@ -1,10 +1,11 @@
 """Issue 18's isolation benchmark: the seeds' mixed traffic (half text-only, half 4-image
 requests, 16 output tokens) against aggregated, 1e+1pd, and 1e+1pd whose router admits at most
 ``--media-limit`` image requests at once (``--max-inflight-media``; the rest wait in their own
-queue or get 429 after ``--admission-wait-s``). Reports per kind: TTFT p50/p99 and completed
-requests; and the image requests turned away.
+queue or get 429 after ``--admission-wait-s``), and 1e+1pd whose router finds that limit itself
+to keep text TTFT p90 under ``--text-target-ms`` (``--text-ttft-target-ms``). Reports per kind:
+TTFT p50/p99 and completed requests; and the image requests turned away.
 
-    python scripts/admission_bench.py --requests 256 --concurrency 16 --media-limit 2
+    python scripts/admission_bench.py --requests 256 --concurrency 16 --media-limit 2 --text-target-ms 40
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--media-limit", type=int, default=2)
     ap.add_argument("--admission-wait-s", type=float, default=30.0)
+    ap.add_argument("--text-target-ms", type=float, default=40.0)
     args = ap.parse_args()
     workload = WorkloadConfig(images_per_request=4, output_len=16, text_fraction=0.5)
     cases = [
@@ -34,6 +36,11 @@ def main() -> None:
             f"1e+1pd, --max-inflight-media {args.media_limit}",
             "1e+1pd",
             ["--max-inflight-media", str(args.media_limit), "--admission-wait-s", str(args.admission_wait_s)],
+        ),
+        (
+            f"1e+1pd, --text-ttft-target-ms {args.text_target_ms:g}",
+            "1e+1pd",
+            ["--text-ttft-target-ms", str(args.text_target_ms), "--admission-wait-s", str(args.admission_wait_s)],
         ),
     ]
     rows = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +16,7 @@ import pytest
 
 from epdserve.api.errors import Overloaded
 from epdserve.launcher import free_port
-from epdserve.router.admission import Gate
+from epdserve.router.admission import AutoLimit, Gate
 from epdserve.up import Deployment, Topology
 from tests.test_topologies import request_set
 
@@ -68,6 +69,72 @@ def test_a_gate_admits_in_order_up_to_its_limit_and_turns_away_after_its_wait() 
     asyncio.run(main())
 
 
+def test_a_lowered_limit_holds_back_waiters_and_a_raised_one_admits_them() -> None:
+    async def main() -> None:
+        gate = Gate("media", limit=3, wait_s=5, retry_after_s=1)
+        release = [asyncio.Event() for _ in range(5)]
+        admitted: list[int] = []
+
+        async def request(i: int) -> None:
+            async with gate.admit():
+                admitted.append(i)
+                await release[i].wait()
+
+        tasks = [asyncio.create_task(request(i)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        assert (admitted, gate.waiting) == ([0, 1, 2], 2)
+        gate.set_limit(1)
+        release[0].set()
+        await asyncio.sleep(0.05)
+        assert (admitted, gate.in_flight) == ([0, 1, 2], 2)  # over the new limit: nobody takes the place
+        release[1].set()
+        await asyncio.sleep(0.05)
+        assert (admitted, gate.in_flight) == ([0, 1, 2], 1)
+        gate.set_limit(3)
+        await asyncio.sleep(0.05)
+        assert (admitted, gate.in_flight, gate.waiting) == ([0, 1, 2, 3, 4], 3, 0)
+        for e in release:
+            e.set()
+        await asyncio.gather(*tasks)
+        assert gate.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_auto_limit_halves_the_media_limit_when_text_misses_its_target_and_regrows() -> None:
+    gate = Gate("media", limit=0, wait_s=5, retry_after_s=1)
+    gate.in_flight = 8  # eight image requests running, no limit yet
+    auto = AutoLimit(gate, target_s=0.1, ceiling=0, window_s=1.0, quantile=0.9, min_samples=4)
+
+    def window(start: float, ttfts: list[float]) -> None:
+        for t in ttfts:
+            auto.observe(t, now=start)
+        auto.tick(now=start + 1.0)
+
+    auto.tick(now=0.0)
+    window(0.0, [0.05, 0.06, 0.3, 0.4])  # the 90th percentile misses 0.1 s
+    assert gate.limit == 4 and auto.decreases == 1
+    window(1.0, [0.3] * 4)
+    assert gate.limit == 2
+    window(2.0, [0.5] * 3)  # too few samples to judge: carried into the next window
+    assert gate.limit == 2
+    window(3.0, [0.5])
+    assert gate.limit == 1
+    window(4.0, [0.5] * 4)
+    assert gate.limit == 1  # never below one
+    # text meets the target again and media requests wait: the limit grows one per window
+    gate._queue.extend(asyncio.Future(loop=asyncio.new_event_loop()) for _ in range(3))
+    for i in range(3):
+        window(5.0 + i, [0.01] * 4)
+        assert gate.limit == 2 + i
+    # a ceiling (the configured limit) is never passed; no text at all also lets it grow
+    gate.limit = 2
+    capped = AutoLimit(gate, target_s=0.1, ceiling=4, window_s=1.0)
+    for now in (20.0, 21.0, 22.0, 23.0):
+        capped.tick(now=now)
+    assert gate.limit == 4
+
+
 def test_a_burst_of_image_requests_waits_or_is_turned_away_while_text_goes_through() -> None:
     d = Deployment(
         Topology.parse("1e+1pd"),
@@ -112,7 +179,49 @@ def test_a_burst_of_image_requests_waits_or_is_turned_away_while_text_goes_throu
         d.stop()
 
 
-@pytest.mark.parametrize("flag", ["--max-inflight-text", "--max-inflight-media"])
+def test_a_text_ttft_target_lowers_the_media_limit_of_a_live_router() -> None:
+    """Text that misses an (unmeetable) 1 ms target makes the router limit image requests to one
+    at a time, and image requests are still served, one after another."""
+    d = Deployment(
+        Topology.parse("1e+1pd"),
+        None,
+        port=free_port(),
+        extra_pd_args=["--max-model-len", "1024"],
+        extra_router_args=["--text-ttft-target-ms", "1", "--admission-wait-s", "60"],
+    )
+    d.start()
+    try:
+        image = {"model": "shapes-qwen2vl", "max_tokens": 16, "min_tokens": 16, "ignore_eos": True, **request_set()[2]}
+        text = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+
+        def post(body: dict) -> int:
+            r = urllib.request.Request(
+                d.url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(r, timeout=120) as resp:
+                resp.read()
+                return resp.status
+
+        def media_limit() -> float:
+            metrics = urllib.request.urlopen(d.url + "/metrics", timeout=10).read().decode()
+            m = re.search(r'^epd_router_admission_limit\{class="media"\} (\S+)$', metrics, re.MULTILINE)
+            assert m is not None, metrics
+            return float(m[1])
+
+        assert media_limit() == 0  # no limit until text misses its target
+        deadline = time.monotonic() + 30
+        while media_limit() == 0 and time.monotonic() < deadline:
+            assert post(text) == 200
+        assert media_limit() == 1
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(post, [image] * 4)) == [200] * 4
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("flag", ["--max-inflight-text", "--max-inflight-media", "--text-ttft-target-ms"])
 def test_admission_flags_reach_the_router(flag: str) -> None:
     from epdserve import cli
 

@@ -162,14 +162,14 @@ def test_encoder_flags_reach_their_fields() -> None:
 
 def test_router_flags_reach_their_fields() -> None:
     argv = "router --encoders http://e1 http://e2 --pds http://p --policy round_robin --encoder-policy"
-    argv += " least_outstanding --probe-interval 0.5 --forward-raw-media --api-key a --admin-key b"
+    argv += " least_outstanding --probe-interval 0.5 --dispatch adaptive --api-key a --admin-key b"
     c = cli.router_config(parse(*argv.split()))
     assert (c.encoders, c.pds) == (("http://e1", "http://e2"), ("http://p",))
-    assert (c.policy, c.encoder_policy, c.probe_interval_s, c.forward_raw_media) == (
+    assert (c.policy, c.encoder_policy, c.probe_interval_s, c.dispatch) == (
         "round_robin",
         "least_outstanding",
         0.5,
-        True,
+        "adaptive",
     )
     assert (c.auth.api_key, c.auth.admin_key) == ("a", "b")
 

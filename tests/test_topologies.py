@@ -26,7 +26,7 @@ MODEL = "shapes-qwen2vl"
 PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
 
 
-def deploy(topology: str, connector: str = "shm", kv_connector: str = "shm") -> Deployment:
+def deploy(topology: str, connector: str = "shm", kv_connector: str = "shm", dispatch: str = "always") -> Deployment:
     from epdserve.launcher import free_port
 
     d = Deployment(
@@ -36,6 +36,7 @@ def deploy(topology: str, connector: str = "shm", kv_connector: str = "shm") -> 
         ec_connector=connector,  # type: ignore[arg-type]
         kv_connector=kv_connector,  # type: ignore[arg-type]
         extra_pd_args=PD_ARGS,
+        dispatch=dispatch,  # type: ignore[arg-type]
     )
     d.start()
     return d
@@ -139,6 +140,38 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
         pids = [r.proc.pid for r in d.roles]
         d.stop()
     assert_clean(pids)
+
+
+@pytest.mark.parametrize("topology", ["1e+1pd", "1e+1p+1d"])
+def test_adaptive_dispatch_equals_aggregated(aggregated, topology: str) -> None:
+    """Adaptive dispatch sends media to the encoder or raw to the worker's own vision tower, per
+    request: the answers are the aggregated server's either way, and with the encoder killed every
+    image still gets served (raw, by the workers)."""
+    _, expected, _ = aggregated
+    d = deploy(topology, dispatch="adaptive")
+    try:
+        for name in ("pd0",) if topology == "1e+1pd" else ("prefill0", "decode0"):
+            lm = next(r for r in d.roles if r.name == name)
+            assert "epd_vision_tower_loaded 1.0" in http("GET", lm.url + "/metrics")[1].decode()
+        assert_same_answers(d.url, expected)
+        reqs = request_set()
+        # assert_same_answers sends the set, then its first 16 of three rounds
+        media_requests = sum(1 for r in [*reqs, *(reqs * 3)[:16]] if media_urls([r]))
+        assert dispatched(d.url, "remote") + dispatched(d.url, "local") == media_requests
+        enc = next(r for r in d.roles if r.name == "encoder0")
+        enc.proc.kill()
+        enc.proc.wait()
+        assert [ask(d.url, r) for r in reqs] == expected
+        assert dispatched(d.url, "local") + metric(d.url, "router_dispatch_fallbacks_total") >= 1
+    finally:
+        d.stop()
+
+
+def dispatched(url: str, path: str) -> float:
+    metrics = http("GET", url + "/metrics")[1].decode()
+    m = re.search(rf'^epd_router_dispatch_total{{path="{path}"}} (\S+)$', metrics, re.MULTILINE)
+    assert m is not None, metrics
+    return float(m[1])
 
 
 def assert_same_answers(url: str, expected: list[str]) -> list[dict]:

@@ -8,7 +8,8 @@ would serve the demand at a target utilization (what a Kubernetes HPA or KEDA sc
   waiting) over the batch it can run (``max_num_seqs``): above 1, requests wait.
 
 The router reads every worker's ratio with its health probes (``GET /v1/load``, internal) and
-exports, per role, ``ceil(sum of ratios / TARGET_UTILIZATION)`` replicas (at least 1).
+exports, per role, ``ceil(sum of ratios / TARGET_UTILIZATION)`` replicas (at least 1). The same
+report carries the measured costs the router's adaptive dispatch weighs (``LoadReport``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,60 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from typing import Annotated, Final
+
+import msgspec
 
 WINDOW_S = 30.0  # the offered load is averaged over this long
 TARGET_UTILIZATION = 0.8  # the recommended replica count keeps each replica this busy
+LOAD_PROTOCOL_VERSION: Final = 1
+MAX_LOAD_REPORT_BYTES: Final = 4096
+
+Ratio = Annotated[float, msgspec.Meta(ge=0, lt=1e6)]
+Cost = Annotated[float, msgspec.Meta(ge=0, lt=1e3)]  # seconds per unit: bounded, it is read from a peer
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+
+
+class LoadReport(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """``GET /v1/load``: a worker's demand over capacity and what its work costs it (0: unmeasured)."""
+
+    load_ratio: Ratio = 0.0
+    s_per_patch: Cost = 0.0  # encoder: seconds of vision forward per patch
+    vision: bool = False  # language-model worker: it holds a vision tower (raw media can go to it)
+    vision_s_per_patch: Cost = 0.0  # language-model worker: seconds per patch of the forwards it ran itself
+    fetch_s_per_byte: Cost = 0.0  # language-model worker: seconds per embedding byte fetched from encoders
+    running: Count = 0  # language-model worker: requests in its batch (an encode here stalls them)
+    waiting: Count = 0
+    version: int = LOAD_PROTOCOL_VERSION
+
+
+def decode_load_report(raw: bytes) -> LoadReport:
+    """A peer's report, bounds checked; ``ValueError`` for another version or a bad value."""
+    try:
+        report = msgspec.json.decode(raw, type=LoadReport)
+    except msgspec.DecodeError as e:  # ValidationError is one
+        raise ValueError(f"bad load report: {e}") from None
+    if report.version != LOAD_PROTOCOL_VERSION:
+        raise ValueError(f"load report version {report.version}, expected {LOAD_PROTOCOL_VERSION}")
+    return report
+
+
+class CostRate:
+    """Seconds per unit of work, from a pair of ever-growing totals (seconds, units) sampled now
+    and then: an exponential average over the intervals that did work, so it follows the current
+    conditions (contention, batch sizes) rather than the whole lifetime."""
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.weight = weight
+        self.value = 0.0  # 0 until an interval with work was seen
+        self._last: tuple[float, float] | None = None
+
+    def update(self, seconds: float, units: float) -> float:
+        last, self._last = self._last, (seconds, units)
+        if last is not None and units > last[1] and seconds >= last[0]:
+            rate = (seconds - last[0]) / (units - last[1])
+            self.value = rate if not self.value else (1 - self.weight) * self.value + self.weight * rate
+        return self.value
 
 
 class RateWindow:

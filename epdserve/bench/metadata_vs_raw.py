@@ -18,10 +18,11 @@ import json
 from epdserve.bench.closed_loop import closed_loop, summarize
 from epdserve.bench.workload import image_payload
 from epdserve.launcher import free_port
+from epdserve.router.dispatch import Dispatch
 from epdserve.shapes import ShapesWorld
 from epdserve.up import Deployment, Topology
 
-MODES = {"metadata-only": [], "raw-media": ["--forward-raw-media"]}
+MODES: dict[str, Dispatch] = {"metadata-only": "always", "raw-media": "never"}
 
 
 def payloads(n: int, images: int, out_len: int, size: int, seed: int) -> list[tuple[str, dict]]:
@@ -48,10 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     reqs = payloads(args.requests, args.images, args.output_len, args.image_size, args.seed)
     warm = payloads(8, args.images, args.output_len, args.image_size, args.seed + 1)
     stats: dict[str, dict[str, float]] = {}
-    for mode, router_args in MODES.items():
-        d = Deployment(
-            Topology.parse(args.topology), None, port=free_port(), pin=args.pin_cores, extra_router_args=router_args
-        )
+    for mode, dispatch in MODES.items():
+        d = Deployment(Topology.parse(args.topology), None, port=free_port(), pin=args.pin_cores, dispatch=dispatch)
         d.start()
         try:
             asyncio.run(closed_loop(d.url, warm, args.concurrency))

@@ -4,6 +4,7 @@ Routes: ``POST /v1/encode`` (see ``epdserve.encoder.protocol``), ``GET /v1/model
 ``/metrics``. Per item::
 
     fetch (event loop) → hash (pool) → cached? ─yes──────────────────────────────────┐
+    (pixel handle: uuid from its signed header) ┘
                                           └─no─→ in the shared store? ─yes────────────┤
                                                  └─no (claimed) → decode + preprocess │
                                                    → batcher (one forward thread)     │
@@ -11,6 +12,10 @@ Routes: ``POST /v1/encode`` (see ``epdserve.encoder.protocol``), ``GET /v1/model
 
 With a shared store (``--store-url``) an item computed by any encoder is not computed again, and
 concurrent misses on one item across encoders compute it once (``store.single_flight``).
+
+An item may arrive decoded: a pixel handle (``transfer.pixels``) on frames a router that decodes
+media (``--frontend-decode``) put into its shm slab. Then nothing is fetched, hashed or decoded
+here: the uuid comes from the handle, and the frames are read only when the item is computed.
 
 Only the vision tower is loaded (``parts={"vision"}``): no language model, KV cache or sampler.
 Item uuids are computed exactly as the language-model server computes them (same model name,
@@ -29,8 +34,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, get_args
 
+import msgspec
 import torch
 from aiohttp import web
+from PIL import Image
 
 from epdserve.api import logs
 from epdserve.api.auth import AuthConfig
@@ -43,7 +50,7 @@ from epdserve.api.errors import (
     from_media_error,
 )
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
-from epdserve.api.load import EncoderLoad
+from epdserve.api.load import EncoderLoad, LoadReport
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
@@ -61,11 +68,12 @@ from epdserve.encoder.protocol import (
     decode_request,
     encode_response,
 )
+from epdserve.engine.inputs import MediaInput
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
-from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.models.precision import DType, torch_dtype
@@ -79,8 +87,10 @@ from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferErr
 from epdserve.transfer.config import STORE_HANDLE, ECConfig
 from epdserve.transfer.factory import make_producer
 from epdserve.transfer.header import WireHeader, to_handle
+from epdserve.transfer.pixels import PixelReader, processor_digest
 
 VISUAL_TOKENS = "visual tokens (embedding rows) served, by how"
+PIXEL_ITEMS = "items that arrived decoded (the router's pixel handles): not fetched, hashed or decoded here"
 log = logging.getLogger(__name__)
 STORED_REMEMBERED = 65536  # uuids whose store entries this encoder remembers (for store handles on cache hits)
 
@@ -193,6 +203,11 @@ class EncoderService:
             on_batch=self._on_batch,
         )
         self.resolver: MediaResolver | None = None
+        self.pixels: PixelReader | None = None  # pixel handles need the cluster secret, as EC handles do
+        if config.ec.has_secret:
+            kwargs = self.processor.config.hash_kwargs(config.limits.video_frames)
+            digest = processor_digest(config.model_name, kwargs)
+            self.pixels = PixelReader(config.ec, config.model_name, digest, config.limits)
         self.store: EmbeddingStore | None = None
         self._stored: OrderedDict[str, WireHeader] = OrderedDict()
         if config.ec.store.enabled:
@@ -240,6 +255,8 @@ class EncoderService:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.put_executor.shutdown(wait=True)
         self.producer.close()
+        if self.pixels is not None:
+            await self.pixels.close()
         if self.store is not None:
             await self.store.close()
 
@@ -289,6 +306,7 @@ class EncoderService:
         m.inc("encoder_batch_items_total", 0, help_text="items in batched vision forwards")
         m.inc("encoder_batch_rows_total", 0, help_text="patch rows in batched vision forwards")
         m.inc("encode_requests_total", 0, help_text="/v1/encode requests received")
+        m.inc("encoder_pixel_items_total", 0, help_text=PIXEL_ITEMS)
         p = self.producer
         m.gauge("encoder_ec_live_handles", "leases issued and not yet released or expired", lambda: p.live_handles)
         m.gauge("encoder_ec_live_entries", "embedding payloads held for consumers", lambda: p.live_entries)
@@ -318,8 +336,9 @@ class EncoderService:
         for i, out in enumerate(outcomes):
             if isinstance(out, MediaError):
                 out = from_media_error(out)
-            if isinstance(out, ApiError):  # client errors are about the media the URL names
-                raise _with_param(out, f"items[{i}].url" if out.status in (400, 413, 504) else f"items[{i}]")
+            if isinstance(out, ApiError):  # client errors are about the media the URL (or pixel handle) names
+                named = f"items[{i}].{'url' if req.items[i].pixels is None else 'pixels'}"
+                raise _with_param(out, named if out.status in (400, 413, 504) else f"items[{i}]")
             if isinstance(out, BaseException):
                 raise out
             ready.append(out)
@@ -359,11 +378,15 @@ class EncoderService:
             raise Unavailable("the encoder is starting")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        data = await load_media_bytes(item.url, self.config.limits, resolver.session)
-        t1 = time.perf_counter()
-        uuid = await loop.run_in_executor(
-            self.executor, media_uuid, resolver.model_id, item.modality, data, resolver.processor_kwargs
-        )
+        data: bytes | None = None
+        if item.url is None:  # then it carries pixels (decode_request)
+            uuid, t1 = self._pixel_uuid(item), t0
+        else:
+            data = await load_media_bytes(item.url, self.config.limits, resolver.session)
+            t1 = time.perf_counter()
+            uuid = await loop.run_in_executor(
+                self.executor, media_uuid, resolver.model_id, item.modality, data, resolver.processor_kwargs
+            )
         cached = self.batcher.lookup(uuid)
         if cached is not None:
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
@@ -412,13 +435,34 @@ class EncoderService:
         handle = to_handle(header, STORE_HANDLE)
         return signing.issue(handle, cfg.handle_key, cfg.store.ttl_s, signing.new_lease())
 
-    async def _compute(self, item: EncodeItem, uuid: str, data: bytes, t0: float, t1: float) -> _Ready:
+    def _pixel_uuid(self, item: EncodeItem) -> str:
+        """The uuid a pixel handle names, once it verified and validated."""
+        if self.pixels is None:
+            raise BadRequest("This encoder has no cluster credential, so it accepts no pixel handle.")
+        try:
+            uuid = self.pixels.uuid(item.pixels, item.modality)
+        except TransferError as e:
+            raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
+        self.metrics.inc("encoder_pixel_items_total", help_text=PIXEL_ITEMS)
+        return uuid
+
+    def _preprocess(self, item: EncodeItem, data: bytes | None) -> VisionInput | MediaInput:
+        """Decode a URL's bytes, or read a pixel handle's frames (decoded and resized by the
+        router), then normalize and patchify (CPU work, runs in the executor)."""
+        if data is not None:
+            assert self.resolver is not None
+            return self.resolver.process_bytes(item.modality, data)
+        assert self.pixels is not None  # _pixel_uuid checked
+        frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
+        return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)
+
+    async def _compute(self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float) -> _Ready:
         """Preprocess and encode one item here (the batcher joins it with concurrent ones)."""
-        resolver = self.resolver
-        assert resolver is not None
         loop = asyncio.get_running_loop()
         try:
-            media = await loop.run_in_executor(self.executor, resolver.process_bytes, item.modality, data)
+            media = await loop.run_in_executor(self.executor, self._preprocess, item, data)
+        except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
+            raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
             raise BadRequest(f"The {item.modality} could not be preprocessed: {e}") from None
         t2 = time.perf_counter()
@@ -540,7 +584,9 @@ class EncoderHandlers:
 
     async def load(self, request: web.Request) -> web.Response:
         """Internal: this encoder's load ratio (the router's autoscaling signal)."""
-        return web.json_response({"load_ratio": self.s.load.ratio()})
+        load = self.s.load
+        report = LoadReport(load_ratio=load.ratio(), s_per_patch=1 / load.capacity if load.capacity else 0.0)
+        return json_response(msgspec.json.encode(report))
 
     async def release(self, request: web.Request) -> web.Response:
         released = await self.s.release(await request.read())

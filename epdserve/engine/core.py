@@ -389,6 +389,8 @@ class EngineCore:
             kv_bytes_in=self.kv_bytes_in,
             kv_live_handles=self.kv_producer.live_handles if self.kv_producer is not None else 0,
             vision=self.vision,
+            vision_patches=self.runner.vision_patches,
+            vision_seconds=self.runner.vision_seconds,
         )
 
     def close(self) -> None:

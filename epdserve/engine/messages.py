@@ -227,6 +227,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     kv_bytes_in: int = 0
     kv_live_handles: int = 0  # prefill: KV leases handed out and not yet released or expired
     vision: bool = False
+    vision_patches: int = 0  # patches of raw media encoded here
+    vision_seconds: float = 0.0  # seconds of those vision forwards
     block_size: int = 0
     kv_digest: bytes = b""  # asked for: the cached blocks' hashes (prefix_hash.HASH_BYTES each)
 

@@ -8,6 +8,7 @@ placeholder positions that fall inside this step's chunk of each request.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,8 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // config.block_size)
         self.table = BlockTable(config.max_num_seqs, max_blocks, self.device)
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
+        self.vision_patches = 0  # patches this instance encoded itself (raw media)
+        self.vision_seconds = 0.0  # and the seconds those forwards took
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
 
@@ -107,9 +110,15 @@ class ModelRunner:
             return
         if self.model.visual is None:
             raise MediaError("this instance has no vision tower; send metadata-only media items")
+        t0 = time.perf_counter()
         pixels = torch.cat([it.pixel_values for it in todo]).to(self.device, self.dtype)  # type: ignore[misc]
         grid = torch.tensor([it.grid_thw for it in todo], dtype=torch.long, device=self.device)
         emb = self.model.visual(pixels, grid)
+        # what a raw-media item costs this instance (the router's adaptive dispatch reads it)
+        if emb.is_cuda:
+            torch.cuda.synchronize(emb.device)  # the forward's time, not its launch
+        self.vision_patches += pixels.shape[0]
+        self.vision_seconds += time.perf_counter() - t0
         for it, e in zip(todo, emb.split([it.length for it in todo]), strict=True):
             it.embeddings = e
             it.pixel_values = None  # pixels are not needed again

@@ -32,7 +32,7 @@ from epdserve.api.auth import is_internal
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
-from epdserve.api.load import worker_ratio
+from epdserve.api.load import CostRate, LoadReport, worker_ratio
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
@@ -110,6 +110,8 @@ class ChatService:
         self.eos = sorted(_eos_ids(config.model, self.tokenizer))
         self.core_died: str | None = None
         self.stats = EngineStats()
+        self.vision_rate = CostRate()  # seconds per patch of raw media encoded here
+        self.fetch_rate = CostRate()  # seconds per embedding byte fetched from encoders
         self.metrics = Metrics()
         self._init_metrics()
         role = {"both": "pd", "prefill": "prefill", "decode": "decode"}[config.role]
@@ -240,6 +242,19 @@ class ChatService:
     def load_ratio(self) -> float:
         st = self.stats
         return worker_ratio(self._kv_usage(), st.running, st.waiting, self.config.engine.max_num_seqs)
+
+    def load_report(self) -> LoadReport:
+        """Demand over capacity, and what raw media and fetched embeddings cost here (the
+        router's adaptive dispatch); the rates follow the stats refreshed since the last report."""
+        st = self.stats
+        return LoadReport(
+            load_ratio=self.load_ratio(),
+            vision=st.vision,
+            vision_s_per_patch=self.vision_rate.update(st.vision_seconds, st.vision_patches),
+            fetch_s_per_byte=self.fetch_rate.update(st.ec_seconds, st.ec_bytes),
+            running=st.running,
+            waiting=st.waiting,
+        )
 
     def _kv_usage(self) -> float:
         st = self.stats
@@ -638,7 +653,7 @@ class ChatHandlers:
     async def load(self, request: web.Request) -> web.Response:
         """Internal: this worker's load ratio (the router's autoscaling signal)."""
         await self.s.refresh_stats()
-        return web.json_response({"load_ratio": self.s.load_ratio()})
+        return json_response(msgspec.json.encode(self.s.load_report()))
 
     async def kv_digest(self, request: web.Request) -> web.Response:
         """Internal: the block hashes of this instance's prefix cache (KV-aware routing)."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import aiohttp
+
+from epdserve.api.load import LoadReport
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,13 @@ class Worker:
     healthy: bool = True
     outstanding: int = 0
     failures: int = 0  # consecutive failed probes or calls
-    load: float = 0.0  # its load ratio at the last probe (api.load)
+    report: LoadReport = field(default_factory=LoadReport)  # its load and costs at the last probe
+    patches: int = 0  # patches of the encode calls in flight on it (encoders)
+
+    @property
+    def load(self) -> float:
+        """Its load ratio at the last probe (api.load)."""
+        return self.report.load_ratio
 
 
 class NoWorker(RuntimeError):

@@ -3,6 +3,7 @@ the encode result (metadata and leases) that replaces it."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,22 @@ class MediaRef:
     directory_key: str | None = None  # its key in the router's media directory (data: URLs)
     from_directory: bool = False  # ``result`` came from the directory, not an encode call
     skipped: bool = False  # not encoded: ``result`` holds a cached handle (the worker holds its KV)
+    pixels: dict[str, Any] | None = None  # frontend decode: its pixel handle, for the encode call
+    decode_s: float = 0.0  # frontend decode: the router's fetch and decode of it
+    raw: bool = False  # sent as it came: the worker encodes it itself (adaptive dispatch)
+    patches: int = 0  # adaptive dispatch: the patches it is predicted to have (0: not predicted)
+
+    @property
+    def settled(self) -> bool:
+        """It has what the worker needs: a result, or it goes raw."""
+        return self.raw or self.result is not None
+
+    def content(self) -> dict[str, Any] | None:
+        """The content part that replaces the client's, or None to keep the client's (raw)."""
+        if self.raw:
+            return None
+        assert self.result is not None
+        return self.result.embeds_part()
 
 
 def media_refs(body: dict[str, Any]) -> list[MediaRef]:
@@ -37,3 +54,15 @@ def media_refs(body: dict[str, Any]) -> list[MediaRef]:
             if kind in MEDIA_TYPES:
                 refs.append(MediaRef(mi, pi, MEDIA_TYPES[kind], part[kind]["url"]))
     return refs
+
+
+def with_parts(body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
+    """A copy of ``body`` for a worker: each settled media part replaced by its metadata-only
+    part (raw ones kept as the client sent them); the client's body is left as it was."""
+    out = copy.copy(body)
+    out["messages"] = copy.deepcopy(body["messages"])
+    for r in refs:
+        part = r.content()
+        if part is not None:
+            out["messages"][r.message]["content"][r.part] = part
+    return out

@@ -53,7 +53,7 @@ from epdserve.api.errors import (
 )
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
-from epdserve.api.load import recommended_replicas
+from epdserve.api.load import MAX_LOAD_REPORT_BYTES, decode_load_report, recommended_replicas
 from epdserve.api.logs import REQUEST_ID_HEADER, request_id
 from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate
 from epdserve.api.protocol import (
@@ -82,11 +82,14 @@ from epdserve.encoder.protocol import (
     encode_request,
 )
 from epdserve.media.limits import MediaLimits
-from epdserve.router.admission import Gate
+from epdserve.media.processor import ProcessorConfig
+from epdserve.router.admission import AutoLimit, Gate
 from epdserve.router.directory import MediaDirectory, content_key
+from epdserve.router.dispatch import Dispatch, DispatchModel, Side
+from epdserve.router.frontend_decode import FrontendDecodeConfig, FrontendDecoder
 from epdserve.router.kv_routing import Blocks, KVIndex, PromptBlocks
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
-from epdserve.router.refs import MediaRef, media_refs
+from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.split import SplitChat
 from epdserve.router.trail import ROUTER_STAGES, Trail
 from epdserve.router.upstream import RetryableWorker, error_code, error_response, passthrough_error
@@ -119,13 +122,16 @@ class RouterConfig:
     max_request_bytes: int = 64 << 20  # largest request body
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
-    forward_raw_media: bool = False  # skip the encoders: PD workers decode and encode media themselves
+    frontend: FrontendDecodeConfig = field(default_factory=FrontendDecodeConfig)  # decode media here
+    dispatch: Dispatch = "always"  # media to encoders; never: raw to workers; adaptive: by cost (router.dispatch)
+    dispatch_interference: float = 1.0  # adaptive: weight of the batch's wait on a worker's own encode
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
     max_inflight_text: int = 0  # text-only requests served at once (0: no limit); more wait in their own queue
     max_inflight_media: int = 0  # requests with images or video served at once (0: no limit); more wait apart
     admission_wait_s: float = 10.0  # longest a request waits for admission; then 429 with Retry-After
+    text_ttft_target_ms: float = 0.0  # keep text TTFT p90 under this by lowering the media limit (0: off)
     otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
@@ -134,6 +140,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in get_args(PDPolicy):
             raise ValueError(f"unknown PD policy {self.policy!r}; choose from {get_args(PDPolicy)}")
+        if self.dispatch not in get_args(Dispatch):
+            raise ValueError(f"unknown dispatch {self.dispatch!r}; choose from {get_args(Dispatch)}")
+        if self.dispatch_interference < 0:
+            raise ValueError("dispatch_interference must be >= 0")
         if self.encoder_policy not in get_args(Policy):
             raise ValueError(f"unknown encoder policy {self.encoder_policy!r}; choose from {get_args(Policy)}")
         if bool(self.prefills) != bool(self.decodes):
@@ -170,6 +180,30 @@ class Router:
         self._releases: set[asyncio.Task] = set()
         self._model: tuple[str, int] | None = None  # (served name, max_model_len) of the PD workers
         self.directory = MediaDirectory(config.directory_entries)
+        self.frontend: FrontendDecoder | None = None
+        if config.frontend.enabled:  # its slab outlives any lease by the TTL: 2 encode timeouts
+            model_dir = Path(config.model) if config.model else default_model_dir()
+            self.frontend = FrontendDecoder(config.frontend, model_dir, config.limits, config.auth.cluster,
+                                            f"router-{config.port}", 2 * config.encode_timeout_s, self.metrics)  # fmt: skip
+        self.dispatcher: DispatchModel | None = None
+        if config.dispatch == "adaptive":
+            model_dir = Path(config.model) if config.model else default_model_dir()
+            processor = ProcessorConfig.from_pretrained(model_dir)
+            self.dispatcher = dispatcher = DispatchModel(processor, config.dispatch_interference)
+            self.metrics.counts(
+                "router_dispatch_cost_seconds",
+                "adaptive dispatch's learnt costs: preprocess and forward per patch on encoders, hop per encode call",
+                "term",
+                dispatcher.costs,
+                monotonic=False,
+            )
+        dispatched = self.metrics.counter("router_dispatch_total", "media requests by where their media was encoded: "
+                                          "remote (encoders) or local (the worker, raw)", ("path",))  # fmt: skip
+        for path in ("remote", "local"):
+            dispatched.labels(path=path)
+        self.metrics.inc(
+            "router_dispatch_fallbacks_total", 0, help_text="media sent raw because no encoder could take it"
+        )
         self.kv_index: KVIndex | None = None
         self.prompt_blocks: PromptBlocks | None = None
         # counted with kv_aware routing; exported by every router so dashboards find them
@@ -192,7 +226,13 @@ class Router:
             "text": Gate("text-only", config.max_inflight_text, config.admission_wait_s, config.retry_after_s),
             "media": Gate("image and video", config.max_inflight_media, config.admission_wait_s, config.retry_after_s),
         }
+        self.auto_limit: AutoLimit | None = None
+        if config.text_ttft_target_ms > 0:
+            media = self.gates["media"]
+            self.auto_limit = AutoLimit(media, config.text_ttft_target_ms / 1e3, ceiling=config.max_inflight_media)
         gates, m = self.gates, self.metrics
+        m.counts("router_admission_limit", "requests admitted at once, by class (0: no limit)", "class",
+                 lambda: {k: g.limit for k, g in gates.items()}, monotonic=False)  # fmt: skip
         m.counts("router_admission_in_flight", "requests admitted and not done, by class", "class",
                  lambda: {k: g.in_flight for k, g in gates.items()}, monotonic=False)  # fmt: skip
         m.counts("router_admission_waiting", "requests waiting for admission, by class", "class",
@@ -252,6 +292,8 @@ class Router:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None))
         self._probe_task = asyncio.create_task(self._probe_loop())
+        if self.frontend is not None:
+            await self.frontend.start()
         self.stats_line.start()
         cfg = self.config
         log.info(
@@ -283,6 +325,8 @@ class Router:
             await asyncio.wait(self._releases, timeout=5)
         if self.session:
             await self.session.close()
+        if self.frontend is not None:
+            await self.frontend.close()
         self.tracing.shutdown()
 
     async def _probe_loop(self) -> None:
@@ -295,22 +339,22 @@ class Router:
                 if self.kv_index is not None:
                     await asyncio.gather(*(self._poll_digest(w) for w in (*self.pds.healthy, *self.prefills.healthy)))
                 await asyncio.gather(*(self._poll_load(w) for pool in self.pools for w in pool.healthy))
+                if self.auto_limit is not None:
+                    self.auto_limit.tick()
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
 
     async def _poll_load(self, w: Worker) -> None:
-        """A worker's load ratio (kept at its last value when it cannot say)."""
+        """A worker's load report (the last one is kept when it cannot say or says nonsense)."""
         assert self.session is not None
         try:
             async with self.session.get(
                 w.url + "/v1/load", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=2)
             ) as r:
                 if r.status == 200:
-                    ratio = msgspec.json.decode(await r.content.read(4096)).get("load_ratio")
-                    if isinstance(ratio, int | float) and 0 <= ratio < 1e6:
-                        w.load = float(ratio)
-        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError, AttributeError):
+                    w.report = decode_load_report(await r.content.read(MAX_LOAD_REPORT_BYTES))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             pass
 
     def _replicas(self) -> dict[str, float]:
@@ -408,15 +452,20 @@ class Router:
         choose after the encodes, by the load then."""
         worker: Worker | None = None
         named: Blocks | None = None
-        if self.kv_index is not None:
+        if self.kv_index is not None or (self.dispatcher is not None and refs):
             worker, named = await self.choose_lm(pool, req, refs, exclude, skip_cached, leases)
-        todo = [r for r in refs if r.result is None]
+        todo = [r for r in refs if not r.settled]
+        if todo and worker is not None and self.dispatcher is not None:
+            todo = self._dispatch(worker, todo)
         if todo:
             t0 = time.perf_counter()
             if worker is not None:
                 worker.outstanding += 1
             try:
                 await self._encode_shielded(req.model, todo, leases, trail.request_id)
+            except (Unavailable, WorkerFailed):
+                if not self._raw_fallback(worker, todo):
+                    raise
             finally:
                 if worker is not None:
                     worker.outstanding -= 1
@@ -431,6 +480,43 @@ class Router:
             if stage in trail.stages:
                 self.stage_hist.labels(stage=stage).observe(trail.stages[stage])
         return worker
+
+    def _dispatch(self, worker: Worker, todo: list[MediaRef]) -> list[MediaRef]:
+        """Adaptive dispatch (``router.dispatch``): mark the items the worker should encode itself
+        raw; the rest, to encode. Items the directory holds always take the remote path."""
+        model = self.dispatcher
+        assert model is not None
+        self._directory_keys(todo)
+        fresh = [r for r in todo if self._known(r) is None]
+        for r in fresh:
+            r.patches = model.patches(r.modality, r.url)
+        encoders = self.encoders.healthy
+        least = min(encoders, key=lambda e: e.patches) if encoders else None
+        side = Side(
+            encoder=least.report if least else None,
+            encoder_patches=least.patches if least else 0,
+            worker=worker.report,
+            worker_batch=worker.outstanding,
+        )
+        choice = model.choose(sum(r.patches for r in fresh), side) if fresh else None
+        path = "local" if choice is not None and choice.local else "remote"
+        self.metrics.inc("router_dispatch_total", labels={"path": path})
+        if path == "remote":
+            return todo
+        for r in fresh:
+            r.raw = True
+        return [r for r in todo if not r.raw]
+
+    def _raw_fallback(self, worker: Worker | None, todo: list[MediaRef]) -> bool:
+        """Adaptive dispatch, the encoders gone or failing: the worker, if it has a vision tower,
+        encodes what they did not. True when it takes them."""
+        if self.dispatcher is None or worker is None or not worker.report.vision:
+            return False
+        for r in todo:
+            if r.result is None:
+                r.raw = True
+        self.metrics.inc("router_dispatch_fallbacks_total", help_text="media sent raw because no encoder could take it")
+        return True
 
     def note_complete(self, worker: Worker, req: ChatRequest, refs: list[MediaRef], named: Blocks | None) -> None:
         """After the encodes: note the blocks past the items that were unknown when the worker was
@@ -577,8 +663,18 @@ class Router:
                 self.directory.forget(r.directory_key)
 
     async def _encode_refs(self, model: str, refs: list[MediaRef], leases: int, rid: str = "") -> None:
-        """Fill ``ref.result`` for every ref by encoders: items grouped per encoder, failed groups
-        retried elsewhere."""
+        """Fill ``ref.result`` for every ref by encoders (with ``--frontend-decode``, items the
+        router decoded itself go as pixel handles, given back once every call is over)."""
+        try:
+            if self.frontend is not None:  # pixel handles instead of URLs where it can
+                await self.frontend.prepare(model, refs)
+            await self._encode_groups(model, refs, leases, rid)
+        finally:
+            if self.frontend is not None:  # every call that carried them is over
+                self.frontend.release(refs)
+
+    async def _encode_groups(self, model: str, refs: list[MediaRef], leases: int, rid: str) -> None:
+        """Items grouped per encoder, one call per group, failed groups retried elsewhere."""
         pending = list(refs)
         tried: set[str] = set()
         busy = False
@@ -608,9 +704,12 @@ class Router:
 
     async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef], leases: int, rid: str) -> _Outcome:
         assert self.session is not None
-        items = [EncodeItem(r.modality, r.url) for r in refs]  # type: ignore[arg-type]
+        items = [EncodeItem(r.modality, None if r.pixels else r.url, r.pixels) for r in refs]  # type: ignore[arg-type]
         body = encode_request(EncodeRequest(model=model, items=items, leases=leases))
+        patches = sum(r.patches for r in refs)
         w.outstanding += 1
+        w.patches += patches
+        t0 = time.perf_counter()
         try:
             encoding = {"epd.encoder": w.url, "epd.items": len(refs)}
             with self.tracing.client_span("POST /v1/encode", **encoding) as trace:
@@ -645,6 +744,9 @@ class Router:
             return _Outcome.FAILED
         finally:
             w.outstanding -= 1
+            w.patches -= patches
+        if self.dispatcher is not None:
+            self.dispatcher.observe(out.items, time.perf_counter() - t0)
         if len(out.items) != len(refs) or any(len(item.more_handles) != leases - 1 for item in out.items):
             self._release({w.url: [h for item in out.items for h in (item.ec_handle, *item.more_handles)]})
             raise WorkerFailed("An encoder returned a different number of items or leases than requested.")
@@ -674,7 +776,7 @@ class Router:
         for r in refs:
             if r.result is not None and not r.from_directory and r.encoder:  # a directory hit holds no lease
                 leases.setdefault(r.encoder, []).extend((r.result.ec_handle, *r.result.more_handles))
-            r.result, r.skipped = None, False
+            r.result, r.skipped, r.raw = None, False, False
         return leases
 
     def _release(self, leases: dict[str, list[dict]]) -> None:
@@ -741,7 +843,7 @@ class Router:
         trail = Trail(wanted(request.headers), request_id(request.headers))
         with self._answered(trail, span) as answer:
             req = await self.validate(raw)
-            answer.kind = request_kind(req)
+            answer.kind = trail.kind = request_kind(req)
             async with self.gates["text" if answer.kind == "text" else "media"].admit():
                 resp = await self._chat(request, req, raw, trail)
             answer.status = resp.status
@@ -754,7 +856,7 @@ class Router:
             raw = await request.read()
             trail = Trail(wanted(request.headers), request_id(request.headers))
             with self._answered(trail, span, "completions") as answer:
-                answer.kind = "text"
+                answer.kind = trail.kind = "text"
                 req = decode_completion_request(raw, self.config.max_prompt_chars)
                 await self._check_sampling(req)
                 async with self.gates["text"].admit():
@@ -789,7 +891,7 @@ class Router:
         body: dict[str, Any] = msgspec.json.decode(raw)
         if self.splits:
             return await self.split.chat(request, req, body, trail)
-        refs = [] if self.config.forward_raw_media else media_refs(body)
+        refs = [] if self.config.dispatch == "never" else media_refs(body)
         attempts_left = 2
         exclude: set[str] = set()
         skip_cached = True  # until a worker could not use a cached handle: then encode everything
@@ -801,10 +903,8 @@ class Router:
                     pd = await self.place(self.pds, req, refs, exclude, skip_cached, 1, trail)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
-                for r in refs:
-                    assert r.result is not None
-                    body["messages"][r.message]["content"][r.part] = r.result.embeds_part()
-                resp, consumed = await self._forward(request, pd, msgspec.json.encode(body), bool(req.stream), trail)
+                worker_body = msgspec.json.encode(with_parts(body, refs))
+                resp, consumed = await self._forward(request, pd, worker_body, bool(req.stream), trail)
                 return resp
             except RetryableWorker as e:
                 if not e.worker_ok:
@@ -852,12 +952,21 @@ class Router:
                         except (aiohttp.ClientError, TimeoutError, OSError) as e:
                             pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
                             raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
-                        self.ttfb_hist.observe(time.perf_counter() - t0)
+                        self._first_byte(trail, time.perf_counter() - t0)
                         return trail.stamp(error_response(upstream, raw)), upstream.status == 200
-                    self.ttfb_hist.observe(time.perf_counter() - t0)
+                    self._first_byte(trail, time.perf_counter() - t0)
                     return await self._relay_stream(request, upstream, pd, trail, pool), True
         finally:
             pd.outstanding -= 1
+
+    def _first_byte(self, trail: Trail, from_worker_call: float) -> None:
+        self.ttfb_hist.observe(from_worker_call)
+        self.note_first_token(trail)
+
+    def note_first_token(self, trail: Trail) -> None:
+        """A request's first token is here: text TTFT feeds the media limit's controller."""
+        if self.auto_limit is not None and trail.kind == "text":
+            self.auto_limit.observe(time.perf_counter() - trail.t0)
 
     async def post_chat(
         self,

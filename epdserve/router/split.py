@@ -21,7 +21,6 @@ an error event.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,7 @@ from epdserve.api.protocol import (
 )
 from epdserve.api.timing import SERVER_TIMING
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
-from epdserve.router.refs import MediaRef, media_refs
+from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.trail import Trail
 from epdserve.router.upstream import RetryableWorker, error_code, passthrough_error
 
@@ -65,9 +64,10 @@ class SplitChat:
     ) -> web.StreamResponse:
         r = self.r
         r.metrics.inc("router_split_requests_total", help_text="requests sent through prefill and decode workers")
-        refs = [] if r.config.forward_raw_media else media_refs(body)
+        refs = [] if r.config.dispatch == "never" else media_refs(body)
         try:
             first, prefill = await self._prefill(req, body, refs, trail)
+            r.note_first_token(trail)
             kv = first.kv_transfer_params
             if kv is None:  # the answer ended with its first token (or the prefill worker decoded it all)
                 return await self._finished(request, req, first, trail)
@@ -316,11 +316,7 @@ def _take_first_leases(refs: list[MediaRef]) -> None:
 
 def _body(body: dict[str, Any], refs: list[MediaRef], **fields: Any) -> bytes:
     """The request for a worker: media parts as metadata with each item's current handle."""
-    out = copy.copy(body)
-    out["messages"] = copy.deepcopy(body["messages"])
-    for ref in refs:
-        assert ref.result is not None
-        out["messages"][ref.message]["content"][ref.part] = ref.result.embeds_part()
+    out = with_parts(body, refs)
     out.update(fields)
     if not out.get("stream"):
         out.pop("stream_options", None)

@@ -4,6 +4,7 @@ of the workers that served it, merged into the header a client that asked for it
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -21,7 +22,7 @@ ENCODER_STAGES = {  # the encoders' ItemTimings field of each stage
     "encoder_compute": "encode_ms",
     "encoder_put": "put_ms",
 }
-ROUTER_STAGES = ("router_encode", *ENCODER_STAGES)
+ROUTER_STAGES = ("router_encode", "router_decode", *ENCODER_STAGES)  # router_decode: part of router_encode
 R = TypeVar("R", bound=web.StreamResponse)
 
 
@@ -33,6 +34,8 @@ class Trail:
     media: Counter[str] = field(default_factory=Counter)
     workers: list[str] = field(default_factory=list)  # the workers' Server-Timing values
     ran_on: list[str] = field(default_factory=list)  # the workers that answered (for the access line)
+    kind: str = ""  # the request's kind (api.protocol.RequestKind), once validated
+    t0: float = field(default_factory=time.perf_counter)  # when the router received it
 
     def add(self, stage: str, seconds: float) -> None:
         self.stages[stage] = self.stages.get(stage, 0.0) + seconds
@@ -40,6 +43,10 @@ class Trail:
     def add_media(self, refs: list[MediaRef]) -> None:
         """The items' origins, and the encoders' stages (the slowest item of each) of those encoded."""
         for r in refs:
+            if r.raw:
+                self.media["raw"] += 1
+            if r.decode_s:  # frontend decode: the slowest item's fetch and decode in the router
+                self.stages["router_decode"] = max(self.stages.get("router_decode", 0.0), r.decode_s)
             if r.result is None:
                 continue
             if r.skipped:

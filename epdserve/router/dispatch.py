@@ -1,0 +1,157 @@
+"""Adaptive dispatch: where a request's media is encoded — on an encoder (the E+PD path:
+"remote") or by the language-model worker itself, from the raw media (the aggregated path:
+"local") — chosen per request from costs measured while serving.
+
+For ``P`` patches of media that need a vision forward::
+
+    remote = encoder wait + P × (preprocess + forward)  + hop + P × bytes/patch × worker fetch
+    local  =                P × (preprocess + forward_w × (1 + interference × batch))
+
+- *encoder wait*: the patches already in flight on the least busy encoder × its forward cost;
+- *forward*: the encoder's seconds per patch (its ``/v1/load`` report, else learnt from the
+  timings its encode results carry); *forward_w*: the worker's own (its report, once it has
+  encoded raw media; until then the encoder's, the same model);
+- *hop*: what an encode call costs beyond the encoder's own work (HTTP, the put), learnt from the
+  calls' durations against the timings the encoder returns; the worker's fetch cost per byte
+  comes from its report;
+- *batch*: requests in flight on the worker — its engine runs a vision forward inside a step, so
+  every request in its batch waits that long too (``interference`` weighs their delay against
+  this request's).
+
+Items the router already holds a result for (its directory, a cached handle) cost nothing
+remote, and are never sent raw. A worker without a vision tower only takes the remote path;
+with no healthy encoder, media goes raw to a worker that has one.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from PIL import Image, UnidentifiedImageError
+
+from epdserve.api.load import LoadReport
+from epdserve.encoder.protocol import EncodedItem
+from epdserve.media.processor import ProcessorConfig, smart_resize
+
+Dispatch = Literal["always", "never", "adaptive"]
+DATA_URL_HEAD = 1 << 16  # base64 characters read to find an image's size (headers sit at the front)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class Average:
+    """An exponential average (0 until the first sample)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.value = 0.0
+        self.samples = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if not self.samples else (1 - self.weight) * self.value + self.weight * x
+        self.samples += 1
+
+
+class Choice(NamedTuple):
+    local: bool  # send the raw media to the worker
+    remote_s: float  # the predicted cost of each path, in seconds
+    local_s: float
+
+
+@dataclass
+class Side:
+    """What the router knows of one path's parties when it decides."""
+
+    encoder: LoadReport | None  # the least busy healthy encoder's report (None: no healthy encoder)
+    encoder_patches: int  # patches in flight on that encoder
+    worker: LoadReport  # the chosen language-model worker's report
+    worker_batch: int  # requests in flight on that worker
+
+
+class DispatchModel:
+    def __init__(self, processor: ProcessorConfig, interference: float = 1.0) -> None:
+        self.processor = processor
+        self.interference = interference
+        self.preprocess = Average()  # encoder seconds per patch: decode, resize, patchify
+        self.forward = Average()  # encoder seconds per patch of vision forward (from item timings)
+        self.hop = Average()  # seconds an encode call costs beyond the encoder's own work
+        self.bytes_per_patch = Average()
+        self.patches_per_item = {"image": Average(), "video": Average()}
+
+    # ---- learning ----------------------------------------------------------------------------
+    def observe(self, items: list[EncodedItem], call_s: float) -> None:
+        """One encode call's results and how long the call took, end to end."""
+        work = 0.0
+        for it in items:
+            patches = math.prod(it.grid_thw)
+            self.patches_per_item[it.modality].add(patches)
+            t = it.timings
+            work = max(work, (t.fetch_ms + t.preprocess_ms + t.queue_ms + t.encode_ms) / 1e3)
+            if it.status == "computed":
+                self.preprocess.add(t.preprocess_ms / 1e3 / patches)
+                self.forward.add(t.encode_ms / 1e3 / patches)  # the batch's forward: an upper bound
+                rows, width = it.shape
+                self.bytes_per_patch.add(rows * width * DTYPE_BYTES.get(it.dtype, 4) / patches)
+        self.hop.add(max(0.0, call_s - work))
+
+    def costs(self) -> dict[str, float]:
+        """What it has learnt, in seconds (for the metrics)."""
+        return {"preprocess_per_patch": self.preprocess.value, "forward_per_patch": self.forward.value,
+                "hop": self.hop.value}  # fmt: skip
+
+    # ---- predicting ----------------------------------------------------------------------------
+    def patches(self, modality: str, url: str) -> int:
+        """The patches an item will have: from an image's size when the data URL says it, else
+        the average of the items seen (0 when none was)."""
+        if modality == "image" and url.startswith("data:"):
+            size = _data_url_image_size(url)
+            if size is not None:
+                c = self.processor
+                try:
+                    h, w = smart_resize(size[1], size[0], c.factor, c.min_pixels, c.max_pixels)
+                except ValueError:  # an aspect ratio the encoder will refuse: any path answers 400
+                    return 0
+                return (h // c.patch_size) * (w // c.patch_size)
+        return round(self.patches_per_item[modality].value if modality in self.patches_per_item else 0)
+
+    @property
+    def measured(self) -> bool:
+        """An encode result was seen: the costs have values to compare."""
+        return self.forward.samples > 0
+
+    def choose(self, patches: int, side: Side) -> Choice:
+        """Local when the worker can encode and its path is predicted cheaper; remote otherwise."""
+        w = side.worker
+        if not w.vision:
+            return Choice(False, 0.0, math.inf)
+        if side.encoder is None:
+            return Choice(True, math.inf, 0.0)
+        forward = side.encoder.s_per_patch or self.forward.value
+        pre = self.preprocess.value
+        remote = (
+            side.encoder_patches * forward
+            + patches * (pre + forward)
+            + self.hop.value
+            + patches * self.bytes_per_patch.value * w.fetch_s_per_byte
+        )
+        forward_w = w.vision_s_per_patch or forward
+        local = patches * (pre + forward_w * (1 + self.interference * side.worker_batch))
+        return Choice(self.measured and local < remote, remote, local)
+
+
+def _data_url_image_size(url: str) -> tuple[int, int] | None:
+    """(width, height) from the front of a base64 data URL, or None when it does not say."""
+    comma = url.find(",", 0, 256)
+    if comma < 0 or ";base64" not in url[:comma]:
+        return None
+    head = url[comma + 1 : comma + 1 + DATA_URL_HEAD]
+    head = head[: len(head) // 4 * 4]
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(head, validate=False))) as img:
+            return img.size
+    except (binascii.Error, UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        return None
