@@ -170,7 +170,9 @@ def calibrate(samples: list[Sample], source: str, pixels: float) -> Profile:
         native_pixels=pixels,
         nproc=len(os.sched_getaffinity(0)),
         cpu_model=_cpu_model(),
-        source=f"{source}, {datetime.now().astimezone().isoformat(timespec='seconds')}",
+        # other work on the machine inflates every cost: the load average says how quiet it was
+        source=f"{source}, {datetime.now().astimezone().isoformat(timespec='seconds')}, "
+        f"load average {os.getloadavg()[0]:.1f}",
     )
 
 
