@@ -173,6 +173,22 @@ def test_more_encoders_never_predict_a_worse_encode_wait() -> None:
     assert waits[5][2] == pytest.approx(waits[4][2] / 2)
 
 
+def test_engines_sharing_a_core_share_its_capacity() -> None:
+    """Two PD workers pinned to one core sustain what one does; given a core each, about twice.
+    A decode worker sharing its core with a prefill worker that is mostly idle runs near full
+    speed, and slows as the prefills grow."""
+    p = profile(split=costs())
+    load = image_load(1.0, images=4, out=64)
+    one = predict(p, "1e+1pd", 2, load).capacity_rps
+    assert predict(p, "1e+2pd", 2, load).capacity_rps == pytest.approx(one, rel=1e-6)
+    assert predict(p, "1e+2pd", 4, load).capacity_rps == pytest.approx(2 * one, rel=0.05)
+    quiet = predict(p, "1e+1p+1d", 2, load)
+    busy = predict(p, "1e+1p+1d", 2, image_load(0.6 * quiet.capacity_rps, images=4, out=64))
+    alone = costs().decode_step_s
+    assert quiet.itl_s is not None and busy.itl_s is not None
+    assert alone < quiet.itl_s < 1.1 * alone < busy.itl_s
+
+
 def test_over_capacity_is_unstable_not_a_number(capsys: pytest.CaptureFixture[str]) -> None:
     p = profile()
     capacity = predict(p, "aggregated", 2, image_load(1.0)).capacity_rps

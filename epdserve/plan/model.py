@@ -1,7 +1,9 @@
 """The analytic model: what one topology does under one workload, predicted from a profile.
 
 Each role is a pool of servers; a server is a core (roles are pinned as ``up --pin-cores`` pins
-them, ``up.plan_cores``), so replicas that share a core add no capacity and each runs slower.
+them, ``up.plan_cores``), so replicas that share a core add no capacity. Engines pinned to one
+core share it as the kernel does, equally among those that want it: each runs at
+1 / (1 + the others' busy shares), solved together with the loads those speeds give.
 
     encoders   M/D/c: a request's images are split across the encoders, its work is
                encode_call + images × (encode_image + encode_mpx × Mpx)
@@ -162,31 +164,59 @@ def path_of(topology: Topology) -> str:
     return "split" if topology.split else "epd"
 
 
-def core_shares(topology: Topology, cores: int) -> tuple[int, float, float, float]:
-    """(encoder servers, speed of each worker engine, of each prefill engine, of each decode engine) with
-    the roles pinned to ``cores`` as ``up --pin-cores`` pins them; a speed below 1 means engines
-    share cores."""
+class Pool(NamedTuple):
+    """The language-model instances of one role."""
+
+    role: str  # "engines" (prefill and decode), "prefill workers" or "decode workers"
+    prefix: str  # their process names' prefix in ``up.plan_cores``: "pd", "prefill", "decode"
+    n: int  # instances
+    prefill: bool  # they prefill
+    decode: bool  # they decode
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a topology's processes run, pinned to some cores as ``up --pin-cores`` pins them."""
+
+    encoders: int  # encoder servers: encoders with a core of their own (those sharing one count once)
+    pools: tuple[Pool, ...]  # the language-model pools; the first one prefills, the last one decodes
+    engine_cores: dict[str, list[int]]  # each engine process ("pd0", "prefill0", ...) -> its cores
+
+
+def layout(topology: Topology, cores: int) -> Layout:
     if topology.aggregated:
-        return 0, 1.0, 1.0, 1.0  # one engine core process (one torch thread); the front end takes another
+        # one engine core process (one torch thread) with a core to itself; its front end takes another
+        return Layout(0, (Pool("engines", "pd", 1, True, True),), {"pd0": [0]})
     if cores < 2:
         raise Unsupported("separate roles need at least 2 cores to be pinned apart")
     plan = plan_cores(topology, list(range(cores)))
     enc_cores = {c for name, cs in plan.roles.items() if name.startswith("encoder") for c in cs}
-    n_enc = min(topology.encoders, len(enc_cores))
+    pools: tuple[Pool, ...]
+    if topology.split:
+        pools = (
+            Pool("prefill workers", "prefill", topology.prefills, True, False),
+            Pool("decode workers", "decode", topology.decodes, False, True),
+        )
+    else:
+        pools = (Pool("engines", "pd", topology.pds, True, True),)
+    return Layout(min(topology.encoders, len(enc_cores)), pools, dict(plan.engines))
 
-    # an engine core runs one torch thread: it gets the share of one core that the engines pinned
-    # with it leave it, summed over its cores, at most 1
-    sharing: dict[int, int] = {}
-    for cs in plan.engines.values():
-        for core in cs:
-            sharing[core] = sharing.get(core, 0) + 1
-    speeds = {name: min(1.0, sum(1 / sharing[core] for core in cs)) for name, cs in plan.engines.items()}
 
-    def speed(prefix: str, n: int) -> float:
-        pool = [s for name, s in speeds.items() if name.startswith(prefix)]
-        return sum(pool) / len(pool) if n and pool else 1.0
-
-    return n_enc, speed("pd", topology.pds), speed("prefill", topology.prefills), speed("decode", topology.decodes)
+def speeds(lay: Layout, busy: dict[str, float]) -> dict[str, float]:
+    """Each pool's mean speed (1: a core of its own) when its engines share cores with engines busy
+    ``busy[role]`` of the time. The kernel shares a core equally between the processes that want it,
+    so a core gives an engine 1 / (1 + the others expected to be running on it); an engine runs one
+    thread, so it never gets more than one core."""
+    role_of = {name: p.role for name in lay.engine_cores for p in lay.pools if name.startswith(p.prefix)}
+    on_core: dict[int, list[str]] = {}
+    for name, cs in lay.engine_cores.items():
+        for c in cs:
+            on_core.setdefault(c, []).append(name)
+    speed = {
+        name: min(1.0, sum(1 / (1 + sum(busy[role_of[o]] for o in on_core[c] if o != name)) for c in cs))
+        for name, cs in lay.engine_cores.items()
+    }
+    return {p.role: sum(speed[n] for n in speed if role_of[n] == p.role) / p.n for p in lay.pools}
 
 
 @dataclass(frozen=True)
@@ -197,58 +227,48 @@ class _Engine:
     itl_s: float  # wall time of a decode step
     batch: float  # mean sequences per decode step
     prefill_wait_s: float  # mean wait of a prefill (queue and the step in progress)
-    busy_prob: float
+    busy: float  # share of time it wants its core (prefilling, or any sequence decoding)
+    speed: float  # its share of a core
+
+    @property
+    def stable(self) -> bool:
+        return self.load < 1 and self.batch <= MAX_BATCH
 
 
-def engine(
-    c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: float, prefill: bool, decode: bool
-) -> _Engine:
-    """One engine receiving ``rate`` req/s, prefilling and/or decoding them at ``speed`` (1: a core of its own)."""
-    p = [c.prefill(k.prompt_tokens, k.images) / speed for k in kinds] if prefill else [0.0] * len(kinds)
+def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: float, pool: Pool) -> _Engine:
+    """One engine of ``pool`` receiving ``rate`` req/s at ``speed`` (1: a core of its own)."""
+    p = [c.prefill(k.prompt_tokens, k.images) / speed if pool.prefill else 0.0 for k in kinds]
     p_mean = sum(k.share * x for k, x in zip(kinds, p, strict=True))
     p_sq = sum(k.share * x * x for k, x in zip(kinds, p, strict=True))
     d0, d1 = c.decode_step_s / speed, c.decode_seq_s / speed
-    load = rate * p_mean + (rate * out * d1 if decode else 0.0)
+    load = rate * p_mean + (rate * out * d1 if pool.decode else 0.0)
     if load >= 1:
-        return _Engine(load, math.inf, math.inf, math.inf, 1.0)
-    itl = d0 / (1 - load) if decode else 0.0
-    batch = rate * out * itl if decode else 0.0
-    step = d0 + d1 * batch
-    residual = min(1.0, batch) * step / 2  # a prefill arriving during a decode step waits for its end
-    wait = (rate * p_sq / (2 * (1 - load)) if prefill else 0.0) + (residual if prefill else 0.0)
-    return _Engine(load, itl, batch, wait, min(1.0, load + min(1.0, batch) * (1 - load)) if prefill else 0.0)
+        return _Engine(load, math.inf, math.inf, math.inf, 1.0, speed)
+    itl = d0 / (1 - load) if pool.decode else 0.0
+    batch = rate * out * itl
+    # idle only with no prefill running and no sequence decoding (their number taken as Poisson)
+    busy = 1 - (1 - load) * math.exp(-batch)
+    wait = 0.0
+    if pool.prefill:  # M/G/1 at load L, and the decode step in progress (its residual: half a step)
+        wait = rate * p_sq / (2 * (1 - load)) + (1 - math.exp(-batch)) * (d0 + d1 * batch) / 2
+    return _Engine(load, itl, batch, wait, busy, speed)
 
 
-class Pool(NamedTuple):
-    """The language-model instances of one role."""
-
-    role: str  # "engines" (prefill and decode), "prefill workers" or "decode workers"
-    n: int  # instances
-    speed: float  # each one's share of a core (1: a core of its own)
-    prefill: bool  # it prefills
-    decode: bool  # it decodes
+FIXED_POINT_ROUNDS = 60  # speeds ↔ busy shares; they converge from below in a few dozen rounds
 
 
-def pools(topology: Topology, cores: int) -> tuple[int, list[Pool]]:
-    """(encoder servers, the language-model pools) of ``topology`` pinned to ``cores`` cores."""
-    n_enc, pd_speed, p_speed, d_speed = core_shares(topology, cores)
-    if not topology.split:
-        return n_enc, [Pool("engines", topology.pds or 1, pd_speed, True, True)]
-    return n_enc, [
-        Pool("prefill workers", topology.prefills, p_speed, True, False),
-        Pool("decode workers", topology.decodes, d_speed, False, True),
-    ]
-
-
-def capacity(c: PathCosts, kinds: list[Kind], out: int, pool: Pool) -> float:
-    """The most req/s ``pool`` sustains: its prefill and per-sequence decode work fill its engines,
-    or its decode batch reaches MAX_BATCH (b = λ·out·ITL with ITL = d0 / (1 − λ·work), solved for λ)."""
-    p_mean = sum(k.share * c.prefill(k.prompt_tokens, k.images) for k in kinds) / pool.speed if pool.prefill else 0.0
-    work = p_mean + (out * c.decode_seq_s / pool.speed if pool.decode else 0.0)
-    cap = pool.n / work if work > 0 else math.inf
-    if pool.decode:
-        cap = min(cap, pool.n * MAX_BATCH / (out * c.decode_step_s / pool.speed + MAX_BATCH * work))
-    return cap
+def engines_at(c: PathCosts, kinds: list[Kind], out: int, lay: Layout, rate: float) -> dict[str, _Engine]:
+    """Every pool's engine at ``rate``: speeds and busy shares solved together, starting from
+    engines that do not meet (busy 0) so that the least fixed point is found."""
+    busy = dict.fromkeys((p.role for p in lay.pools), 0.0)
+    for _ in range(FIXED_POINT_ROUNDS):
+        speed = speeds(lay, busy)
+        result = {p.role: engine(c, rate / p.n, kinds, out, speed[p.role], p) for p in lay.pools}
+        new = {role: e.busy for role, e in result.items()}
+        if all(abs(new[r] - busy[r]) < 1e-9 for r in busy):
+            break
+        busy = new
+    return result
 
 
 # (share of the requests, latency without waiting, mean wait, chance to wait) of one request kind
@@ -269,47 +289,100 @@ def slo_fraction(slo: SLO, dists: list[Dist], itl: float, decode_time: float, ga
     return within
 
 
-def _evaluate(profile: Profile, topology: Topology, name: str, cores: int, load: Load, rate: float) -> Prediction:
-    path = path_of(topology)
+def _media(profile: Profile, load: Load, c: PathCosts) -> tuple[list[Kind], float, float]:
+    """(request kinds, share of requests with images, encoder work of one)."""
+    kinds = request_kinds(profile, load.workload)
+    media_share = sum(k.share for k in kinds if k.images)
+    return kinds, media_share, max((c.encode(k.images, k.pixels) for k in kinds), default=0.0)
+
+
+def capacity(c: PathCosts, kinds: list[Kind], out: int, lay: Layout, enc_rate_cap: float) -> tuple[float, str]:
+    """(the most req/s the topology sustains, the role that limits it): the encoders' limit, or the
+    rate at which an engine's load reaches 1 or its batch MAX_BATCH, found by bisection (engines
+    sharing cores slow each other more as the load grows)."""
+    hi = enc_rate_cap
+    for pool in lay.pools:  # each pool alone at full speed: an upper bound
+        e = engine(c, 1.0, kinds, out, 1.0, pool)
+        per_request = e.load  # load per req/s per engine
+        if per_request > 0:
+            hi = min(hi, pool.n / per_request)
+    if not math.isfinite(hi):
+        return math.inf, "none"
+    lo = 0.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        ok = mid < enc_rate_cap and all(e.stable for e in engines_at(c, kinds, out, lay, mid).values())
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    near = engines_at(c, kinds, out, lay, lo)
+    pressure = {role: max(e.load, e.batch / MAX_BATCH) for role, e in near.items()}
+    if lay.encoders:
+        pressure["encoders"] = lo / enc_rate_cap
+    return lo, max(pressure, key=lambda r: pressure[r])
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One topology under one workload: what every arrival rate shares."""
+
+    name: str
+    path: str
+    cores: int
+    lay: Layout
+    costs: PathCosts
+    kinds: list[Kind]
+    media_share: float  # share of requests with images
+    enc_work: float  # encoder work of one request with images
+    capacity: float
+    bottleneck: str
+
+
+def _case(profile: Profile, topology: str, cores: int, load: Load) -> _Case:
+    topo = Topology.parse(topology)
+    path = path_of(topo)
     try:
         c = profile.costs(path)
     except ProfileError as e:
         raise Unsupported(str(e)) from None
-    kinds = request_kinds(profile, load.workload)
-    out = load.workload.output_len
-    n_enc, lm_pools = pools(topology, cores)
-    media_share = sum(k.share for k in kinds if k.images)
-    enc_work = max((c.encode(k.images, k.pixels) for k in kinds), default=0.0)
+    lay = layout(topo, cores)
+    kinds, media_share, enc_work = _media(profile, load, c)
+    enc_cap = lay.encoders / (media_share * enc_work) if lay.encoders and media_share * enc_work > 0 else math.inf
+    cap, bottleneck = capacity(c, kinds, load.workload.output_len, lay, enc_cap)
+    return _Case(topology_name(topo), path, cores, lay, c, kinds, media_share, enc_work, cap, bottleneck)
 
-    caps = {pool.role: capacity(c, kinds, out, pool) for pool in lm_pools}
-    if n_enc:
-        caps["encoders"] = n_enc / (media_share * enc_work) if media_share * enc_work > 0 else math.inf
-    bottleneck = min(caps, key=lambda r: caps[r])
-    enc = encoder_station(rate * media_share, enc_work, n_enc) if n_enc else Station(0.0, 0.0, 0.0)
-    engines = {p.role: engine(c, rate / p.n, kinds, out, p.speed, p.prefill, p.decode) for p in lm_pools}
+
+def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
+    c, lay, kinds, cap = case.costs, case.lay, case.kinds, case.capacity
+    media_share, enc_work = case.media_share, case.enc_work
+    out = load.workload.output_len
+    enc = encoder_station(rate * media_share, enc_work, lay.encoders) if lay.encoders else Station(0.0, 0.0, 0.0)
+    engines = engines_at(c, kinds, out, lay, rate)
+    stable = rate < cap and all(e.stable for e in engines.values()) and enc.utilization < 1
     base = Prediction(
-        topology=name,
-        path=path,
-        cores=cores,
-        capacity_rps=caps[bottleneck],
-        bottleneck=bottleneck,
-        stable=rate < caps[bottleneck],
+        topology=case.name,
+        path=case.path,
+        cores=case.cores,
+        capacity_rps=cap,
+        bottleneck=case.bottleneck,
+        stable=stable,
         request_rate=rate,
-        utilization={**({"encoders": enc.utilization} if n_enc else {}), **{r: e.load for r, e in engines.items()}},
-        throughput_rps=min(rate, caps[bottleneck]),
+        utilization={
+            **({"encoders": enc.utilization} if lay.encoders else {}),
+            **{r: e.load for r, e in engines.items()},
+        },
+        throughput_rps=min(rate, cap),
     )
-    if not base.stable:
+    if not stable:
         return base
-    first_pool = lm_pools[0]  # the pool that prefills
-    first, decoder = engines[first_pool.role], engines[lm_pools[-1].role]
+    first_pool = lay.pools[0]  # the pool that prefills
+    first, decoder = engines[first_pool.role], engines[lay.pools[-1].role]
     dists: list[Dist] = []
     for k in kinds:
-        fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images) / first_pool.speed
-        wait, busy = first.prefill_wait_s, first.busy_prob
-        if k.images and n_enc:
+        fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images) / first.speed
+        wait, busy = first.prefill_wait_s, first.busy
+        if k.images and lay.encoders:
             # the images are split across the encoders: each encodes its share in parallel
             per_image = (c.encode(k.images, k.pixels) - c.encode_call_s) / k.images
-            fixed += c.encode_call_s + per_image * math.ceil(k.images / n_enc)
+            fixed += c.encode_call_s + per_image * math.ceil(k.images / lay.encoders)
             wait += enc.wait_s
             busy = 1 - (1 - busy) * (1 - enc.wait_prob)
         dists.append((k.share, fixed, wait, busy))
@@ -317,10 +390,10 @@ def _evaluate(profile: Profile, topology: Topology, name: str, cores: int, load:
     decode_time = (out - 1) * decoder.itl_s
 
     def gap(bound: float) -> float:
-        if topology.split:
+        if not first_pool.decode:
             return 0.0  # decode workers never prefill
         step = decoder.itl_s * (1 - decoder.load)  # a decode step's own time, no prefill in it
-        long = [k for k in kinds if step + c.prefill(k.prompt_tokens, k.images) / first_pool.speed > bound]
+        long = [k for k in kinds if step + c.prefill(k.prompt_tokens, k.images) / first.speed > bound]
         return rate / first_pool.n * sum(k.share for k in long)
 
     fraction = slo_fraction(load.slo, dists, decoder.itl_s, decode_time, gap) if load.slo.given else None
@@ -366,17 +439,15 @@ def _quantile(cdf: Callable[[float], float], q: float) -> float:
 def predict(profile: Profile, topology: str, cores: int, load: Load) -> Prediction:
     """The prediction for ``topology`` pinned to ``cores`` cores under ``load``; ``Unsupported`` when
     the profile or the cores cannot serve it. A closed loop is solved for its arrival rate."""
-    topo = Topology.parse(topology)
-    name = topology_name(topo)
+    case = _case(profile, topology, cores, load)
     if load.request_rate > 0:
-        return _evaluate(profile, topo, name, cores, load, load.request_rate)
+        return _evaluate(case, load, load.request_rate)
     # closed loop: N clients, each sending again when its answer ends, so N = λ × E2E(λ); E2E grows
     # with λ and without bound at capacity, so the root lies below capacity
-    capacity = _evaluate(profile, topo, name, cores, load, 0.0).capacity_rps
-    lo, hi = 0.0, capacity
-    for _ in range(80):
+    lo, hi = 0.0, case.capacity
+    for _ in range(60):
         mid = (lo + hi) / 2
-        p = _evaluate(profile, topo, name, cores, load, mid)
+        p = _evaluate(case, load, mid)
         in_flight = mid * p.e2e_mean_s if p.stable and p.e2e_mean_s is not None else math.inf
         lo, hi = (mid, hi) if in_flight < load.concurrency else (lo, mid)
-    return _evaluate(profile, topo, name, cores, load, lo)
+    return _evaluate(case, load, lo)
