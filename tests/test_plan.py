@@ -386,6 +386,26 @@ def test_cli_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "profile version 0" in capsys.readouterr().err
 
 
+def test_cli_calibrating_a_server_without_stage_timing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """An OpenAI endpoint that is not epdserve (no Server-Timing) cannot be profiled: a clear error."""
+    import asyncio
+    import threading
+
+    from epdserve.bench.loadgen import TrivialServer
+
+    loop = asyncio.new_event_loop()
+    server = TrivialServer(tokens=4)
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    url = asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)
+    try:
+        rc = main(["plan", "--calibrate", url, "--calibration-requests", "1", "--request-rate", "1"])
+    finally:
+        asyncio.run_coroutine_threadsafe(server.__aexit__(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    assert rc == 2
+    assert "no stage timing" in capsys.readouterr().err
+
+
 # ---- calibration against a real deployment ---------------------------------------------------------
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epdserve.bench.loadgen import WORKLOAD_FLAGS
 from epdserve.bench.report import SLO
 from epdserve.bench.sweep import parse_topologies
 from epdserve.bench.workload import WorkloadConfig
@@ -206,11 +205,8 @@ def plan_json(result: Plan, profile: Profile) -> dict[str, Any]:
 
 # ---- command line ----------------------------------------------------------------------------------
 
-PLAN_WORKLOAD_FLAGS = tuple(
-    f
-    for f in WORKLOAD_FLAGS
-    if f in ("images_per_request", "image_size", "prompt_tokens", "output_len", "text_fraction")
-)
+# the workload fields the model covers (no video, no reused media), flags as epdserve bench has them
+PLAN_WORKLOAD_FLAGS = ("images_per_request", "image_size", "prompt_tokens", "output_len", "text_fraction")
 LOAD_FLAGS = ("request_rate", "concurrency")
 PLAN_FLAGS = ("cores", "max_replicas")
 
