@@ -4,9 +4,11 @@ adaptive: per request, by measured cost) over images per request × output lengt
 policies take turns cell by cell within each round (the same requests for each), and the rounds
 repeat, so drift on a shared machine hits all three alike; the table shows per cell the median
 over rounds of each policy's TTFT p50 and req/s, and adaptive's ratio to the better fixed policy.
+Load is a closed loop (``--concurrency``) or, for ``--poisson`` cells (``IMAGES:OUTPUT:RATE``),
+open-loop Poisson arrivals, whose load comes and goes.
 
     python scripts/dispatch_sweep.py --images 1,10 --output-lens 16,256 --concurrency 1,8 \\
-        --requests 16 --rounds 3 --pin-cores
+        --poisson 4:64:5 --requests 16 --rounds 3 --pin-cores
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ POLICIES: tuple[Dispatch, ...] = ("always", "never", "adaptive")
 class Cell:
     images: int
     output_len: int
-    concurrency: int
+    concurrency: int = 1  # closed loop (when rate is 0)
+    rate: float = 0.0  # Poisson arrivals per second
 
     @property
     def label(self) -> str:
-        return f"{self.images} img × {self.output_len} tok, c{self.concurrency}"
+        load = f"Poisson {self.rate:g}/s" if self.rate else f"c{self.concurrency}"
+        return f"{self.images} img × {self.output_len} tok, {load}"
+
+
+def poisson_cell(text: str) -> Cell:
+    images, output_len, rate = text.split(":")
+    return Cell(int(images), int(output_len), rate=float(rate))
 
 
 def ints(text: str) -> list[int]:
@@ -56,6 +65,7 @@ def main() -> None:
     ap.add_argument("--images", type=ints, default=[1, 10])
     ap.add_argument("--output-lens", type=ints, default=[16, 256])
     ap.add_argument("--concurrency", type=ints, default=[1, 8])
+    ap.add_argument("--poisson", type=poisson_cell, action="append", default=[], help="IMAGES:OUTPUT:RATE")
     ap.add_argument("--image-size", type=int, default=448)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4)
@@ -63,6 +73,7 @@ def main() -> None:
     ap.add_argument("--pin-cores", action="store_true")
     args = ap.parse_args()
     cells = [Cell(i, o, c) for i in args.images for o in args.output_lens for c in args.concurrency]
+    cells += args.poisson
     deployments = {}
     for policy in POLICIES:  # all three up at once: the idle two cost nothing but memory
         d = Deployment(
@@ -89,7 +100,14 @@ def main() -> None:
                     d = deployments[policy]
                     before = dispatched(d.url)
                     cfg = BenchConfig(
-                        d.url, "", workload, args.requests, warmup=args.warmup, concurrency=cell.concurrency, seed=seed
+                        d.url,
+                        "",
+                        workload,
+                        args.requests,
+                        warmup=args.warmup,
+                        concurrency=cell.concurrency,
+                        request_rate=cell.rate,
+                        seed=seed,
                     )
                     s = asyncio.run(run_bench(cfg)).summary
                     if s.errors:

@@ -144,3 +144,12 @@ def test_cost_rate_follows_recent_intervals() -> None:
     assert r.update(1.0, 100) == pytest.approx(0.01)  # no work in the interval: unchanged
     assert r.update(3.0, 200) == pytest.approx(0.015)  # 0.02 for the last interval, averaged
     assert r.update(2.0, 100) == pytest.approx(0.015)  # totals went backwards (a restart): ignored
+
+
+def test_a_few_slow_calls_do_not_make_the_hop_look_expensive() -> None:
+    m = trained(hop_s=0.004)
+    for _ in range(9):
+        m.observe([item((8, 8), 6.4, 3.2)], call_s=0.0096 + 0.004)
+    for _ in range(3):  # calls that also waited on a busy event loop
+        m.observe([item((8, 8), 6.4, 3.2)], call_s=0.0096 + 0.2)
+    assert m.hop.value == pytest.approx(0.004)

@@ -12,8 +12,9 @@ For ``P`` patches of media that need a vision forward::
   timings its encode results carry); *forward_w*: the worker's own (its report, once it has
   encoded raw media; until then the encoder's, the same model);
 - *hop*: what an encode call costs beyond the encoder's own work (HTTP, the put), learnt from the
-  calls' durations against the timings the encoder returns; the worker's fetch cost per byte
-  comes from its report;
+  calls' durations against the timings the encoder returns — a low quantile of recent calls, not
+  their mean: under load the excess also holds waits on busy event loops and cores, which raw
+  media would meet as well; the worker's fetch cost per byte comes from its report;
 - *batch*: requests in flight on the worker — its engine runs a vision forward inside a step, so
   every request in its batch waits that long too (``interference`` weighs their delay against
   this request's).
@@ -29,6 +30,7 @@ import base64
 import binascii
 import io
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -56,6 +58,24 @@ class Average:
         self.samples += 1
 
 
+class LowQuantile:
+    """A low quantile of the last ``size`` samples (0 until the first)."""
+
+    def __init__(self, q: float = 0.2, size: int = 64) -> None:
+        self.q = q
+        self._xs: deque[float] = deque(maxlen=size)
+
+    def add(self, x: float) -> None:
+        self._xs.append(x)
+
+    @property
+    def value(self) -> float:
+        if not self._xs:
+            return 0.0
+        xs = sorted(self._xs)
+        return xs[int(self.q * (len(xs) - 1))]
+
+
 class Choice(NamedTuple):
     local: bool  # send the raw media to the worker
     remote_s: float  # the predicted cost of each path, in seconds
@@ -78,7 +98,7 @@ class DispatchModel:
         self.interference = interference
         self.preprocess = Average()  # encoder seconds per patch: decode, resize, patchify
         self.forward = Average()  # encoder seconds per patch of vision forward (from item timings)
-        self.hop = Average()  # seconds an encode call costs beyond the encoder's own work
+        self.hop = LowQuantile()  # seconds an encode call costs beyond the encoder's own work
         self.bytes_per_patch = Average()
         self.patches_per_item = {"image": Average(), "video": Average()}
 
