@@ -21,6 +21,7 @@ from epdserve.config_flags import Flag, add_flags, to_argv, values
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV
 
 if TYPE_CHECKING:
+    from epdserve.api.registration import RegistrationConfig
     from epdserve.encoder.server import EncoderConfig
     from epdserve.media.limits import MediaLimits
     from epdserve.pd.config import ServerConfig
@@ -40,6 +41,8 @@ EC = "epdserve.transfer.config:ECConfig"
 MEDIA = "epdserve.media.limits:MediaLimits"
 AUTH = "epdserve.api.auth:AuthConfig"
 STORE = "epdserve.store.config:StoreConfig"
+REGISTRATION = "epdserve.api.registration:RegistrationConfig"
+REGISTRATION_FLAGS = ("advertise_host", "register_with", "heartbeat_s")
 
 MODEL = Flag("model", default=None, default_help="the embedded model")
 STATS_INTERVAL = Flag("log_stats_interval_s", "--log-stats-interval")
@@ -119,6 +122,7 @@ ROUTER_FLAGS = (
     "kv_load_tokens",
     "encoder_policy",
     Flag("probe_interval_s", "--probe-interval"),
+    "dns_interval_s",
     "dispatch",
     "dispatch_interference",
     "directory_entries",
@@ -286,6 +290,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     cluster = _cluster_credential(args)
     secret = cluster.secret.decode() if cluster else ""
     engine = _checked(lambda: EngineConfig(**values(args, ENGINE_FLAGS)))
+    registration = registration_config(args, args.kv_connector if args.role == "prefill" else None)
     kv = None
     if args.role != "both":  # the KV connector: a prefill instance's producer, a decode instance's consumer
         from epdserve.transfer.kv import kv_config
@@ -295,6 +300,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                 f"a {args.role} instance needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file"
             )
         fields = values(args, KV_FLAGS, KV_PREFIX)
+        fields.setdefault("tcp_host", args.host)
+        fields.setdefault("tcp_advertise_host", registration.advertise_host)
         connector = fields.pop("connector", "shm")
         instance = fields.pop("instance", f"{args.role}-{args.port}")
         kv = _checked(lambda: kv_config(ECConfig(**fields, secret=secret), connector, instance, engine.dtype))
@@ -308,10 +315,13 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
             limits=media_limits(args),
             ec=ECConfig(
                 **values(args, EC_CONSUMER_FLAGS, EC_PREFIX),
+                tcp_host=args.host,  # where a mooncake consumer's engine lives (tcp consumers only dial)
+                tcp_advertise_host=registration.advertise_host,
                 secret=secret,
                 store=StoreConfig(**values(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)),
             ),
             auth=AuthConfig(api_key=api_key_from(args.api_key), cluster=cluster, internal_only=args.internal_only),
+            registration=registration,
         )
     )
     _checked(lambda: check_device(config.engine.device))
@@ -331,6 +341,9 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
         _usage_error("the encoder needs the cluster credential: set EPD_CLUSTER_SECRET or --cluster-secret-file")
     ec = values(args, EC_PRODUCER_FLAGS, EC_PREFIX)
     ec.setdefault("instance", f"encoder-{args.port}")
+    registration = registration_config(args, ec.get("connector"))
+    # the tcp connector listens where the role does, and hands out the address peers use
+    ec.update(tcp_host=args.host, tcp_advertise_host=registration.advertise_host)
     config = _checked(
         lambda: EncoderConfig(
             model=_model(args),
@@ -340,6 +353,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
                 **ec, secret=cluster.secret.decode(), store=StoreConfig(**values(args, STORE_FLAGS, STORE_PREFIX))
             ),
             auth=AuthConfig(cluster=cluster),
+            registration=registration,
         )
     )
     _checked(lambda: check_device(config.device))
@@ -464,6 +478,7 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, "internal_only"])
     add_cluster_args(credentials)
+    add_registration_args(s)
     add_media_args(s)
     add_log_args(s)
 
@@ -474,6 +489,7 @@ def add_encoder_args(s: argparse.ArgumentParser) -> None:
     add_flags(s.add_argument_group("EC connector (producer)"), EC, EC_PRODUCER_FLAGS, EC_PREFIX)
     add_flags(_store_group(s), STORE, STORE_FLAGS, STORE_PREFIX)
     add_cluster_args(s.add_argument_group("credentials"))
+    add_registration_args(s)
     add_media_args(s)
     add_log_args(s)
 
@@ -496,6 +512,30 @@ def add_cluster_args(s: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         default=None,
         help="file holding the deployment's internal secret (default: $EPD_CLUSTER_SECRET; 'up' makes one)",
     )
+
+
+def add_registration_args(s: argparse.ArgumentParser) -> None:
+    group = s.add_argument_group(
+        "multi-host",
+        "Where peers reach this instance, and its registration with a router (the router's admin key "
+        "is read from EPD_ADMIN_KEY).",
+    )
+    add_flags(group, REGISTRATION, REGISTRATION_FLAGS)
+
+
+def registration_config(args: argparse.Namespace, connector: str | None) -> RegistrationConfig:
+    """The ``RegistrationConfig`` of a worker's flags; a tcp connector needs an address peers can
+    dial (``--advertise-host`` when listening on every interface)."""
+    from epdserve.api.registration import RegistrationConfig, is_wildcard
+    from epdserve.security.credentials import api_key_from
+
+    reg = _checked(
+        lambda: RegistrationConfig(**values(args, REGISTRATION_FLAGS), admin_key=api_key_from(None, ADMIN_KEY_ENV))
+    )
+    _checked(lambda: reg.advertised(args.host))
+    if connector == "tcp" and is_wildcard(reg.advertise_host or args.host):
+        _usage_error(f"listening on {args.host}: set --advertise-host, the address peers dial for tcp transfers")
+    return reg
 
 
 def add_log_args(s: argparse.ArgumentParser, default: str | None = "text") -> None:

@@ -55,6 +55,7 @@ from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.protocol import ModelCard, ModelList, encode_json
+from epdserve.api.registration import Registrar, RegistrationConfig
 from epdserve.api.tracing import Tracing
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, BatchReport, EncodeBatcher, EncodeError, QueueFull
@@ -119,6 +120,7 @@ class EncoderConfig:
     retry_after_s: int = 1  # Retry-After of a 429 when the queue or the connector is full
     otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
+    registration: RegistrationConfig = field(default_factory=RegistrationConfig)  # advertised host, router
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # raises for an unknown name
@@ -203,6 +205,7 @@ class EncoderService:
             on_batch=self._on_batch,
         )
         self.resolver: MediaResolver | None = None
+        self.registrar: Registrar | None = None  # with --register-with: keeps this encoder registered
         self.pixels: PixelReader | None = None  # pixel handles need the cluster secret, as EC handles do
         if config.ec.has_secret:
             kwargs = self.processor.config.hash_kwargs(config.limits.video_frames)
@@ -236,6 +239,8 @@ class EncoderService:
         )
         self.batcher.start()
         self.stats_line.start()
+        self.registrar = Registrar.of(self.config.registration, "encoder", self.config.host, self.config.port)
+        self.registrar.start()
 
     def _stats_fields(self, seconds: float) -> dict[str, object]:
         w, self.window = self.window, Counter()
@@ -247,6 +252,8 @@ class EncoderService:
 
     async def close(self) -> None:
         log.info("encoder on http://%s:%d stopping", self.config.host, self.config.port)
+        if self.registrar is not None:
+            await self.registrar.close()
         await self.stats_line.stop()
         self.tracing.shutdown()
         if self.resolver is not None and self.resolver.session is not None:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from epdserve.api.auth import AuthConfig
 from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
+from epdserve.api.registration import RegistrationConfig
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.media.limits import MediaLimits
 from epdserve.transfer.config import KV_HANDLE_PURPOSE, ECConfig
@@ -42,6 +43,7 @@ class ServerConfig:
     ec: ECConfig = field(default_factory=ECConfig)  # EC consumer for metadata-only media
     role: PDRole = "both"  # both: whole requests; prefill: prompts, KV handed on; decode: continues from KV
     kv: ECConfig | None = None  # KV connector (transfer.kv.kv_config): a prefill's producer, a decode's consumer
+    registration: RegistrationConfig = field(default_factory=RegistrationConfig)  # advertised host, router
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

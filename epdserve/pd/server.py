@@ -68,6 +68,7 @@ from epdserve.api.protocol import (
     sse_event,
     to_sampling_params,
 )
+from epdserve.api.registration import Registrar
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.api.tracing import Tracing, wall_ns
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
@@ -107,6 +108,7 @@ class ChatService:
         self.embeds = MetadataEmbeds(config.model_name, self.model_config.text.hidden_size, self.builder.num_tokens)
         self.tokens = TokenTexts(self.tokenizer)
         self.resolver: MediaResolver | None = None
+        self.registrar: Registrar | None = None  # with --register-with: keeps this worker registered
         self.eos = sorted(_eos_ids(config.model, self.tokenizer))
         self.core_died: str | None = None
         self.stats = EngineStats()
@@ -150,6 +152,10 @@ class ChatService:
         self.resolver = MediaResolver(
             self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds
         )
+        cfg = self.config
+        pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
+        self.registrar = Registrar.of(cfg.registration, pool, cfg.host, cfg.port)
+        self.registrar.start()
 
     async def _stats_fields(self, seconds: float) -> dict[str, object]:
         await self.refresh_stats()
@@ -171,6 +177,8 @@ class ChatService:
     async def close(self) -> None:
         role = "prefill+decode" if self.config.role == "both" else self.config.role
         log.info("%s worker on http://%s:%d stopping", role, self.config.host, self.config.port)
+        if self.registrar is not None:
+            await self.registrar.close()
         await self.stats_line.stop()
         self.tracing.shutdown()
         if self.resolver is not None and self.resolver.session is not None:

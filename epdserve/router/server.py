@@ -69,6 +69,7 @@ from epdserve.api.protocol import (
     sse_error,
     to_sampling_params,
 )
+from epdserve.api.registration import HEARTBEATS_PER_LEASE
 from epdserve.api.timing import SERVER_TIMING, wanted
 from epdserve.api.tracing import Tracing
 from epdserve.assets import default_model_dir
@@ -85,6 +86,7 @@ from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig
 from epdserve.router.admission import AutoLimit, Gate
 from epdserve.router.directory import MediaDirectory, content_key
+from epdserve.router.discovery import MAX_HEARTBEAT_S, DnsSource, Leases, is_worker_url, split_sources
 from epdserve.router.dispatch import Dispatch, DispatchModel, Side
 from epdserve.router.frontend_decode import FrontendDecodeConfig, FrontendDecoder
 from epdserve.router.kv_routing import Blocks, KVIndex, PromptBlocks
@@ -104,14 +106,17 @@ COMPLETIONS_PATH = "/v1/completions"
 MAX_SCRAPE_BYTES = 4 << 20  # one worker's /metrics
 
 
+Workers = tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port
-    encoders: tuple[str, ...] = ()  # encoder base URLs (more can register at run time)
-    pds: tuple[str, ...] = ()  # prefill+decode worker base URLs
-    prefills: tuple[str, ...] = ()  # prefill worker base URLs (P/D disaggregation, with decodes)
-    decodes: tuple[str, ...] = ()  # decode worker base URLs (P/D disaggregation, with prefills)
+    encoders: Workers = ()  # encoder base URLs, or dns+http://name:port for each address (more can register)
+    pds: Workers = ()  # prefill+decode worker base URLs (or dns+http://name:port)
+    prefills: Workers = ()  # prefill worker base URLs, or dns+http://name:port (P/D, with decodes)
+    decodes: Workers = ()  # decode worker base URLs, or dns+http://name:port (P/D, with prefills)
     policy: PDPolicy = "least_outstanding"  # PD worker selection; kv_aware: where the prompt's prefix is cached
     kv_load_tokens: int = 256  # kv_aware: cached prompt tokens one more outstanding request on a worker is worth
     model: str = ""  # kv_aware: checkpoint directory whose chat template and tokenizer the workers use ("" = embedded)
@@ -135,9 +140,12 @@ class RouterConfig:
     otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
+    dns_interval_s: float = 5.0  # how often dns+http:// worker sources are resolved again
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
 
     def __post_init__(self) -> None:
+        for entries in (self.encoders, self.pds, self.prefills, self.decodes):
+            split_sources(entries)  # a malformed dns+http:// entry is a configuration error
         if self.policy not in get_args(PDPolicy):
             raise ValueError(f"unknown PD policy {self.policy!r}; choose from {get_args(PDPolicy)}")
         if self.dispatch not in get_args(Dispatch):
@@ -166,12 +174,25 @@ class Router:
         self.config = config
         assert config.auth.cluster is not None  # checked by RouterConfig
         self.internal_headers = config.auth.cluster.headers()
-        self.encoders = WorkerPool("encoder", list(config.encoders), config.encoder_policy)
         # kv_aware chooses by cached prefix itself; the pools balance load when no prefix is known
         policy: Policy = "least_outstanding" if config.policy == "kv_aware" else config.policy
-        self.pds = WorkerPool("pd", list(config.pds), policy)
-        self.prefills = WorkerPool("prefill", list(config.prefills), policy)
-        self.decodes = WorkerPool("decode", list(config.decodes), policy)
+        self.dns: list[tuple[WorkerPool, DnsSource]] = []  # names resolved again every dns_interval_s
+        self._dns_urls: dict[tuple[str, DnsSource], set[str]] = {}  # the workers each source added
+        self._dns_at = 0.0
+        self.static: set[tuple[str, str]] = set()  # (role, url) from the command line: never evicted
+        self.leases = Leases()  # registrations with heartbeats
+
+        def pool(role: str, entries: tuple[str, ...], policy: Policy) -> WorkerPool:
+            urls, sources = split_sources(entries)
+            p = WorkerPool(role, urls, policy)
+            self.static |= {(role, w) for w in p.workers}
+            self.dns += [(p, src) for src in sources]
+            return p
+
+        self.encoders = pool("encoder", config.encoders, config.encoder_policy)
+        self.pds = pool("pd", config.pds, policy)
+        self.prefills = pool("prefill", config.prefills, policy)
+        self.decodes = pool("decode", config.decodes, policy)
         self.split = SplitChat(self)
         self.metrics = Metrics()
         self.tracing = Tracing("epdserve-router", config.otlp_traces_endpoint)
@@ -333,6 +354,7 @@ class Router:
         assert self.session is not None
         while True:
             try:
+                await self._discover()
                 await asyncio.gather(*(pool.probe(self.session) for pool in self.pools))
                 if self._model is None:
                     await self._learn_model()
@@ -344,6 +366,27 @@ class Router:
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.probe_interval_s)
+
+    async def _discover(self) -> None:
+        """Workers from DNS (every ``dns_interval_s``), and registrations whose heartbeats stopped."""
+        for role, url in self.leases.expired():
+            if (role, url) not in self.static and self._pool(role).remove(url):
+                log.warning("%s %s evicted: its registration was not renewed", role, url)
+        now = time.monotonic()
+        if not self.dns or now - self._dns_at < self.config.dns_interval_s:
+            return
+        self._dns_at = now
+        found = await asyncio.gather(*(src.resolve() for _, src in self.dns))
+        for (pool, src), urls in zip(self.dns, found, strict=True):
+            before = self._dns_urls.get((pool.role, src), set())
+            for url in urls - before:
+                pool.add(url)
+                log.info("%s %s found by %s", pool.role, url, src)
+            for url in before - urls:
+                if (pool.role, url) not in self.static and not self.leases.held(pool.role, url):
+                    pool.remove(url)
+                    log.info("%s %s gone from %s", pool.role, url, src)
+            self._dns_urls[(pool.role, src)] = urls
 
     async def _poll_load(self, w: Worker) -> None:
         """A worker's load report (the last one is kept when it cannot say or says nonsense)."""
@@ -1037,13 +1080,32 @@ class Router:
 
     # ---- admin -------------------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
+        """``POST``/``DELETE /v1/workers`` (admin key): add or remove a worker. With
+        ``heartbeat_s`` the registration lapses unless renewed within that many seconds times
+        ``HEARTBEATS_PER_LEASE`` (a worker's ``--register-with``); without, it stays."""
         info = await _json_body(request)
         pool = self._pool(info.get("role"))
         url = info.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise BadRequest("url must be an http(s) URL", param="url")
+        if not isinstance(url, str) or not is_worker_url(url):
+            raise BadRequest("url must be a worker's base URL: http(s)://host:port", param="url")
+        url = url.rstrip("/")
+        heartbeat = info.get("heartbeat_s")
+        if heartbeat is not None and (
+            not isinstance(heartbeat, int | float)
+            or isinstance(heartbeat, bool)
+            or not 0 < heartbeat <= MAX_HEARTBEAT_S
+        ):
+            raise BadRequest(f"heartbeat_s must be a number in (0, {MAX_HEARTBEAT_S}]", param="heartbeat_s")
         if request.method == "DELETE":
-            return web.json_response({"removed": pool.remove(url)})
+            self.leases.drop(pool.role, url)
+            removed = (pool.role, url) not in self.static and pool.remove(url)
+            return web.json_response({"removed": removed})
+        if heartbeat is not None and (pool.role, url) not in self.static:
+            self.leases.renew(pool.role, url, HEARTBEATS_PER_LEASE * heartbeat)
+        elif heartbeat is None:
+            self.leases.drop(pool.role, url)  # registered by hand: it stays
+        if url not in pool.workers:
+            log.info("%s %s registered", pool.role, url)
         pool.add(url)
         return web.json_response({"registered": url, "role": pool.role})
 

@@ -75,7 +75,7 @@ class MooncakeProducer(ShmProducer):
         super().__init__(cfg)
         mm = self._mapped()
         try:
-            self._engine = _engine(cfg.tcp_host, cfg.mooncake_protocol, cfg.mooncake_device)
+            self._engine = _engine(cfg.advertise_host, cfg.mooncake_protocol, cfg.mooncake_device)
             self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(mm)
             self._base = ctypes.addressof(self._anchor)
             if self._engine.register_memory(self._base, self._size) != 0:
@@ -103,7 +103,7 @@ class MooncakeConsumer:
     def __init__(self, cfg: ECConfig) -> None:
         self._key = cfg.handle_key if cfg.has_secret else None
         self._dtypes = cfg.dtypes
-        self._engine_args = (cfg.tcp_host, cfg.mooncake_protocol, cfg.mooncake_device)
+        self._engine_args = (cfg.advertise_host, cfg.mooncake_protocol, cfg.mooncake_device)
         self._timeout_s = cfg.timeout_s
         self._engine: Any = None
         self._scratch = np.empty(0, np.uint8)
