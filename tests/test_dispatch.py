@@ -96,7 +96,7 @@ def test_a_busy_worker_keeps_the_encoder_path() -> None:
     # 1024 patches stall 8 running requests 0.1 s each: far more than the 4 ms hop
     choice = trained().choose(1024, Side(ENCODER, 0, WORKER, 8))
     assert not choice.local
-    assert choice.local_s == pytest.approx(1024 * (5e-5 + 1e-4 * 9))
+    assert choice.local_s == pytest.approx(1024 * (5e-5 + 1e-4) * 9)
 
 
 def test_a_queued_encoder_sends_media_to_the_worker() -> None:

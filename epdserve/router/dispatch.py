@@ -5,7 +5,7 @@
 For ``P`` patches of media that need a vision forward::
 
     remote = encoder wait + P × (preprocess + forward)  + hop + P × bytes/patch × worker fetch
-    local  =                P × (preprocess + forward_w × (1 + interference × batch))
+    local  =                P × (preprocess + forward_w) × (1 + interference × batch)
 
 - *encoder wait*: the patches already in flight on the least busy encoder × its forward cost;
 - *forward*: the encoder's seconds per patch (its ``/v1/load`` report, else learnt from the
@@ -16,8 +16,9 @@ For ``P`` patches of media that need a vision forward::
   their mean: under load the excess also holds waits on busy event loops and cores, which raw
   media would meet as well; the worker's fetch cost per byte comes from its report;
 - *batch*: requests in flight on the worker — its engine runs a vision forward inside a step, so
-  every request in its batch waits that long too (``interference`` weighs their delay against
-  this request's).
+  every request in its batch waits that long too, and on a CPU host the worker's own decoding and
+  resizing of the media takes the cores its engine runs on (``interference`` weighs their delay
+  against this request's; measured on the sweep in docs/benchmarks.md).
 
 Items the router already holds a result for (its directory, a cached handle) cost nothing
 remote, and are never sent raw. A worker without a vision tower only takes the remote path;
@@ -159,7 +160,7 @@ class DispatchModel:
             + patches * self.bytes_per_patch.value * w.fetch_s_per_byte
         )
         forward_w = w.vision_s_per_patch or forward
-        local = patches * (pre + forward_w * (1 + self.interference * side.worker_batch))
+        local = patches * (pre + forward_w) * (1 + self.interference * side.worker_batch)
         return Choice(self.measured and local < remote, remote, local)
 
 
