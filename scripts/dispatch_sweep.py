@@ -1,8 +1,8 @@
 """Issue 18's dispatch sweep: one E+PD deployment whose workers hold a vision tower, run with each
 ``--dispatch`` policy (always: every image to the encoder; never: every image raw to the worker;
 adaptive: per request, by measured cost) over images per request × output length × load. The
-policies take turns cell by cell within each round (the same requests for each), and the rounds
-repeat, so drift on a shared machine hits all three alike; the table shows per cell the median
+policies take turns cell by cell within each round (the same requests for each, in an order that
+rotates from round to round), and the rounds repeat, so drift on a shared machine hits all three alike; the table shows per cell the median
 over rounds of each policy's TTFT p50 and req/s, and adaptive's ratio to the better fixed policy.
 Load is a closed loop (``--concurrency``) or, for ``--poisson`` cells (``IMAGES:OUTPUT:RATE``),
 open-loop Poisson arrivals, whose load comes and goes.
@@ -96,7 +96,8 @@ def main() -> None:
                     images_per_request=cell.images, image_size=args.image_size, output_len=cell.output_len
                 )
                 seed = 1000 * rnd + 10 * k  # new images per cell and round: no cache carries over
-                for policy in POLICIES:
+                # the order rotates round by round: no policy always runs first (or last) in a cell
+                for policy in POLICIES[rnd % 3 :] + POLICIES[: rnd % 3]:
                     d = deployments[policy]
                     before = dispatched(d.url)
                     cfg = BenchConfig(

@@ -18,6 +18,7 @@ from epdserve.api.errors import Overloaded
 from epdserve.launcher import free_port
 from epdserve.router.admission import AutoLimit, Gate
 from epdserve.up import Deployment, Topology
+from tests.server_utils import http
 from tests.test_topologies import request_set
 
 
@@ -195,14 +196,7 @@ def test_a_text_ttft_target_lowers_the_media_limit_of_a_live_router() -> None:
         text = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
 
         def post(body: dict) -> int:
-            r = urllib.request.Request(
-                d.url + "/v1/chat/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(r, timeout=120) as resp:
-                resp.read()
-                return resp.status
+            return http("POST", d.url + "/v1/chat/completions", json.dumps(body).encode(), timeout=120)[0]
 
         def media_limit() -> float:
             metrics = urllib.request.urlopen(d.url + "/metrics", timeout=10).read().decode()

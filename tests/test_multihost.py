@@ -1,7 +1,7 @@
 """Roles on separate hosts: network namespaces joined by a bridge (tests/netns.py), addresses in
 198.18.0.0/15, each role started inside its own namespace. The router finds the encoders by DNS
 name (one name, two addresses) and the PD worker registers itself; embeddings cross hosts by the
-tcp connector. Answers are the aggregated server's; nothing internal answers without the cluster
+tcp connector, and by Mooncake's transfer engine where it is installed. Answers are the aggregated server's; nothing internal answers without the cluster
 credential; every namespace and process is gone afterwards."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from epdserve.launcher import wait_healthy
 from epdserve.security.credentials import CLUSTER_SECRET_ENV
 from tests.netns import Hosts, namespaces_unavailable
 from tests.server_utils import http
-from tests.test_topologies import PD_ARGS, aggregated, assert_same_answers  # noqa: F401 - a fixture
+from tests.test_topologies import MOONCAKE, PD_ARGS, aggregated, assert_same_answers  # noqa: F401 - a fixture
 
 WHY_NOT = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces here: {WHY_NOT}")
@@ -26,8 +26,11 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespa
 ADMIN_KEY = "admin-key-for-multi-host-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ROUTER_PORT, ENCODER_PORT, EC_PORT, PD_PORT = 8000, 8001, 9001, 8002
-ENCODER_ARGS = ["encoder", "--host", "0.0.0.0", "--port", str(ENCODER_PORT), "--ec-connector", "tcp"]
-ENCODER_ARGS += ["--ec-tcp-port", str(EC_PORT)]
+ENCODER_ARGS = ["encoder", "--host", "0.0.0.0", "--port", str(ENCODER_PORT)]
+CONNECTOR_ARGS = {
+    "tcp": ["--ec-connector", "tcp", "--ec-tcp-port", str(EC_PORT)],
+    "mooncake": ["--ec-connector", "mooncake", "--ec-mooncake-protocol", "tcp"],
+}
 PD_WORKER_ARGS = ["serve", "--port", str(PD_PORT), "--no-vision-tower", "--internal-only", *PD_ARGS]
 ROUTER_ARGS = ["router", "--port", str(ROUTER_PORT), "--encoders", f"dns+http://encoders:{ENCODER_PORT}"]
 ROUTER_ARGS += ["--dns-interval-s", "1", "--probe-interval", "0.5"]
@@ -38,7 +41,8 @@ def counter(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^epd_{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
-def test_roles_on_separate_hosts_answer_as_aggregated(aggregated, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("connector", ["tcp", MOONCAKE])
+def test_roles_on_separate_hosts_answer_as_aggregated(aggregated, connector: str, tmp_path: Path) -> None:  # noqa: F811
     _, expected, _ = aggregated
     hosts = ["router", "encoder0", "encoder1", "pd0"]
     env = {CLUSTER_SECRET_ENV: os.environ[CLUSTER_SECRET_ENV], "EPD_ADMIN_KEY": ADMIN_KEY}
@@ -48,7 +52,7 @@ def test_roles_on_separate_hosts_answer_as_aggregated(aggregated, tmp_path: Path
         for e in ("encoder0", "encoder1"):
             procs[e] = net.start(
                 e,
-                [*ENCODER_ARGS, "--advertise-host", net.addr(e)],
+                [*ENCODER_ARGS, *CONNECTOR_ARGS[connector], "--advertise-host", net.addr(e)],
                 env,
                 tmp_path / f"{e}.log",
             )
@@ -83,7 +87,7 @@ def test_roles_on_separate_hosts_answer_as_aggregated(aggregated, tmp_path: Path
             }
             wait_healthy(router_url, procs["router"])
             assert_same_answers(router_url, expected)
-            # the embeddings crossed hosts by tcp
+            # the embeddings crossed hosts
             encoders = [f"http://{net.addr(e)}:{ENCODER_PORT}" for e in ("encoder0", "encoder1")]
             assert sum(counter(u, "encoder_items_total") for u in encoders) > 0
             assert counter(f"http://{net.addr('pd0')}:{PD_PORT}", "ec_bytes_received_total") > 0
