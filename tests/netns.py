@@ -13,10 +13,13 @@ stopped first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -78,7 +81,7 @@ class Hosts:
     def __enter__(self) -> Hosts:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
-            self._made.append("bridge")
+            self._made.append(self.bridge)
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i, host in enumerate(self.names):
@@ -87,6 +90,7 @@ class Hosts:
                 _ip("netns", "add", ns)
                 self._made.append(ns)
                 _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                self._made.append(veth)
                 _ip("link", "set", veth, "master", self.bridge)
                 _ip("link", "set", veth, "up")
                 _ip("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
@@ -128,16 +132,36 @@ class Hosts:
     def close(self) -> None:
         for proc in reversed(self._procs):
             stop(proc)
+        namespaces = [m for m in self._made if m.startswith(f"{self.tag}-")]
+        for ns in namespaces:
+            self._kill_all(ns)
         for made in reversed(self._made):
             try:
-                if made == "bridge":
-                    _ip("link", "del", self.bridge)  # its veth ends go with their namespaces
-                else:
+                if made in namespaces:
                     _ip("netns", "del", made)
+                else:
+                    # a link (veth end or bridge) deleted here goes now; one left to its
+                    # namespace's end would go only when the kernel gets round to it
+                    _ip("link", "del", made)
             except subprocess.CalledProcessError:
                 pass
             shutil.rmtree(Path("/etc/netns") / made, ignore_errors=True)
         self._made.clear()
+
+    @staticmethod
+    def _kill_all(ns: str, timeout: float = 15.0) -> None:
+        """Every process still inside ``ns`` (a role's children, one slow to exit): killed and
+        gone, so that deleting the namespace frees its links at once."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            pids = [int(p) for p in out.split()]
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
