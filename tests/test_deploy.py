@@ -37,9 +37,6 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 WORKER_ROLES = {"encoder", "pd", "prefill", "decode"}
-# flags the deployment needs that another change adds to the CLI (issue 19, parts 1-3); until
-# it lands, the command-line test ends as an expected failure naming them, and nothing else
-PENDING_FLAGS = {"--advertise-host", "--register-with"}
 POD_IP = "10.1.2.3"  # what the downward API gives $(POD_IP) in the command-line test
 
 
@@ -439,9 +436,9 @@ def test_no_secret_is_rendered_and_the_example_holds_only_placeholders(
                     assert {i["key"] for i in v["secret"]["items"]} <= set(values)
 
 
-def role_config(c: dict[str, Any], secret_file: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, set[str]]:
+def role_config(c: dict[str, Any], secret_file: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The role's config as epdserve's own CLI builds it in the pod from the container's args and
-    environment (secrets: fresh values), and the pending flags the CLI does not know yet."""
+    environment (secrets: fresh values)."""
     for env in ("EPD_CLUSTER_SECRET", "EPD_ADMIN_KEY", "EPD_API_KEY"):
         monkeypatch.delenv(env, raising=False)  # only what the pod gets
     for e in c.get("env", []):
@@ -450,12 +447,9 @@ def role_config(c: dict[str, Any], secret_file: Path, monkeypatch: pytest.Monkey
     args = expanded(c["args"], c, POD_IP=POD_IP, POD_NAMESPACE="epd")
     args = [f"--cluster-secret-file={secret_file}" if a.startswith("--cluster-secret-file") else a for a in args]
     ns, unknown = build_parser().parse_known_args(args)
-    flags = {u.split("=")[0] for u in unknown}
-    assert flags <= PENDING_FLAGS, f"epdserve {args[0]} has no {sorted(flags - PENDING_FLAGS)}"
-    if flags:
-        return None, flags
+    assert not unknown, f"epdserve {args[0]} does not know {unknown}"
     builders = {"router": router_config, "encoder": encoder_config, "serve": serve_config}
-    return builders[args[0]](ns), flags
+    return builders[args[0]](ns)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -472,10 +466,7 @@ def test_every_container_command_line_builds_its_role_config(
     docs = rendered[overlay]
     has_encoders = any(component(t) == "encoder" for _, t in pod_templates(docs))
     built = [(name, t, role_config(c, secret, monkeypatch)) for name, t, c in containers(docs)]
-    missing = set().union(*(flags for _, _, (_, flags) in built))
-    if missing:
-        pytest.xfail(f"the CLI does not have {sorted(missing)} yet (issue 19, parts 1-3)")
-    for name, template, (config, _) in built:
+    for name, template, config in built:
         role = component(template)
         assert config.host == "0.0.0.0", f"{name} must listen on the pod's interfaces"
         uses_shm = False
