@@ -153,3 +153,12 @@ def test_a_few_slow_calls_do_not_make_the_hop_look_expensive() -> None:
     for _ in range(3):  # calls that also waited on a busy event loop
         m.observe([item((8, 8), 6.4, 3.2)], call_s=0.0096 + 0.2)
     assert m.hop.value == pytest.approx(0.004)
+
+
+def test_the_encoders_reported_preprocessing_cost_wins_over_item_timings() -> None:
+    m = trained()  # item timings say 0.05 ms/patch of preprocessing (wall time, pool waits included)
+    cheap = LoadReport(s_per_patch=1e-4, preprocess_s_per_patch=1e-6)
+    side = Side(cheap, 0, WORKER, 2)
+    choice = m.choose(256, side)
+    assert choice.local_s == pytest.approx(256 * (1e-6 + 1e-4) * 3)
+    assert choice.remote_s == pytest.approx(256 * (1e-6 + 1e-4) + 0.004 + 256 * 256 * 1e-9)

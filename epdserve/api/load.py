@@ -36,6 +36,7 @@ class LoadReport(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     load_ratio: Ratio = 0.0
     s_per_patch: Cost = 0.0  # encoder: seconds of vision forward per patch
+    preprocess_s_per_patch: Cost = 0.0  # encoder: CPU seconds per patch of decoding, resizing, patchifying
     vision: bool = False  # language-model worker: it holds a vision tower (raw media can go to it)
     vision_s_per_patch: Cost = 0.0  # language-model worker: seconds per patch of the forwards it ran itself
     fetch_s_per_byte: Cost = 0.0  # language-model worker: seconds per embedding byte fetched from encoders

@@ -50,7 +50,7 @@ from epdserve.api.errors import (
     from_media_error,
 )
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
-from epdserve.api.load import EncoderLoad, LoadReport
+from epdserve.api.load import CostRate, EncoderLoad, LoadReport
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
@@ -206,6 +206,9 @@ class EncoderService:
         )
         self.resolver: MediaResolver | None = None
         self.registrar: Registrar | None = None  # with --register-with: keeps this encoder registered
+        self.preprocess_cpu_s = 0.0  # CPU seconds of preprocessing items computed here
+        self.preprocess_patches = 0  # and their patches (adaptive dispatch reads the rate)
+        self.preprocess_rate = CostRate()
         self.pixels: PixelReader | None = None  # pixel handles need the cluster secret, as EC handles do
         if config.ec.has_secret:
             kwargs = self.processor.config.hash_kwargs(config.limits.video_frames)
@@ -463,11 +466,18 @@ class EncoderService:
         frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
         return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)
 
+    def _timed_preprocess(self, item: EncodeItem, data: bytes | None) -> tuple[VisionInput | MediaInput, float]:
+        """``_preprocess`` and the CPU time it took this thread: its cost, not counting waits for
+        the pool or for a core shared with other threads."""
+        t = time.thread_time()
+        media = self._preprocess(item, data)
+        return media, time.thread_time() - t
+
     async def _compute(self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float) -> _Ready:
         """Preprocess and encode one item here (the batcher joins it with concurrent ones)."""
         loop = asyncio.get_running_loop()
         try:
-            media = await loop.run_in_executor(self.executor, self._preprocess, item, data)
+            media, cpu_s = await loop.run_in_executor(self.executor, self._timed_preprocess, item, data)
         except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
             raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
@@ -476,6 +486,8 @@ class EncoderService:
         if media.pixel_values is None:  # process_bytes always returns pixels
             raise ApiError("preprocessing produced no pixels")
         self.load.offer(media.pixel_values.shape[0])
+        self.preprocess_cpu_s += cpu_s
+        self.preprocess_patches += media.pixel_values.shape[0]
         try:
             res = await self.batcher.encode(uuid, media.grid_thw, torch.from_numpy(media.pixel_values))
         except QueueFull as e:
@@ -592,7 +604,12 @@ class EncoderHandlers:
     async def load(self, request: web.Request) -> web.Response:
         """Internal: this encoder's load ratio (the router's autoscaling signal)."""
         load = self.s.load
-        report = LoadReport(load_ratio=load.ratio(), s_per_patch=1 / load.capacity if load.capacity else 0.0)
+        s = self.s
+        report = LoadReport(
+            load_ratio=load.ratio(),
+            s_per_patch=1 / load.capacity if load.capacity else 0.0,
+            preprocess_s_per_patch=s.preprocess_rate.update(s.preprocess_cpu_s, s.preprocess_patches),
+        )
         return json_response(msgspec.json.encode(report))
 
     async def release(self, request: web.Request) -> web.Response:

@@ -8,9 +8,11 @@ For ``P`` patches of media that need a vision forward::
     local  =                P × (preprocess + forward_w) × (1 + interference × batch)
 
 - *encoder wait*: the patches already in flight on the least busy encoder × its forward cost;
-- *forward*: the encoder's seconds per patch (its ``/v1/load`` report, else learnt from the
-  timings its encode results carry); *forward_w*: the worker's own (its report, once it has
-  encoded raw media; until then the encoder's, the same model);
+- *forward*, *preprocess*: the encoder's seconds per patch of vision forward and CPU seconds per
+  patch of decoding and resizing (its ``/v1/load`` report, else learnt from the timings its
+  encode results carry); the worker's preprocessing is taken to cost what the encoder's does;
+  *forward_w*: the worker's own forward (its report, once it has encoded raw media; until then
+  the encoder's, the same model);
 - *hop*: what an encode call costs beyond the encoder's own work (HTTP, the put), learnt from the
   calls' durations against the timings the encoder returns — a low quantile of recent calls, not
   their mean: under load the excess also holds waits on busy event loops and cores, which raw
@@ -152,7 +154,9 @@ class DispatchModel:
         if side.encoder is None:
             return Choice(True, math.inf, 0.0)
         forward = side.encoder.s_per_patch or self.forward.value
-        pre = self.preprocess.value
+        # the CPU it costs, as the encoder reports it; the item timings' wall time also holds
+        # waits for its preprocessing pool and for a shared core, which raw media would not meet
+        pre = side.encoder.preprocess_s_per_patch or self.preprocess.value
         remote = (
             side.encoder_patches * forward
             + patches * (pre + forward)
