@@ -224,8 +224,10 @@ def _server_asker(url: str):
     import openai
 
     from epdserve.bench.workload import gif_data_url, image_data_url
+    from epdserve.security.credentials import api_key_from
 
-    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none")
+    # the server's API key from the environment, as every client of the deployment reads it
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key_from(None) or "none")
     model = client.models.list().data[0].id
 
     def ask(q: str, images: list, frames: list) -> str:

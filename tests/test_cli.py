@@ -11,6 +11,7 @@ import sys
 import typing
 from pathlib import Path
 
+import openai
 import pytest
 
 from epdserve import cli
@@ -374,3 +375,24 @@ def test_up_parses_its_flags_without_loading_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_demo_against_a_server_sends_the_api_key_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdserve.launcher import free_port, start_role, stop, wait_healthy
+
+    port = free_port()
+    server = start_role(
+        ["serve", "--port", str(port), "--max-model-len", "512", "--num-kv-blocks", "64"],
+        env={"EPD_API_KEY": "demo-key"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, server)
+        monkeypatch.setenv("EPD_API_KEY", "demo-key")
+        ask = cli._server_asker(url)
+        assert isinstance(ask("How many shapes are there?", [], []), str)
+        monkeypatch.delenv("EPD_API_KEY")
+        with pytest.raises(openai.AuthenticationError):
+            cli._server_asker(url)
+    finally:
+        stop(server)
