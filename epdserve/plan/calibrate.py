@@ -154,10 +154,14 @@ def calibrate_url(config: CalibrationConfig, url: str, say: Callable[[str], None
     return [Sample(**{**s.__dict__, "path": path}) for s in samples]  # text requests show no router stage
 
 
-def calibrate(samples: list[Sample], source: str, pixels: float) -> Profile:
-    """The profile of samples from one or more deployments (one path each)."""
+def fit_profile(
+    samples: list[Sample], pixels: float, nproc: int, cpu_model: str, source: str, loaded: bool = False
+) -> Profile:
+    """The profile of samples (each path they took fitted on its own) on the machine named."""
     paths: dict[str, PathCosts] = {
-        p: fit_path([s for s in samples if s.path == p]) for p in PATHS if any(s.path == p for s in samples)
+        p: fit_path([s for s in samples if s.path == p], loaded=loaded)
+        for p in PATHS
+        if any(s.path == p for s in samples)
     }
     if not paths:
         raise ProfileError("no samples")
@@ -168,12 +172,17 @@ def calibrate(samples: list[Sample], source: str, pixels: float) -> Profile:
         padded_extra_tokens=extra,
         image_tokens=image_tokens,
         native_pixels=pixels,
-        nproc=len(os.sched_getaffinity(0)),
-        cpu_model=_cpu_model(),
-        # other work on the machine inflates every cost: the load average says how quiet it was
-        source=f"{source}, {datetime.now().astimezone().isoformat(timespec='seconds')}, "
-        f"load average {os.getloadavg()[0]:.1f}",
+        nproc=nproc,
+        cpu_model=cpu_model,
+        source=source,
     )
+
+
+def calibrate(samples: list[Sample], source: str, pixels: float) -> Profile:
+    """The profile of samples from one or more deployments (one path each), on this machine."""
+    # other work on the machine inflates every cost: the load average says how quiet it was
+    when = f"{datetime.now().astimezone().isoformat(timespec='seconds')}, load average {os.getloadavg()[0]:.1f}"
+    return fit_profile(samples, pixels, len(os.sched_getaffinity(0)), _cpu_model(), f"{source}, {when}")
 
 
 def calibrate_urls(config: CalibrationConfig, urls: list[str], say: Callable[[str], None] = lambda s: None) -> Profile:
@@ -265,19 +274,11 @@ def profile_from_sweep(path: Path) -> Profile:
             f"{path}: no clean cell with stage timing (sweeps before the client recorded Server-Timing have "
             "none); calibrate instead: epdserve plan --calibrate-topologies aggregated,1e+1pd"
         )
-    paths: dict[str, PathCosts] = {
-        p: fit_path([s for s in samples if s.path == p], loaded=True)
-        for p in PATHS
-        if any(s.path == p for s in samples)
-    }
-    text, extra, image_tokens = fit_token_counts(samples)
-    return Profile(
-        paths=paths,
-        text_tokens=text,
-        padded_extra_tokens=extra,
-        image_tokens=image_tokens,
-        native_pixels=native_pixels(data["config"].get("seed", 0)),
-        nproc=int(env["nproc"]),
-        cpu_model=str(env["cpu_model"]),
-        source=f"sweep {path} (run {env['date']} at commit {env['commit']})",
+    return fit_profile(
+        samples,
+        native_pixels(data["config"].get("seed", 0)),
+        int(env["nproc"]),
+        str(env["cpu_model"]),
+        f"sweep {path} (run {env['date']} at commit {env['commit']})",
+        loaded=True,
     )
