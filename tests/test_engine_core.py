@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.request import MediaItem, Request, Status
@@ -131,3 +133,33 @@ def test_not_ready_requests_wait_without_blocking_others() -> None:
     assert list(sch.waiting) == [a]
     a.pending_fetches = 0
     assert [s.request.request_id for s in sch.schedule().scheduled] == ["b", "a"]
+
+
+def test_text_only_requests_join_the_batch_before_earlier_media_ones() -> None:
+    # room for one new prompt per step (8 tokens each, a budget of 8)
+    sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, max_model_len=64))
+    media = [make_request(f"m{i}", 8, mm=[image(f"img{i}", 2, 4)], base=100 * i) for i in range(3)]
+    text = make_request("t", 8, base=900)
+    for r in [*media, text]:  # the text request arrives last
+        r.t_added = time.perf_counter()
+        sch.add(r)
+    first = sch.schedule()
+    assert [s.request.request_id for s in first.scheduled] == ["t"]
+    # the media requests keep their arrival order among themselves
+    for s in first.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+    second = sch.schedule()
+    assert [s.request.request_id for s in second.scheduled] == ["t", "m0"]
+
+
+def test_a_media_request_that_waited_long_is_not_passed_by_text() -> None:
+    sch = Scheduler(
+        EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, max_model_len=64, media_max_wait_s=0.5)
+    )
+    old = make_request("m", 8, mm=[image("img", 2, 4)])
+    old.t_added = time.perf_counter() - 1.0  # waited past media_max_wait_s
+    text = make_request("t", 8, base=900)
+    text.t_added = time.perf_counter()
+    sch.add(old)
+    sch.add(text)
+    assert [s.request.request_id for s in sch.schedule().scheduled] == ["m"]

@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + decodes)
     max_model_len: int = 4096  # prompt + output tokens per request
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
+    media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     contiguous_decode_kv: bool = True  # decoding requests' KV also in one contiguous copy: faster, more memory
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
@@ -33,6 +34,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
+        if self.media_max_wait_s < 0:
+            raise ValueError("media_max_wait_s must be >= 0")
         cpu_list(self.cpus)
 
 

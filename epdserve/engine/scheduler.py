@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step: running requests first (a decode token each, or their next prefill chunk), then
-waiting requests join while the token budget, the sequence limit and the KV cache allow. When a
+waiting requests join while the token budget, the sequence limit and the KV cache allow —
+text-only requests before those with media, unless one with media has waited too long. When a
 running request cannot get a block, the most recently admitted running request is preempted
 (blocks freed, recomputed later) — the engine never crashes for lack of memory.
 
@@ -87,12 +88,15 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
-        # 2. waiting requests join while everything allows
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting.popleft()
+        # 2. waiting requests join while everything allows: text-only ones first, so a burst of
+        #    image prompts does not hold a short text prompt back; the rest in arrival order. One
+        #    that has waited ``media_max_wait_s`` joins the first group (nothing starves).
+        now = time.perf_counter()
+        order = sorted(self.waiting, key=lambda r: not self._first(r, now))  # stable: FIFO within
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or out.preempted:
+                break
             if not req.ready:
-                skipped.append(req)
                 continue
             if req.kv_rows is not None:  # its prompt's KV came from a prefill instance
                 req.num_computed_tokens = req.prompt_len
@@ -102,21 +106,23 @@ class Scheduler:
                     # blocks it counted on were evicted: it waits for media it skipped fetching
                     self.blocks.free(req)
                     req.num_computed_tokens = req.num_cached_tokens = 0
-                    skipped.append(req)
                     continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.allocate(req, n):
                 self.blocks.free(req)
                 req.num_computed_tokens = 0
-                self.waiting.appendleft(req)
                 break
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             req.t_admitted = req.t_admitted or time.perf_counter()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _first(self, req: Request, now: float) -> bool:
+        """Whether a waiting request is admitted in the first group: text-only, or waited long."""
+        return not req.mm_items or now - req.t_added >= self.config.media_max_wait_s
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
