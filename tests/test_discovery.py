@@ -81,7 +81,9 @@ def wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyp
 def test_workers_register_renew_and_leave_and_silent_ones_are_evicted() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    router = start_role(["router", "--port", str(port), "--probe-interval", "0.2"], env={"EPD_ADMIN_KEY": ADMIN_KEY})
+    static = "http://127.0.0.1:12"  # a PD worker from the command line
+    args = ["router", "--port", str(port), "--probe-interval", "0.2", "--pds", static]
+    router = start_role(args, env={"EPD_ADMIN_KEY": ADMIN_KEY})
     try:
         wait_for(lambda: _answers(url))
         # an encoder registers itself as soon as it listens, and deregisters when it stops
@@ -120,6 +122,14 @@ def test_workers_register_renew_and_leave_and_silent_ones_are_evicted() -> None:
             status, raw = http("POST", url + "/v1/workers", json.dumps(bad).encode(), headers=ADMIN)
             assert status == 400, (bad, raw)
         assert "http://127.0.0.1:11" not in workers(url, "pds")
+        # a worker deregistering does not take the command line's entry for its URL with it; the
+        # admin's removal does
+        leaving = json.dumps({"role": "pd", "url": static, "heartbeat_s": 1}).encode()
+        assert json.loads(http("DELETE", url + "/v1/workers", leaving, headers=ADMIN)[1]) == {"removed": False}
+        assert static in workers(url, "pds")
+        removal = json.dumps({"role": "pd", "url": static}).encode()
+        assert json.loads(http("DELETE", url + "/v1/workers", removal, headers=ADMIN)[1]) == {"removed": True}
+        assert static not in workers(url, "pds")
     finally:
         stop(router)
 

@@ -1098,8 +1098,10 @@ class Router:
             raise BadRequest(f"heartbeat_s must be a number in (0, {MAX_HEARTBEAT_S}]", param="heartbeat_s")
         if request.method == "DELETE":
             self.leases.drop(pool.role, url)
-            removed = (pool.role, url) not in self.static and pool.remove(url)
-            return web.json_response({"removed": removed})
+            if heartbeat is not None and (pool.role, url) in self.static:
+                return web.json_response({"removed": False})  # a worker leaving: the command line's entry stays
+            self.static.discard((pool.role, url))  # the admin's removal: whatever listed it
+            return web.json_response({"removed": pool.remove(url)})
         if heartbeat is not None and (pool.role, url) not in self.static:
             self.leases.renew(pool.role, url, HEARTBEATS_PER_LEASE * heartbeat)
         elif heartbeat is None:
