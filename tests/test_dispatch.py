@@ -105,16 +105,10 @@ def test_a_queued_encoder_sends_media_to_the_worker() -> None:
     assert m.choose(256, Side(ENCODER, 20_000, WORKER, 2)).local  # 2 s of patches queued on the encoder
 
 
-def test_requests_awaiting_their_first_token_weigh_fully_decoding_ones_by_interference() -> None:
-    m = trained()  # interference 0.25 by default
-    # 1024 patches stall 8 decoding requests a quarter each: less than eight awaiting their first token
-    waiting = m.choose(1024, Side(ENCODER, 0, WORKER, 8))
-    decoding = m.choose(1024, Side(ENCODER, 0, WORKER, 0, worker_decoding=8))
-    assert decoding.local_s == pytest.approx(1024 * (5e-5 + 1e-4) * (1 + 0.25 * 8))
-    assert waiting.local_s > decoding.local_s
-    none = DispatchModel(PROC, interference=0.0)
-    none.observe([item((8, 8), 6.4, 3.2)], call_s=0.0136)
-    assert none.choose(1024, Side(ENCODER, 0, WORKER, 0, worker_decoding=8)).local  # their stall does not count
+def test_interference_weighs_the_batch() -> None:
+    m = DispatchModel(PROC, interference=0.0)
+    m.observe([item((8, 8), 6.4, 3.2)], call_s=0.0136)
+    assert m.choose(1024, Side(ENCODER, 0, WORKER, 8)).local  # the batch's wait does not count
 
 
 def test_workers_without_vision_and_missing_encoders() -> None:

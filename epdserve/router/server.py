@@ -129,7 +129,7 @@ class RouterConfig:
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
     frontend: FrontendDecodeConfig = field(default_factory=FrontendDecodeConfig)  # decode media here
     dispatch: Dispatch = "always"  # media to encoders; never: raw to workers; adaptive: by cost (router.dispatch)
-    dispatch_interference: float = 0.25  # adaptive: weight of a decoding request stalled by a raw encode
+    dispatch_interference: float = 1.0  # adaptive: weight of the batch's wait on a worker's own encode
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
@@ -539,8 +539,7 @@ class Router:
             encoder=least.report if least else None,
             encoder_patches=least.patches if least else 0,
             worker=worker.report,
-            worker_waiting=worker.awaiting,
-            worker_decoding=max(0, worker.outstanding - worker.awaiting),
+            worker_batch=worker.outstanding,
         )
         choice = model.choose(sum(r.patches for r in fresh), side) if fresh else None
         path = "local" if choice is not None and choice.local else "remote"
@@ -977,15 +976,6 @@ class Router:
         pool = pool or self.pds
         t0 = time.perf_counter()
         pd.outstanding += 1
-        pd.awaiting += 1
-        awaiting = True
-
-        def first_byte() -> None:
-            nonlocal awaiting
-            pd.awaiting -= 1
-            awaiting = False
-            self._first_byte(trail, time.perf_counter() - t0)
-
         try:
             with self.tracing.client_span(f"POST {path}", **{"epd.worker": pd.url, "epd.role": pool.role}) as trace:
                 upstream = await self.post_chat(pool, pd, body, trail, path, trace)
@@ -1005,14 +995,12 @@ class Router:
                         except (aiohttp.ClientError, TimeoutError, OSError) as e:
                             pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
                             raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
-                        first_byte()
+                        self._first_byte(trail, time.perf_counter() - t0)
                         return trail.stamp(error_response(upstream, raw)), upstream.status == 200
-                    first_byte()
+                    self._first_byte(trail, time.perf_counter() - t0)
                     return await self._relay_stream(request, upstream, pd, trail, pool), True
         finally:
             pd.outstanding -= 1
-            if awaiting:
-                pd.awaiting -= 1
 
     def _first_byte(self, trail: Trail, from_worker_call: float) -> None:
         self.ttfb_hist.observe(from_worker_call)
