@@ -388,15 +388,21 @@ class Router:
                     log.info("%s %s gone from %s", pool.role, url, src)
             self._dns_urls[(pool.role, src)] = urls
 
+    async def _get_internal(self, w: Worker, path: str, limit: int, timeout_s: float) -> bytes | None:
+        """The body (at most ``limit`` bytes) of a worker's internal ``GET path``, None unless it
+        answers 200; a worker that cannot be reached raises (aiohttp, timeout, OS errors)."""
+        assert self.session is not None
+        async with self.session.get(
+            w.url + path, headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            return await r.content.read(limit) if r.status == 200 else None
+
     async def _poll_load(self, w: Worker) -> None:
         """A worker's load report (the last one is kept when it cannot say or says nonsense)."""
-        assert self.session is not None
         try:
-            async with self.session.get(
-                w.url + "/v1/load", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=2)
-            ) as r:
-                if r.status == 200:
-                    w.report = decode_load_report(await r.content.read(MAX_LOAD_REPORT_BYTES))
+            raw = await self._get_internal(w, "/v1/load", MAX_LOAD_REPORT_BYTES, 2)
+            if raw is not None:
+                w.report = decode_load_report(raw)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             pass
 
@@ -410,15 +416,11 @@ class Router:
 
     async def _poll_digest(self, w: Worker) -> None:
         """A worker's prefix-cache digest into the KV index (a worker that cannot say goes stale)."""
-        assert self.session is not None and self.kv_index is not None
+        assert self.kv_index is not None
         try:
-            async with self.session.get(
-                w.url + "/v1/kv/digest", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=5)
-            ) as r:
-                if r.status != 200:
-                    return
-                raw = await r.content.read(MAX_DIGEST_BYTES + 1)
-            self.kv_index.update(w.url, decode_digest(raw))
+            raw = await self._get_internal(w, "/v1/kv/digest", MAX_DIGEST_BYTES + 1, 5)
+            if raw is not None:
+                self.kv_index.update(w.url, decode_digest(raw))
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             log.warning("no KV digest from %s: %s", w.url, e)
 
@@ -1155,13 +1157,10 @@ class Router:
         return web.Response(body=self.metrics.render() + federated, headers={"Content-Type": CONTENT_TYPE})
 
     async def _scrape(self, w: Worker) -> str | None:
-        assert self.session is not None
         try:
-            async with self.session.get(
-                w.url + "/metrics", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=2)
-            ) as r:
-                if r.status == 200:
-                    return (await r.content.read(MAX_SCRAPE_BYTES)).decode("utf-8", "replace")
+            raw = await self._get_internal(w, "/metrics", MAX_SCRAPE_BYTES, 2)
+            if raw is not None:
+                return raw.decode("utf-8", "replace")
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.debug("no metrics from %s: %s", w.url, e)
         self.metrics.inc("router_scrape_failures_total", help_text="worker metrics the router could not read")
