@@ -220,7 +220,7 @@ class EncoderService:
             check = EntryCheck(
                 config.model_name,
                 config.ec.key(STORE_PURPOSE),
-                model_config.vision.out_hidden_size,
+                model_config.text.hidden_size,
                 prompt_layout(model_config).num_placeholders,
             )
             self.store = open_store(config.ec.store, check, lend=True)

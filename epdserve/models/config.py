@@ -1,6 +1,11 @@
-"""Model configuration parsed from a Hugging Face ``config.json`` (Qwen2-VL family).
+"""Model configuration parsed from a Hugging Face ``config.json`` (the Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and Qwen2-Audio families).
 
-Two layouts exist in the wild and both are accepted:
+The families spell the same things differently; each field's parser says which spelling it takes.
+The vision tower's width is ``embed_dim`` in Qwen2-VL (whose ``hidden_size`` is the output width)
+and ``hidden_size`` in the later families (which name the output ``out_hidden_size``).
+
+Two layouts of the text fields exist in the wild and both are accepted:
 
 * transformers 5: ``text_config`` / ``vision_config`` sub-dicts, rope settings in
   ``text_config["rope_parameters"]`` (``rope_theta``, ``mrope_section``);
@@ -40,7 +45,7 @@ class VisionConfig:
     depth: int  # number of transformer blocks
     embed_dim: int  # width of the ViT
     num_heads: int  # attention heads of the ViT
-    mlp_ratio: float  # MLP width = embed_dim * mlp_ratio
+    mlp_hidden_dim: int  # width of the block MLPs
     hidden_act: str  # activation of the block MLPs
     out_hidden_size: int  # width of the merged tokens (= the LM hidden size)
     in_channels: int = 3  # image channels
@@ -48,6 +53,11 @@ class VisionConfig:
     temporal_patch_size: int = 2  # frames per patch
     spatial_merge_size: int = 2  # the merger folds merge x merge patches into one token
     rope_theta: float = 10000.0  # base of the 2D rotary embedding
+    window_size: int = 0  # Qwen2.5-VL: side of an attention window, in pixels (0: every block attends fully)
+    fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend over the whole item
+    tokens_per_second: float = 0.0  # Qwen2.5-VL: temporal rotary positions per second of video
+    num_position_embeddings: int = 0  # Qwen3-VL: rows of the learned position table (a square grid)
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose merged output feeds early LM layers
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:
@@ -61,8 +71,9 @@ class VisionConfig:
         return self.embed_dim // self.num_heads
 
     @property
-    def mlp_hidden_dim(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
+    def feature_levels(self) -> int:
+        """Rows of features per placeholder token: the merged output plus one per DeepStack level."""
+        return 1 + len(self.deepstack_visual_indexes)
 
     @property
     def patch_dim(self) -> int:
@@ -77,19 +88,67 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> VisionConfig:
         rope = d.get("rope_parameters") or {}
+        if "out_hidden_size" in d:  # Qwen2.5-VL, Qwen3-VL
+            width, out = int(_get(d, "hidden_size", "vision_config.")), int(d["out_hidden_size"])
+            mlp = int(_get(d, "intermediate_size", "vision_config."))
+        else:  # Qwen2-VL
+            width, out = int(_get(d, "embed_dim", "vision_config.")), int(_get(d, "hidden_size", "vision_config."))
+            mlp = int(width * float(d.get("mlp_ratio", 4)))
         return cls(
             depth=int(_get(d, "depth", "vision_config.")),
-            embed_dim=int(_get(d, "embed_dim", "vision_config.")),
+            embed_dim=width,
             num_heads=int(_get(d, "num_heads", "vision_config.")),
-            mlp_ratio=float(d.get("mlp_ratio", 4)),
+            mlp_hidden_dim=mlp,
             hidden_act=str(d.get("hidden_act", "quick_gelu")),
-            out_hidden_size=int(_get(d, "hidden_size", "vision_config.")),
+            out_hidden_size=out,
             # the original checkpoints spell it in_chans
             in_channels=int(d.get("in_channels", d.get("in_chans", 3))),
             patch_size=int(d.get("patch_size", 14)),
             temporal_patch_size=int(d.get("temporal_patch_size", 2)),
             spatial_merge_size=int(d.get("spatial_merge_size", 2)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
+            window_size=int(d.get("window_size", 0)),
+            fullatt_block_indexes=tuple(int(i) for i in d.get("fullatt_block_indexes", ())),
+            tokens_per_second=float(d.get("tokens_per_second", 0.0)),
+            num_position_embeddings=int(d.get("num_position_embeddings", 0)),
+            deepstack_visual_indexes=tuple(int(i) for i in d.get("deepstack_visual_indexes", ())),
+        )
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """A Whisper-style audio encoder (Qwen2-Audio): two convolutions, pre-norm blocks, 2x pooling,
+    and a projection to the LM width."""
+
+    num_mel_bins: int  # channels of the log-mel input
+    d_model: int  # width of the encoder
+    encoder_layers: int  # transformer blocks
+    encoder_attention_heads: int  # attention heads
+    encoder_ffn_dim: int  # width of the block MLPs
+    out_hidden_size: int  # width of the projected tokens (= the LM hidden size)
+    max_source_positions: int = 1500  # frames after the strided convolution (30 s of audio)
+    activation_function: str = "gelu"  # activation of the block MLPs
+    scale_embedding: bool = False  # multiply the input by sqrt(d_model)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.encoder_attention_heads:
+            raise ConfigError(
+                f"audio d_model {self.d_model} is not divisible by encoder_attention_heads "
+                f"{self.encoder_attention_heads}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], out_hidden_size: int) -> AudioConfig:
+        return cls(
+            num_mel_bins=int(_get(d, "num_mel_bins", "audio_config.")),
+            d_model=int(_get(d, "d_model", "audio_config.")),
+            encoder_layers=int(_get(d, "encoder_layers", "audio_config.")),
+            encoder_attention_heads=int(_get(d, "encoder_attention_heads", "audio_config.")),
+            encoder_ffn_dim=int(_get(d, "encoder_ffn_dim", "audio_config.")),
+            out_hidden_size=out_hidden_size,
+            max_source_positions=int(d.get("max_source_positions", 1500)),
+            activation_function=str(d.get("activation_function", "gelu")),
+            scale_embedding=bool(d.get("scale_embedding", False)),
         )
 
 
@@ -109,6 +168,10 @@ class TextConfig:
     hidden_act: str = "silu"  # activation of the gate projection
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     max_position_embeddings: int = 32768  # longest position the model was trained for
+    explicit_head_dim: int = 0  # Qwen3: head width given in config.json (0: hidden_size / heads)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotation
+    mrope_interleaved: bool = False  # Qwen3-VL: frequency pairs cycle t, h, w instead of three blocks
+    attention_bias: bool = True  # q/k/v projections have a bias (Qwen2), or not (Qwen3)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -125,16 +188,19 @@ class TextConfig:
 
     @property
     def head_dim(self) -> int:
-        # Qwen2-VL derives it; a "head_dim" key in config.json is ignored by the reference as well
-        return self.hidden_size // self.num_attention_heads
+        # Qwen2 derives it; a "head_dim" key in its config.json is ignored by the reference as well
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], tie_word_embeddings: bool) -> TextConfig:
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or {}
+        qwen3 = str(d.get("model_type", "")).startswith("qwen3")
+        heads = int(_get(d, "num_attention_heads", "text_config."))
+        head_dim = int(d.get("head_dim") or 0) if qwen3 else 0
         section = rope.get("mrope_section", scaling.get("mrope_section"))
-        if section is None:
-            raise ConfigError("config.json: no mrope_section in rope_parameters or rope_scaling")
+        if section is None:  # a text-only rotary (Qwen2-Audio's LM): one row of positions takes every pair
+            section = [(head_dim or int(_get(d, "hidden_size", "text_config.")) // heads) // 2]
         theta = rope.get("rope_theta", d.get("rope_theta"))
         if theta is None:
             raise ConfigError("config.json: no rope_theta in rope_parameters or at the top level")
@@ -151,6 +217,10 @@ class TextConfig:
             hidden_act=str(d.get("hidden_act", "silu")),
             tie_word_embeddings=tie_word_embeddings,
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            explicit_head_dim=head_dim,
+            qk_norm=qwen3,
+            mrope_interleaved=qwen3 or bool(rope.get("mrope_interleaved", False)),
+            attention_bias=bool(d.get("attention_bias", not qwen3)),
         )
 
 
@@ -160,11 +230,33 @@ class ModelConfig:
 
     architecture: str  # architectures[0], the registry key
     text: TextConfig
-    vision: VisionConfig
-    image_token_id: int  # placeholder repeated once per merged image token
-    video_token_id: int  # placeholder repeated once per merged video token
-    vision_start_token_id: int  # precedes every placeholder run in the chat template
+    vision: VisionConfig | None  # None: a model without a vision tower (audio-language)
+    image_token_id: int | None  # placeholder repeated once per merged image token
+    video_token_id: int | None  # placeholder repeated once per merged video token
+    vision_start_token_id: int | None  # precedes every placeholder run in the chat template
     vision_end_token_id: int | None = None  # follows every placeholder run
+    audio: AudioConfig | None = None  # the audio encoder of an audio-language model
+    audio_token_id: int | None = None  # placeholder repeated once per audio embedding row
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        """The media kinds a request may carry to this model."""
+        kinds = {"image", "video"} if self.vision is not None else set()
+        return frozenset(kinds | ({"audio"} if self.audio is not None else set()))
+
+    def placeholder(self, modality: str) -> int:
+        """The placeholder token of ``modality`` (ValueError for one the model does not take)."""
+        token = {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}.get(modality)
+        if token is None or modality not in self.modalities:
+            raise ValueError(f"this model takes no {modality} input")
+        return token
+
+    @property
+    def vision_config(self) -> VisionConfig:
+        """The vision tower's config (ValueError for a model without one)."""
+        if self.vision is None:
+            raise ValueError(f"{self.architecture} has no vision tower")
+        return self.vision
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -176,10 +268,23 @@ class ModelConfig:
         text = d.get("text_config") or d
         # transformers 5 writes it at both levels; the top level wins, like in transformers
         tie = bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        text_config = TextConfig.from_dict(text, tie_word_embeddings=tie)
+        audio = d.get("audio_config")
+        if audio is not None:  # Qwen2-Audio: no vision tower
+            return cls(
+                architecture=str(architectures[0]),
+                text=text_config,
+                vision=None,
+                image_token_id=None,
+                video_token_id=None,
+                vision_start_token_id=None,
+                audio=AudioConfig.from_dict(audio, out_hidden_size=text_config.hidden_size),
+                audio_token_id=int(d.get("audio_token_id", _get(d, "audio_token_index", ""))),
+            )
         end = d.get("vision_end_token_id")
         return cls(
             architecture=str(architectures[0]),
-            text=TextConfig.from_dict(text, tie_word_embeddings=tie),
+            text=text_config,
             vision=VisionConfig.from_dict(_get(d, "vision_config", "")),
             image_token_id=int(_get(d, "image_token_id", "")),
             video_token_id=int(_get(d, "video_token_id", "")),

@@ -436,7 +436,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             raise ValueError(f"parts must be a non-empty subset of {sorted(ALL_PARTS)}, got {sorted(parts)}")
         self.config = config
         self.parts = frozenset(parts)
-        self.visual = Qwen2VisionTower(config.vision) if "vision" in parts else None
+        self.visual = Qwen2VisionTower(config.vision_config) if "vision" in parts else None
         self.language_model = Qwen2LanguageModel(config.text) if "language" in parts else None
 
     @staticmethod
@@ -503,8 +503,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             raise RuntimeError("this model was built without its language part")
         x = self.language_model.embed_tokens(input_ids)
         for token, embeds, kind in (
-            (self.config.image_token_id, image_embeds, "image"),
-            (self.config.video_token_id, video_embeds, "video"),
+            (self.config.placeholder("image"), image_embeds, "image"),
+            (self.config.placeholder("video"), video_embeds, "video"),
         ):
             mask = input_ids == token
             count = int(mask.sum())

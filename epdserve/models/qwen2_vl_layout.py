@@ -54,8 +54,8 @@ def mrope_positions(
     original Qwen2-VL (and vLLM).
     """
     ids = np.asarray(input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids, dtype=np.int64).reshape(-1)
-    image_id, video_id = config.image_token_id, config.video_token_id
-    merge = config.vision.spatial_merge_size
+    image_id, video_id = config.placeholder("image"), config.placeholder("video")
+    merge = config.vision_config.spatial_merge_size
     grids = {image_id: iter(grid_list(image_grid_thw)), video_id: iter(grid_list(video_grid_thw))}
     names = {image_id: "image", video_id: "video"}
 
@@ -95,7 +95,7 @@ class Qwen2VLLayout:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
-        self.merge = config.vision.spatial_merge_size
+        self.merge = config.vision_config.spatial_merge_size
 
     def num_placeholders(self, grid_thw: Grid) -> int:
         t, h, w = grid_thw
