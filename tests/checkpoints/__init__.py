@@ -1,0 +1,90 @@
+"""Small random-weight checkpoints of real architectures, built offline from transformers' own
+classes: the oracle for model families whose weights cannot be downloaded here.
+
+Each family module (``qwen2_5_vl``, ``qwen3_vl``, ``qwen2_audio``) has ``build(out_dir, seed)``
+which writes a complete checkpoint directory (config, safetensors, tokenizer, chat template,
+processor configs) with the real config's structure at a tiny size. The tokenizer is the embedded
+model's (a 420-token BPE with Qwen's special tokens), extended by the tokens a family adds.
+``scripts/build_checkpoint.py`` is the command-line entry; tests build into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from epdserve.assets import default_model_dir
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
+VOCAB_SIZE = 512  # rows of the embedding: the tokenizer's 420 + special tokens, rounded up
+INIT_STD = 0.15  # large enough that greedy logits have clear winners (no ties across kernels)
+
+
+def build(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write ``family``'s checkpoint into ``out_dir`` (created) and return it."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    module = importlib.import_module(f"tests.checkpoints.{family}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path: Path = module.build(out, seed)
+    return path
+
+
+def copy_tokenizer(
+    out_dir: Path, extra_special: list[str] | None = None, chat_template: str | None = None
+) -> dict[str, int]:
+    """The embedded model's tokenizer files into ``out_dir``, with ``extra_special`` tokens appended
+    after its own; returns every special token's id."""
+    src = default_model_dir()
+    tok = json.loads((src / "tokenizer.json").read_text())
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    next_id = max(t["id"] for t in tok["added_tokens"]) + 1
+    for content in extra_special or []:
+        entry = {
+            "id": next_id,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        tok["added_tokens"].append(entry)
+        cfg["added_tokens_decoder"][str(next_id)] = {k: v for k, v in entry.items() if k != "id"}
+        next_id += 1
+    if next_id > VOCAB_SIZE:
+        raise ValueError(f"{next_id} tokens do not fit a vocabulary of {VOCAB_SIZE}")
+    (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    template = chat_template
+    if template is None:
+        shutil.copy(src / "chat_template.json", out_dir / "chat_template.json")
+    else:
+        (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    shutil.copy(src / "generation_config.json", out_dir / "generation_config.json")
+    return {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+
+
+def randomize(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> None:
+    """Seeded normal weights (norm scales near one), replacing transformers' near-zero init, so a
+    tiny model's outputs depend on every weight and its greedy argmax has margin."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("norm.weight") or ".norm" in name and name.endswith("weight") and p.dim() == 1:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias") and ("norm" in name or "ln" in name):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2))
