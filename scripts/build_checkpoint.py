@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.checkpoints import FAMILIES, build  # noqa: E402
+from tests.checkpoints import FAMILIES, build
 
 
 def main() -> None:

@@ -78,9 +78,10 @@ def randomize(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith("norm.weight") or ".norm" in name and name.endswith("weight") and p.dim() == 1:
+            norm = "norm" in name or "ln" in name.split(".")[-2]
+            if norm and p.dim() == 1 and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias") and ("norm" in name or "ln" in name):
+            elif norm and name.endswith("bias"):
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(std * noise)
