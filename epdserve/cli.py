@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from epdserve.assets import default_model_dir
 from epdserve.config_flags import Flag, add_flags, to_argv, values
+from epdserve.models.config import ConfigError
+from epdserve.models.registry import UnknownArchitectureError
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV
 
 if TYPE_CHECKING:
@@ -792,7 +794,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:  # a bare ``epdserve``: what it can do
         parser.print_help()
         return 0
-    return COMMANDS[args.cmd].run(args)
+    try:
+        return COMMANDS[args.cmd].run(args)
+    except (ConfigError, UnknownArchitectureError) as e:  # a checkpoint no role can serve: one line, not a traceback
+        print(f"epdserve {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from epdserve.launcher import Cancelled, free_port, port_available, wait_healthy
+from epdserve.models.config import ModelConfig
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor
@@ -268,6 +269,8 @@ class Deployment:
             raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.model_args:  # a model no role can serve fails here, once, before any role starts
+            ModelConfig.from_pretrained(self.model_args[1])
         topo = self.topology
         try:
             if topo.aggregated:

@@ -1,0 +1,142 @@
+"""Every model family through every topology: on a small random-weight checkpoint of each
+architecture (built offline by ``tests.checkpoints``), E+PD with each connector and E/P/D answer
+exactly what the aggregated server answers at temperature 0 (the per-family oracle tests prove
+the engine's tokens equal transformers' ``generate``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from epdserve.assets import default_model_dir
+from epdserve.bench.workload import gif_data_url
+from epdserve.bench.workload import image_data_url as data_url
+from epdserve.launcher import free_port
+from epdserve.models.registry import supported_architectures
+from epdserve.shapes import ShapesWorld, render_images
+from epdserve.up import Deployment, Topology
+from tests.checkpoints import build
+
+PD_ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64"]
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+MOONCAKE = pytest.param(
+    "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
+)
+# the vision families; video only where the family takes it through every topology
+VISION_FAMILIES = {"qwen2_5_vl": True, "qwen3_vl": False}
+
+
+def _deploy(model: Path, topology: str, connector: str = "shm", kv_connector: str = "shm") -> Deployment:
+    d = Deployment(
+        Topology.parse(topology),
+        str(model),
+        port=free_port(),
+        ec_connector=connector,  # type: ignore[arg-type]
+        kv_connector=kv_connector,  # type: ignore[arg-type]
+        extra_pd_args=PD_ARGS,
+    )
+    d.start()
+    return d
+
+
+def vision_requests(video: bool) -> list[dict]:
+    """Text only, one image, three images of different sizes, a repeated image, a video; the
+    128-token budget of a step splits the longer prompts inside a placeholder run."""
+    w = ShapesWorld(2026)
+    one = w.sample("describe")
+    sizes: dict[tuple[int, int], object] = {}
+    for sc in (w.scene() for _ in range(12)):
+        sizes.setdefault((sc.width, sc.height), sc)
+    three = [sc.render() for sc in list(sizes.values())[:3]]  # type: ignore[attr-defined]
+
+    def parts(images: list) -> list[dict]:
+        return [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+
+    def msg(content: list[dict], q: str) -> list[dict]:
+        return [{"role": "user", "content": [*content, {"type": "text", "text": q}]}]
+
+    reqs = [
+        {"messages": [{"role": "user", "content": "Describe the image."}], "max_tokens": 8},
+        {"messages": msg(parts(render_images(one)), one.question)},
+        {"messages": msg(parts(three), "Describe the third image.")},
+        {"messages": msg(parts(render_images(one) * 2), "Describe the second image."), "stream": True},
+    ]
+    if video:
+        vid = w.sample("direction")
+        reqs.append({"messages": msg([{"type": "video_url", "video_url": {"url": gif_data_url(vid.frames)}}], "?")})
+    return reqs
+
+
+def ask(url: str, model: str, req: dict) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    body = {"max_tokens": 12, **req}
+    if body.get("stream"):
+        stream = c.chat.completions.create(model=model, temperature=0, **body)
+        return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    r = c.chat.completions.create(model=model, temperature=0, **body)
+    return r.choices[0].message.content or ""
+
+
+@pytest.fixture(scope="module", params=sorted(VISION_FAMILIES))
+def vision_family(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict], list[str]]]:
+    """A family's checkpoint, its requests, and the aggregated server's answers to them."""
+    model = build(request.param, tmp_path_factory.mktemp("ckpt") / f"{request.param}-tiny")
+    reqs = vision_requests(VISION_FAMILIES[request.param])
+    d = _deploy(model, "aggregated")
+    try:
+        expected = [ask(d.url, model.name, r) for r in reqs]
+    finally:
+        d.stop()
+    assert len(set(expected)) > 1, "the requests must not all get one answer"
+    yield model, reqs, expected
+
+
+def _assert_same(model: Path, topology: str, reqs: list[dict], expected: list[str], **kw: str) -> None:
+    d = _deploy(model, topology, **kw)
+    try:
+        got = [ask(d.url, model.name, r) for r in reqs]
+    finally:
+        d.stop()
+    assert got == expected
+
+
+@pytest.mark.parametrize("connector", ["shm", "tcp", "fs", MOONCAKE])
+def test_e_pd_equals_aggregated(vision_family, connector: str) -> None:
+    model, reqs, expected = vision_family
+    _assert_same(model, "1e+1pd", reqs, expected, connector=connector)
+
+
+@pytest.mark.parametrize("kv_connector", ["shm", "tcp"])
+def test_e_p_d_equals_aggregated(vision_family, kv_connector: str) -> None:
+    model, reqs, expected = vision_family
+    _assert_same(model, "1e+1p+1d", reqs, expected, kv_connector=kv_connector)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["up"], ["up", "--topology", "1e+1pd"]])
+def test_an_unrecognised_architecture_fails_at_once_naming_what_is_supported(tmp_path: Path, command) -> None:
+    src = default_model_dir()
+    for f in src.glob("*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = subprocess.run(
+        [sys.executable, "-m", "epdserve.cli", *command, "--model", str(tmp_path), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    message = r.stderr.strip().splitlines()[-1]
+    assert "unsupported architecture 'LlamaForCausalLM'" in message
+    for name in supported_architectures():
+        assert name in message
+    assert "Traceback" not in r.stderr
