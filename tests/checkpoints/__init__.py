@@ -60,6 +60,8 @@ def copy_tokenizer(
         next_id += 1
     if next_id > VOCAB_SIZE:
         raise ValueError(f"{next_id} tokens do not fit a vocabulary of {VOCAB_SIZE}")
+    if chat_template is not None:  # tokenizer_config.json's template wins over chat_template.json
+        cfg["chat_template"] = chat_template
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
     template = chat_template

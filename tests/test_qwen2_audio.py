@@ -1,0 +1,178 @@
+"""Qwen2-Audio against transformers on a tiny random-weight checkpoint: the audio tower's output,
+the placeholder count, partial loading, and the engine's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from epdserve.models.loader import load_model
+from epdserve.models.qwen2_audio import Qwen2AudioForConditionalGeneration
+from epdserve.models.qwen2_audio_layout import audio_grid, audio_tokens, encoder_frames
+from epdserve.models.qwen2_vl_layout import MediaPlaceholderError
+from epdserve.models.registry import prompt_layout
+from tests.checkpoints import build
+from tests.numerics import assert_close_rel
+
+torch.set_num_threads(1)
+
+SR = 16000
+# seconds: odd and even frame counts, the shortest audio that makes a token, the whole 30 s window
+DURATIONS = (1.3, 0.71, 0.03, 30.0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen2_audio", tmp_path_factory.mktemp("qwen2-audio"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt: Path):
+    from transformers import Qwen2AudioForConditionalGeneration as HFQwen2Audio
+
+    return HFQwen2Audio.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def feature_extractor(ckpt: Path):
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor.from_pretrained(ckpt)
+
+
+def waveform(seconds: float, seed: int) -> np.ndarray:
+    """A chirp with noise: energy in every mel band, so each frame differs."""
+    t = np.arange(round(seconds * SR)) / SR
+    rng = np.random.default_rng(seed)
+    tone = np.sin(2 * np.pi * (200 + 1500 * t / max(seconds, 1e-3)) * t)
+    return (0.3 * tone + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+
+
+@torch.inference_mode()
+def hf_audio_embeddings(hf_model, feature_extractor, audios: list[np.ndarray]) -> list[torch.Tensor]:
+    """transformers' projected audio features per item, taken from its own forward (padded to the
+    30 s window, padded frames masked through feature_attention_mask)."""
+    out = feature_extractor(
+        audios, sampling_rate=SR, return_attention_mask=True, padding="max_length", return_tensors="pt"
+    )
+    frames = out["attention_mask"].sum(-1).tolist()
+    counts = [audio_tokens(n) for n in frames]
+    captured: list[torch.Tensor] = []
+    hook = hf_model.model.multi_modal_projector.register_forward_hook(lambda m, a, o: captured.append(o))
+    token = hf_model.config.audio_token_id
+    ids = torch.tensor([[1] + [t for n in counts for t in [token] * n + [2]]])
+    try:
+        hf_model(
+            input_ids=ids,
+            input_features=out["input_features"],
+            feature_attention_mask=out["attention_mask"],
+            attention_mask=torch.ones_like(ids),
+        )
+    finally:
+        hook.remove()
+    return [captured[0][i, :n] for i, n in enumerate(counts)]
+
+
+@pytest.fixture(scope="module")
+def audio_only(ckpt: Path) -> Qwen2AudioForConditionalGeneration:
+    m, _ = load_model(ckpt, parts=frozenset({"vision"}))
+    assert isinstance(m, Qwen2AudioForConditionalGeneration)
+    return m
+
+
+# ---- the audio tower ------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_audio_tower_matches_transformers(hf_model, feature_extractor, audio_only) -> None:
+    audios = [waveform(s, i) for i, s in enumerate(DURATIONS)]
+    ref = hf_audio_embeddings(hf_model, feature_extractor, audios)
+    feats = feature_extractor(audios, sampling_rate=SR, return_attention_mask=True, padding="max_length")
+    frames = [int(n) for n in np.asarray(feats["attention_mask"]).sum(-1)]
+    assert len({n % 2 for n in frames}) == 2 and min(frames) == 3 and max(frames) == 3000
+    cfg = audio_only.config.audio
+    assert cfg is not None and audio_only.audio is not None
+    # each item carries its valid frames and the two its convolutions read past them
+    rows = [
+        torch.from_numpy(f[:, : encoder_frames(n, cfg)].T.copy())
+        for f, n in zip(feats["input_features"], frames, strict=True)
+    ]
+    ours = audio_only.audio(torch.cat(rows), [audio_grid(n) for n in frames])  # all items in one forward
+    assert ours.shape[0] == sum(r.shape[0] for r in ref)
+    assert_close_rel(ours, torch.cat(ref))
+    for row, n, r in zip(rows, frames, ref, strict=True):  # and each alone
+        assert_close_rel(audio_only.audio(row, [audio_grid(n)]), r)
+
+
+@torch.inference_mode()
+def test_audio_tower_needs_the_frames_past_the_audio(hf_model, feature_extractor, audio_only) -> None:
+    """Zeros in place of the two padded frames the convolutions read change the last valid frame,
+    which every row attends to: those frames are part of the item."""
+    audio = waveform(1.3, 0)
+    ref = hf_audio_embeddings(hf_model, feature_extractor, [audio])[0]
+    feats = feature_extractor([audio], sampling_rate=SR, padding="max_length")["input_features"][0]
+    n = 130
+    assert audio_only.audio is not None
+    zeros_after = torch.from_numpy(np.concatenate([feats[:, :n].T, np.zeros((2, feats.shape[0]), np.float32)]))
+    got = audio_only.audio(zeros_after, [audio_grid(n)])
+    assert float((got - ref).abs().max()) > 1e-3 * float(ref.abs().max())
+
+
+def test_audio_tower_rejects_inconsistent_input(audio_only) -> None:
+    assert audio_only.audio is not None
+    x = torch.zeros(encoder_frames(100, audio_only.audio.config), 128)
+    for grid, rows in (
+        ((1, 100, 1), x[:-1]),
+        ((2, 100, 1), x),
+        ((1, 2, 1), x[:4]),
+        ((1, 3001, 1), torch.zeros(3000, 128)),
+    ):
+        with pytest.raises(MediaPlaceholderError):
+            audio_only.audio(rows, [grid])
+    with pytest.raises(MediaPlaceholderError):
+        audio_only.audio(x[:, :80], [(1, 100, 1)])
+
+
+# ---- the prompt layout ----------------------------------------------------------------------
+
+
+def test_placeholder_count_is_transformers(hf_model, ckpt: Path) -> None:
+    from epdserve.models.config import ModelConfig
+
+    layout = prompt_layout(ModelConfig.from_pretrained(ckpt))
+    frames = torch.arange(3, 3001)
+    _, expected = hf_model.model.audio_tower._get_feat_extract_output_lengths(frames)
+    assert [layout.num_placeholders(audio_grid(int(n))) for n in frames] == expected.tolist()
+    assert layout.positions([1, 2, 3], [], []) == (None, 0)
+    for bad in ((1, 2, 1), (1, 3001, 1), (2, 100, 1), (1, 100, 2)):
+        with pytest.raises(ValueError):
+            layout.num_placeholders(bad)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def test_partial_loads_read_only_their_tensors(ckpt: Path) -> None:
+    audio, report = load_model(ckpt, parts=frozenset({"vision"}))
+    assert audio.language_model is None and audio.visual is None and audio.audio is not None
+    assert report.tensors and all(n.startswith(("audio_tower.", "multi_modal_projector.")) for n in report.tensors)
+    lm, report = load_model(ckpt, parts=frozenset({"language"}))
+    assert lm.audio is None and lm.language_model is not None
+    assert report.tensors and all(n.startswith("language_model.") for n in report.tensors)
+
+
+def test_transformers5_names_map_to_ours() -> None:
+    name = Qwen2AudioForConditionalGeneration.checkpoint_param_name
+    assert name("model.audio_tower.layers.1.fc1.weight") == name("audio_tower.layers.1.fc1.weight")
+    assert name("audio_tower.layers.1.fc1.weight") == "audio.layers.1.fc1.weight"
+    assert name("model.multi_modal_projector.linear.bias") == "audio.projector.bias"
+    assert (
+        name("language_model.model.layers.0.self_attn.k_proj.weight")
+        == "language_model.layers.0.self_attn.qkv_proj.weight"
+    )
+    assert name("model.language_model.layers.0.mlp.up_proj.weight") == "language_model.layers.0.mlp.gate_up_proj.weight"
+    assert name("language_model.lm_head.weight") == name("lm_head.weight") == "language_model.lm_head.weight"
+    assert name("visual.blocks.0.attn.qkv.weight") is None
