@@ -109,6 +109,8 @@ class InputBuilder:
             if modality is None:
                 expanded.append(t)
                 continue
+            if modality not in self.config.modalities:
+                raise PromptError(f"{modality} is not supported for this architecture ({self.config.architecture})")
             m = next(pending, None)
             seen += 1
             if m is None or m.modality != modality:

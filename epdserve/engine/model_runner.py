@@ -3,6 +3,11 @@
 Inputs of the step are flattened: all scheduled tokens of all requests in one row batch, with
 their M-RoPE positions and KV slots. Vision embeddings replace the token embeddings at the
 placeholder positions that fall inside this step's chunk of each request.
+
+A DeepStack model (Qwen3-VL) has several feature levels per embedding row, side by side
+([rows, levels * H]): level 0 replaces the placeholder embeddings like any model's, level k ≥ 1 is
+added to the same rows after language-model layer k-1 (``models.base.DeepStack``). Both are
+row-local, so a chunk of a prompt takes exactly the levels of its own rows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from epdserve.engine.contiguous_kv import ContiguousDecodeKV
 from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
+from epdserve.models.base import DeepStack
 from epdserve.models.precision import torch_dtype
 from epdserve.transfer.kv import KVLayout
 
@@ -73,6 +79,7 @@ class ModelRunner:
         self.vision_seconds = 0.0  # and the seconds those forwards took
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
+        self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(len(self.kv.k), self.kv.k[0].shape[2], self.kv.k[0].shape[3], self.config.dtype)
@@ -124,6 +131,17 @@ class ModelRunner:
             it.pixel_values = None  # pixels are not needed again
             self.encoder_cache.put(it.uuid, e)
 
+    def _check_width(self, items: list[MediaItem]) -> None:
+        """Every item's embeddings carry all of the model's feature levels (connectors and the
+        front end validate them already; this guards whatever path an item took)."""
+        width = self.feature_levels * self.hidden_size
+        for it in items:
+            if it.embeddings is not None and (it.embeddings.dim() != 2 or it.embeddings.shape[1] != width):
+                raise MediaError(
+                    f"media item {it.uuid} has embeddings of shape {list(it.embeddings.shape)}; this model takes "
+                    f"[rows, {width}] ({self.feature_levels} feature levels of {self.hidden_size})"
+                )
+
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -134,6 +152,7 @@ class ModelRunner:
             needed = [it for it in req.mm_items if it.offset < s.end and it.end > s.start]
             try:
                 self._ensure_embeddings(needed)
+                self._check_width(needed)
             except MediaError as e:
                 failed[req.request_id] = str(e)
                 continue
@@ -203,6 +222,9 @@ class ModelRunner:
         )
         tokens = t(ids)
         embeds = lm.embed_tokens(tokens).to(self.dtype)
+        hsize, levels = self.hidden_size, self.feature_levels
+        stack_rows: list[torch.Tensor] = []  # DeepStack: the batch rows of this step's placeholders
+        stack_feats: list[torch.Tensor] = []  # and their levels 1.. ([rows, (levels - 1) * H])
         q = 0
         for s in scheduled:
             for it in s.request.mm_items:
@@ -210,11 +232,18 @@ class ModelRunner:
                 if a < b:
                     assert it.embeddings is not None
                     rows_e = it.embeddings[a - it.offset : b - it.offset]
-                    embeds[q + a - s.start : q + b - s.start] = rows_e.to(dev, self.dtype)
+                    embeds[q + a - s.start : q + b - s.start] = rows_e[:, :hsize].to(dev, self.dtype)
+                    if levels > 1:
+                        stack_rows.append(torch.arange(q + a - s.start, q + b - s.start))
+                        stack_feats.append(rows_e[:, hsize:])
             q += s.num_new_tokens
         positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
         attention = PagedAttention(self.kv, self.table, layout, self.mirror)
-        hidden = lm(embeds, positions, attention)
+        if stack_rows:
+            feats = torch.cat(stack_feats).to(dev, self.dtype).view(-1, levels - 1, hsize).transpose(0, 1)
+            hidden = lm(embeds, positions, attention, DeepStack(torch.cat(stack_rows).to(dev), feats))
+        else:
+            hidden = lm(embeds, positions, attention)
         last_rows, sampling = [], []
         q = 0
         for s in scheduled:

@@ -7,13 +7,21 @@ paged cache and attends over each sequence's context.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
+
+
+class DeepStack(NamedTuple):
+    """Vision features a DeepStack model (Qwen3-VL) adds to the hidden states of its first layers:
+    after layer l, ``features[l]`` is added at ``rows`` of the step's token batch."""
+
+    rows: torch.Tensor  # long [M]: the visual placeholder rows of this step
+    features: torch.Tensor  # [levels - 1, M, H]: one level per early layer
 
 
 class AttentionBackend(Protocol):

@@ -23,6 +23,10 @@ from typing import Any
 
 from epdserve.models.registry import check_architecture
 
+# architectures that take images but no video here: Qwen3-VL's video prompts interleave per-frame
+# timestamps with the placeholder runs (and its positions follow them), which is not implemented
+_IMAGE_ONLY: frozenset[str] = frozenset({"Qwen3VLForConditionalGeneration"})
+
 # which halves of the model a process loads: the encoder role needs only "vision", a
 # metadata-only prefill/decode role only "language", an aggregated server both
 ALL_PARTS: frozenset[str] = frozenset({"vision", "language"})
@@ -237,11 +241,12 @@ class ModelConfig:
     vision_end_token_id: int | None = None  # follows every placeholder run
     audio: AudioConfig | None = None  # the audio encoder of an audio-language model
     audio_token_id: int | None = None  # placeholder repeated once per audio embedding row
+    takes_video: bool = True  # a vision model that takes video as well as images (see _IMAGE_ONLY)
 
     @property
     def modalities(self) -> frozenset[str]:
         """The media kinds a request may carry to this model."""
-        kinds = {"image", "video"} if self.vision is not None else set()
+        kinds = set() if self.vision is None else {"image", "video"} if self.takes_video else {"image"}
         return frozenset(kinds | ({"audio"} if self.audio is not None else set()))
 
     def placeholder(self, modality: str) -> int:
@@ -250,6 +255,12 @@ class ModelConfig:
         if token is None or modality not in self.modalities:
             raise ValueError(f"this model takes no {modality} input")
         return token
+
+    @property
+    def feature_levels(self) -> int:
+        """Feature vectors per media embedding row (side by side: width = levels x the LM hidden
+        size): 1 + the DeepStack levels of a Qwen3-VL tower, 1 for every other model."""
+        return 1 if self.vision is None else self.vision.feature_levels
 
     @property
     def vision_config(self) -> VisionConfig:
@@ -290,6 +301,7 @@ class ModelConfig:
             video_token_id=int(_get(d, "video_token_id", "")),
             vision_start_token_id=int(_get(d, "vision_start_token_id", "")),
             vision_end_token_id=None if end is None else int(end),
+            takes_video=str(architectures[0]) not in _IMAGE_ONLY,
         )
 
     @classmethod

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.models.base import AttentionBackend
+from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
 
@@ -113,9 +113,9 @@ class PatchEmbed(nn.Module):
     takes the processor's flat patches as they are. ``load_weights`` flattens the kernel.
     """
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, bias: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
+        self.proj = nn.Linear(config.patch_dim, config.embed_dim, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches.to(self.proj.weight.dtype))
@@ -206,31 +206,30 @@ class Qwen2VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
 
-    def _check(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
-        c = self.config
-        if pixel_values.ndim != 2 or pixel_values.shape[1] != c.patch_dim:
-            raise MediaPlaceholderError(
-                f"pixel_values must be [patches, {c.patch_dim}], got {list(pixel_values.shape)}"
-            )
-        for t, h, w in grids:
-            if t < 1 or h < 1 or w < 1 or h % c.spatial_merge_size or w % c.spatial_merge_size:
-                raise MediaPlaceholderError(
-                    f"grid {(t, h, w)} must be positive with h and w multiples of {c.spatial_merge_size}"
-                )
-        expected = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape[0] != expected:
-            raise MediaPlaceholderError(f"grids describe {expected} patches, pixel_values has {pixel_values.shape[0]}")
-
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
         → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
         grids = grid_list(grid_thw)
-        self._check(pixel_values, grids)
+        check_patches(self.config, pixel_values, grids)
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grids)
         for block in self.blocks:
             x = block(x, cos, sin, grids)
         return self.merger(x)
+
+
+def check_patches(c: VisionConfig, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
+    """MediaPlaceholderError unless ``pixel_values`` are the flat patches of ``grids``."""
+    if pixel_values.ndim != 2 or pixel_values.shape[1] != c.patch_dim:
+        raise MediaPlaceholderError(f"pixel_values must be [patches, {c.patch_dim}], got {list(pixel_values.shape)}")
+    for t, h, w in grids:
+        if t < 1 or h < 1 or w < 1 or h % c.spatial_merge_size or w % c.spatial_merge_size:
+            raise MediaPlaceholderError(
+                f"grid {(t, h, w)} must be positive with h and w multiples of {c.spatial_merge_size}"
+            )
+    expected = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape[0] != expected:
+        raise MediaPlaceholderError(f"grids describe {expected} patches, pixel_values has {pixel_values.shape[0]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +253,10 @@ class RMSNorm(nn.Module):
 class MRotaryEmbedding(nn.Module):
     """Multimodal rotary embedding: each frequency pair rotates by one of the (t, h, w) position rows.
 
-    ``mrope_section`` splits the head_dim/2 frequencies into consecutive groups; group i uses
-    position row i % 3. For text all three rows are equal and this is plain RoPE.
+    ``mrope_section`` gives each row its number of frequency pairs. Qwen2-VL splits the head_dim/2
+    pairs into consecutive groups (group i uses row i % 3); interleaved M-RoPE (Qwen3-VL) cycles
+    t, h, w over the low frequencies, pair j using row j % 3 while that row has pairs left, and row
+    t for the rest. For text all three rows are equal and this is plain RoPE.
     """
 
     inv_freq: torch.Tensor
@@ -276,7 +277,12 @@ class MRotaryEmbedding(nn.Module):
             return
         steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device)
         self.inv_freq = 1.0 / (c.rope_theta ** (steps / c.head_dim))
-        rows = [i % 3 for i, size in enumerate(c.mrope_section) for _ in range(size)]
+        if c.mrope_interleaved:
+            # transformers' apply_interleaved_mrope: pair j is h (j % 3 == 1) or w (j % 3 == 2)
+            # while j < 3 * that row's section, t otherwise
+            rows = [j % 3 if j % 3 and j < 3 * c.mrope_section[j % 3] else 0 for j in range(c.head_dim // 2)]
+        else:
+            rows = [i % 3 for i, size in enumerate(c.mrope_section) for _ in range(size)]
         self.freq_rows = torch.tensor(rows, dtype=torch.long, device=device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,7 +294,8 @@ class MRotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """q/k/v projections and M-RoPE; the attention itself is the engine's backend."""
+    """q/k/v projections, per-head q/k RMSNorm (Qwen3) and M-RoPE; the attention itself is the
+    engine's backend."""
 
     def __init__(self, config: TextConfig, layer_idx: int) -> None:
         super().__init__()
@@ -300,16 +307,21 @@ class Attention(nn.Module):
         # q, k and v in one matmul: at this model size a step is dominated by per-call overhead
         kv = self.num_kv_heads * self.head_dim
         self.shard_sizes = (self.num_heads * self.head_dim, kv, kv)
-        self.qkv_proj = nn.Linear(hidden, sum(self.shard_sizes), bias=True)
+        self.qkv_proj = nn.Linear(hidden, sum(self.shard_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : (hq + hkv) * d].reshape(n, hq + hkv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
         # q and k rotate in one pass (the same elementwise math, half the calls)
-        qk = _apply_rotary(qkv[:, : (hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
+        qk = _apply_rotary(qk, cos, sin)
         q, k = qk.split((hq, hkv), dim=1)
         out = attention(self.layer_idx, q, k, qkv[:, (hq + hkv) * d :].reshape(n, hkv, d))
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -370,15 +382,24 @@ class Qwen2LanguageModel(nn.Module):
         )
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        deepstack: DeepStack | None = None,
     ) -> torch.Tensor:
-        """inputs_embeds [N, H], positions [3, N] (M-RoPE rows t, h, w) → final-normed hidden [N, H]."""
+        """inputs_embeds [N, H], positions [3, N] (M-RoPE rows t, h, w) → final-normed hidden [N, H].
+
+        ``deepstack`` (Qwen3-VL): the output of layer l gains ``features[l]`` at ``rows``, for the
+        first ``len(features)`` layers (transformers' ``_deepstack_process``)."""
         if positions.shape != (3, inputs_embeds.shape[0]):
             raise ValueError(f"positions must be [3, {inputs_embeds.shape[0]}], got {list(positions.shape)}")
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         x = inputs_embeds
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attention)
+            if deepstack is not None and i < deepstack.features.shape[0]:
+                x[deepstack.rows] += deepstack.features[i].to(x.dtype)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -429,6 +450,9 @@ _NAME_PREFIXES: tuple[tuple[str, str], ...] = (
 class Qwen2VLForConditionalGeneration(nn.Module):
     """Holds the parts a process needs: ``visual`` (vision tower) and/or ``language_model``."""
 
+    # a later family with Qwen2-VL's language model and checkpoint names swaps only the tower
+    vision_tower_class: type[nn.Module] = Qwen2VisionTower
+
     def __init__(self, config: ModelConfig, parts: frozenset[str] = ALL_PARTS) -> None:
         super().__init__()
         unknown = set(parts) - ALL_PARTS
@@ -436,17 +460,23 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             raise ValueError(f"parts must be a non-empty subset of {sorted(ALL_PARTS)}, got {sorted(parts)}")
         self.config = config
         self.parts = frozenset(parts)
-        self.visual = Qwen2VisionTower(config.vision_config) if "vision" in parts else None
+        self.visual = self.vision_tower_class(config.vision_config) if "vision" in parts else None
         self.language_model = Qwen2LanguageModel(config.text) if "language" in parts else None
 
-    @staticmethod
-    def checkpoint_param_name(name: str) -> str | None:
+    @classmethod
+    def map_checkpoint_name(cls, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor name → (our parameter, fused slice index or None); a later family
+        overrides it for the names it spells differently."""
+        return _map_checkpoint_name(name)
+
+    @classmethod
+    def checkpoint_param_name(cls, name: str) -> str | None:
         """Our parameter that checkpoint tensor ``name`` fills (None: not a tensor of this model).
 
         q/k/v and gate/up tensors fill a slice of a fused parameter (see ``_map_checkpoint_name``).
         The result may name a part this instance did not build; the loader skips those.
         """
-        mapped = _map_checkpoint_name(name)
+        mapped = cls.map_checkpoint_name(name)
         return None if mapped is None else mapped[0]
 
     @torch.no_grad()
@@ -462,7 +492,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         loaded: set[str] = set()
         shards: dict[str, set[int]] = {}
         for name, tensor in weights:
-            mapped = _map_checkpoint_name(name)
+            mapped = self.map_checkpoint_name(name)
             if mapped is None or mapped[0] not in params:
                 continue
             ours, index = mapped

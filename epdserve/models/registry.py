@@ -26,6 +26,10 @@ _ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
             "epdserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
             "epdserve.models.qwen2_vl_layout:Qwen2VLLayout",
         ),
+        "Qwen3VLForConditionalGeneration": (
+            "epdserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+            "epdserve.models.qwen3_vl_layout:Qwen3VLLayout",
+        ),
         "Qwen2AudioForConditionalGeneration": (
             "epdserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
             "epdserve.models.qwen2_audio_layout:Qwen2AudioLayout",

@@ -1,0 +1,216 @@
+"""Qwen3-VL against transformers on a small random-weight checkpoint built offline
+(``tests.checkpoints.qwen3_vl``): the vision tower with every DeepStack level, the engine's greedy
+tokens (DeepStack injected chunk by chunk), and the EC contract's feature levels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core import EngineCore, request_from
+from epdserve.engine.inputs import InputBuilder, MediaInput, PromptError
+from epdserve.engine.messages import AddRequest, WireTensor
+from epdserve.engine.request import Request
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.models.config import ModelConfig
+from epdserve.models.loader import load_model
+from epdserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from epdserve.shapes import ShapesWorld, render_images
+from tests.checkpoints import build
+from tests.numerics import assert_close_rel
+from tests.server_utils import TEST_DEVICE
+
+MAX_NEW = 12
+BUDGET = 8  # tokens per step: shorter than every image's placeholder run, so chunks split runs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL
+
+    return HFQwen3VL.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+# ---- the vision tower -----------------------------------------------------------------------
+
+
+def test_config_and_parts(ckpt: Path) -> None:
+    cfg = ModelConfig.from_pretrained(ckpt)
+    assert cfg.vision_config.deepstack_visual_indexes == (1, 3)
+    assert cfg.feature_levels == 3
+    assert cfg.text.head_dim == 48 != cfg.text.hidden_size // cfg.text.num_attention_heads
+    assert cfg.text.qk_norm and cfg.text.mrope_interleaved and not cfg.text.attention_bias
+    assert cfg.modalities == {"image"}
+    vision, report = load_model(ckpt, parts=frozenset({"vision"}))
+    assert isinstance(vision, Qwen3VLForConditionalGeneration) and vision.language_model is None
+    assert all(n.startswith("model.visual.") for n in report.tensors)
+    language, report = load_model(ckpt, parts=frozenset({"language"}))
+    assert language.visual is None
+    assert not any("visual" in n for n in report.tensors)
+
+
+@pytest.mark.parametrize(
+    "grids",
+    [
+        [(1, 8, 8)],  # the learned table's own size: no interpolation
+        [(1, 6, 10), (1, 12, 4), (2, 4, 4)],  # interpolated, non-square, two frames, batched
+    ],
+    ids=["table-size", "interpolated-batch"],
+)
+def test_vision_tower_equals_transformers_at_every_level(ckpt: Path, hf, grids: list) -> None:  # type: ignore[no-untyped-def]
+    model, _ = load_model(ckpt, parts=frozenset({"vision"}))
+    patches = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(patches, model.config.vision_config.patch_dim, generator=torch.Generator().manual_seed(1))
+    grid = torch.tensor(grids)
+    with torch.inference_mode():
+        out = hf.model.visual(pixels, grid_thw=grid, return_dict=True)
+        ours = model.visual(pixels, grid)
+    hidden = model.config.text.hidden_size
+    expected = [out.pooler_output, *out.deepstack_features]
+    assert ours.shape == (patches // 4, len(expected) * hidden)
+    for level, ref in enumerate(expected):
+        assert_close_rel(ours[:, level * hidden : (level + 1) * hidden], ref)
+
+
+# ---- the engine against transformers' generate ----------------------------------------------
+
+
+def _cases() -> list[tuple[str, list[dict], list[Image.Image]]]:
+    w = ShapesWorld(7)
+    one = w.sample("describe")
+    multi = w.sample("describe_nth")
+    while len(multi.scenes) != 2 or multi.scenes[0].width * multi.scenes[0].height == (
+        multi.scenes[1].width * multi.scenes[1].height
+    ):
+        multi = w.sample("describe_nth")
+
+    def msg(n: int, q: str) -> list[dict]:
+        return [{"role": "user", "content": [*({"type": "image"} for _ in range(n)), {"type": "text", "text": q}]}]
+
+    return [
+        ("text", [{"role": "user", "content": "Describe the image."}], []),
+        ("image", msg(1, one.question), render_images(one)),
+        ("images", msg(2, multi.question), render_images(multi)),
+    ]
+
+
+def _hf_inputs(tok, proc: VisionProcessor, cfg: ModelConfig, messages: list[dict], images: list) -> dict:  # type: ignore[no-untyped-def]
+    """transformers' inputs, expanded and typed here independently of the code under test."""
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    vis = [proc.image(im) for im in images]
+    grids = iter(v.grid_thw for v in vis)
+    expanded: list[int] = []
+    for t in ids["input_ids"]:
+        if t == cfg.image_token_id:
+            gt, gh, gw = next(grids)
+            expanded += [t] * (gt * gh * gw // 4)
+        else:
+            expanded.append(t)
+    input_ids = torch.tensor([expanded])
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": (input_ids == cfg.image_token_id).long(),
+    }
+    if vis:
+        out["pixel_values"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vis]))
+        out["image_grid_thw"] = torch.tensor([v.grid_thw for v in vis])
+    return out
+
+
+def _request(rid: str, builder: InputBuilder, proc: VisionProcessor, messages, images, eos) -> Request:  # type: ignore[no-untyped-def]
+    media = [
+        MediaInput(f"{rid}-{i}", "image", v.grid_thw, v.pixel_values) for i, v in enumerate(map(proc.image, images))
+    ]
+    p = builder.build(messages, media)
+    pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta, list(eos)))
+
+
+def _run(eng: EngineCore) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while eng.has_work:
+        for o in eng.step():
+            assert o.error is None, o.error
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def test_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf, tok) -> None:  # type: ignore[no-untyped-def]
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    assert proc.config.patch_size == 16 and proc.config.image_mean == (0.5, 0.5, 0.5)
+    eos = frozenset(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list) else [])
+    eos = eos or frozenset({tok.convert_tokens_to_ids("<|im_end|>")})
+    expected = {}
+    for name, messages, images in _cases():
+        inputs = _hf_inputs(tok, proc, cfg, messages, images)
+        with torch.inference_mode():
+            out = hf.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        expected[name] = out[0, inputs["input_ids"].shape[1] :].tolist()
+    eng = EngineCore.from_pretrained(
+        ckpt, EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=BUDGET, num_kv_blocks=256, max_model_len=1024)
+    )
+    builder = InputBuilder(tok, cfg)
+    for name, messages, images in _cases():
+        req = _request(name, builder, proc, messages, images, eos)
+        assert all(it.length > BUDGET for it in req.mm_items)  # every run is split by a chunk boundary
+        eng.add_request(req)
+        assert _run(eng)[name] == expected[name], name
+    # all at once, under other uuids (no encoder-cache or prefix-cache hits): batched chunks
+    for name, messages, images in _cases():
+        eng.add_request(_request(name + "#b", builder, proc, messages, images, eos))
+    got = _run(eng)
+    for name in expected:
+        assert got[name + "#b"] == expected[name], name
+    eng.scheduler.blocks.check_integrity()
+
+
+def test_deepstack_levels_change_the_answer(ckpt: Path, hf, tok) -> None:  # type: ignore[no-untyped-def]
+    """The levels beyond the first matter (the parity above would not notice them missing if
+    they did not): transformers without its DeepStack input answers differently."""
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    _, messages, images = _cases()[1]
+    inputs = _hf_inputs(tok, proc, cfg, messages, images)
+    with torch.inference_mode():
+        full = hf(**inputs).logits[0, -1]
+        lm = hf.model.language_model
+        original = lm._deepstack_process
+        lm._deepstack_process = lambda hidden, mask, embeds: hidden  # type: ignore[method-assign]
+        try:
+            plain = hf(**inputs).logits[0, -1]
+        finally:
+            lm._deepstack_process = original  # type: ignore[method-assign]
+    assert float((full - plain).abs().max()) > 1e-2 * float(full.abs().max())
+
+
+def test_video_is_refused_with_a_clear_error(ckpt: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    frames = render_images(ShapesWorld(3).sample("describe")) * 2
+    v = proc.video(frames)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]
+    with pytest.raises(PromptError, match="video is not supported for this architecture"):
+        InputBuilder(tok, cfg).build(messages, [MediaInput("v", "video", v.grid_thw, v.pixel_values)])
