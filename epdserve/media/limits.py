@@ -19,6 +19,10 @@ class MediaLimits:
     allowed_media_domains: tuple[str, ...] = field(default=())  # host names allowed for http(s) media; empty = any
     max_images_per_prompt: int = 8  # image items (URLs and embeds) per request; 0 disables images
     max_videos_per_prompt: int = 2  # video items (URLs and embeds) per request; 0 disables videos
+    max_audios_per_prompt: int = 2  # audio items (inline and embeds) per request; 0 disables audio
+    max_audio_seconds: float = 30.0  # longest audio accepted (an encoder's window may be shorter: Whisper's is 30 s)
+    min_audio_sample_rate: int = 8000  # lowest sample rate accepted, in Hz
+    max_audio_sample_rate: int = 192000  # highest sample rate accepted, in Hz (bounds the resampling work)
 
     def __post_init__(self) -> None:
         positive = {
@@ -27,6 +31,8 @@ class MediaLimits:
             "max_video_frames": self.max_video_frames,
             "video_frames": self.video_frames,
             "fetch_timeout_s": self.fetch_timeout_s,
+            "max_audio_seconds": self.max_audio_seconds,
+            "min_audio_sample_rate": self.min_audio_sample_rate,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -35,20 +41,28 @@ class MediaLimits:
             ("max_redirects", self.max_redirects),
             ("max_images_per_prompt", self.max_images_per_prompt),
             ("max_videos_per_prompt", self.max_videos_per_prompt),
+            ("max_audios_per_prompt", self.max_audios_per_prompt),
         ):
             if count < 0:
                 raise ValueError(f"MediaLimits.{name} must be >= 0, got {count}")
+        if self.max_audio_sample_rate < self.min_audio_sample_rate:
+            raise ValueError(
+                f"MediaLimits.max_audio_sample_rate {self.max_audio_sample_rate} is below "
+                f"min_audio_sample_rate {self.min_audio_sample_rate}"
+            )
         # host names compare case-insensitively and without a trailing root dot
         object.__setattr__(
             self, "allowed_media_domains", tuple(d.strip().rstrip(".").lower() for d in self.allowed_media_domains)
         )
 
     def max_items(self, modality: str) -> int:
-        """Items of ``modality`` ("image" or "video") allowed in one prompt."""
+        """Items of ``modality`` ("image", "video" or "audio") allowed in one prompt."""
         if modality == "image":
             return self.max_images_per_prompt
         if modality == "video":
             return self.max_videos_per_prompt
+        if modality == "audio":
+            return self.max_audios_per_prompt
         return 0
 
     def domain_allowed(self, host: str) -> bool:
