@@ -1,4 +1,4 @@
-"""The reference: Hugging Face transformers' Qwen2-VL on our checkpoint, greedy.
+"""The reference: Hugging Face transformers' model class of our checkpoint's architecture, greedy.
 
 Used as the correctness oracle (our engine must produce the same tokens), by ``epdserve demo``
 and by ``epdserve eval-shapes``. transformers' video processor needs torchvision, so media is
@@ -7,6 +7,8 @@ preprocessed by our own processor, which equals transformers' image processor (t
 
 from __future__ import annotations
 
+import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,16 @@ class HFReference:
         dtype: torch.dtype = torch.float32,
         template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+        import transformers
 
         self.model_dir = Path(model_dir)
         self.template_kwargs = dict(template_kwargs or {})
-        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.tok = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+        architecture = json.loads((self.model_dir / "config.json").read_text())["architectures"][0]
+        model_class = getattr(transformers, architecture)
+        self.model = model_class.from_pretrained(self.model_dir, dtype=dtype).eval()
+        # Qwen2.5-VL: video positions follow the seconds each temporal patch spans
+        self.timed_video = "second_per_grid_ts" in inspect.signature(self.model.forward).parameters
         self.proc = VisionProcessor(ProcessorConfig.from_pretrained(self.model_dir))
         cfg = self.model.config
         self.image_token_id = cfg.image_token_id
@@ -87,6 +93,8 @@ class HFReference:
         if vids:
             out["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vids]))
             out["video_grid_thw"] = torch.tensor([v.grid_thw for v in vids])
+            if self.timed_video:  # the frames stand for the processor's sampling rate
+                out["second_per_grid_ts"] = torch.tensor([self.proc.config.second_per_grid] * len(vids))
         return out
 
     @torch.inference_mode()

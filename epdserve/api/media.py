@@ -75,4 +75,6 @@ class MediaResolver:
             vi = self.processor.image(decode_image(data, self.limits))
         else:
             vi = self.processor.video(decode_video(data, self.limits))
-        return MediaInput(uuid, modality, vi.grid_thw, vi.pixel_values)
+        # the sampled frames stand for the processor's frame rate (Qwen2.5-VL's time axis)
+        second = self.processor.config.second_per_grid if modality == "video" else None
+        return MediaInput(uuid, modality, vi.grid_thw, vi.pixel_values, second_per_grid=second)

@@ -33,6 +33,7 @@ class MediaInput:
     pixel_values: np.ndarray | None = None  # patches [P, patch_dim] for a local vision tower
     embeddings: WireTensor | None = None  # [rows, hidden] by value (a client's own, inline)
     handle: dict[str, Any] | None = None  # signed EC handle: the engine core fetches the embeddings
+    second_per_grid: float | None = None  # a video's seconds per temporal patch (None: the model's default)
 
 
 @dataclass(frozen=True)
@@ -125,5 +126,9 @@ class InputBuilder:
             raise PromptError(f"{len(media)} media items but {seen} placeholders in the prompt")
         grids_i = [it.grid_thw for it in items if it.modality == "image"]
         grids_v = [it.grid_thw for it in items if it.modality == "video"]
-        pos, delta = self.layout.positions(expanded, grids_i, grids_v)
+        if grids_v:  # (layouts of models without video need not take the seconds)
+            seconds = [m.second_per_grid for m in media if m.modality == "video"]
+            pos, delta = self.layout.positions(expanded, grids_i, grids_v, video_second_per_grid=seconds)
+        else:
+            pos, delta = self.layout.positions(expanded, grids_i, grids_v)
         return Prompt(expanded, items, pos, delta)

@@ -55,10 +55,16 @@ class ProcessorConfig:
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
     video_frames: int = 4  # frames sampled from a video
+    video_fps: float = 2.0  # frames per second the sampled video frames stand for (Qwen2.5-VL's time axis)
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+    @property
+    def second_per_grid(self) -> float:
+        """Seconds of video one temporal patch spans (transformers' ``second_per_grid_ts``)."""
+        return self.temporal_patch_size / self.video_fps
 
     def hash_kwargs(self, video_frames: int) -> dict[str, int]:
         """The settings an item's content hash covers (``media.hashing``): every role that hashes
@@ -80,13 +86,14 @@ class ProcessorConfig:
         size = pp.get("size") or {}
         min_pixels = int(pp.get("min_pixels", size.get("shortest_edge", cls.min_pixels)))
         max_pixels = int(pp.get("max_pixels", size.get("longest_edge", cls.max_pixels)))
-        video_max, frames = max_pixels, cls.video_frames
+        video_max, frames, fps = max_pixels, cls.video_frames, cls.video_fps
         vp_path = d / "video_preprocessor_config.json"
         if vp_path.exists():
             vp = json.loads(vp_path.read_text())
             vsize = vp.get("size") or {}
             video_max = int(vp.get("max_pixels", vsize.get("longest_edge", video_max)))
             frames = int(vp.get("num_frames") or frames)
+            fps = float(vp.get("fps") or fps)
         return cls(
             min_pixels=min_pixels,
             max_pixels=max_pixels,
@@ -98,6 +105,7 @@ class ProcessorConfig:
             image_std=tuple(pp.get("image_std", cls.image_std)),  # type: ignore[arg-type]
             rescale_factor=float(pp.get("rescale_factor", cls.rescale_factor)),
             video_frames=frames,
+            video_fps=fps,
         )
 
 

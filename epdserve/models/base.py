@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
     import torch
 
@@ -43,8 +45,16 @@ class PromptLayout(Protocol):
         ...
 
     def positions(
-        self, token_ids: list[int], image_grids: list[Grid], video_grids: list[Grid]
+        self,
+        token_ids: list[int],
+        image_grids: list[Grid],
+        video_grids: list[Grid],
+        video_second_per_grid: Sequence[float | None] | None = None,
     ) -> tuple[np.ndarray | None, int]:
         """Rotary positions of an expanded prompt (int64 [rows, N], None when plain 1-D positions do)
-        and the offset that positions of generated tokens continue from (position = index + delta)."""
+        and the offset that positions of generated tokens continue from (position = index + delta).
+
+        ``video_second_per_grid``: per video, the seconds of video one temporal patch spans
+        (temporal_patch_size / sampled fps; None, or no list: the model's default), for models
+        whose temporal positions follow time (Qwen2.5-VL)."""
         ...

@@ -38,13 +38,20 @@ def _run(n: int, start: int) -> np.ndarray:
 
 
 def mrope_positions(
-    input_ids: Any, image_grid_thw: Any, video_grid_thw: Any, config: ModelConfig
+    input_ids: Any,
+    image_grid_thw: Any,
+    video_grid_thw: Any,
+    config: ModelConfig,
+    video_time_steps: Sequence[float] | None = None,
 ) -> tuple[np.ndarray, int]:
     """M-RoPE positions of a prompt whose placeholder runs are expanded, from ids and grids alone.
 
     Text tokens get one running index on all three rows. The run of an item with grid (t, h, w)
     gets (start + t_i, start + h_i, start + w_i) over the merged grid (t, h/m, w/m) in token order,
     and the text after it continues at max(positions so far) + 1.
+
+    ``video_time_steps`` (Qwen2.5-VL), one per video: the temporal index of the video's frame
+    group i is int(i * step) instead of i, computed in float32 like transformers.
 
     Returns (positions int64 [3, L], delta) with delta = max position + 1 - L: the token at
     absolute index i >= L (decode) has position i + delta on all three rows.
@@ -59,6 +66,7 @@ def mrope_positions(
     video_id = -1 if config.video_token_id is None else config.video_token_id
     merge = config.vision_config.spatial_merge_size
     grids = {image_id: iter(grid_list(image_grid_thw)), video_id: iter(grid_list(video_grid_thw))}
+    steps = iter(video_time_steps) if video_time_steps is not None else None
     names = {image_id: "image", video_id: "video"}
 
     placeholder_idx = np.flatnonzero((ids == image_id) | (ids == video_id)).tolist()
@@ -80,13 +88,21 @@ def mrope_positions(
             raise MediaPlaceholderError(f"{names[token]} at token {start} needs {count} placeholders in a row")
         pieces.append(_run(start - cursor, next_pos))
         next_pos += start - cursor
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        times = np.arange(t, dtype=np.int64)
+        if token == video_id and steps is not None:
+            step = next(steps, None)
+            if step is None:
+                raise MediaPlaceholderError("more video placeholder runs than video time steps")
+            times = (np.arange(t, dtype=np.float32) * np.float32(step)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(times, np.arange(gh), np.arange(gw), indexing="ij")
         pieces.append(np.stack((tt.reshape(-1), hh.reshape(-1), ww.reshape(-1))).astype(np.int64) + next_pos)
-        next_pos += max(t, gh, gw)
+        next_pos += max(int(times[-1]), gh - 1, gw - 1) + 1
         cursor, k = start + count, k + count
     for token, rest in grids.items():
         if next(rest, None) is not None:
             raise MediaPlaceholderError(f"more {names[token]} grids than {names[token]} placeholder runs")
+    if steps is not None and next(steps, None) is not None:
+        raise MediaPlaceholderError("more video time steps than video placeholder runs")
     pieces.append(_run(len(ids) - cursor, next_pos))
     next_pos += len(ids) - cursor
     return np.ascontiguousarray(np.concatenate(pieces, axis=1)), next_pos - len(ids)
@@ -106,8 +122,13 @@ class Qwen2VLLayout:
         return t * h * w // (self.merge * self.merge)
 
     def positions(
-        self, token_ids: list[int], image_grids: list[Grid], video_grids: list[Grid]
+        self,
+        token_ids: list[int],
+        image_grids: list[Grid],
+        video_grids: list[Grid],
+        video_second_per_grid: Sequence[float | None] | None = None,
     ) -> tuple[np.ndarray | None, int]:
+        # Qwen2-VL's temporal index counts frame groups, whatever their duration
         if not image_grids and not video_grids:
             return None, 0
         return mrope_positions(token_ids, image_grids, video_grids, self.config)

@@ -26,6 +26,10 @@ _ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
             "epdserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
             "epdserve.models.qwen2_vl_layout:Qwen2VLLayout",
         ),
+        "Qwen2_5_VLForConditionalGeneration": (
+            "epdserve.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+            "epdserve.models.qwen2_5_vl_layout:Qwen2_5_VLLayout",
+        ),
         "Qwen3VLForConditionalGeneration": (
             "epdserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
             "epdserve.models.qwen3_vl_layout:Qwen3VLLayout",

@@ -27,10 +27,19 @@ from epdserve.models.precision import ITEMSIZE, all_finite
 class MetadataEmbeds:
     """An ``EmbedsResolver``: handles pass through to the engine core, inline data is decoded here."""
 
-    def __init__(self, model_id: str, width: int, rows_of: Callable[[tuple[int, int, int]], int]) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        width: int,
+        rows_of: Callable[[tuple[int, int, int]], int],
+        second_per_grid: float | None = None,
+    ) -> None:
         self.model_id = model_id
         self.width = width
         self.rows_of = rows_of  # the model's placeholder count for a grid (raises ValueError)
+        # a video's seconds per temporal patch: the encoder sampled its frames with the processor
+        # settings of the same checkpoint, so this side takes them from there too
+        self.second_per_grid = second_per_grid
 
     async def __call__(self, part: ImageEmbedsPart | VideoEmbedsPart) -> MediaInput:
         if isinstance(part, ImageEmbedsPart):
@@ -38,6 +47,7 @@ class MetadataEmbeds:
         else:
             modality, grid = "video", part.video_embeds.video_grid_thw
         t, h, w = grid
+        second = self.second_per_grid if modality == "video" else None
         try:
             rows = self.rows_of((t, h, w))
         except ValueError as e:
@@ -45,13 +55,13 @@ class MetadataEmbeds:
         embeds = embeds_of(part)
         if embeds.data is not None:
             emb, uuid = self._inline(modality, grid, embeds.data, embeds.dtype, rows)
-            return MediaInput(uuid, modality, (t, h, w), embeddings=emb)
+            return MediaInput(uuid, modality, (t, h, w), embeddings=emb, second_per_grid=second)
         if part.ec_handle is None:
             raise BadRequest(f"A metadata-only {modality} item needs an ec_handle or inline data.")
         if part.ec_handle.get("key") != part.uuid:
             # the uuid keys the prefix cache: it must be the one the producer signed
             raise BadRequest(f"The ec_handle of {modality} {part.uuid} is not valid: it names other content.")
-        return MediaInput(part.uuid, modality, (t, h, w), handle=part.ec_handle)
+        return MediaInput(part.uuid, modality, (t, h, w), handle=part.ec_handle, second_per_grid=second)
 
     def _inline(self, modality: str, grid: tuple[int, int, int], data: str, dtype: str, rows: int):
         try:

@@ -105,7 +105,12 @@ class ChatService:
         # prompts render and tokenize in their own pool: a long prompt never queues media work, nor
         # media work a prompt
         self.template_executor = ThreadPoolExecutor(config.template_threads, thread_name_prefix="epd-template")
-        self.embeds = MetadataEmbeds(config.model_name, self.model_config.text.hidden_size, self.builder.num_tokens)
+        self.embeds = MetadataEmbeds(
+            config.model_name,
+            self.model_config.text.hidden_size,
+            self.builder.num_tokens,
+            second_per_grid=self.processor.config.second_per_grid,
+        )
         self.tokens = TokenTexts(self.tokenizer)
         self.resolver: MediaResolver | None = None
         self.registrar: Registrar | None = None  # with --register-with: keeps this worker registered
