@@ -176,3 +176,125 @@ def test_transformers5_names_map_to_ours() -> None:
     assert name("model.language_model.layers.0.mlp.up_proj.weight") == "language_model.layers.0.mlp.gate_up_proj.weight"
     assert name("language_model.lm_head.weight") == name("lm_head.weight") == "language_model.lm_head.weight"
     assert name("visual.blocks.0.attn.qkv.weight") is None
+
+
+# ---- the engine against transformers' generate ----------------------------------------------
+
+MAX_NEW = 10
+
+
+def chat(n_audio: int, question: str) -> list[dict]:
+    return [
+        {"role": "user", "content": [*({"type": "audio"} for _ in range(n_audio)), {"type": "text", "text": question}]}
+    ]
+
+
+def engine_cases() -> list[tuple[str, list[dict], list[np.ndarray]]]:
+    return [
+        ("text", chat(0, "What is a sound?"), []),
+        ("audio", chat(1, "What do you hear?"), [waveform(1.3, 1)]),
+        ("two-audios", chat(2, "Compare them."), [waveform(2.47, 2), waveform(0.61, 3)]),
+    ]
+
+
+@torch.inference_mode()
+def hf_generate(hf_model, feature_extractor, tok, messages: list[dict], audios: list[np.ndarray]) -> list[int]:
+    """transformers' greedy tokens, its inputs made as Qwen2AudioProcessor makes them: the prompt's
+    <|AUDIO|> expanded to each item's count, features padded to 30 s with feature_attention_mask."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    kwargs: dict[str, torch.Tensor] = {}
+    if audios:
+        out = feature_extractor(
+            audios, sampling_rate=SR, return_attention_mask=True, padding="max_length", return_tensors="pt"
+        )
+        counts = iter(audio_tokens(int(n)) for n in out["attention_mask"].sum(-1))
+        kwargs = {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"]}
+    token = hf_model.config.audio_token_id
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        ids += [t] * next(counts) if t == token else [t]
+    input_ids = torch.tensor([ids])
+    gen = hf_model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        **kwargs,
+    )
+    return gen[0, len(ids) :].tolist()
+
+
+def engine_request(rid: str, builder, proc, messages: list[dict], audios: list[np.ndarray], eos: list[int]):
+    from epdserve.engine.core import request_from
+    from epdserve.engine.inputs import MediaInput
+    from epdserve.engine.messages import AddRequest
+    from epdserve.engine.sampling_params import SamplingParams
+
+    media = []
+    for i, a in enumerate(audios):
+        feats = proc.features(a)
+        media.append(MediaInput(f"{rid}-{i}", "audio", feats.grid_thw, feats.features))
+    p = builder.build(messages, media)
+    assert p.mrope_positions is None and p.mrope_delta == 0
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, None, 0, eos))
+
+
+def run_engine(eng) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while eng.has_work:
+        for o in eng.step():
+            assert o.error is None, o.error
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def test_engine_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf_model, feature_extractor) -> None:
+    from transformers import AutoTokenizer
+
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.core import EngineCore
+    from epdserve.engine.inputs import InputBuilder
+    from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
+    from epdserve.models.config import ModelConfig
+    from tests.server_utils import TEST_DEVICE
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    eos = hf_model.generation_config.eos_token_id
+    eos = list(eos) if isinstance(eos, list) else [eos]
+    expected = {name: hf_generate(hf_model, feature_extractor, tok, m, a) for name, m, a in engine_cases()}
+    assert len({tuple(v) for v in expected.values()}) == len(expected)  # the audio changes the answer
+    # a budget of 24 tokens splits every audio run across prefill chunks
+    eng = EngineCore.from_pretrained(
+        ckpt, EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=24, num_kv_blocks=256, max_model_len=1024)
+    )
+    assert eng.vision  # the audio tower is this instance's media encoder
+    builder = InputBuilder(tok, ModelConfig.from_pretrained(ckpt))
+    proc = AudioProcessor(AudioProcessorConfig.from_pretrained(ckpt))
+    for name, messages, audios in engine_cases():
+        eng.add_request(engine_request(name, builder, proc, messages, audios, eos))
+        assert run_engine(eng)[name] == expected[name], name
+    for name, messages, audios in engine_cases():
+        eng.add_request(engine_request(name + "#b", builder, proc, messages, audios, eos))
+    got = run_engine(eng)
+    assert {name: got[name + "#b"] for name in expected} == expected
+    eng.scheduler.blocks.check_integrity()
+
+
+def test_engine_without_the_audio_tower_fails_raw_audio_only(ckpt: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.core import EngineCore
+    from epdserve.engine.inputs import InputBuilder
+    from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
+    from epdserve.models.config import ModelConfig
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    eng = EngineCore.from_pretrained(ckpt, EngineConfig(num_kv_blocks=64, max_model_len=512), vision=False)
+    assert not eng.vision
+    builder = InputBuilder(tok, ModelConfig.from_pretrained(ckpt))
+    proc = AudioProcessor(AudioProcessorConfig.from_pretrained(ckpt))
+    eng.add_request(engine_request("a", builder, proc, chat(1, "Hi"), [waveform(0.5, 0)], [422]))
+    outs = [o for _ in range(3) for o in eng.step()]
+    assert [o.request_id for o in outs] == ["a"] and "no audio encoder" in (outs[0].error or "")

@@ -87,7 +87,8 @@ class EngineCore:
 
     @property
     def vision(self) -> bool:
-        return self.runner.model.visual is not None
+        """A media encoder is loaded here (the vision tower, or an audio model's audio tower)."""
+        return self.runner.has_encoder
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, msg: AddRequest) -> list[EngineOutput]:

@@ -28,9 +28,9 @@ class MediaInput:
     """A media item ready for the engine: identity, layout, and pixels or embeddings."""
 
     uuid: str
-    modality: str  # "image" | "video"
-    grid_thw: tuple[int, int, int]
-    pixel_values: np.ndarray | None = None  # patches [P, patch_dim] for a local vision tower
+    modality: str  # "image" | "video" | "audio"
+    grid_thw: tuple[int, int, int]  # extent in its encoder's units: (t, h, w) patches; audio (1, mel frames, 1)
+    pixel_values: np.ndarray | None = None  # encoder input: patches [P, patch_dim], or log-mel frames [F, mels]
     embeddings: WireTensor | None = None  # [rows, hidden] by value (a client's own, inline)
     handle: dict[str, Any] | None = None  # signed EC handle: the engine core fetches the embeddings
     second_per_grid: float | None = None  # a video's seconds per temporal patch (None: the model's default)
@@ -71,7 +71,13 @@ class InputBuilder:
         self.tok = tokenizer
         self.config = config
         self.layout = prompt_layout(config)
-        self.placeholder = {"image": config.image_token_id, "video": config.video_token_id}
+        self.placeholder = {
+            "image": config.image_token_id,
+            "video": config.video_token_id,
+            "audio": config.audio_token_id,
+        }
+        # placeholder token -> its modality, for the kinds this model has a token for
+        self.modality_of = {token: kind for kind, token in self.placeholder.items() if token is not None}
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         try:
@@ -104,9 +110,7 @@ class InputBuilder:
         pending = iter(media)
         seen = 0
         for t in ids:
-            modality = (
-                "image" if t == self.config.image_token_id else "video" if t == self.config.video_token_id else None
-            )
+            modality = self.modality_of.get(t)
             if modality is None:
                 expanded.append(t)
                 continue

@@ -36,6 +36,11 @@ class MediaError(RuntimeError):
     """A request's media could not be turned into embeddings (fails only that request)."""
 
 
+# the model attribute holding each modality's encoder (None there: not loaded in this process);
+# every item of one encoder is encoded in one forward, whose input rows it concatenates
+_ENCODERS = {"image": "visual", "video": "visual", "audio": "audio"}
+
+
 @dataclass
 class StepResult:
     sampled: dict[str, Sampled]  # request id -> (token, logprob, top logprobs)
@@ -99,10 +104,15 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror.forget(request_id)
 
-    # ---- vision ------------------------------------------------------------------------------
+    # ---- media encoders -----------------------------------------------------------------------
+    @property
+    def has_encoder(self) -> bool:
+        """Some media encoder is loaded (raw media can be encoded here)."""
+        return any(getattr(self.model, attr, None) is not None for attr in set(_ENCODERS.values()))
+
     def _ensure_embeddings(self, items: list[MediaItem]) -> None:
-        """Fill ``item.embeddings`` for every item: cache hit, or one batched vision forward."""
-        todo: list[MediaItem] = []
+        """Fill ``item.embeddings`` for every item: cache hit, or one batched forward per encoder."""
+        todo: dict[str, list[MediaItem]] = {}  # encoder attribute -> its items, in order
         for it in items:
             if it.embeddings is not None:
                 continue
@@ -111,25 +121,29 @@ class ModelRunner:
                 it.embeddings = cached
             elif it.pixel_values is None:
                 raise MediaError(f"no embeddings and no pixels for media item {it.uuid}")
+            elif it.modality not in _ENCODERS:
+                raise MediaError(f"media item {it.uuid} has unknown modality {it.modality!r}")
             else:
-                todo.append(it)
-        if not todo:
-            return
-        if self.model.visual is None:
-            raise MediaError("this instance has no vision tower; send metadata-only media items")
-        t0 = time.perf_counter()
-        pixels = torch.cat([it.pixel_values for it in todo]).to(self.device, self.dtype)  # type: ignore[misc]
-        grid = torch.tensor([it.grid_thw for it in todo], dtype=torch.long, device=self.device)
-        emb = self.model.visual(pixels, grid)
-        # what a raw-media item costs this instance (the router's adaptive dispatch reads it)
-        if emb.is_cuda:
-            torch.cuda.synchronize(emb.device)  # the forward's time, not its launch
-        self.vision_patches += pixels.shape[0]
-        self.vision_seconds += time.perf_counter() - t0
-        for it, e in zip(todo, emb.split([it.length for it in todo]), strict=True):
-            it.embeddings = e
-            it.pixel_values = None  # pixels are not needed again
-            self.encoder_cache.put(it.uuid, e)
+                todo.setdefault(_ENCODERS[it.modality], []).append(it)
+        for attr, group in todo.items():
+            encoder = getattr(self.model, attr, None)
+            if encoder is None:
+                kinds = "/".join(sorted({it.modality for it in group}))
+                raise MediaError(f"this instance has no {kinds} encoder; send metadata-only media items")
+            t0 = time.perf_counter()
+            values = torch.cat([it.pixel_values for it in group]).to(self.device, self.dtype)  # type: ignore[misc]
+            grid = torch.tensor([it.grid_thw for it in group], dtype=torch.long, device=self.device)
+            emb = encoder(values, grid)
+            if attr == "visual":
+                # what a raw image or video costs this instance (the router's adaptive dispatch reads it)
+                if emb.is_cuda:
+                    torch.cuda.synchronize(emb.device)  # the forward's time, not its launch
+                self.vision_patches += values.shape[0]
+                self.vision_seconds += time.perf_counter() - t0
+            for it, e in zip(group, emb.split([it.length for it in group]), strict=True):
+                it.embeddings = e
+                it.pixel_values = None  # pixels are not needed again
+                self.encoder_cache.put(it.uuid, e)
 
     def _check_width(self, items: list[MediaItem]) -> None:
         """Every item's embeddings carry all of the model's feature levels (connectors and the

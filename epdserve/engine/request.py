@@ -24,14 +24,14 @@ class Status(enum.Enum):
 
 @dataclass
 class MediaItem:
-    """One image or video inside the prompt: its placeholder run and where its embeddings come from."""
+    """One image, video or audio inside the prompt: its placeholder run and where its embeddings come from."""
 
     uuid: str  # content hash (model, modality, bytes, processor kwargs)
-    modality: str  # "image" | "video"
+    modality: str  # "image" | "video" | "audio"
     offset: int  # index of the first placeholder token in the prompt
     length: int  # number of placeholder tokens (= embedding rows)
-    grid_thw: tuple[int, int, int]
-    pixel_values: torch.Tensor | None = None  # raw path: patches for the local vision tower
+    grid_thw: tuple[int, int, int]  # extent in its encoder's units: (t, h, w) patches; audio (1, mel frames, 1)
+    pixel_values: torch.Tensor | None = None  # raw path: the local encoder's input (patches, or log-mel frames)
     embeddings: torch.Tensor | None = None  # metadata-only path (or after encoding): [length, hidden]
     handle: dict[str, Any] | None = None  # signed EC handle the core fetches the embeddings by
 
