@@ -4,13 +4,19 @@ engine's greedy tokens alone and batched, and encoder-only / language-only loadi
 
 from __future__ import annotations
 
+import asyncio
+import io
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from epdserve.api.media import MediaResolver
+from epdserve.api.protocol import VideoEmbedsPart
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
@@ -18,11 +24,13 @@ from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
+from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import load_model
 from epdserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, window_order
 from epdserve.models.registry import prompt_layout
+from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.shapes import ShapesWorld, render_images
 from tests.checkpoints import build
 from tests.server_utils import TEST_DEVICE
@@ -142,6 +150,46 @@ def test_text_after_a_long_video_continues_after_its_last_time(ckpt: Path) -> No
     assert pos[0, after - 1] == start + 8
     assert pos[:, after].tolist() == [start + 9] * 3
     assert delta == int(pos.max()) + 1 - len(ids)
+
+
+def test_pixels_and_metadata_only_videos_get_the_same_positions(ckpt: Path, ref: HFReference) -> None:
+    """The aggregated server (pixels) and a PD worker given only the grid and a handle build the
+    same prompt and positions: both take the sampling rate from the checkpoint's processor."""
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    assert proc.config.second_per_grid == 2.0  # 2 frames per temporal patch at 1 fps
+    frames = ShapesWorld(3).video().frames()
+    gif = io.BytesIO()
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    with ThreadPoolExecutor(1) as pool:
+        pixels = MediaResolver("m", proc, MediaLimits(), pool).process_bytes("video", gif.getvalue())
+    builder = InputBuilder(ref.tok, cfg)
+    part = msgspec.convert(
+        {
+            "type": "video_embeds",
+            "video_embeds": {"video_grid_thw": list(pixels.grid_thw)},
+            "uuid": pixels.uuid,
+            "ec_handle": {"key": pixels.uuid},
+        },
+        VideoEmbedsPart,
+    )
+    metadata_only = asyncio.run(
+        MetadataEmbeds("m", 128, builder.num_tokens, second_per_grid=proc.config.second_per_grid)(part)
+    )
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    a, b = builder.build(messages, [pixels]), builder.build(messages, [metadata_only])
+    assert a.token_ids == b.token_ids and a.mrope_delta == b.mrope_delta
+    assert a.mrope_positions is not None and b.mrope_positions is not None
+    np.testing.assert_array_equal(a.mrope_positions, b.mrope_positions)
+    # and they are transformers' positions for the same frames at the same rate
+    inputs = ref.inputs(messages, videos=[frames])
+    theirs, _ = ref.model.model.get_rope_index(
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        video_grid_thw=inputs["video_grid_thw"],
+        second_per_grid_ts=inputs["second_per_grid_ts"],
+    )
+    np.testing.assert_array_equal(a.mrope_positions, theirs[:, 0].numpy())
 
 
 # ---------------------------------------------------------------------------------------------
