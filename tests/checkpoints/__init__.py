@@ -33,6 +33,9 @@ def build(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path: Path = module.build(out, seed)
+    # save_pretrained writes a generation config of its own (one eos); the tokenizer's, with both
+    # of its end tokens, is the one every family's chat template ends turns with
+    shutil.copy(default_model_dir() / "generation_config.json", path / "generation_config.json")
     return path
 
 
