@@ -298,3 +298,123 @@ def test_engine_without_the_audio_tower_fails_raw_audio_only(ckpt: Path) -> None
     eng.add_request(engine_request("a", builder, proc, chat(1, "Hi"), [waveform(0.5, 0)], [422]))
     outs = [o for _ in range(3) for o in eng.step()]
     assert [o.request_id for o in outs] == ["a"] and "no audio encoder" in (outs[0].error or "")
+
+
+# ---- the OpenAI API: input_audio parts on the aggregated server ------------------------------
+
+SERVED = "tiny-audio"
+
+
+def wav_b64(samples: np.ndarray, rate: int = SR, fmt: str = "WAV", subtype: str | None = "FLOAT") -> str:
+    import base64
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=fmt, subtype=subtype)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def audio_part(data: str, fmt: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: Path):
+    from tests.server_utils import device_args, running
+
+    args = ["serve", "--model", str(ckpt), "--served-model-name", SERVED, *device_args()]
+    with running([*args, "--max-model-len", "1024", "--num-kv-blocks", "256"]) as url:
+        yield url
+
+
+def test_server_answers_input_audio_as_transformers(server: str, ckpt: Path, hf_model, feature_extractor) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    for name, messages, audios in engine_cases():
+        expected = tok.decode(hf_generate(hf_model, feature_extractor, tok, messages, audios), skip_special_tokens=True)
+        parts = [audio_part(wav_b64(a)) for a in audios]
+        content = [*parts, *(p for p in messages[0]["content"] if p["type"] == "text")]
+        r = client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=MAX_NEW
+        )
+        assert r.choices[0].message.content == expected, name
+
+
+def test_server_resamples_44k_flac_as_scipy_would(server: str, ckpt: Path, hf_model, feature_extractor) -> None:
+    """A 44.1 kHz stereo FLAC: its channel mean resampled to 16 kHz (by scipy, for the reference)."""
+    import base64
+    import io
+
+    import soundfile as sf
+    from transformers import AutoTokenizer
+
+    from tests.server_utils import post_json
+
+    signal = pytest.importorskip("scipy.signal")
+    t = np.arange(int(44100 * 1.7)) / 44100
+    stereo = (
+        np.stack([np.sin(2 * np.pi * 330 * t), 0.5 * np.sin(2 * np.pi * 1250 * t)], axis=1).astype(np.float32) * 0.4
+    )
+    data = wav_b64(stereo, 44100, "FLAC", "PCM_24")
+    decoded, _ = sf.read(io.BytesIO(base64.b64decode(data)), dtype="float32")
+    mono = signal.resample_poly(decoded.mean(axis=1, dtype=np.float32).astype(np.float64), 160, 441).astype(np.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    expected = hf_generate(hf_model, feature_extractor, tok, chat(1, "What do you hear?"), [mono])
+    body = {
+        "model": SERVED,
+        "messages": [
+            {"role": "user", "content": [audio_part(data, "flac"), {"type": "text", "text": "What do you hear?"}]}
+        ],
+        "temperature": 0,
+        "max_tokens": MAX_NEW,
+    }
+    status, out = post_json(server + "/v1/chat/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["message"]["content"] == tok.decode(expected, skip_special_tokens=True)
+
+
+def _bad_audio_requests() -> list[tuple[str, list[dict], int, str]]:
+    import base64
+
+    text = {"type": "text", "text": "What is it?"}
+    short = waveform(0.5, 0)
+    return [
+        ("bad base64", [audio_part("!!!not base64!!!"), text], 400, "base64"),
+        ("not audio", [audio_part(base64.b64encode(b"hello, no audio here" * 20).decode()), text], 400, "decoded"),
+        ("declared mp3, is wav", [audio_part(wav_b64(short), "mp3"), text], 400, "declared mp3"),
+        ("unknown format", [audio_part(wav_b64(short), "ogg"), text], 400, "format"),
+        ("too long", [audio_part(wav_b64(waveform(31, 0), subtype="PCM_16")), text], 413, "at most 30 s"),
+        ("too short", [audio_part(wav_b64(waveform(0.01, 0))), text], 400, "log-mel frames"),
+        ("low rate", [audio_part(wav_b64(short[:2000], 4000)), text], 400, "sample rate"),
+        ("too many audios", [audio_part(wav_b64(short))] * 3 + [text], 400, "At most 2 audio"),
+        (
+            "an image",
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, text],
+            400,
+            "takes no image",
+        ),
+    ]
+
+
+BAD_AUDIO = _bad_audio_requests()
+
+
+@pytest.mark.parametrize(("name", "content", "status", "words"), BAD_AUDIO, ids=[b[0] for b in BAD_AUDIO])
+def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[dict], status: int, words: str) -> None:
+    from tests.server_utils import post_json
+
+    got, out = post_json(
+        server + "/v1/chat/completions", {"model": SERVED, "messages": [{"role": "user", "content": content}]}
+    )
+    assert got == status, out
+    assert words in out["error"]["message"] and out["error"]["type"]
+    ok, _ = post_json(
+        server + "/v1/chat/completions",
+        {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
+    assert ok == 200

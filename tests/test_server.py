@@ -219,6 +219,16 @@ BAD_REQUESTS = [
     ("template kwargs type", _img_req(BLUE_DOT, chat_template_kwargs=["add_vision_id"]), 400),
     ("private url", _img_req("http://127.0.0.1:9/x.png"), 400),
     ("file url", _img_req("file:///etc/passwd"), 400),
+    (
+        "audio to a vision model",
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]}
+            ],
+        },
+        400,
+    ),
 ]
 
 

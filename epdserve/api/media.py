@@ -1,13 +1,16 @@
 """Resolve a request's media parts into engine media inputs (shared by the PD and encoder roles).
 
-Raw media (``image_url`` / ``video_url``) is fetched, decoded, hashed and preprocessed here, off
-the event loop. Metadata-only parts (``image_embeds`` / ``video_embeds``) are resolved by an
-``EmbedsResolver`` (the EC-connector consumer) — the pixels never come back.
+Raw media (``image_url`` / ``video_url``, inline ``input_audio``) is fetched, decoded, hashed and
+preprocessed here, off the event loop. Metadata-only parts (``image_embeds`` / ``video_embeds``)
+are resolved by an ``EmbedsResolver`` (the EC-connector consumer) — the pixels never come back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import dataclasses
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
@@ -17,12 +20,14 @@ from epdserve.api.errors import BadRequest, from_media_error
 from epdserve.api.protocol import (
     ImageEmbedsPart,
     ImageUrlPart,
+    InputAudioPart,
     MediaPart,
     VideoEmbedsPart,
 )
 from epdserve.engine.inputs import MediaInput
+from epdserve.media.audio import AudioProcessor
 from epdserve.media.decode import decode_image, decode_video
-from epdserve.media.errors import MediaError
+from epdserve.media.errors import InvalidMedia, MediaError, MediaTooLarge
 from epdserve.media.fetch import load_media_bytes
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
@@ -42,7 +47,9 @@ class MediaResolver:
         executor: Executor,
         session: aiohttp.ClientSession | None = None,
         embeds: EmbedsResolver | None = None,
+        audio: AudioProcessor | None = None,
     ) -> None:
+        """``audio``: the audio model's feature extractor (None: audio parts are refused)."""
         self.model_id = model_id
         self.processor = processor
         self.limits = limits
@@ -50,6 +57,8 @@ class MediaResolver:
         self.session = session
         self.embeds = embeds
         self.processor_kwargs = processor.config.hash_kwargs(limits.video_frames)
+        self.audio = audio
+        self.audio_kwargs = dataclasses.asdict(audio.config) if audio is not None else {}
 
     async def resolve(self, parts: list[MediaPart]) -> list[MediaInput]:
         return list(await asyncio.gather(*(self._one(p) for p in parts)))
@@ -59,9 +68,15 @@ class MediaResolver:
             if self.embeds is None:
                 raise BadRequest("This server does not accept metadata-only media (no EC connector configured).")
             return await self.embeds(part)
+        loop = asyncio.get_running_loop()
+        if isinstance(part, InputAudioPart):
+            audio = part.input_audio
+            try:
+                return await loop.run_in_executor(self.executor, self.process_audio, audio.data, audio.format)
+            except MediaError as e:
+                raise from_media_error(e) from None
         url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url
         modality = "image" if isinstance(part, ImageUrlPart) else "video"
-        loop = asyncio.get_running_loop()
         try:
             data = await load_media_bytes(url, self.limits, self.session)
             return await loop.run_in_executor(self.executor, self.process_bytes, modality, data)
@@ -78,3 +93,17 @@ class MediaResolver:
         # the sampled frames stand for the processor's frame rate (Qwen2.5-VL's time axis)
         second = self.processor.config.second_per_grid if modality == "video" else None
         return MediaInput(uuid, modality, vi.grid_thw, vi.pixel_values, second_per_grid=second)
+
+    def process_audio(self, data_b64: str, declared_format: str) -> MediaInput:
+        """Base64 audio → log-mel features (CPU work, runs in the executor)."""
+        if self.audio is None:
+            raise InvalidMedia("This model takes no audio input.")
+        if len(data_b64) // 4 * 3 > self.limits.max_bytes:  # before decoding it
+            raise MediaTooLarge(f"The audio is larger than {self.limits.max_bytes} bytes.")
+        try:
+            data = base64.b64decode(data_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidMedia("input_audio.data is not valid base64.") from None
+        uuid = media_uuid(self.model_id, "audio", data, self.audio_kwargs)
+        feats = self.audio.process(data, declared_format, self.limits)
+        return MediaInput(uuid, "audio", feats.grid_thw, feats.features)

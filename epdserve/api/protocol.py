@@ -2,8 +2,8 @@
 
 Requests decode straight into msgspec Structs (unknown fields are ignored, as OpenAI clients
 send extras); every problem becomes a ``BadRequest`` naming the offending field. Besides
-OpenAI's ``text`` / ``image_url`` parts we accept ``video_url`` and two metadata-only parts
-that refer to embeddings an encoder worker already produced::
+OpenAI's ``text`` / ``image_url`` / ``input_audio`` parts we accept ``video_url`` and two
+metadata-only parts that refer to embeddings an encoder worker already produced::
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, h, w]}, "uuid": "...", "ec_handle": {...}}
     {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w]}, "uuid": "...", "ec_handle": {...}}
@@ -58,6 +58,15 @@ class VideoUrlPart(msgspec.Struct, tag_field="type", tag="video_url"):
     video_url: VideoUrl
 
 
+class InputAudio(msgspec.Struct):
+    data: str  # base64 of the encoded audio (OpenAI's input_audio; no data: URL prefix)
+    format: Literal["wav", "mp3", "flac"]
+
+
+class InputAudioPart(msgspec.Struct, tag_field="type", tag="input_audio"):
+    input_audio: InputAudio
+
+
 EmbedsDtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -89,20 +98,24 @@ class VideoEmbedsPart(msgspec.Struct, tag_field="type", tag="video_embeds"):
     ec_handle: dict[str, Any] | None = None
 
 
-ContentPart = TextPart | ImageUrlPart | VideoUrlPart | ImageEmbedsPart | VideoEmbedsPart
-MediaPart = ImageUrlPart | VideoUrlPart | ImageEmbedsPart | VideoEmbedsPart
+ContentPart = TextPart | ImageUrlPart | VideoUrlPart | InputAudioPart | ImageEmbedsPart | VideoEmbedsPart
+MediaPart = ImageUrlPart | VideoUrlPart | InputAudioPart | ImageEmbedsPart | VideoEmbedsPart
+RawMediaPart = ImageUrlPart | VideoUrlPart | InputAudioPart  # media an encoder must still encode
+Modality = Literal["image", "video", "audio"]
 
 
-def part_modality(part: MediaPart) -> Literal["image", "video"]:
+def part_modality(part: MediaPart) -> Modality:
+    if isinstance(part, InputAudioPart):
+        return "audio"
     return "image" if isinstance(part, ImageUrlPart | ImageEmbedsPart) else "video"
 
 
-RequestKind = Literal["text", "image", "video"]
+RequestKind = Literal["text", "image", "video", "audio"]
 
 
 def request_kind(req: ChatRequest) -> RequestKind:
     """What a request is, for metrics and logs: "video" if it has a video, else "image" if it has an
-    image, else "text"."""
+    image, else "audio" if it has an audio, else "text"."""
     kinds = {
         part_modality(part)
         for m in req.messages
@@ -110,7 +123,9 @@ def request_kind(req: ChatRequest) -> RequestKind:
         for part in m.content
         if not isinstance(part, TextPart)
     }
-    return "video" if "video" in kinds else "image" if "image" in kinds else "text"
+    if "video" in kinds or "image" in kinds:
+        return "video" if "video" in kinds else "image"
+    return "audio" if "audio" in kinds else "text"
 
 
 def embeds_of(part: ImageEmbedsPart | VideoEmbedsPart) -> ImageEmbeds | VideoEmbeds:
@@ -323,7 +338,7 @@ def decode_chat_request(
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options is only allowed when stream is true.", param="stream_options")
 
-    counts = {"image": 0, "video": 0}
+    counts = {"image": 0, "video": 0, "audio": 0}
     for i, m in enumerate(req.messages):
         if not isinstance(m, UserMessage) or isinstance(m.content, str):
             continue

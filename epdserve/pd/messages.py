@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.api.protocol import AssistantMessage, ChatRequest, ImageEmbedsPart, ImageUrlPart, SystemMessage, TextPart
+from epdserve.api.protocol import AssistantMessage, ChatRequest, SystemMessage, TextPart, part_modality
 
 
 def template_messages(req: ChatRequest) -> list[dict]:
@@ -21,9 +21,7 @@ def template_messages(req: ChatRequest) -> list[dict]:
         for p in m.content:
             if isinstance(p, TextPart):
                 parts.append({"type": "text", "text": p.text})
-            elif isinstance(p, ImageUrlPart | ImageEmbedsPart):
-                parts.append({"type": "image"})
             else:
-                parts.append({"type": "video"})
+                parts.append({"type": part_modality(p)})
         out.append({"role": "user", "content": parts})
     return out

@@ -47,22 +47,22 @@ from epdserve.api.protocol import (
     Delta,
     FinishReason,
     ImageEmbedsPart,
-    ImageUrlPart,
     ModelCard,
     ModelList,
     PrefillCompletion,
+    RawMediaPart,
     RequestKind,
     ResponseMessage,
     TokenLogprob,
     Usage,
     VideoEmbedsPart,
-    VideoUrlPart,
     check_embeds_trust,
     check_kv_trust,
     decode_chat_request,
     encode_json,
     new_completion_id,
     now_s,
+    part_modality,
     request_kind,
     sse_error,
     sse_event,
@@ -75,6 +75,7 @@ from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClien
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
 from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, StageTimes, WireTensor
+from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
@@ -101,6 +102,11 @@ class ChatService:
         self.tokenizer = FastTokenizer(config.model)
         self.builder = InputBuilder(self.tokenizer, self.model_config)
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
+        self.audio = (
+            AudioProcessor(AudioProcessorConfig.from_pretrained(config.model))
+            if self.model_config.audio is not None
+            else None
+        )
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
         # prompts render and tokenize in their own pool: a long prompt never queues media work, nor
         # media work a prompt
@@ -155,7 +161,7 @@ class ChatService:
         self.stats_line.start()
         session = media_session(self.config.limits)
         self.resolver = MediaResolver(
-            self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds
+            self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds, self.audio
         )
         cfg = self.config
         pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
@@ -304,8 +310,12 @@ class ChatService:
         t0 = time.perf_counter()
         assert self.resolver is not None
         parts = req.media_parts()
-        if not self.core.vision and any(isinstance(p, ImageUrlPart | VideoUrlPart) for p in parts):
-            raise BadRequest("This instance has no vision tower: send media through the router (metadata-only items).")
+        takes = self.model_config.modalities
+        for kind in sorted({part_modality(p) for p in parts} - takes):
+            accepted = f"it takes {', '.join(sorted(takes))}" if takes else "it takes text only"
+            raise BadRequest(f"This model ({cfg.model_name}) takes no {kind} input; {accepted}.", param="messages")
+        if not self.core.vision and any(isinstance(p, RawMediaPart) for p in parts):
+            raise BadRequest("This instance has no media encoder: send media through the router (metadata-only items).")
         media = await self.resolver.resolve(parts)
         loop = asyncio.get_running_loop()
         try:
