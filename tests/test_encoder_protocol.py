@@ -65,8 +65,8 @@ def test_response_round_trip() -> None:
         ({"model": "m", "items": [{"modality": "image", "url": "x"}]}, "version", "version"),
         ({"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": []}, "length >= 1", "items"),
         (
-            {"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": [{"modality": "audio", "url": "x"}]},
-            "audio",
+            {"version": ENCODER_PROTOCOL_VERSION, "model": "m", "items": [{"modality": "pointcloud", "url": "x"}]},
+            "pointcloud",
             "items[0].modality",
         ),
         (

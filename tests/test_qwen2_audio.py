@@ -418,3 +418,104 @@ def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[
         {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     )
     assert ok == 200
+
+
+# ---- through the encoder role: E+PD and E/P/D ------------------------------------------------
+
+
+@pytest.mark.parametrize(("topology", "connector"), [("1e+1pd", "shm"), ("1e+1pd", "tcp"), ("1e+1p+1d", "shm")])
+def test_topologies_answer_input_audio_as_transformers(
+    ckpt: Path, hf_model, feature_extractor, topology: str, connector: str
+) -> None:
+    """The encoder encodes the audio (the language-model workers have no audio tower here), the
+    embeddings reach them metadata-only as audio_embeds, and the answers are transformers'."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from epdserve.launcher import free_port
+    from epdserve.up import Deployment, Topology
+    from tests.server_utils import http
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    cases = engine_cases()
+    expected = [
+        tok.decode(hf_generate(hf_model, feature_extractor, tok, m, a), skip_special_tokens=True) for _, m, a in cases
+    ]
+    d = Deployment(
+        Topology.parse(topology),
+        str(ckpt),
+        port=free_port(),
+        ec_connector=connector,  # type: ignore[arg-type]
+        extra_pd_args=["--max-model-len", "1024", "--num-kv-blocks", "256", "--max-num-batched-tokens", "24"],
+    )
+    d.start()
+    try:
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        got = []
+        for _, messages, audios in cases:
+            content = [
+                *(audio_part(wav_b64(a)) for a in audios),
+                *(p for p in messages[0]["content"] if p["type"] == "text"),
+            ]
+            r = client.chat.completions.create(
+                model=ckpt.name, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=MAX_NEW
+            )
+            got.append(r.choices[0].message.content)
+        encoder = next(r for r in d.roles if r.name == "encoder0")
+        metrics = http("GET", encoder.url + "/metrics")[1].decode()
+    finally:
+        d.stop()
+    assert got == expected
+    assert 'epd_encoder_items_total{status="computed"} 3.0' in metrics  # the three audios, on the encoder
+
+
+# ---- metadata-only audio_embeds --------------------------------------------------------------
+
+
+def test_audio_embeds_parts_follow_the_trust_rules_of_every_embeds_part() -> None:
+    import json
+
+    from epdserve.api.errors import BadRequest
+    from epdserve.api.protocol import AudioEmbedsPart, check_embeds_trust, decode_chat_request
+    from epdserve.media.limits import MediaLimits
+
+    part = {
+        "type": "audio_embeds",
+        "audio_embeds": {"audio_grid_thw": [1, 130, 1]},
+        "uuid": "u",
+        "ec_handle": {"key": "u"},
+    }
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]}).encode()
+    req = decode_chat_request(body, MediaLimits())
+    assert isinstance(req.media_parts()[0], AudioEmbedsPart)
+    check_embeds_trust(req, internal=True, enable_mm_embeds=False)  # the router's call
+    for enable in (False, True):  # a handle from a public client, inline data switched on or not
+        with pytest.raises(BadRequest):
+            check_embeds_trust(req, internal=False, enable_mm_embeds=enable)
+
+
+def test_metadata_audio_embeds_become_media_inputs(ckpt: Path) -> None:
+    import asyncio
+    import base64
+
+    import msgspec
+
+    from epdserve.api.errors import BadRequest
+    from epdserve.api.protocol import AudioEmbedsPart
+    from epdserve.models.config import ModelConfig
+    from epdserve.pd.embeds import MetadataEmbeds
+
+    cfg = ModelConfig.from_pretrained(ckpt)
+    embeds = MetadataEmbeds("m", cfg.text.hidden_size, prompt_layout(cfg).num_placeholders)
+
+    def part(**fields) -> AudioEmbedsPart:
+        return msgspec.convert({"type": "audio_embeds", **fields}, AudioEmbedsPart)
+
+    got = asyncio.run(embeds(part(audio_embeds={"audio_grid_thw": [1, 130, 1]}, uuid="u", ec_handle={"key": "u"})))
+    assert (got.modality, got.grid_thw, got.handle) == ("audio", (1, 130, 1), {"key": "u"})
+    rows = audio_tokens(130)
+    data = base64.b64encode(np.ones((rows, cfg.text.hidden_size), np.float32).tobytes()).decode()
+    inline = asyncio.run(embeds(part(audio_embeds={"audio_grid_thw": [1, 130, 1], "data": data}, uuid="x")))
+    assert inline.embeddings is not None and inline.embeddings.shape == (rows, cfg.text.hidden_size)
+    with pytest.raises(BadRequest, match="audio_grid_thw"):
+        asyncio.run(embeds(part(audio_embeds={"audio_grid_thw": [1, 5000, 1]}, uuid="u", ec_handle={"key": "u"})))

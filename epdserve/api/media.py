@@ -17,13 +17,7 @@ from concurrent.futures import Executor
 import aiohttp
 
 from epdserve.api.errors import BadRequest, from_media_error
-from epdserve.api.protocol import (
-    ImageEmbedsPart,
-    ImageUrlPart,
-    InputAudioPart,
-    MediaPart,
-    VideoEmbedsPart,
-)
+from epdserve.api.protocol import EmbedsPart, ImageUrlPart, InputAudioPart, MediaPart
 from epdserve.engine.inputs import MediaInput
 from epdserve.media.audio import AudioProcessor
 from epdserve.media.decode import decode_image, decode_video
@@ -33,7 +27,7 @@ from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import VisionProcessor
 
-EmbedsResolver = Callable[[ImageEmbedsPart | VideoEmbedsPart], Awaitable[MediaInput]]
+EmbedsResolver = Callable[[EmbedsPart], Awaitable[MediaInput]]
 
 
 class MediaResolver:
@@ -64,7 +58,7 @@ class MediaResolver:
         return list(await asyncio.gather(*(self._one(p) for p in parts)))
 
     async def _one(self, part: MediaPart) -> MediaInput:
-        if isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
+        if isinstance(part, EmbedsPart):
             if self.embeds is None:
                 raise BadRequest("This server does not accept metadata-only media (no EC connector configured).")
             return await self.embeds(part)
@@ -83,8 +77,15 @@ class MediaResolver:
         except MediaError as e:  # the edge: media errors become HTTP errors here
             raise from_media_error(e) from None
 
-    def process_bytes(self, modality: str, data: bytes) -> MediaInput:
-        """Decode + preprocess (CPU work, runs in the executor)."""
+    def hash_kwargs(self, modality: str) -> dict:
+        """The preprocessing settings an item's uuid covers (``media.hashing``)."""
+        return self.audio_kwargs if modality == "audio" else self.processor_kwargs
+
+    def process_bytes(self, modality: str, data: bytes, audio_format: str = "") -> MediaInput:
+        """Decode + preprocess (CPU work, runs in the executor); ``audio_format`` is the format
+        an audio was declared in ("wav", "flac" or "mp3")."""
+        if modality == "audio":
+            return self._audio(data, audio_format)
         uuid = media_uuid(self.model_id, modality, data, self.processor_kwargs)
         if modality == "image":
             vi = self.processor.image(decode_image(data, self.limits))
@@ -104,6 +105,11 @@ class MediaResolver:
             data = base64.b64decode(data_b64, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidMedia("input_audio.data is not valid base64.") from None
+        return self._audio(data, declared_format)
+
+    def _audio(self, data: bytes, declared_format: str) -> MediaInput:
+        if self.audio is None:
+            raise InvalidMedia("This model takes no audio input.")
         uuid = media_uuid(self.model_id, "audio", data, self.audio_kwargs)
         feats = self.audio.process(data, declared_format, self.limits)
         return MediaInput(uuid, "audio", feats.grid_thw, feats.features)

@@ -7,6 +7,8 @@ metadata-only parts that refer to embeddings an encoder worker already produced:
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, h, w]}, "uuid": "...", "ec_handle": {...}}
     {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w]}, "uuid": "...", "ec_handle": {...}}
+
+and, for audio models, ``audio_embeds`` with ``audio_grid_thw = [1, mel frames, 1]``.
 """
 
 from __future__ import annotations
@@ -98,14 +100,29 @@ class VideoEmbedsPart(msgspec.Struct, tag_field="type", tag="video_embeds"):
     ec_handle: dict[str, Any] | None = None
 
 
-ContentPart = TextPart | ImageUrlPart | VideoUrlPart | InputAudioPart | ImageEmbedsPart | VideoEmbedsPart
-MediaPart = ImageUrlPart | VideoUrlPart | InputAudioPart | ImageEmbedsPart | VideoEmbedsPart
+class AudioEmbeds(msgspec.Struct):
+    audio_grid_thw: GridTHW  # (1, frames, 1): the audio's valid log-mel frames (10 ms each)
+    data: str | None = None  # inline embeddings, as in ``ImageEmbeds``
+    dtype: EmbedsDtype = "float32"
+
+
+class AudioEmbedsPart(msgspec.Struct, tag_field="type", tag="audio_embeds"):
+    """An audio already encoded elsewhere: its extent, content hash and encoder-cache handle."""
+
+    audio_embeds: AudioEmbeds
+    uuid: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    ec_handle: dict[str, Any] | None = None
+
+
+EmbedsPart = ImageEmbedsPart | VideoEmbedsPart | AudioEmbedsPart  # metadata-only media
 RawMediaPart = ImageUrlPart | VideoUrlPart | InputAudioPart  # media an encoder must still encode
+ContentPart = TextPart | RawMediaPart | EmbedsPart
+MediaPart = RawMediaPart | EmbedsPart
 Modality = Literal["image", "video", "audio"]
 
 
 def part_modality(part: MediaPart) -> Modality:
-    if isinstance(part, InputAudioPart):
+    if isinstance(part, InputAudioPart | AudioEmbedsPart):
         return "audio"
     return "image" if isinstance(part, ImageUrlPart | ImageEmbedsPart) else "video"
 
@@ -128,8 +145,18 @@ def request_kind(req: ChatRequest) -> RequestKind:
     return "audio" if "audio" in kinds else "text"
 
 
-def embeds_of(part: ImageEmbedsPart | VideoEmbedsPart) -> ImageEmbeds | VideoEmbeds:
+def embeds_of(part: EmbedsPart) -> ImageEmbeds | VideoEmbeds | AudioEmbeds:
+    if isinstance(part, AudioEmbedsPart):
+        return part.audio_embeds
     return part.image_embeds if isinstance(part, ImageEmbedsPart) else part.video_embeds
+
+
+def embeds_grid(part: EmbedsPart) -> tuple[int, int, int]:
+    """The grid a metadata-only part names (``<modality>_grid_thw``)."""
+    e = embeds_of(part)
+    if isinstance(e, AudioEmbeds):
+        return e.audio_grid_thw
+    return e.image_grid_thw if isinstance(e, ImageEmbeds) else e.video_grid_thw
 
 
 def check_embeds_trust(req: ChatRequest, internal: bool, enable_mm_embeds: bool) -> None:
@@ -140,7 +167,7 @@ def check_embeds_trust(req: ChatRequest, internal: bool, enable_mm_embeds: bool)
         if not isinstance(m, UserMessage) or isinstance(m.content, str):
             continue
         for j, part in enumerate(m.content):
-            if not isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
+            if not isinstance(part, EmbedsPart):
                 continue
             where, kind = f"messages[{i}].content[{j}]", f"{part_modality(part)}_embeds"
             inline = embeds_of(part).data is not None

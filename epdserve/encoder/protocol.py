@@ -33,7 +33,7 @@ ENCODER_PROTOCOL_VERSION: Final = 3  # bump on any incompatible change of the me
 
 MAX_RELEASE_HANDLES: Final = 1024  # handles one /v1/release call may carry
 MAX_LEASES: Final = 2  # handles one item may be given
-Modality = Literal["image", "video"]
+Modality = Literal["image", "video", "audio"]
 ItemStatus = Literal["computed", "cache_hit", "store_hit"]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -53,7 +53,8 @@ class _Envelope(msgspec.Struct):
 
 
 class EncodeItem(msgspec.Struct, forbid_unknown_fields=True):
-    """One media item to encode: a URL, or its decoded pixels (exactly one of the two)."""
+    """One media item to encode: a URL, or its decoded pixels (exactly one of the two). An audio
+    is a ``data:audio/<format>;base64,`` URL (the router's form of an ``input_audio`` part)."""
 
     modality: Modality
     url: Annotated[str, msgspec.Meta(min_length=1)] | None = None  # data: URL or http(s) URL

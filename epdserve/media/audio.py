@@ -34,6 +34,31 @@ AUDIO_FORMATS: dict[str, frozenset[str]] = {
     "mp3": frozenset({"MP3", "MPEG"}),
 }
 
+# media types of audio data: URLs (the router hands an input_audio part to an encoder as one)
+_MIME_FORMATS = {
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+    "audio/wave": "wav",
+    "audio/flac": "flac",
+    "audio/x-flac": "flac",
+    "audio/mpeg": "mp3",
+    "audio/mp3": "mp3",
+}
+_FORMAT_MIMES = {"wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
+
+
+def audio_data_url(data_b64: str, declared_format: str) -> str:
+    """An ``input_audio`` part as a data: URL (its format as the media type)."""
+    return f"data:{_FORMAT_MIMES.get(declared_format, 'application/octet-stream')};base64,{data_b64}"
+
+
+def audio_format_of(url: str) -> str:
+    """The declared format of an audio data: URL ("" when it names none of the supported ones)."""
+    if url[:5].lower() != "data:":
+        return ""
+    mime = url[5:].split(",", 1)[0].split(";", 1)[0].strip().lower()
+    return _MIME_FORMATS.get(mime, "")
+
 
 @dataclass(frozen=True)
 class AudioProcessorConfig:

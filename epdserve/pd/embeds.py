@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable
 
 from epdserve.api.errors import BadRequest
-from epdserve.api.protocol import ImageEmbedsPart, VideoEmbedsPart, embeds_of
+from epdserve.api.protocol import EmbedsPart, embeds_grid, embeds_of, part_modality
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.messages import WireTensor
 from epdserve.models.precision import ITEMSIZE, all_finite
@@ -41,11 +41,8 @@ class MetadataEmbeds:
         # settings of the same checkpoint, so this side takes them from there too
         self.second_per_grid = second_per_grid
 
-    async def __call__(self, part: ImageEmbedsPart | VideoEmbedsPart) -> MediaInput:
-        if isinstance(part, ImageEmbedsPart):
-            modality, grid = "image", part.image_embeds.image_grid_thw
-        else:
-            modality, grid = "video", part.video_embeds.video_grid_thw
+    async def __call__(self, part: EmbedsPart) -> MediaInput:
+        modality, grid = part_modality(part), embeds_grid(part)
         t, h, w = grid
         second = self.second_per_grid if modality == "video" else None
         try:

@@ -103,7 +103,7 @@ class DispatchModel:
         self.forward = Average()  # encoder seconds per patch of vision forward (from item timings)
         self.hop = LowQuantile()  # seconds an encode call costs beyond the encoder's own work
         self.bytes_per_patch = Average()
-        self.patches_per_item = {"image": Average(), "video": Average()}
+        self.patches_per_item = {"image": Average(), "video": Average(), "audio": Average()}  # audio: mel frames
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, items: list[EncodedItem], call_s: float) -> None:

@@ -129,7 +129,7 @@ class FrontendDecoder:
         """Decode what it can of ``refs`` into the slab (``ref.pixels``, ``ref.decode_s``); the
         others stay URLs. Raises the media error (as an API error) of the first bad item, once
         every item is done (so no lease is taken after the caller gave them back)."""
-        todo = [r for r in refs if r.pixels is None]
+        todo = [r for r in refs if r.pixels is None and r.modality != "audio"]  # audio: the encoder decodes it
         outcomes = await asyncio.gather(*(self._one(model, r) for r in todo), return_exceptions=True)
         for out in outcomes:
             if isinstance(out, BaseException):

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from epdserve.encoder.protocol import EncodedItem
+from epdserve.media.audio import audio_data_url
 
-MEDIA_TYPES = {"image_url": "image", "video_url": "video"}
+MEDIA_TYPES = {"image_url": "image", "video_url": "video", "input_audio": "audio"}
 
 
 @dataclass
@@ -19,7 +20,7 @@ class MediaRef:
     message: int
     part: int
     modality: str
-    url: str
+    url: str  # an input_audio part's as a data:audio/<format> URL
     result: EncodedItem | None = None
     encoder: str = ""  # the encoder that issued ``result``'s lease ("" for a directory hit: no lease)
     directory_key: str | None = None  # its key in the router's media directory (data: URLs)
@@ -51,7 +52,10 @@ def media_refs(body: dict[str, Any]) -> list[MediaRef]:
             continue
         for pi, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_TYPES:
+            if kind == "input_audio":  # a validated request: data and format are there
+                url = audio_data_url(part[kind]["data"], part[kind]["format"])
+                refs.append(MediaRef(mi, pi, "audio", url))
+            elif kind in MEDIA_TYPES:
                 refs.append(MediaRef(mi, pi, MEDIA_TYPES[kind], part[kind]["url"]))
     return refs
 
