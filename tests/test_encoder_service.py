@@ -99,12 +99,12 @@ def test_a_failing_put_is_a_503_and_the_next_request_works(model_dir: Path) -> N
         real = service.producer.put
         calls = 0
 
-        def flaky(key: str, tensor: torch.Tensor, model_id: str):
+        def flaky(key: str, tensor: torch.Tensor, model_id: str, levels: int = 1):
             nonlocal calls
             calls += 1
             if calls == 1:
                 raise TransferError("injected transfer fault")
-            return real(key, tensor, model_id)
+            return real(key, tensor, model_id, levels)
 
         service.producer.put = flaky  # type: ignore[method-assign]
         status, err = await post(body(2))

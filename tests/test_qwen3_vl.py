@@ -4,13 +4,18 @@ tokens (DeepStack injected chunk by chunk), and the EC contract's feature levels
 
 from __future__ import annotations
 
+import asyncio
+import base64
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from epdserve.api.errors import BadRequest
+from epdserve.api.protocol import ImageEmbedsPart
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput, PromptError
@@ -21,7 +26,11 @@ from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import load_model
 from epdserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.shapes import ShapesWorld, render_images
+from epdserve.transfer import header as wire
+from epdserve.transfer.base import PROTOCOL_VERSION, InvalidHandle, TransferError
+from epdserve.transfer.factory import make_consumer, make_producer
 from tests.checkpoints import build
 from tests.numerics import assert_close_rel
 from tests.server_utils import TEST_DEVICE
@@ -214,3 +223,115 @@ def test_video_is_refused_with_a_clear_error(ckpt: Path, tok) -> None:  # type: 
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]
     with pytest.raises(PromptError, match="video is not supported for this architecture"):
         InputBuilder(tok, cfg).build(messages, [MediaInput("v", "video", v.grid_thw, v.pixel_values)])
+
+
+# ---- the EC contract carries the feature levels ----------------------------------------------
+
+HIDDEN, LEVELS, ROWS = 128, 3, 6
+
+
+@pytest.fixture(params=["shm", "tcp", "fs"])
+def connector(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from tests.test_transfer import config
+
+    producer = make_producer(config(request.param, tmp_path))
+    consumer = make_consumer(config(request.param, tmp_path))
+    yield producer, consumer
+    producer.close()
+    asyncio.run(consumer.close())
+
+
+def _features(rows: int = ROWS, levels: int = LEVELS) -> torch.Tensor:
+    return torch.randn(rows, levels * HIDDEN, generator=torch.Generator().manual_seed(5))
+
+
+def test_protocol_version_was_bumped_for_the_levels() -> None:
+    assert PROTOCOL_VERSION >= 3
+    header = wire.make_header("k", "m", _features(), "0" * 16, LEVELS)
+    assert header.levels == LEVELS and header.version == PROTOCOL_VERSION
+    assert wire.decode(wire.encode(header)) == header
+    with pytest.raises(TransferError, match="protocol version 2"):
+        wire.validate(msgspec.structs.replace(header, version=2), ROWS, HIDDEN, "m", ["float32"], LEVELS)
+    with pytest.raises(TransferError, match="cannot hold 5 feature levels"):
+        wire.make_header("k", "m", _features(), "0" * 16, 5)
+
+
+def test_levels_round_trip_through_every_connector_and_are_validated(connector) -> None:  # type: ignore[no-untyped-def]
+    from tests.test_transfer import MODEL, resign
+
+    producer, consumer = connector
+    sent = _features()
+    handle = producer.put("k", sent, MODEL, LEVELS)
+    assert handle["levels"] == LEVELS
+
+    def fails(h: dict, width: int = HIDDEN, levels: int = LEVELS) -> TransferError:
+        with pytest.raises(TransferError) as err:
+            asyncio.run(consumer.get(h, ROWS, width, MODEL, levels))
+        return err.value
+
+    # a consumer of a one-level model (Qwen2-VL) refuses it: a clear error for that request
+    err = fails(handle, levels=1)
+    assert isinstance(err, InvalidHandle) and "carry 3 feature level(s) but this model takes 1" in str(err)
+    # levels missing, wrong, or a width that is not levels x hidden, even when the cluster signed it
+    missing = {k: v for k, v in handle.items() if k != "levels"}
+    assert "malformed" in str(fails(resign(missing)))
+    assert "carry 2 feature level(s) but this model takes 3" in str(fails(resign(handle, levels=2)))
+    narrow = resign(handle, shape=[ROWS, 2 * HIDDEN], nbytes=ROWS * 2 * HIDDEN * 4)
+    assert f"expects width {LEVELS * HIDDEN} ({LEVELS} feature levels of {HIDDEN})" in str(fails(narrow))
+    assert "expects width" in str(fails(handle, width=HIDDEN // 2))
+    # and the real handle still works after all of those
+    assert torch.equal(asyncio.run(consumer.get(handle, ROWS, HIDDEN, MODEL, LEVELS)), sent)
+
+
+def test_store_entries_carry_the_levels() -> None:
+    from epdserve.store.record import pack, unpack
+
+    key = b"k" * 32
+    value, header = pack("u", "m", (1, 4, 6), _features(), key, LEVELS)
+    assert header.levels == LEVELS
+    item = unpack(value, "u", "m", key, lambda g: ROWS, HIDDEN, ["float32"], LEVELS)
+    assert torch.equal(item.embeddings, _features())
+    with pytest.raises(InvalidHandle, match="feature level"):
+        unpack(value, "u", "m", key, lambda g: ROWS, HIDDEN, ["float32"], 1)
+
+
+def test_inline_embeddings_must_carry_every_level(ckpt: Path) -> None:
+    """A metadata-only request with embeddings by value: the width the PD worker asks of it."""
+    cfg = ModelConfig.from_pretrained(ckpt)
+    resolver = MetadataEmbeds("m", cfg.text.hidden_size * cfg.feature_levels, lambda g: g[0] * g[1] * g[2] // 4)
+
+    def part(t: torch.Tensor) -> ImageEmbedsPart:
+        data = base64.b64encode(t.numpy().tobytes()).decode()
+        embeds = {"data": data, "dtype": "float32", "image_grid_thw": [1, 4, 6]}
+        body = {"type": "image_embeds", "uuid": "u", "image_embeds": embeds}
+        return msgspec.convert(body, ImageEmbedsPart)
+
+    got = asyncio.run(resolver(part(_features())))
+    assert got.embeddings is not None and got.embeddings.shape == (ROWS, LEVELS * HIDDEN)
+    with pytest.raises(BadRequest, match=f"rows of {LEVELS * HIDDEN} float32"):
+        asyncio.run(resolver(part(_features(levels=1))))
+
+
+def test_embeddings_without_the_levels_fail_only_their_request(ckpt: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """Whatever path an item took, the engine refuses one whose width is not levels x hidden."""
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    eng = EngineCore.from_pretrained(ckpt, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256, max_model_len=1024))
+    builder = InputBuilder(tok, cfg)
+    _, messages, images = _cases()[1]
+    v = proc.image(images[0])
+    rows = builder.num_tokens(v.grid_thw)
+    one_level = WireTensor.of(np.zeros((rows, cfg.text.hidden_size), dtype=np.float32))
+    bad = builder.build(messages, [MediaInput("bad", "image", v.grid_thw, embeddings=one_level)])
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    pos = WireTensor.of(bad.mrope_positions) if bad.mrope_positions is not None else None
+    eng.add_request(request_from(AddRequest("bad", bad.token_ids, params, bad.mm_items, pos, bad.mrope_delta, [])))
+    eng.add_request(_request("good", builder, proc, messages, images, frozenset()))
+    errors, tokens = {}, {}
+    while eng.has_work:
+        for o in eng.step():
+            if o.error is not None:
+                errors[o.request_id] = o.error
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+    assert "3 feature levels of 128" in errors["bad"]
+    assert "good" not in errors and len(tokens["good"]) == MAX_NEW

@@ -333,6 +333,7 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
             "model_id": MODEL,
             "dtype": "float32",
             "shape": [16, 256],
+            "levels": 1,
             "nbytes": 16 * 256 * 4,
             "checksum": "0" * 16,
             "host": "127.0.0.1",

@@ -189,6 +189,7 @@ class EncoderService:
             self.load_report.seconds,
         )
         model_config = ModelConfig.from_pretrained(config.model)
+        self.feature_levels = model_config.feature_levels  # written into every EC header it produces
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
         # one thread: puts are short copies, kept off the event loop and the forward thread
@@ -222,6 +223,7 @@ class EncoderService:
                 config.ec.key(STORE_PURPOSE),
                 model_config.text.hidden_size,
                 prompt_layout(model_config).num_placeholders,
+                levels=model_config.feature_levels,
             )
             self.store = open_store(config.ec.store, check, lend=True)
         self.load = EncoderLoad()  # the autoscaling signal
@@ -514,7 +516,7 @@ class EncoderService:
             try:
                 handles.append([])
                 for _ in range(leases):
-                    handles[-1].append(self.producer.put(r.uuid, r.embeddings, model_id))
+                    handles[-1].append(self.producer.put(r.uuid, r.embeddings, model_id, self.feature_levels))
             except ProducerFull as e:
                 # consumers hold everything the connector can store: a load signal, not a failure,
                 # so the encoder stays healthy and the router spreads or sheds the load

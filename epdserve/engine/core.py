@@ -301,7 +301,9 @@ class EngineCore:
             ec = self._ec or ECConfig()
             # a cached handle is read only when its KV was evicted meanwhile: the store may have it
             store = {STORE_HANDLE: lambda: StoreConsumer(ec), CACHED_HANDLE: lambda: StoreConsumer(ec)}
-            self._fetcher = EmbeddingFetcher(lambda: make_consumer(ec, store), self._model_id, self._fetch_done)
+            self._fetcher = EmbeddingFetcher(
+                lambda: make_consumer(ec, store), self._model_id, self._fetch_done, levels=self.runner.feature_levels
+            )
         return self._fetcher
 
     def _kv_fetcher_get(self) -> EmbeddingFetcher:

@@ -46,8 +46,10 @@ class EmbeddingFetcher:
         on_done: Callable[[Fetched], None],
         what: str = "embeddings",  # what the handles hold, for the log ("KV" on a decode instance)
         unavailable: str = "Embeddings are unavailable.",  # the request's error: names no path, host or port
+        levels: int = 1,  # feature levels the model takes per row (DeepStack); a payload must hold exactly these
     ) -> None:
         self.model_id = model_id
+        self.levels = levels
         self.what = what
         self.unavailable = unavailable
         self.on_done = on_done
@@ -70,7 +72,7 @@ class EmbeddingFetcher:
     async def _fetch(self, request_id: str, index: int, handle: Handle, rows: int, width: int) -> None:
         t0 = time.perf_counter()
         try:
-            emb = await self._consumer.get(handle, rows, width, self.model_id)
+            emb = await self._consumer.get(handle, rows, width, self.model_id, self.levels)
         except InvalidHandle as e:
             self.failures += 1
             self.invalid += 1

@@ -113,7 +113,8 @@ class ChatService:
         self.template_executor = ThreadPoolExecutor(config.template_threads, thread_name_prefix="epd-template")
         self.embeds = MetadataEmbeds(
             config.model_name,
-            self.model_config.text.hidden_size,
+            # a client's own embeddings carry every feature level of the model (DeepStack), side by side
+            self.model_config.text.hidden_size * self.model_config.feature_levels,
             self.builder.num_tokens,
             second_per_grid=self.processor.config.second_per_grid,
         )

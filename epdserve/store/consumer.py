@@ -22,22 +22,22 @@ from epdserve.transfer.header import check_same, from_handle, validate
 class StoreConsumer:
     def __init__(self, cfg: ECConfig) -> None:
         self._cfg = cfg
-        self._stores: dict[tuple[str, int], EmbeddingStore] = {}
+        self._stores: dict[tuple[str, int, int], EmbeddingStore] = {}
 
-    def _store(self, model_id: str, width: int) -> EmbeddingStore:
+    def _store(self, model_id: str, width: int, levels: int) -> EmbeddingStore:
         if not self._cfg.store.enabled:
             raise TransferError("this instance has no shared embedding store (--store-url)")
-        store = self._stores.get((model_id, width))
+        store = self._stores.get((model_id, width, levels))
         if store is None:
             key = self._cfg.key(STORE_PURPOSE)
-            store = open_store(self._cfg.store, EntryCheck(model_id, key, width, dtypes=self._cfg.dtypes))
-            self._stores[(model_id, width)] = store
+            check = EntryCheck(model_id, key, width, dtypes=self._cfg.dtypes, levels=levels)
+            store = self._stores[(model_id, width, levels)] = open_store(self._cfg.store, check)
         return store
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
         header = from_handle(handle)
-        validate(header, rows, width, model_id, self._cfg.dtypes)
-        item = await self._store(model_id, width).get(header.key, rows=rows)
+        validate(header, rows, width, model_id, self._cfg.dtypes, levels)
+        item = await self._store(model_id, width, levels).get(header.key, rows=rows)
         if item is None:
             raise TransferError("the embeddings are no longer in the shared store")
         check_same(header, item.header, "the shared store")

@@ -87,7 +87,7 @@ class PackedStore:
         c = self.check
         rows_of = (c.rows_of or _no_rows) if rows is None else (lambda _grid: rows)
         try:
-            item = unpack(value, uuid, c.model_id, c.key, rows_of, c.width, c.dtypes)
+            item = unpack(value, uuid, c.model_id, c.key, rows_of, c.width, c.dtypes, c.levels)
         except TransferError as e:
             self.stats.rejected += 1
             log.warning("embedding store entry for %s rejected: %s", uuid, e)
@@ -99,7 +99,7 @@ class PackedStore:
     async def put(self, uuid: str, grid_thw: Grid, embeddings: torch.Tensor) -> WireHeader | None:
         if embeddings.numel() * embeddings.element_size() > self.config.max_item_bytes:
             return None
-        value, header = pack(uuid, self.model_id, grid_thw, embeddings, self.check.key)
+        value, header = pack(uuid, self.model_id, grid_thw, embeddings, self.check.key, self.check.levels)
         if not await self._call("put", lambda: self._write(self._prefix + uuid, value), False):
             return None
         self.stats.writes += 1

@@ -38,13 +38,15 @@ class StoredHeader(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class EntryCheck:
     """What a reader holds an entry to: the model it is for, the key that signs entries, the
-    embedding width, the rows the model gives a grid (None: each read says), the dtypes accepted."""
+    embedding width of one feature level, the rows the model gives a grid (None: each read says),
+    the dtypes accepted, the model's feature levels (also what a writer puts in the header)."""
 
     model_id: str
     key: bytes
     width: int
     rows_of: Callable[[Grid], int] | None = None
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    levels: int = 1
 
 
 class StoredItem(NamedTuple):
@@ -59,11 +61,12 @@ def _mac(h: StoredHeader, key: bytes) -> str:
 
 
 def pack(
-    uuid: str, model_id: str, grid_thw: Grid, embeddings: torch.Tensor, key: bytes
+    uuid: str, model_id: str, grid_thw: Grid, embeddings: torch.Tensor, key: bytes, levels: int = 1
 ) -> tuple[bytes, wire.WireHeader]:
     """The entry's bytes, and its wire header."""
     data = wire.raw_bytes(embeddings)
-    head = StoredHeader(wire.make_header(uuid, model_id, embeddings, wire.checksum(data)), tuple(grid_thw))  # type: ignore[arg-type]
+    header = wire.make_header(uuid, model_id, embeddings, wire.checksum(data), levels)
+    head = StoredHeader(header, tuple(grid_thw))  # type: ignore[arg-type]
     head_json = msgspec.json.encode(msgspec.structs.replace(head, mac=_mac(head, key)))
     return _LEN.pack(len(head_json)) + head_json + data.tobytes(), head.wire
 
@@ -76,6 +79,7 @@ def unpack(
     rows_of: Callable[[Grid], int],
     width: int,
     dtypes: Iterable[str],
+    levels: int = 1,
 ) -> StoredItem:
     """The entry, checked; TransferError saying what is wrong otherwise."""
     if len(value) < _LEN.size:
@@ -93,7 +97,7 @@ def unpack(
         raise TransferError("store entry is for another media item")
     if any(g < 1 for g in head.grid_thw):
         raise TransferError(f"store entry has an invalid grid {list(head.grid_thw)}")
-    wire.validate(head.wire, rows_of(head.grid_thw), width, model_id, dtypes)
+    wire.validate(head.wire, rows_of(head.grid_thw), width, model_id, dtypes, levels)
     payload = np.frombuffer(value, dtype=np.uint8, offset=_LEN.size + n)
     if len(payload) != head.wire.nbytes:
         raise TransferError(f"store entry has {len(payload)} payload bytes, its header says {head.wire.nbytes}")

@@ -4,8 +4,8 @@ gets them by handle and releases them.
 A handle is plain JSON (it travels inside the metadata-only request as ``ec_handle``), signed by the
 producer with a key derived from the cluster secret (``signing``)::
 
-    {"connector": "shm" | "tcp" | "fs", "version": 2, "key": "<content id>", "model_id": "...",
-     "dtype": "float32", "shape": [rows, width], "nbytes": N, "checksum": "<xxh3-64 hex>",
+    {"connector": "shm" | "tcp" | "fs", "version": 3, "key": "<content id>", "model_id": "...",
+     "dtype": "float32", "shape": [rows, width], "levels": L, "nbytes": N, "checksum": "<xxh3-64 hex>",
      "issued_at": <unix s>, "expires_at": <unix s>, "lease": "<32 hex>",
      ...connector-specific location fields..., "mac": "<HMAC-SHA256 hex of every other field>"}
 
@@ -14,7 +14,12 @@ payload (no copy), and the payload is freed when all its leases are released or 
 
 The consumer verifies the MAC before any I/O, so it only ever acts on handles a producer holding the
 cluster secret issued; then it validates everything against what it expects (rows = placeholder
-count, width = the model's embedding width, dtype, checksum, model identity, protocol version).
+count, width = levels x the model's hidden size, the model's feature levels, dtype, checksum, model
+identity, protocol version).
+
+Feature levels: a DeepStack model (Qwen3-VL) puts several feature vectors per placeholder row side
+by side in one payload (``levels``, 1 for every other model); the producer writes its model's count
+and a consumer accepts only its own model's, so a payload of another tower never reaches the LM.
 Errors are typed so that each side can answer the client correctly (see the classes below).
 """
 
@@ -25,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # only annotations: ``ECConfig`` (and the flags built from it) load without torch
     import torch
 
-PROTOCOL_VERSION = 2
+# 3: the header says how many feature levels each row holds (``levels``)
+PROTOCOL_VERSION = 3
 
 Handle = dict[str, Any]
 
@@ -50,7 +56,9 @@ class ECProducer(Protocol):
 
     name: str
 
-    def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle: ...
+    def put(self, key: str, tensor: torch.Tensor, model_id: str, levels: int = 1) -> Handle:
+        """``tensor`` [rows, levels * hidden]; ``levels`` from the producing model's config."""
+        ...
 
     def release(self, handle: Handle) -> bool:
         """Release one lease this producer issued (e.g. the router abandoned the request); True when
@@ -84,7 +92,9 @@ class ECConsumer(Protocol):
     """Language-model side. ``get`` validates and returns the tensor (a private copy);
     ``release`` gives up the handle's lease (idempotent)."""
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor: ...
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
+        """The payload [rows, levels * width] (``width``: one level's, the LM hidden size), validated."""
+        ...
 
     async def release(self, handle: Handle) -> None: ...
 

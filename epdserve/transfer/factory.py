@@ -59,9 +59,9 @@ class RoutingConsumer:
             consumer = self._consumers[kind] = build() if build is not None else _new_consumer(kind, self._cfg)
         return verified, consumer
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
         verified, consumer = self._consumer(handle)
-        return await consumer.get(verified, rows, width, model_id)
+        return await consumer.get(verified, rows, width, model_id, levels)
 
     async def release(self, handle: Handle) -> None:
         verified, consumer = self._consumer(handle)

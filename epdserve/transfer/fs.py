@@ -128,16 +128,16 @@ class FsProducer:
         self._entries: dict[CacheKey, _Entry] = {}
         self._lock = threading.Lock()
 
-    def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle:
+    def put(self, key: str, tensor: torch.Tensor, model_id: str, levels: int = 1) -> Handle:
         src = wire.raw_bytes(tensor)
-        draft = wire.make_header(key, model_id, tensor, "0" * 16)
+        draft = wire.make_header(key, model_id, tensor, "0" * 16, levels)
         cache_key = (key, model_id, draft.dtype, draft.shape)
         with self._lock:
             self._sweep()
             entry = self._entries.get(cache_key)
             if entry is not None:
                 return self._lease(entry)
-        header = wire.make_header(key, model_id, tensor, wire.checksum(src))
+        header = wire.make_header(key, model_id, tensor, wire.checksum(src), levels)
         path = self._write(header, tensor)
         with self._lock:
             entry = self._entries.get(cache_key)
@@ -263,10 +263,10 @@ class FsConsumer:
             raise TransferError(f"fs handle path {path!r} is not an EC file under {self._dir}")
         return real, lease_path(real, lease)
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
         handle = signing.verify_with(handle, self._key)
         header = wire.from_handle(handle)
-        wire.validate(header, rows, width, model_id, self._dtypes)
+        wire.validate(header, rows, width, model_id, self._dtypes, levels)
         path, held = self._paths(handle)
         if not held.exists():
             raise InvalidHandle(_GONE)

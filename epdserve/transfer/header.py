@@ -22,7 +22,7 @@ import numpy.typing as npt
 import xxhash
 
 from epdserve.models import precision
-from epdserve.transfer.base import PROTOCOL_VERSION, Handle, TransferError
+from epdserve.transfer.base import PROTOCOL_VERSION, Handle, InvalidHandle, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,7 @@ class WireHeader(msgspec.Struct, frozen=True):
     model_id: str  # identity of the model whose encoder produced the embeddings
     dtype: str  # one of TORCH_DTYPES
     shape: tuple[int, ...]  # [rows, width] for embeddings
+    levels: int  # feature levels side by side in a row (DeepStack; 1: one) — width = levels x hidden
     nbytes: int  # payload size in bytes
     checksum: str  # xxh3-64 hex digest of the raw payload bytes
 
@@ -99,15 +100,20 @@ def raw_bytes(tensor: torch.Tensor) -> Bytes:
     return flat.numpy()
 
 
-def make_header(key: str, model_id: str, tensor: torch.Tensor, checksum: str) -> WireHeader:
+def make_header(key: str, model_id: str, tensor: torch.Tensor, checksum: str, levels: int = 1) -> WireHeader:
     if not key or len(key.encode()) > MAX_KEY_BYTES:
         raise TransferError(f"EC key must be 1-{MAX_KEY_BYTES} bytes, got {len(key.encode())}")
+    if tensor.dim() != 2:
+        raise TransferError(f"embeddings must be 2-D [rows, width], got shape {list(tensor.shape)}")
+    if levels < 1 or tensor.shape[1] % levels:
+        raise TransferError(f"embeddings of shape {list(tensor.shape)} cannot hold {levels} feature levels")
     return WireHeader(
         version=PROTOCOL_VERSION,
         key=key,
         model_id=model_id,
         dtype=str(tensor.dtype).removeprefix("torch."),
         shape=tuple(tensor.shape),
+        levels=levels,
         nbytes=tensor.numel() * tensor.element_size(),
         checksum=checksum,
     )
@@ -127,9 +133,12 @@ def copy_and_checksum(dst: Bytes, src: Bytes) -> str:
     return hasher.hexdigest()
 
 
-def validate(header: WireHeader, rows: int, width: int, model_id: str, dtypes: Iterable[str]) -> None:
+def validate(header: WireHeader, rows: int, width: int, model_id: str, dtypes: Iterable[str], levels: int = 1) -> None:
     """Check a header against what the consumer expects; runs before any payload byte is read, so
-    a bad or hostile header can never make the consumer allocate or read more than it expects."""
+    a bad or hostile header can never make the consumer allocate or read more than it expects.
+
+    ``width`` is one feature level's (the LM hidden size) and ``levels`` the consumer model's
+    feature levels: the payload must hold exactly that many, ``levels * width`` values a row."""
     if header.version != PROTOCOL_VERSION:
         raise TransferError(
             f"EC protocol version {header.version} is not supported (this instance speaks {PROTOCOL_VERSION})"
@@ -146,9 +155,17 @@ def validate(header: WireHeader, rows: int, width: int, model_id: str, dtypes: I
         raise TransferError(f"embeddings have shape {shape} but must be 2-D [rows, width]")
     if shape[0] != rows:
         raise TransferError(f"embeddings have shape {shape} but the prompt has {rows} placeholders")
-    if shape[1] != width:
-        raise TransferError(f"embeddings have shape {shape} but the model expects width {width}")
-    expected = rows * width * precision.ITEMSIZE[header.dtype]
+    if header.levels != levels:  # a request's error, not the producer's: no re-encode makes it fit
+        raise InvalidHandle(
+            f"embeddings carry {header.levels} feature level(s) but this model takes {levels} "
+            "(produced by an encoder of another model family?)"
+        )
+    if shape[1] != levels * width:
+        raise TransferError(
+            f"embeddings have shape {shape} but the model expects width {levels * width}"
+            + (f" ({levels} feature levels of {width})" if levels > 1 else "")
+        )
+    expected = rows * levels * width * precision.ITEMSIZE[header.dtype]
     if header.nbytes != expected:
         raise TransferError(
             f"embeddings header says {header.nbytes} bytes but shape {shape} of {header.dtype} is {expected}"

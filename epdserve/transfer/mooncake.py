@@ -139,10 +139,10 @@ class MooncakeConsumer:
             raise TransferError(f"mooncake handle for key {header.key!r} has an invalid offset")
         return loc, data_at
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
         handle = signing.verify_with(handle, self._key)
         header = wire.from_handle(handle)
-        wire.validate(header, rows, width, model_id, self._dtypes)
+        wire.validate(header, rows, width, model_id, self._dtypes, levels)
         loc, data_at = self._place(handle, header)
         word = lease_word(handle["lease"])
         read = asyncio.to_thread(self._read, header, loc, data_at, word)

@@ -95,6 +95,7 @@ class PixelProducer:
             model_id=model_id,
             dtype=PIXEL_DTYPE,
             shape=tuple(int(n) for n in frames.shape),
+            levels=1,
             nbytes=int(flat.nbytes),
             checksum="0" * 16,  # fixed length: the header's size is known before the copy hashes it
         )

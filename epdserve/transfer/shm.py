@@ -282,9 +282,9 @@ class ShmProducer:
         self._index: dict[CacheKey, int] = {}  # newest region of each key, by offset
         self._lock = threading.Lock()
 
-    def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle:
+    def put(self, key: str, tensor: torch.Tensor, model_id: str, levels: int = 1) -> Handle:
         # Checksums are fixed-length hex, so the header's size is known before the payload is hashed.
-        return self.put_bytes(wire.make_header(key, model_id, tensor, "0" * 16), wire.raw_bytes(tensor))
+        return self.put_bytes(wire.make_header(key, model_id, tensor, "0" * 16, levels), wire.raw_bytes(tensor))
 
     def put_bytes(self, draft: wire.WireHeader, src: wire.Bytes, extra: Mapping[str, object] | None = None) -> Handle:
         """Store ``src`` (flat uint8, ``draft.nbytes`` long) under ``draft`` (its checksum is
@@ -488,10 +488,10 @@ class ShmConsumer:
         self._maps: dict[str, _Mapping] = {}
         self._lock = threading.Lock()
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
         handle = signing.verify_with(handle, self._key)
         header = wire.from_handle(handle)
-        wire.validate(header, rows, width, model_id, self._dtypes)
+        wire.validate(header, rows, width, model_id, self._dtypes, levels)
         location = wire.location_of(handle, ShmLocation)
         word = lease_word(handle["lease"])
         if header.nbytes >= wire.THREAD_BYTES:

@@ -255,16 +255,16 @@ class TcpProducer:
         self._thread = threading.Thread(target=self._run, name=f"epd-ec-tcp-{self.port}", daemon=True)
         self._thread.start()
 
-    def put(self, key: str, tensor: torch.Tensor, model_id: str) -> Handle:
+    def put(self, key: str, tensor: torch.Tensor, model_id: str, levels: int = 1) -> Handle:
         if self._closed:
             raise TransferError("the tcp EC producer is closed")
         src = wire.raw_bytes(tensor)
-        draft = wire.make_header(key, model_id, tensor, "0" * 16)
+        draft = wire.make_header(key, model_id, tensor, "0" * 16, levels)
         lease = signing.new_lease()
         entry = self._store.lease((key, model_id, draft.dtype, draft.shape), lease)
         if entry is None:  # not stored yet: copy (outside the lock, it is the slow part)
             payload = wire.new_buffer(src.nbytes)
-            header = wire.make_header(key, model_id, tensor, wire.copy_and_checksum(payload, src))
+            header = wire.make_header(key, model_id, tensor, wire.copy_and_checksum(payload, src), levels)
             entry = self._store.add(lease, _Entry(header, wire.encode(header), payload))
         handle = wire.to_handle(entry.header, self.name, host=self.host, port=self.port)
         return signing.issue(handle, self._key, self._cfg.ttl_s, lease)
@@ -416,10 +416,10 @@ class TcpConsumer:
         self._timeout_s = cfg.timeout_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
 
-    async def get(self, handle: Handle, rows: int, width: int, model_id: str) -> torch.Tensor:
+    async def get(self, handle: Handle, rows: int, width: int, model_id: str, levels: int = 1) -> torch.Tensor:
         handle = signing.verify_with(handle, self._key)
         header = wire.from_handle(handle)
-        wire.validate(header, rows, width, model_id, self._dtypes)
+        wire.validate(header, rows, width, model_id, self._dtypes, levels)
         loc = wire.location_of(handle, TcpLocation)
         try:
             return await asyncio.wait_for(self._fetch(header, loc, handle["lease"]), self._timeout_s)
