@@ -101,6 +101,22 @@ def test_vision_tower_equals_transformers_at_every_level(ckpt: Path, hf, grids: 
         assert_close_rel(ours[:, level * hidden : (level + 1) * hidden], ref)
 
 
+def test_processor_settings_are_read_and_equal_transformers(ckpt: Path) -> None:
+    """Qwen3-VL's processor config spells the pixel bounds ``size: {shortest_edge, longest_edge}``;
+    with patch 16 and mean/std 0.5 our patches equal transformers' image processor's."""
+    from transformers import AutoImageProcessor
+
+    ref = AutoImageProcessor.from_pretrained(ckpt)
+    cfg = ProcessorConfig.from_pretrained(ckpt)
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.patch_size) == (64 * 64, 160 * 160, 16)
+    proc = VisionProcessor(cfg)
+    for im in [*_cases()[2][2], _cases()[1][2][0].resize((300, 90))]:
+        expected = ref(images=[im], return_tensors="np")
+        ours = proc.image(im)
+        assert [list(ours.grid_thw)] == expected["image_grid_thw"].tolist()
+        assert_close_rel(ours.pixel_values, expected["pixel_values"])
+
+
 # ---- the engine against transformers' generate ----------------------------------------------
 
 
