@@ -145,6 +145,7 @@ MEDIA_FLAGS = (
     "allowed_media_domains",
     Flag("allow_private_addresses", "--allow-private-media"),
     Flag("fetch_timeout_s", "--media-fetch-timeout"),
+    "max_audio_seconds",
 )
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
 # flags, which roles get them)
@@ -553,15 +554,15 @@ def add_log_args(s: argparse.ArgumentParser, default: str | None = "text") -> No
 
 
 def _per_prompt(text: str) -> dict[str, int]:
-    """``--limit-mm-per-prompt``'s JSON: ``{"image": N, "video": N}``, either key optional."""
+    """``--limit-mm-per-prompt``'s JSON: ``{"image": N, "video": N, "audio": N}``, every key optional."""
     import json
 
     try:
         counts = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(counts, dict) or not set(counts) <= {"image", "video"}:
-        raise argparse.ArgumentTypeError('expected {"image": N, "video": N}')
+    if not isinstance(counts, dict) or not set(counts) <= {"image", "video", "audio"}:
+        raise argparse.ArgumentTypeError('expected {"image": N, "video": N, "audio": N}')
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts.values()):
         raise argparse.ArgumentTypeError("counts must be whole numbers >= 0")
     return counts
@@ -578,7 +579,7 @@ def add_media_args(s: argparse.ArgumentParser) -> None:
         type=_per_prompt,
         default=None,
         help=f'media items per request, as JSON (default: {{"image": {d.max_images_per_prompt}, '
-        f'"video": {d.max_videos_per_prompt}}}; 0 refuses the modality)',
+        f'"video": {d.max_videos_per_prompt}, "audio": {d.max_audios_per_prompt}}}; 0 refuses the modality)',
     )
     add_flags(media, MEDIA, MEDIA_FLAGS)
 

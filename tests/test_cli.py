@@ -257,7 +257,7 @@ def test_the_cli_explains_itself(capsys: pytest.CaptureFixture[str]) -> None:
         ["sweep", "--out", "x", "--ec-connector", "nfs"],
         ["serve", "--block-size", "zero"],
         ["serve", "--limit-mm-per-prompt", "{not json"],
-        ["serve", "--limit-mm-per-prompt", '{"audio": 1}'],
+        ["serve", "--limit-mm-per-prompt", '{"pointcloud": 1}'],
         ["serve", "--limit-mm-per-prompt", '{"image": -1}'],
     ],
 )

@@ -324,7 +324,8 @@ def audio_part(data: str, fmt: str = "wav") -> dict:
 def server(ckpt: Path):
     from tests.server_utils import device_args, running
 
-    args = ["serve", "--model", str(ckpt), "--served-model-name", SERVED, *device_args()]
+    # audio limits from the command line: at most 20 s, 2 audios per request (the default)
+    args = ["serve", "--model", str(ckpt), "--served-model-name", SERVED, "--max-audio-seconds", "20", *device_args()]
     with running([*args, "--max-model-len", "1024", "--num-kv-blocks", "256"]) as url:
         yield url
 
@@ -388,7 +389,7 @@ def _bad_audio_requests() -> list[tuple[str, list[dict], int, str]]:
         ("not audio", [audio_part(base64.b64encode(b"hello, no audio here" * 20).decode()), text], 400, "decoded"),
         ("declared mp3, is wav", [audio_part(wav_b64(short), "mp3"), text], 400, "declared mp3"),
         ("unknown format", [audio_part(wav_b64(short), "ogg"), text], 400, "format"),
-        ("too long", [audio_part(wav_b64(waveform(31, 0), subtype="PCM_16")), text], 413, "at most 30 s"),
+        ("too long", [audio_part(wav_b64(waveform(21, 0), subtype="PCM_16")), text], 413, "at most 20 s"),
         ("too short", [audio_part(wav_b64(waveform(0.01, 0))), text], 400, "log-mel frames"),
         ("low rate", [audio_part(wav_b64(short[:2000], 4000)), text], 400, "sample rate"),
         ("too many audios", [audio_part(wav_b64(short))] * 3 + [text], 400, "At most 2 audio"),

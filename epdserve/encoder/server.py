@@ -17,7 +17,8 @@ An item may arrive decoded: a pixel handle (``transfer.pixels``) on frames a rou
 media (``--frontend-decode``) put into its shm slab. Then nothing is fetched, hashed or decoded
 here: the uuid comes from the handle, and the frames are read only when the item is computed.
 
-Only the vision tower is loaded (``parts={"vision"}``): no language model, KV cache or sampler.
+Only the media encoder is loaded (``parts={"vision"}``: the vision tower, or an audio model's audio
+tower; audio arrives as ``data:audio/<format>`` URLs): no language model, KV cache or sampler.
 Item uuids are computed exactly as the language-model server computes them (same model name,
 same ``MediaResolver`` processor kwargs), so every role agrees on a media item's identity.
 """
@@ -70,6 +71,7 @@ from epdserve.encoder.protocol import (
     encode_response,
 )
 from epdserve.engine.inputs import MediaInput
+from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
@@ -178,9 +180,12 @@ class EncoderService:
         model, self.load_report = load_model(
             config.model, parts=frozenset({"vision"}), dtype=config.torch_dtype, device=config.device
         )
+        # one media encoder per model: the vision tower, or an audio model's audio tower
         visual = getattr(model, "visual", None)
+        if visual is None:
+            visual = getattr(model, "audio", None)
         if not isinstance(visual, torch.nn.Module):
-            raise ValueError(f"{config.model}: the model has no vision tower")
+            raise ValueError(f"{config.model}: the model has no media encoder")
         self.checkpoint_tensors = len(checkpoint_files(config.model))
         log.info(
             "encoder loaded %d of %d checkpoint tensors (vision tower only) in %.2f s",
@@ -191,6 +196,7 @@ class EncoderService:
         model_config = ModelConfig.from_pretrained(config.model)
         self.feature_levels = model_config.feature_levels  # written into every EC header it produces
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
+        self.audio = AudioProcessor(AudioProcessorConfig.from_pretrained(config.model)) if model_config.audio else None
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
         # one thread: puts are short copies, kept off the event loop and the forward thread
         self.put_executor = ThreadPoolExecutor(1, thread_name_prefix="epd-ec-put")
@@ -239,8 +245,9 @@ class EncoderService:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        cfg = self.config
         self.resolver = MediaResolver(
-            self.config.model_name, self.processor, self.config.limits, self.executor, media_session(self.config.limits)
+            cfg.model_name, self.processor, cfg.limits, self.executor, media_session(cfg.limits), audio=self.audio
         )
         self.batcher.start()
         self.stats_line.start()
@@ -397,7 +404,7 @@ class EncoderService:
             data = await load_media_bytes(item.url, self.config.limits, resolver.session)
             t1 = time.perf_counter()
             uuid = await loop.run_in_executor(
-                self.executor, media_uuid, resolver.model_id, item.modality, data, resolver.processor_kwargs
+                self.executor, media_uuid, resolver.model_id, item.modality, data, resolver.hash_kwargs(item.modality)
             )
         cached = self.batcher.lookup(uuid)
         if cached is not None:
@@ -463,7 +470,7 @@ class EncoderService:
         router), then normalize and patchify (CPU work, runs in the executor)."""
         if data is not None:
             assert self.resolver is not None
-            return self.resolver.process_bytes(item.modality, data)
+            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""))
         assert self.pixels is not None  # _pixel_uuid checked
         frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
         return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)

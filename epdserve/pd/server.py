@@ -45,8 +45,8 @@ from epdserve.api.protocol import (
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
+    EmbedsPart,
     FinishReason,
-    ImageEmbedsPart,
     ModelCard,
     ModelList,
     PrefillCompletion,
@@ -55,7 +55,6 @@ from epdserve.api.protocol import (
     ResponseMessage,
     TokenLogprob,
     Usage,
-    VideoEmbedsPart,
     check_embeds_trust,
     check_kv_trust,
     decode_chat_request,
@@ -373,7 +372,7 @@ class ChatService:
 def _handles(req: ChatRequest) -> list[dict]:
     out = []
     for part in req.media_parts():
-        if isinstance(part, ImageEmbedsPart | VideoEmbedsPart) and part.ec_handle is not None:
+        if isinstance(part, EmbedsPart) and part.ec_handle is not None:
             out.append(part.ec_handle)
     return out
 
