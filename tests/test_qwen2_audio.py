@@ -3,6 +3,7 @@ the placeholder count, partial loading, and the engine's greedy tokens."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -424,7 +425,22 @@ def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[
 # ---- through the encoder role: E+PD and E/P/D ------------------------------------------------
 
 
-@pytest.mark.parametrize(("topology", "connector"), [("1e+1pd", "shm"), ("1e+1pd", "tcp"), ("1e+1p+1d", "shm")])
+@pytest.mark.parametrize(
+    ("topology", "connector"),
+    [
+        ("1e+1pd", "shm"),
+        ("1e+1pd", "tcp"),
+        ("1e+1pd", "fs"),
+        pytest.param(
+            "1e+1pd",
+            "mooncake",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("mooncake") is None, reason="pip install 'epdserve[mooncake]'"
+            ),
+        ),
+        ("1e+1p+1d", "shm"),
+    ],
+)
 def test_topologies_answer_input_audio_as_transformers(
     ckpt: Path, hf_model, feature_extractor, topology: str, connector: str
 ) -> None:
