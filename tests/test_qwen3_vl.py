@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import re
 from pathlib import Path
+from types import MethodType, SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -15,7 +18,7 @@ import torch
 from PIL import Image
 
 from epdserve.api.errors import BadRequest
-from epdserve.api.protocol import ImageEmbedsPart
+from epdserve.api.protocol import ImageEmbedsPart, VideoEmbedsPart
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput, PromptError
@@ -69,7 +72,7 @@ def test_config_and_parts(ckpt: Path) -> None:
     assert cfg.feature_levels == 3
     assert cfg.text.head_dim == 48 != cfg.text.hidden_size // cfg.text.num_attention_heads
     assert cfg.text.qk_norm and cfg.text.mrope_interleaved and not cfg.text.attention_bias
-    assert cfg.modalities == {"image"}
+    assert cfg.modalities == {"image", "video"}
     vision, report = load_model(ckpt, parts=frozenset({"vision"}))
     assert isinstance(vision, Qwen3VLForConditionalGeneration) and vision.language_model is None
     assert all(n.startswith("model.visual.") for n in report.tensors)
@@ -182,12 +185,19 @@ def _run(eng: EngineCore) -> dict[str, list[int]]:
     return out
 
 
+def _eos(hf, tok) -> frozenset[int]:  # type: ignore[no-untyped-def]
+    """The end tokens transformers' generate stops at."""
+    eos = hf.generation_config.eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else []) or frozenset(
+        {tok.convert_tokens_to_ids("<|im_end|>")}
+    )
+
+
 def test_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf, tok) -> None:  # type: ignore[no-untyped-def]
     cfg = ModelConfig.from_pretrained(ckpt)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
     assert proc.config.patch_size == 16 and proc.config.image_mean == (0.5, 0.5, 0.5)
-    eos = frozenset(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list) else [])
-    eos = eos or frozenset({tok.convert_tokens_to_ids("<|im_end|>")})
+    eos = _eos(hf, tok)
     expected = {}
     for name, messages, images in _cases():
         inputs = _hf_inputs(tok, proc, cfg, messages, images)
@@ -231,14 +241,205 @@ def test_deepstack_levels_change_the_answer(ckpt: Path, hf, tok) -> None:  # typ
     assert float((full - plain).abs().max()) > 1e-2 * float(full.abs().max())
 
 
-def test_video_is_refused_with_a_clear_error(ckpt: Path, tok) -> None:  # type: ignore[no-untyped-def]
+# ---- video: a timestamped run per frame group ----------------------------------------------
+
+
+def _hf_video_text(grid_thw: tuple[int, int, int], fps: float, temporal_patch_size: int) -> str:
+    """transformers' own expansion of one video placeholder (``Qwen3VLProcessor.replace_video_token``,
+    timestamps from ``_calculate_timestamps``) for frames 0 .. t*temporal_patch_size - 1 at ``fps``.
+    (The processor is not built whole: its video processor needs torchvision.)"""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    processor = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=temporal_patch_size),
+        video_token="<|video_pad|>",
+        vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>",
+    )
+    processor._calculate_timestamps = MethodType(Qwen3VLProcessor._calculate_timestamps, processor)  # type: ignore[attr-defined]
+    frames = grid_thw[0] * temporal_patch_size
+    metadata = VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
+    inputs = {"video_grid_thw": torch.tensor([grid_thw]), "video_metadata": [metadata]}
+    return Qwen3VLProcessor.replace_video_token(processor, inputs, 0)  # type: ignore[arg-type]
+
+
+def _hf_video_inputs(tok, proc: VisionProcessor, messages: list[dict], images: list, videos: list) -> dict:  # type: ignore[no-untyped-def]
+    """transformers' inputs: the processor's text expansion of every placeholder, then the whole
+    text tokenized at once (as ``Qwen3VLProcessor.__call__`` does), with our pixels."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    imgs, vids = [proc.image(im) for im in images], [proc.video(v) for v in videos]
+    it_i, it_v = iter(imgs), iter(vids)
+    pieces = []
+    for piece in re.split(r"(<\|image_pad\|>|<\|video_pad\|>)", text):
+        if piece == "<|image_pad|>":
+            t, h, w = next(it_i).grid_thw
+            piece *= t * h * w // 4
+        elif piece == "<|video_pad|>":
+            piece = _hf_video_text(next(it_v).grid_thw, proc.config.video_fps, proc.config.temporal_patch_size)
+        pieces.append(piece)
+    input_ids = torch.tensor([tok("".join(pieces), add_special_tokens=False)["input_ids"]])
+    mm = torch.zeros_like(input_ids)
+    mm[input_ids == tok.convert_tokens_to_ids("<|image_pad|>")] = 1
+    mm[input_ids == tok.convert_tokens_to_ids("<|video_pad|>")] = 2
+    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": mm}
+    if imgs:
+        out["pixel_values"] = torch.from_numpy(np.concatenate([v.pixel_values for v in imgs]))
+        out["image_grid_thw"] = torch.tensor([v.grid_thw for v in imgs])
+    if vids:
+        out["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vids]))
+        out["video_grid_thw"] = torch.tensor([v.grid_thw for v in vids])
+    return out
+
+
+def _video_cases() -> list[tuple[str, list[dict], list[Image.Image], list[list[Image.Image]]]]:
+    w = ShapesWorld(11)
+    one = w.sample("describe")
+    vid = w.sample("direction")
+    longer = w.sample("direction")
+    six = [*longer.frames, *longer.frames[:2]]  # three frame groups
+
+    def msg(media: list[str], q: str) -> list[dict]:
+        return [{"role": "user", "content": [*({"type": m} for m in media), {"type": "text", "text": q}]}]
+
+    return [
+        ("video", msg(["video"], vid.question), [], [vid.frames]),
+        ("video3", msg(["video"], longer.question), [], [six]),
+        ("image+video", msg(["image", "video"], "Describe the image."), render_images(one), [vid.frames]),
+        ("video+image+video", msg(["video", "image", "video"], "?"), render_images(one), [six, vid.frames]),
+    ]
+
+
+def _media(rid: str, proc: VisionProcessor, messages: list[dict], images: list, videos: list) -> list[MediaInput]:
+    it_i, it_v = iter(images), iter(videos)
+    media = []
+    for part in messages[0]["content"]:
+        if part["type"] == "image":
+            v, second = proc.image(next(it_i)), None
+        elif part["type"] == "video":
+            v, second = proc.video(next(it_v)), proc.config.second_per_grid
+        else:
+            continue
+        uuid = f"{rid}-{len(media)}"
+        media.append(MediaInput(uuid, part["type"], v.grid_thw, v.pixel_values, second_per_grid=second))
+    return media
+
+
+def _video_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messages, images, videos, eos) -> Request:  # type: ignore[no-untyped-def]
+    p = builder.build(messages, _media(rid, proc, messages, images, videos))
+    pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta, list(eos)))
+
+
+def test_video_prompt_and_positions_equal_transformers(ckpt: Path, hf, tok) -> None:  # type: ignore[no-untyped-def]
+    """Timestamped frame groups, tokenized like the processor's whole text, and
+    ``get_rope_index``'s positions (each group an image-like run), with images around them."""
     cfg = ModelConfig.from_pretrained(ckpt)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
-    frames = render_images(ShapesWorld(3).sample("describe")) * 2
-    v = proc.video(frames)
-    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]
-    with pytest.raises(PromptError, match="video is not supported for this architecture"):
-        InputBuilder(tok, cfg).build(messages, [MediaInput("v", "video", v.grid_thw, v.pixel_values)])
+    assert proc.config.video_fps == 2.0 and proc.config.second_per_grid == 1.0
+    builder = InputBuilder(tok, cfg)
+    for name, messages, images, videos in _video_cases():
+        inputs = _hf_video_inputs(tok, proc, messages, images, videos)
+        p = builder.build(messages, _media(name, proc, messages, images, videos))
+        assert p.token_ids == inputs["input_ids"][0].tolist(), name
+        expected, delta = hf.model.get_rope_index(
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            inputs.get("image_grid_thw"),
+            inputs.get("video_grid_thw"),
+            inputs["attention_mask"],
+        )
+        assert p.mrope_positions is not None
+        assert np.array_equal(p.mrope_positions, expected[:, 0].numpy()), name
+        assert p.mrope_delta == int(delta), name
+        # every frame group's run holds its rows, in order, between its own vision start and end
+        ids = np.asarray(p.token_ids)
+        for it in p.mm_items:
+            if it.modality == "video":
+                t, h, w = it.grid_thw
+                assert len(it.runs) == t and all(k == h * w // 4 for _, k in it.runs) and it.offset == it.runs[0][0]
+                for o, k in it.runs:
+                    assert (ids[o : o + k] == cfg.video_token_id).all()
+                    assert ids[o - 1] == cfg.vision_start_token_id and ids[o + k] == cfg.vision_end_token_id
+    assert "<0.2 seconds>" in tok.decode(p.token_ids) and "<2.2 seconds>" in tok.decode(p.token_ids)
+
+
+def test_video_prompt_from_metadata_equals_pixels(ckpt: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    """A metadata-only video (E+PD: grid only, the processor's fps on the PD side) makes the
+    prompt and positions the pixels make; another frame rate makes other timestamps."""
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    builder = InputBuilder(tok, cfg)
+    _, messages, images, videos = _video_cases()[1]
+    (pixels,) = _media("v", proc, messages, images, videos)
+    width = cfg.text.hidden_size * cfg.feature_levels
+    resolver = MetadataEmbeds("m", width, builder.num_tokens, second_per_grid=proc.config.second_per_grid)
+    handle = {"key": "u"}
+    part = msgspec.convert(
+        {
+            "type": "video_embeds",
+            "uuid": "u",
+            "video_embeds": {"video_grid_thw": list(pixels.grid_thw)},
+            "ec_handle": handle,
+        },
+        VideoEmbedsPart,
+    )
+    meta = asyncio.run(resolver(part))
+    a, b = builder.build(messages, [pixels]), builder.build(messages, [meta])
+    assert a.token_ids == b.token_ids and a.mrope_delta == b.mrope_delta
+    assert a.mrope_positions is not None and b.mrope_positions is not None
+    assert np.array_equal(a.mrope_positions, b.mrope_positions)
+    assert [it.runs for it in a.mm_items] == [it.runs for it in b.mm_items]
+    slower = builder.build(messages, [dataclasses.replace(pixels, second_per_grid=4.0)])  # 0.5 fps
+    assert "<1.0 seconds>" in tok.decode(slower.token_ids) and "<1.0 seconds>" not in tok.decode(a.token_ids)
+    with pytest.raises(PromptError, match="seconds per temporal patch must be positive"):
+        builder.build(messages, [dataclasses.replace(pixels, second_per_grid=0.0)])
+
+
+def test_video_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf, tok) -> None:  # type: ignore[no-untyped-def]
+    """Every frame group's rows (all DeepStack levels) land at its own run, chunk by chunk."""
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    eos = _eos(hf, tok)
+    expected = {}
+    for name, messages, images, videos in _video_cases():
+        inputs = _hf_video_inputs(tok, proc, messages, images, videos)
+        with torch.inference_mode():
+            out = hf.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        expected[name] = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len({tuple(v) for v in expected.values()}) > 1
+    eng = EngineCore.from_pretrained(
+        ckpt, EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=BUDGET, num_kv_blocks=512, max_model_len=1024)
+    )
+    builder = InputBuilder(tok, cfg)
+    for name, messages, images, videos in _video_cases():
+        req = _video_request(name, builder, proc, messages, images, videos, eos)
+        assert all(n > BUDGET for it in req.mm_items for _, _, n in it.placements())  # chunks split every run
+        eng.add_request(req)
+        assert _run(eng)[name] == expected[name], name
+    for name, messages, images, videos in _video_cases():
+        eng.add_request(_video_request(name + "#b", builder, proc, messages, images, videos, eos))
+    got = _run(eng)
+    for name in expected:
+        assert got[name + "#b"] == expected[name], name
+    eng.scheduler.blocks.check_integrity()
+
+
+def test_the_core_refuses_runs_that_do_not_tile_the_item(ckpt: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    cfg = ModelConfig.from_pretrained(ckpt)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
+    eng = EngineCore.from_pretrained(ckpt, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256, max_model_len=1024))
+    _, messages, images, videos = _video_cases()[0]
+    p = InputBuilder(tok, cfg).build(messages, _media("v", proc, messages, images, videos))
+    (item,) = p.mm_items
+    (o0, k0), (o1, k1) = item.runs
+    pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    for i, runs in enumerate([((o0, k0), (o1, k1 - 1)), ((o0, k0), (o0 + 1, k1)), ((o0 + 1, k0), (o1, k1))]):
+        bad = msgspec.structs.replace(item, runs=runs)
+        out = eng.add(AddRequest(f"bad{i}", p.token_ids, params, [bad], pos, p.mrope_delta, []))
+        assert out and out[0].error is not None and "do not tile" in out[0].error
 
 
 # ---- the EC contract carries the feature levels ----------------------------------------------

@@ -417,6 +417,7 @@ def request_from(msg: AddRequest) -> Request:
             m.pixels.to_torch() if m.pixels is not None else None,
             m.embeddings.to_torch() if m.embeddings is not None else None,
             m.handle,
+            tuple((int(o), int(k)) for o, k in m.runs),
         )
         for m in msg.media
     ]
@@ -459,6 +460,8 @@ def _check(req: Request, config: EngineConfig) -> None:
     for it in req.mm_items:
         if it.offset < 0 or it.end > n or it.length < 1:
             raise ValueError(f"media item {it.uuid} lies outside the prompt")
+        if it.runs and not _runs_valid(it.runs, it.offset, it.length):
+            raise ValueError(f"media item {it.uuid} has placeholder runs that do not tile its {it.length} rows")
         if it.embeddings is not None and it.embeddings.shape[0] != it.length:
             raise ValueError(f"media item {it.uuid} has {it.embeddings.shape[0]} rows, not {it.length}")
         if it.pixel_values is None and it.embeddings is None and it.handle is None:
@@ -466,3 +469,15 @@ def _check(req: Request, config: EngineConfig) -> None:
     pos = req.mrope_positions
     if pos is not None and (tuple(pos.shape) != (3, n) or pos.dtype != torch.long):
         raise ValueError("M-RoPE positions do not match the prompt")
+
+
+def _runs_valid(runs: tuple[tuple[int, int], ...], offset: int, length: int) -> bool:
+    """Runs in prompt order, none empty or overlapping the next, the first at the item's offset,
+    one row per placeholder."""
+    ends = [o + k for o, k in runs]
+    return (
+        runs[0][0] == offset
+        and all(k >= 1 for _, k in runs)
+        and all(end <= o for end, (o, _) in zip(ends, runs[1:], strict=False))
+        and sum(k for _, k in runs) == length
+    )

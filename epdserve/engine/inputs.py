@@ -1,8 +1,9 @@
 """From chat messages with media to an engine request's prompt.
 
 The chat template renders one placeholder token per media item; each is expanded here to the
-item's embedding count, taken from its grid by the model's ``PromptLayout`` — pixels or metadata
-alone give the same prompt and the same rotary positions. This is front-end code: it builds the
+item's embedding count, taken from its grid by the model's ``PromptLayout`` (which may write an item
+out as several runs with text between them: Qwen3-VL's timestamped video frame groups) — pixels or
+metadata alone give the same prompt and the same rotary positions. This is front-end code: it builds the
 engine's wire messages with numpy and never imports torch.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from epdserve.engine.messages import MediaSpec, WireTensor
+from epdserve.models.base import ExpandsMedia, Expansion
 from epdserve.models.config import ModelConfig
 from epdserve.models.registry import prompt_layout
 
@@ -85,6 +87,20 @@ class InputBuilder:
         except ValueError as e:
             raise PromptError(f"invalid grid_thw {list(grid_thw)}: {e}") from None
 
+    def _expand(self, m: MediaInput, token: int, rows: int) -> Expansion:
+        """The tokens one placeholder becomes: ``rows`` placeholders in a row, unless the model's
+        layout writes the item out otherwise (Qwen3-VL's timestamped frame groups)."""
+        if not isinstance(self.layout, ExpandsMedia):
+            return Expansion([token] * rows, [(0, rows)])
+        encode = lambda text: list(self.tok.encode(text, add_special_tokens=False))  # noqa: E731
+        try:
+            out = self.layout.expand(m.modality, m.grid_thw, encode, m.second_per_grid)
+        except ValueError as e:
+            raise PromptError(f"invalid {m.modality} {list(m.grid_thw)}: {e}") from None
+        if sum(k for _, k in out.runs) != rows:  # the layout's own invariant: one row per placeholder
+            raise PromptError(f"the prompt layout placed {sum(k for _, k in out.runs)} of {rows} rows")
+        return out
+
     def render(self, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Chat template → token ids (one placeholder token per media item).
 
@@ -123,9 +139,13 @@ class InputBuilder:
             n = self.num_tokens(m.grid_thw)
             if m.embeddings is not None and m.embeddings.shape[0] != n:
                 raise PromptError(f"embeddings have {m.embeddings.shape[0]} rows, grid {list(m.grid_thw)} needs {n}")
+            tokens, runs = self._expand(m, t, n)
+            at = len(expanded)
             pixels = WireTensor.of(m.pixel_values) if m.pixel_values is not None else None
-            items.append(MediaSpec(m.uuid, modality, len(expanded), n, m.grid_thw, pixels, m.embeddings, m.handle))
-            expanded += [t] * n
+            split = tuple((at + o, k) for o, k in runs) if len(runs) > 1 else ()
+            spec = MediaSpec(m.uuid, modality, at + runs[0][0], n, m.grid_thw, pixels, m.embeddings, m.handle, split)
+            items.append(spec)
+            expanded += tokens
         if seen != len(media):
             raise PromptError(f"{len(media)} media items but {seen} placeholders in the prompt")
         grids_i = [it.grid_thw for it in items if it.modality == "image"]

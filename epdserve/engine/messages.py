@@ -31,7 +31,7 @@ from epdserve.transfer.config import ECConfig
 if TYPE_CHECKING:
     import torch
 
-ENGINE_PROTOCOL_VERSION = 3
+ENGINE_PROTOCOL_VERSION = 4  # 4: a media item's placeholder runs (MediaSpec.runs)
 
 # "transferred": a prefill instance handed the request's KV to a decode instance after its first token
 FinishReason = Literal["stop", "length", "abort", "error", "transferred"]
@@ -90,6 +90,14 @@ class MediaSpec(msgspec.Struct, frozen=True):
     pixels: WireTensor | None = None
     embeddings: WireTensor | None = None
     handle: dict[str, Any] | None = None
+    # (prompt offset, rows) of each placeholder run when the item's rows are split over several
+    # (a Qwen3-VL video: a run per frame group); empty: one run of ``length`` at ``offset``
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def end(self) -> int:
+        """The position after the item's last placeholder."""
+        return self.runs[-1][0] + self.runs[-1][1] if self.runs else self.offset + self.length
 
 
 # ---- front end → core --------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Inputs of the step are flattened: all scheduled tokens of all requests in one row batch, with
 their M-RoPE positions and KV slots. Vision embeddings replace the token embeddings at the
-placeholder positions that fall inside this step's chunk of each request.
+placeholder positions that fall inside this step's chunk of each request; an item split over
+several placeholder runs (``MediaItem.runs``: a Qwen3-VL video's frame groups) gives each run its
+own rows, in order.
 
 A DeepStack model (Qwen3-VL) has several feature levels per embedding row, side by side
 ([rows, levels * H]): level 0 replaces the placeholder embeddings like any model's, level k ≥ 1 is
@@ -242,14 +244,15 @@ class ModelRunner:
         q = 0
         for s in scheduled:
             for it in s.request.mm_items:
-                a, b = max(it.offset, s.start), min(it.end, s.end)
-                if a < b:
-                    assert it.embeddings is not None
-                    rows_e = it.embeddings[a - it.offset : b - it.offset]
-                    embeds[q + a - s.start : q + b - s.start] = rows_e[:, :hsize].to(dev, self.dtype)
-                    if levels > 1:
-                        stack_rows.append(torch.arange(q + a - s.start, q + b - s.start))
-                        stack_feats.append(rows_e[:, hsize:])
+                for offset, row, n in it.placements():
+                    a, b = max(offset, s.start), min(offset + n, s.end)
+                    if a < b:
+                        assert it.embeddings is not None
+                        rows_e = it.embeddings[row + a - offset : row + b - offset]
+                        embeds[q + a - s.start : q + b - s.start] = rows_e[:, :hsize].to(dev, self.dtype)
+                        if levels > 1:
+                            stack_rows.append(torch.arange(q + a - s.start, q + b - s.start))
+                            stack_feats.append(rows_e[:, hsize:])
             q += s.num_new_tokens
         positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
         attention = PagedAttention(self.kv, self.table, layout, self.mirror)

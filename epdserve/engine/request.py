@@ -34,10 +34,24 @@ class MediaItem:
     pixel_values: torch.Tensor | None = None  # raw path: the local encoder's input (patches, or log-mel frames)
     embeddings: torch.Tensor | None = None  # metadata-only path (or after encoding): [length, hidden]
     handle: dict[str, Any] | None = None  # signed EC handle the core fetches the embeddings by
+    # (prompt offset, rows) of each placeholder run when the rows are split over several (a
+    # Qwen3-VL video: one per frame group); empty: one run of ``length`` at ``offset``
+    runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
-        return self.offset + self.length
+        """The position after the item's last placeholder."""
+        return self.runs[-1][0] + self.runs[-1][1] if self.runs else self.offset + self.length
+
+    def placements(self) -> list[tuple[int, int, int]]:
+        """(prompt offset, first embedding row, rows) of each placeholder run, in prompt order."""
+        if not self.runs:
+            return [(self.offset, 0, self.length)]
+        out, row = [], 0
+        for offset, n in self.runs:
+            out.append((offset, row, n))
+            row += n
+        return out
 
 
 @dataclass

@@ -7,10 +7,10 @@ paged cache and attends over each sequence's context.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import numpy as np
     import torch
@@ -57,4 +57,26 @@ class PromptLayout(Protocol):
         ``video_second_per_grid``: per video, the seconds of video one temporal patch spans
         (temporal_patch_size / sampled fps; None, or no list: the model's default), for models
         whose temporal positions follow time (Qwen2.5-VL)."""
+        ...
+
+
+class Expansion(NamedTuple):
+    """What the chat template's one placeholder token of a media item becomes in the prompt."""
+
+    token_ids: list[int]
+    runs: list[tuple[int, int]]  # (index in token_ids, length) of each placeholder run, in embedding-row order
+
+
+@runtime_checkable
+class ExpandsMedia(Protocol):
+    """A layout whose media items are not one run of placeholders: a Qwen3-VL video is a run per
+    frame group, each behind its own timestamp text. (Without ``expand``, an item is one run of
+    ``num_placeholders`` tokens.)"""
+
+    def expand(
+        self, modality: str, grid_thw: Grid, encode: Callable[[str], list[int]], second_per_grid: float | None = None
+    ) -> Expansion:
+        """The item's tokens; ``encode`` tokenizes text with the model's tokenizer (no special
+        tokens added), ``second_per_grid`` is a video's seconds per temporal patch (None: the
+        model's default). ValueError for a grid the model cannot take."""
         ...

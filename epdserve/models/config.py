@@ -23,10 +23,6 @@ from typing import Any
 
 from epdserve.models.registry import check_architecture
 
-# architectures that take images but no video here: Qwen3-VL's video prompts interleave per-frame
-# timestamps with the placeholder runs (and its positions follow them), which is not implemented
-_IMAGE_ONLY: frozenset[str] = frozenset({"Qwen3VLForConditionalGeneration"})
-
 # which halves of the model a process loads: the encoder role needs only "vision", a
 # metadata-only prefill/decode role only "language", an aggregated server both
 ALL_PARTS: frozenset[str] = frozenset({"vision", "language"})
@@ -241,12 +237,11 @@ class ModelConfig:
     vision_end_token_id: int | None = None  # follows every placeholder run
     audio: AudioConfig | None = None  # the audio encoder of an audio-language model
     audio_token_id: int | None = None  # placeholder repeated once per audio embedding row
-    takes_video: bool = True  # a vision model that takes video as well as images (see _IMAGE_ONLY)
 
     @property
     def modalities(self) -> frozenset[str]:
         """The media kinds a request may carry to this model."""
-        kinds = set() if self.vision is None else {"image", "video"} if self.takes_video else {"image"}
+        kinds = set() if self.vision is None else {"image", "video"}
         return frozenset(kinds | ({"audio"} if self.audio is not None else set()))
 
     def placeholder(self, modality: str) -> int:
@@ -301,7 +296,6 @@ class ModelConfig:
             video_token_id=int(_get(d, "video_token_id", "")),
             vision_start_token_id=int(_get(d, "vision_start_token_id", "")),
             vision_end_token_id=None if end is None else int(end),
-            takes_video=str(architectures[0]) not in _IMAGE_ONLY,
         )
 
     @classmethod

@@ -61,7 +61,7 @@ def mrope_positions(
     original Qwen2-VL (and vLLM).
     """
     ids = np.asarray(input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids, dtype=np.int64).reshape(-1)
-    # an image-only model (ModelConfig.takes_video) still names its video token: it never matches here
+    # a model without a video token (audio-language) never matches here
     image_id = config.placeholder("image")
     video_id = -1 if config.video_token_id is None else config.video_token_id
     merge = config.vision_config.spatial_merge_size

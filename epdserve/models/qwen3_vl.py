@@ -139,13 +139,16 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         image_embeds: torch.Tensor | None = None,
         video_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings with the first feature level of ``image_embeds`` at the image
-        placeholders; the DeepStack levels enter the language model's forward instead."""
-        if video_embeds is not None:
-            raise MediaPlaceholderError("video is not supported for this architecture")
-        if image_embeds is None:
-            return super().embed_prompt(input_ids)
-        width = self.config.text.hidden_size * self.config.vision_config.feature_levels
-        if image_embeds.dim() != 2 or image_embeds.shape[1] != width:
-            raise MediaPlaceholderError(f"image embeddings must be [rows, {width}], got {list(image_embeds.shape)}")
-        return super().embed_prompt(input_ids, image_embeds[:, : self.config.text.hidden_size])
+        """Token embeddings with the first feature level of the media embeddings at their
+        placeholders (a video's frame groups take its rows in order); the DeepStack levels enter
+        the language model's forward instead."""
+        hidden = self.config.text.hidden_size
+        width = hidden * self.config.vision_config.feature_levels
+        for kind, embeds in (("image", image_embeds), ("video", video_embeds)):
+            if embeds is not None and (embeds.dim() != 2 or embeds.shape[1] != width):
+                raise MediaPlaceholderError(f"{kind} embeddings must be [rows, {width}], got {list(embeds.shape)}")
+        return super().embed_prompt(
+            input_ids,
+            None if image_embeds is None else image_embeds[:, :hidden],
+            None if video_embeds is None else video_embeds[:, :hidden],
+        )

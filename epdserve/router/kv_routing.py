@@ -26,6 +26,7 @@ from epdserve.api.protocol import ChatRequest
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.prefix_hash import MediaSpan, prefix_hashes
+from epdserve.media.processor import ProcessorConfig
 from epdserve.models.config import ModelConfig
 from epdserve.pd.messages import template_messages
 from epdserve.pd.tokenizer import FastTokenizer
@@ -44,22 +45,29 @@ class Blocks(NamedTuple):
 class PromptBlocks:
     def __init__(self, model_dir: Path) -> None:
         self.builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
+        # a video's seconds per temporal patch, as the workers take it (Qwen3-VL writes it into the prompt)
+        self.second_per_grid = ProcessorConfig.from_pretrained(model_dir).second_per_grid
 
     def blocks(self, req: ChatRequest, media: list[tuple[str, EncodedItem | None]], block_size: int) -> Blocks:
         """The prompt's blocks, given each media item's modality and what is known of it (None:
         not yet known)."""
         items = [it for _, it in media]
         inputs = [
-            MediaInput(_UNKNOWN, modality, (1, 2, 2)) if it is None else MediaInput(it.uuid, it.modality, it.grid_thw)
+            MediaInput(_UNKNOWN, modality, (1, 2, 2))
+            if it is None
+            else MediaInput(it.uuid, it.modality, it.grid_thw, second_per_grid=self._seconds(it.modality))
             for modality, it in media
         ]
         prompt = self.builder.build(template_messages(req), inputs, req.chat_template_kwargs)
-        spans = [MediaSpan(m.uuid, m.offset, m.length) for m in prompt.mm_items]
+        spans = [MediaSpan(m.uuid, m.offset, m.end - m.offset) for m in prompt.mm_items]
         hashes = prefix_hashes(prompt.token_ids, spans, block_size)
         unknown = [s.offset for s, it in zip(spans, items, strict=True) if it is None]
         if unknown:
             hashes = hashes[: min(unknown) // block_size]
         return Blocks(hashes, [s.offset + s.length for s in spans], not unknown)
+
+    def _seconds(self, modality: str) -> float | None:
+        return self.second_per_grid if modality == "video" else None
 
 
 class KVIndex:
