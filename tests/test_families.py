@@ -31,7 +31,7 @@ MOONCAKE = pytest.param(
     "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
 )
 # the vision families; video only where the family takes it through every topology
-VISION_FAMILIES = {"qwen2_5_vl": True, "qwen3_vl": False}
+VISION_FAMILIES = {"qwen2_5_vl": True, "qwen3_vl": True}
 
 
 def _deploy(model: Path, topology: str, connector: str = "shm", kv_connector: str = "shm") -> Deployment:
