@@ -76,9 +76,12 @@ def test_roles_on_separate_hosts_answer_as_aggregated(aggregated, connector: str
                 status, raw = http("GET", router_url + "/v1/workers", headers=ADMIN, timeout=5)
                 if status == 200:
                     found = json.loads(raw)
-                    if len(found["encoders"]) == 2 and [w["url"] for w in found["pds"]] == [
-                        f"http://{net.addr('pd0')}:{PD_PORT}"
-                    ]:
+                    # listed and probed healthy: a found worker is probed before it takes requests
+                    if (
+                        len(found["encoders"]) == 2
+                        and all(w["healthy"] for w in found["encoders"] + found["pds"])
+                        and [w["url"] for w in found["pds"]] == [f"http://{net.addr('pd0')}:{PD_PORT}"]
+                    ):
                         break
                 assert time.monotonic() < deadline, f"the router did not find its workers: {status} {raw[:500]!r}"
                 time.sleep(0.2)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from epdserve.assets import default_model_dir
 from epdserve.bench.workload import image_data_url
 from epdserve.launcher import free_port, is_healthy
 from epdserve.shapes import ShapesWorld
@@ -206,7 +208,12 @@ def test_bad_topology_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_role_failing_at_startup_names_it_and_stops_everything(tmp_path: Path) -> None:
-    with up(tmp_path, "--topology", "1e+1pd", "--model", str(tmp_path / "no-such-model")) as u:
+    # a config every role accepts, without weights: the roles fail while loading the model
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for f in default_model_dir().glob("*.json"):
+        shutil.copy(f, broken / f.name)
+    with up(tmp_path, "--topology", "1e+1pd", "--model", str(broken)) as u:
         assert u.proc.wait(timeout=60) == 1
         err = u.stderr()
         m = re.search(r"(encoder0|pd0) exited with code \d+ during start-up \(its log: (\S+)\)", err)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle
+from epdserve.transfer.header import WireHeader
 
 CACHED_HANDLE = "cached"  # the connector a cached handle names
-# the wire header's fields (``transfer.header.WireHeader``): what a handle says about its payload
-HEADER_FIELDS = ("version", "key", "model_id", "dtype", "shape", "nbytes", "checksum")
+# what a handle says about its payload: every field of the wire header (DeepStack's levels included)
+HEADER_FIELDS: tuple[str, ...] = WireHeader.__struct_fields__
 
 
 def cached_handle(header: Handle, key: bytes, ttl_s: float) -> Handle:
