@@ -3,6 +3,8 @@
 Used as the correctness oracle (our engine must produce the same tokens), by ``epdserve demo``
 and by ``epdserve eval-shapes``. transformers' video processor needs torchvision, so media is
 preprocessed by our own processor, which equals transformers' image processor (tested).
+Placeholders are expanded one run per item, Qwen2-VL's rule: a Qwen3-VL video (one timestamped run
+per frame group) is not built here; its oracle test builds transformers' inputs itself.
 """
 
 from __future__ import annotations
