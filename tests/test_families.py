@@ -1,7 +1,8 @@
 """Every model family through every topology: on a small random-weight checkpoint of each
-architecture (built offline by ``tests.checkpoints``), E+PD with each connector and E/P/D answer
-exactly what the aggregated server answers at temperature 0 (the per-family oracle tests prove
-the engine's tokens equal transformers' ``generate``)."""
+architecture (built offline by ``tests.checkpoints``), the aggregated server answers what
+transformers' ``generate`` answers, and E+PD with each connector and E/P/D answer exactly what the
+aggregated server answers at temperature 0 (videos against transformers: each family's oracle
+test, which builds a video's inputs as that family's processor does)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import pytest
 from epdserve.assets import default_model_dir
 from epdserve.bench.workload import gif_data_url
 from epdserve.bench.workload import image_data_url as data_url
+from epdserve.hf_reference import HFReference
 from epdserve.launcher import free_port
 from epdserve.models.registry import supported_architectures
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
 from tests.checkpoints import build
 
+MAX_TOKENS = 12
 PD_ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64"]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 MOONCAKE = pytest.param(
@@ -47,9 +50,11 @@ def _deploy(model: Path, topology: str, connector: str = "shm", kv_connector: st
     return d
 
 
-def vision_requests(video: bool) -> list[dict]:
+def vision_requests(video: bool) -> list[tuple[dict, list | None]]:
     """Text only, one image, three images of different sizes, a repeated image, a video; the
-    128-token budget of a step splits the longer prompts inside a placeholder run."""
+    64-token budget of a step splits the longer prompts inside a placeholder run. Each request
+    comes with its images for transformers (None: not asked of transformers here, the video: its
+    family's oracle test builds a video's inputs as its processor does)."""
     w = ShapesWorld(2026)
     one = w.sample("describe")
     sizes: dict[tuple[int, int], object] = {}
@@ -63,21 +68,36 @@ def vision_requests(video: bool) -> list[dict]:
     def msg(content: list[dict], q: str) -> list[dict]:
         return [{"role": "user", "content": [*content, {"type": "text", "text": q}]}]
 
-    reqs = [
-        {"messages": [{"role": "user", "content": "Describe the image."}], "max_tokens": 8},
-        {"messages": msg(parts(render_images(one)), one.question)},
-        {"messages": msg(parts(three), "Describe the third image.")},
-        {"messages": msg(parts(render_images(one) * 2), "Describe the second image."), "stream": True},
+    reqs: list[tuple[dict, list | None]] = [
+        ({"messages": [{"role": "user", "content": "Describe the image."}], "max_tokens": 8}, []),
+        ({"messages": msg(parts(render_images(one)), one.question)}, render_images(one)),
+        ({"messages": msg(parts(three), "Describe the third image.")}, three),
+        (
+            {"messages": msg(parts(render_images(one) * 2), "Describe the second image."), "stream": True},
+            render_images(one) * 2,
+        ),
     ]
     if video:
         vid = w.sample("direction")
-        reqs.append({"messages": msg([{"type": "video_url", "video_url": {"url": gif_data_url(vid.frames)}}], "?")})
+        reqs.append(
+            ({"messages": msg([{"type": "video_url", "video_url": {"url": gif_data_url(vid.frames)}}], "?")}, None)
+        )
     return reqs
+
+
+def transformers_answer(ref: HFReference, req: dict, images: list) -> str:
+    """transformers' greedy answer to ``req`` (its image parts as ``images``, in order)."""
+    content = req["messages"][0]["content"]
+    if isinstance(content, list):
+        content = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+    inputs = ref.inputs([{"role": "user", "content": content}], images=images)
+    ids = ref.generate_ids(inputs, max_new_tokens=req.get("max_tokens", MAX_TOKENS))
+    return str(ref.tok.decode(ids, skip_special_tokens=True))
 
 
 def ask(url: str, model: str, req: dict) -> str:
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    body = {"max_tokens": 12, **req}
+    body = {"max_tokens": MAX_TOKENS, **req}
     if body.get("stream"):
         stream = c.chat.completions.create(model=model, temperature=0, **body)
         return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
@@ -87,15 +107,22 @@ def ask(url: str, model: str, req: dict) -> str:
 
 @pytest.fixture(scope="module", params=sorted(VISION_FAMILIES))
 def vision_family(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict], list[str]]]:
-    """A family's checkpoint, its requests, and the aggregated server's answers to them."""
+    """A family's checkpoint, its requests, and the aggregated server's answers to them, which are
+    transformers' ``generate``'s."""
     model = build(request.param, tmp_path_factory.mktemp("ckpt") / f"{request.param}-tiny")
-    reqs = vision_requests(VISION_FAMILIES[request.param])
+    cases = vision_requests(VISION_FAMILIES[request.param])
+    reqs = [r for r, _ in cases]
     d = _deploy(model, "aggregated")
     try:
         expected = [ask(d.url, model.name, r) for r in reqs]
     finally:
         d.stop()
     assert len(set(expected)) > 1, "the requests must not all get one answer"
+    ref = HFReference(model)
+    for (req, images), answer in zip(cases, expected, strict=True):
+        if images is not None:
+            assert answer == transformers_answer(ref, req, images)
+    del ref
     yield model, reqs, expected
 
 
