@@ -13,7 +13,7 @@ from PIL import Image
 from epdserve.api.load import CostRate, LoadReport, decode_load_report
 from epdserve.encoder.protocol import EncodedItem, ItemTimings
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
-from epdserve.router.dispatch import DispatchModel, Feedback, Side
+from epdserve.router.dispatch import DispatchModel, Side
 
 PROC = ProcessorConfig(max_pixels=448 * 448)
 ENCODER = LoadReport(s_per_patch=1e-4)
@@ -162,58 +162,3 @@ def test_the_encoders_reported_preprocessing_cost_wins_over_item_timings() -> No
     choice = m.choose(256, side)
     assert choice.local_s == pytest.approx(256 * (1e-6 + 1e-4) * 3)
     assert choice.remote_s == pytest.approx(256 * (1e-6 + 1e-4) + 0.004 + 256 * 256 * 1e-9)
-
-
-def test_realized_ttft_corrects_an_overcharged_raw_path() -> None:
-    """The stage model charges a raw item to a batch of 2 that is mostly decoding: the raw path
-    is cheaper than predicted, and what the router measures moves the choice there."""
-    m = trained()
-    side = Side(ENCODER, 0, WORKER, 2)
-    first = m.choose(256, side)
-    assert not first.local  # predicted: 256 patches x 0.15 ms x 3 = 115 ms raw vs ~43 ms remote
-    m.learn(first, ttft_s=0.150)  # remote realized 150 ms (prefill and queueing included)
-    probe = m.choose(256, side)
-    assert probe.local, "an unmeasured path predicted below the other's realized TTFT is measured"
-    m.learn(probe, ttft_s=0.050)  # raw realized 50 ms: the batch barely waited
-    for _ in range(5):
-        c = m.choose(256, side)
-        assert c.local
-        m.learn(c, ttft_s=0.050)
-    assert m.choose(256, side).local_s == pytest.approx(0.050, rel=1e-6)
-    assert m.choose(256, side).remote_s == pytest.approx(0.150, rel=1e-6)
-
-
-def test_realized_ttft_confirms_a_right_prediction() -> None:
-    """Under load the raw path is predicted far above what the encoder path really costs: it is
-    not probed; once measured slow it stays unused until its sample is stale."""
-    m = trained()
-    side = Side(ENCODER, 0, WORKER, 8)
-    c = m.choose(1024, side)
-    assert not c.local and c.local_s > 1.0
-    m.learn(c, ttft_s=0.300)
-    assert not m.choose(1024, side).local
-    m.feedback.learn("local", c.bucket, predicted_s=c.local_s, realized_s=2.0)
-    m.learn(c, ttft_s=1.2)  # the encoder path slowed down, still below the raw path's 2 s
-    assert not m.choose(1024, side).local
-
-
-def test_feedback_is_per_bucket_and_goes_stale() -> None:
-    f = Feedback(weight=0.5, stale_s=10.0)
-    a, b = Feedback.bucket(256, 2), Feedback.bucket(256, 8)
-    assert a != b and Feedback.bucket(256, 3) == a and Feedback.bucket(300, 2) == a
-    f.learn("local", a, predicted_s=0.1, realized_s=0.3, now=0.0)
-    f.learn("local", a, predicted_s=0.1, realized_s=0.1, now=1.0)
-    assert f.residual("local", a, now=2.0) == pytest.approx(0.1)  # averaged: (0.2 + 0.0) / 2
-    assert f.residual("local", b, now=2.0) == 0.0 and f.residual("remote", a, now=2.0) == 0.0
-    assert f.residual("local", a, now=20.0) == 0.0  # stale: the path is measured afresh
-    f.learn("local", a, predicted_s=0.1, realized_s=0.15, now=20.0)
-    assert f.residual("local", a, now=20.0) == pytest.approx(0.05)  # a stale value is not averaged in
-    f.learn("local", a, predicted_s=math.inf, realized_s=0.1, now=21.0)  # ignored
-    assert f.snapshot(now=21.0) == {"local/9/2": pytest.approx(0.05)}
-
-
-def test_no_feedback_when_only_one_path_was_open() -> None:
-    m = trained()
-    c = m.choose(64, Side(None, 0, WORKER, 0))  # no encoder: raw by necessity, nothing compared
-    m.learn(c, ttft_s=5.0)
-    assert m.feedback.snapshot() == {}

@@ -25,21 +25,6 @@ For ``P`` patches of media that need a vision forward::
 Items the router already holds a result for (its directory, a cached handle) cost nothing
 remote, and are never sent raw. A worker without a vision tower only takes the remote path;
 with no healthy encoder, media goes raw to a worker that has one.
-
-**Realized TTFT corrects the prediction** (``Feedback``). No fixed charge for the batch fits every
-load: it is right in a closed loop whose batch waits for first tokens, and too much under a load
-that comes and goes, where most of the batch is decoding. So each streamed request's realized
-TTFT, measured at the router, is compared with the predicted cost of the path it took, and the
-difference is learnt per (path, media size, worker batch) bucket::
-
-    cost(path) = predicted(path) + average(realized TTFT - predicted)[path, bucket]
-
-What both paths share (the language model's prefill, queueing ahead of it) is in both residuals
-and cancels; what the stage model gets wrong about one path stays in its residual. A bucket a
-path has no recent sample in (none yet, or none for ``stale_s``) has residual 0, so an unmeasured
-path is weighed by its media cost alone against the other path's realized TTFT, which also holds
-the prefill: it is taken, and so measured, whenever the stage model puts it anywhere near the
-other; a path predicted far costlier than the other really is is never probed.
 """
 
 from __future__ import annotations
@@ -48,7 +33,6 @@ import base64
 import binascii
 import io
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -95,62 +79,10 @@ class LowQuantile:
         return xs[int(self.q * (len(xs) - 1))]
 
 
-Path = Literal["local", "remote"]
-Bucket = tuple[int, int]  # (patches.bit_length(), worker batch.bit_length()): log2 buckets
-
-
 class Choice(NamedTuple):
     local: bool  # send the raw media to the worker
-    remote_s: float  # the cost of each path, in seconds (prediction + learnt residual)
+    remote_s: float  # the predicted cost of each path, in seconds
     local_s: float
-    bucket: Bucket = (0, 0)  # the (size, load) bucket the request fell in
-    predicted_s: float = 0.0  # the stage model's prediction for the path taken (no residual)
-
-    @property
-    def path(self) -> Path:
-        return "local" if self.local else "remote"
-
-
-class Feedback:
-    """Residuals of realized TTFT against predicted path cost, per (path, bucket)."""
-
-    def __init__(self, weight: float = 0.3, stale_s: float = 30.0) -> None:
-        self.weight = weight
-        self.stale_s = stale_s
-        self._residual: dict[tuple[Path, Bucket], tuple[float, float]] = {}  # → (residual s, when)
-
-    @staticmethod
-    def bucket(patches: int, batch: int) -> Bucket:
-        return (max(0, patches).bit_length(), max(0, batch).bit_length())
-
-    def residual(self, path: Path, bucket: Bucket, now: float | None = None) -> float:
-        entry = self._residual.get((path, bucket))
-        if entry is None:
-            return 0.0
-        value, at = entry
-        now = time.monotonic() if now is None else now
-        return value if now - at <= self.stale_s else 0.0
-
-    def learn(
-        self, path: Path, bucket: Bucket, predicted_s: float, realized_s: float, now: float | None = None
-    ) -> None:
-        if not (math.isfinite(predicted_s) and math.isfinite(realized_s)) or realized_s < 0:
-            return
-        now = time.monotonic() if now is None else now
-        x = realized_s - predicted_s
-        entry = self._residual.get((path, bucket))
-        fresh = entry is not None and now - entry[1] <= self.stale_s
-        value = (1 - self.weight) * entry[0] + self.weight * x if fresh and entry is not None else x
-        self._residual[(path, bucket)] = (value, now)
-
-    def snapshot(self, now: float | None = None) -> dict[str, float]:
-        """Fresh residuals by ``path/size/load`` bucket, in seconds (for the metrics and tests)."""
-        now = time.monotonic() if now is None else now
-        return {
-            f"{path}/{b[0]}/{b[1]}": v
-            for (path, b), (v, at) in sorted(self._residual.items())
-            if now - at <= self.stale_s
-        }
 
 
 @dataclass
@@ -172,7 +104,6 @@ class DispatchModel:
         self.hop = LowQuantile()  # seconds an encode call costs beyond the encoder's own work
         self.bytes_per_patch = Average()
         self.patches_per_item = {"image": Average(), "video": Average(), "audio": Average()}  # audio: mel frames
-        self.feedback = Feedback()
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, items: list[EncodedItem], call_s: float) -> None:
@@ -234,16 +165,7 @@ class DispatchModel:
         )
         forward_w = w.vision_s_per_patch or forward
         local = patches * (pre + forward_w) * (1 + self.interference * side.worker_batch)
-        bucket = Feedback.bucket(patches, side.worker_batch)
-        remote_s = remote + self.feedback.residual("remote", bucket)
-        local_s = local + self.feedback.residual("local", bucket)
-        take_local = self.measured and local_s < remote_s
-        return Choice(take_local, remote_s, local_s, bucket, local if take_local else remote)
-
-    def learn(self, choice: Choice, ttft_s: float) -> None:
-        """A request that took ``choice``'s path had its first token ``ttft_s`` after it arrived."""
-        if math.isfinite(choice.remote_s) and math.isfinite(choice.local_s):  # both paths were open
-            self.feedback.learn(choice.path, choice.bucket, choice.predicted_s, ttft_s)
+        return Choice(self.measured and local < remote, remote, local)
 
 
 def _data_url_image_size(url: str) -> tuple[int, int] | None:

@@ -218,13 +218,6 @@ class Router:
                 dispatcher.costs,
                 monotonic=False,
             )
-            self.metrics.counts(
-                "router_dispatch_residual_seconds",
-                "adaptive dispatch's learnt realized TTFT minus predicted cost, by path/size bucket/load bucket",
-                "bucket",
-                dispatcher.feedback.snapshot,
-                monotonic=False,
-            )
         dispatched = self.metrics.counter("router_dispatch_total", "media requests by where their media was encoded: "
                                           "remote (encoders) or local (the worker, raw)", ("path",))  # fmt: skip
         for path in ("remote", "local"):
@@ -508,7 +501,7 @@ class Router:
             worker, named = await self.choose_lm(pool, req, refs, exclude, skip_cached, leases)
         todo = [r for r in refs if not r.settled]
         if todo and worker is not None and self.dispatcher is not None:
-            todo = self._dispatch(worker, todo, trail)
+            todo = self._dispatch(worker, todo)
         if todo:
             t0 = time.perf_counter()
             if worker is not None:
@@ -533,7 +526,7 @@ class Router:
                 self.stage_hist.labels(stage=stage).observe(trail.stages[stage])
         return worker
 
-    def _dispatch(self, worker: Worker, todo: list[MediaRef], trail: Trail) -> list[MediaRef]:
+    def _dispatch(self, worker: Worker, todo: list[MediaRef]) -> list[MediaRef]:
         """Adaptive dispatch (``router.dispatch``): mark the items the worker should encode itself
         raw; the rest, to encode. Items the directory holds always take the remote path."""
         model = self.dispatcher
@@ -551,7 +544,6 @@ class Router:
             worker_batch=worker.outstanding,
         )
         choice = model.choose(sum(r.patches for r in fresh), side) if fresh else None
-        trail.dispatch = choice  # its realized TTFT corrects the next choices (note_first_token)
         path = "local" if choice is not None and choice.local else "remote"
         self.metrics.inc("router_dispatch_total", labels={"path": path})
         if path == "remote":
@@ -897,7 +889,6 @@ class Router:
         with self._answered(trail, span) as answer:
             req = await self.validate(raw)
             answer.kind = trail.kind = request_kind(req)
-            trail.stream = bool(req.stream)
             async with self.gates["text" if answer.kind == "text" else "media"].admit():
                 resp = await self._chat(request, req, raw, trail)
             answer.status = resp.status
@@ -1018,14 +1009,9 @@ class Router:
         self.note_first_token(trail)
 
     def note_first_token(self, trail: Trail) -> None:
-        """A request's first token is here: text TTFT feeds the media limit's controller, and the
-        TTFT of a streamed request whose media adaptive dispatch placed corrects its cost model."""
-        ttft = time.perf_counter() - trail.t0
+        """A request's first token is here: text TTFT feeds the media limit's controller."""
         if self.auto_limit is not None and trail.kind == "text":
-            self.auto_limit.observe(ttft)
-        if self.dispatcher is not None and trail.dispatch is not None and trail.stream:
-            self.dispatcher.learn(trail.dispatch, ttft)
-            trail.dispatch = None  # once: a retried request's first token is not a second sample
+            self.auto_limit.observe(time.perf_counter() - trail.t0)
 
     async def post_chat(
         self,

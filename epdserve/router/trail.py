@@ -13,7 +13,6 @@ from aiohttp import web
 
 from epdserve.api.logs import REQUEST_ID_HEADER
 from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, server_timing
-from epdserve.router.dispatch import Choice
 from epdserve.router.refs import MediaRef
 
 ENCODER_STAGES = {  # the encoders' ItemTimings field of each stage
@@ -36,8 +35,6 @@ class Trail:
     workers: list[str] = field(default_factory=list)  # the workers' Server-Timing values
     ran_on: list[str] = field(default_factory=list)  # the workers that answered (for the access line)
     kind: str = ""  # the request's kind (api.protocol.RequestKind), once validated
-    stream: bool = False  # the answer streams: its first byte is its first token
-    dispatch: Choice | None = None  # adaptive dispatch's choice for its media, if it made one
     t0: float = field(default_factory=time.perf_counter)  # when the router received it
 
     def add(self, stage: str, seconds: float) -> None:
