@@ -426,23 +426,28 @@ def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[
 
 
 @pytest.mark.parametrize(
-    ("topology", "connector"),
+    ("topology", "connector", "options"),
     [
-        ("1e+1pd", "shm"),
-        ("1e+1pd", "tcp"),
-        ("1e+1pd", "fs"),
+        ("1e+1pd", "shm", {}),
+        ("1e+1pd", "tcp", {}),
+        ("1e+1pd", "fs", {}),
         pytest.param(
             "1e+1pd",
             "mooncake",
+            {},
             marks=pytest.mark.skipif(
                 importlib.util.find_spec("mooncake") is None, reason="pip install 'epdserve[mooncake]'"
             ),
         ),
-        ("1e+1p+1d", "shm"),
+        ("1e+1p+1d", "shm", {}),
+        # the router's other ways with media: audio passes through them unchanged
+        ("1e+2pd", "shm", {"extra_router_args": ["--policy", "kv_aware"]}),
+        ("1e+1pd", "shm", {"extra_router_args": ["--frontend-decode"]}),
     ],
+    ids=["shm", "tcp", "fs", "mooncake", "e-p-d", "kv-aware", "frontend-decode"],
 )
 def test_topologies_answer_input_audio_as_transformers(
-    ckpt: Path, hf_model, feature_extractor, topology: str, connector: str
+    ckpt: Path, hf_model, feature_extractor, topology: str, connector: str, options: dict
 ) -> None:
     """The encoder encodes the audio (the language-model workers have no audio tower here), the
     embeddings reach them metadata-only as audio_embeds, and the answers are transformers'."""
@@ -464,6 +469,7 @@ def test_topologies_answer_input_audio_as_transformers(
         port=free_port(),
         ec_connector=connector,  # type: ignore[arg-type]
         extra_pd_args=["--max-model-len", "1024", "--num-kv-blocks", "256", "--max-num-batched-tokens", "24"],
+        **options,
     )
     d.start()
     try:
@@ -536,3 +542,51 @@ def test_metadata_audio_embeds_become_media_inputs(ckpt: Path) -> None:
     assert inline.embeddings is not None and inline.embeddings.shape == (rows, cfg.text.hidden_size)
     with pytest.raises(BadRequest, match="audio_grid_thw"):
         asyncio.run(embeds(part(audio_embeds={"audio_grid_thw": [1, 5000, 1]}, uuid="u", ec_handle={"key": "u"})))
+
+
+def test_the_kv_router_names_an_audio_prompts_blocks_as_the_block_manager_does(ckpt: Path) -> None:
+    """kv_aware routing: before the encode the blocks before an audio are named (the audio's
+    stand-in grid is one the layout accepts), after it every block, as the worker names them."""
+    import msgspec
+
+    from epdserve.api.protocol import decode_chat_request
+    from epdserve.encoder.protocol import EncodedItem
+    from epdserve.engine.block_manager import BlockManager
+    from epdserve.engine.core import request_from
+    from epdserve.engine.inputs import InputBuilder, MediaInput
+    from epdserve.engine.messages import AddRequest
+    from epdserve.engine.sampling_params import SamplingParams
+    from epdserve.media.limits import MediaLimits
+    from epdserve.models.config import ModelConfig
+    from epdserve.pd.messages import template_messages
+    from epdserve.pd.tokenizer import FastTokenizer
+    from epdserve.router.kv_routing import PromptBlocks
+    from epdserve.router.refs import media_refs
+
+    bs = 8
+    body = {
+        "model": ckpt.name,
+        "messages": [
+            {"role": "system", "content": "You listen carefully and answer in a few words."},
+            {"role": "user", "content": [audio_part(wav_b64(waveform(1.0, 3))), {"type": "text", "text": "What?"}]},
+        ],
+    }
+    req = decode_chat_request(msgspec.json.encode(body), MediaLimits(), 100_000)
+    refs = media_refs(body)
+    assert [r.modality for r in refs] == ["audio"]
+    grid = audio_grid(101)
+    rows = audio_tokens(101)
+    result = EncodedItem(
+        uuid="a-1", modality="audio", grid_thw=grid, num_embeddings=rows, dtype="float32",
+        shape=(rows, 64), ec_handle={}, status="computed",
+    )  # fmt: skip
+    blocks = PromptBlocks(ckpt)
+    early = blocks.blocks(req, [("audio", None)], bs)
+    known = blocks.blocks(req, [("audio", result)], bs)
+    builder = InputBuilder(FastTokenizer(ckpt), ModelConfig.from_pretrained(ckpt))
+    prompt = builder.build(template_messages(req), [MediaInput("a-1", "audio", grid)], None)
+    engine_req = request_from(AddRequest("r", prompt.token_ids, SamplingParams(), prompt.mm_items))
+    theirs = BlockManager(64, bs)._hashes_upto(engine_req, len(prompt.token_ids))
+    first = prompt.mm_items[0].offset // bs
+    assert first >= 2 and known.complete and known.hashes == theirs
+    assert early.hashes == theirs[:first] and not early.complete
