@@ -187,7 +187,7 @@ def test_image_matches_the_in_process_tower_then_hits_the_cache(
 
 def test_video_gif(encoder: Encoder, tower: torch.nn.Module, processor: VisionProcessor) -> None:
     data = gif_bytes(ShapesWorld(4).video().frames())
-    vi = processor.video(decode_video(data, MediaLimits()))
+    vi = processor.video(decode_video(data, MediaLimits()).frames)
     expected = reference(tower, vi)
     status, body = encoder.encode([{"modality": "video", "url": data_url(data, "image/gif")}])
     assert status == 200, body

@@ -22,11 +22,12 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from epdserve.media.decode import decode_image, decode_video
+from epdserve.media.decode import decode_image, decode_video, video_interval
 from epdserve.media.errors import InvalidMedia, MediaTimeout, MediaTooLarge
 from epdserve.media.fetch import GuardedResolver, address_is_public, load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
-from epdserve.media.limits import MediaLimits
+from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
+from epdserve.media.processor import ProcessorConfig
 
 T = TypeVar("T")
 LIMITS = MediaLimits()
@@ -57,10 +58,12 @@ def with_png_size(data: bytes, width: int, height: int) -> bytes:
 COLORS = [(30 * i, 255 - 30 * i, (70 * i) % 256) for i in range(8)]
 
 
-def gif(colors: list[tuple[int, int, int]]) -> bytes:
+def gif(colors: list[tuple[int, int, int]], duration: int | list[int] = 50, fmt: str = "GIF") -> bytes:
+    """An animated GIF (or ``fmt``) of the colors, each frame ``duration`` ms (0: no timing)."""
     frames = [Image.new("RGB", (16, 12), c) for c in colors]
     buf = io.BytesIO()
-    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    timing = {"duration": duration} if duration else {}
+    frames[0].save(buf, format=fmt, save_all=True, append_images=frames[1:], loop=0, **timing)
     return buf.getvalue()
 
 
@@ -361,17 +364,17 @@ def test_pixel_and_byte_limits() -> None:
 
 
 def test_gif_frames_sampled_evenly() -> None:
-    frames = decode_video(gif(COLORS), LIMITS)
+    frames = decode_video(gif(COLORS), LIMITS).frames
     assert len(frames) == 4 and all(f.mode == "RGB" and f.size == (16, 12) for f in frames)
     for f, i in zip(frames, [0, 2, 5, 7], strict=True):
         assert close_to(f, COLORS[i], 8), i
-    assert len(decode_video(gif(COLORS[:3]), LIMITS)) == 3
+    assert len(decode_video(gif(COLORS[:3]), LIMITS).frames) == 3
     with pytest.raises(MediaTooLarge):
         decode_video(gif(COLORS), MediaLimits(max_video_frames=7))
 
 
 def test_still_image_is_one_frame_video() -> None:
-    frames = decode_video(png((8, 6)), LIMITS)
+    frames = decode_video(png((8, 6)), LIMITS).frames
     assert len(frames) == 1 and frames[0].size == (8, 6)
 
 
@@ -380,17 +383,58 @@ def test_encoded_video_frames_sampled_evenly(container: str, codec: str) -> None
     if codec not in av.codecs_available:
         pytest.skip(f"{codec} encoder not available")
     data = encoded_video(COLORS, container, codec)
-    frames = decode_video(data, LIMITS)
+    frames = decode_video(data, LIMITS).frames
     assert len(frames) == 4 and all(f.mode == "RGB" and f.size == (64, 48) for f in frames)
     for f, i in zip(frames, [0, 2, 5, 7], strict=True):
         assert close_to(f, COLORS[i], 20), i
-    assert len(decode_video(data, MediaLimits(video_frames=8))) == 8
+    assert len(decode_video(data, MediaLimits(video_frames=8)).frames) == 8
     with pytest.raises(MediaTooLarge):
         decode_video(data, MediaLimits(max_video_frames=5))
     with pytest.raises(MediaTooLarge):
         decode_video(data, MediaLimits(max_image_pixels=64 * 48 - 1))
     with pytest.raises(InvalidMedia):
         decode_image(data, LIMITS)
+
+
+# frames 0, 2, 5, 7 of 8 are sampled: the interval is the span to frame 7 over 3 steps
+@pytest.mark.parametrize(
+    ("duration", "interval"),
+    [(100, 0.7 / 3), (500, 3.5 / 3), ([100, 500] * 4, 1.9 / 3)],
+)
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP"])
+def test_animated_video_reports_the_sampled_frames_interval(
+    duration: int | list[int], interval: float, fmt: str
+) -> None:
+    if fmt not in Image.SAVE_ALL:
+        pytest.skip(f"Pillow cannot write animated {fmt}")
+    data = gif(COLORS, duration, fmt)
+    video = decode_video(data, LIMITS)
+    assert len(video.frames) == 4 and video.interval_s == pytest.approx(interval)
+    assert video_interval(data, LIMITS) == video.interval_s  # the timing of a cached item: the same
+    # all 3 frames sampled: one frame apart; a single frame: its own duration
+    assert decode_video(gif(COLORS[:3], 250), LIMITS).interval_s == pytest.approx(0.25)
+    assert decode_video(gif(COLORS[:1], 250), LIMITS).interval_s == pytest.approx(0.25)
+
+
+def test_video_without_timing_falls_back_to_the_processor_fps() -> None:
+    for data in (gif(COLORS, duration=0), png((8, 6))):
+        assert decode_video(data, LIMITS).interval_s is None
+        assert video_interval(data, LIMITS) is None
+    config = ProcessorConfig(temporal_patch_size=2, video_fps=2.0)
+    assert config.video_second_per_grid(None) == config.second_per_grid == 1.0
+    assert config.video_second_per_grid(0.25) == 0.5
+    assert config.video_second_per_grid(1e9) == MAX_SECOND_PER_GRID  # from client bytes: bounded
+
+
+@pytest.mark.parametrize(("container", "codec"), [("mp4", "mpeg4"), ("webm", "libvpx")])
+def test_encoded_video_reports_the_sampled_frames_interval(container: str, codec: str) -> None:
+    if codec not in av.codecs_available:
+        pytest.skip(f"{codec} encoder not available")
+    data = encoded_video(COLORS, container, codec)  # 8 frames per second
+    video = decode_video(data, LIMITS)
+    assert video.interval_s == pytest.approx(7 / 8 / 3, rel=1e-3)
+    assert video_interval(data, LIMITS) == video.interval_s
+    assert decode_video(data, MediaLimits(video_frames=8)).interval_s == pytest.approx(1 / 8, rel=1e-3)
 
 
 @pytest.mark.parametrize("data", [b"", b"garbage" * 100, b"\x00\x00\x00\x20ftypisom" + bytes(200)])

@@ -20,7 +20,7 @@ from epdserve.api.errors import BadRequest, from_media_error
 from epdserve.api.protocol import EmbedsPart, ImageUrlPart, InputAudioPart, MediaPart
 from epdserve.engine.inputs import MediaInput
 from epdserve.media.audio import AudioProcessor
-from epdserve.media.decode import decode_image, decode_video
+from epdserve.media.decode import decode_image, decode_video, video_interval
 from epdserve.media.errors import InvalidMedia, MediaError, MediaTooLarge
 from epdserve.media.fetch import load_media_bytes
 from epdserve.media.hashing import media_uuid
@@ -88,12 +88,20 @@ class MediaResolver:
             return self._audio(data, audio_format)
         uuid = media_uuid(self.model_id, modality, data, self.processor_kwargs)
         if modality == "image":
-            vi = self.processor.image(decode_image(data, self.limits))
+            vi, second = self.processor.image(decode_image(data, self.limits)), None
         else:
-            vi = self.processor.video(decode_video(data, self.limits))
-        # the sampled frames stand for the processor's frame rate (Qwen2.5-VL's time axis)
-        second = self.processor.config.second_per_grid if modality == "video" else None
+            video = decode_video(data, self.limits)
+            # the clip's own timing (every role derives it from the same bytes the same way)
+            vi, second = (
+                self.processor.video(video.frames),
+                self.processor.config.video_second_per_grid(video.interval_s),
+            )
         return MediaInput(uuid, modality, vi.grid_thw, vi.pixel_values, second_per_grid=second)
+
+    def video_second_per_grid(self, data: bytes) -> float:
+        """A video's seconds per temporal patch without decoding its frames (an item whose
+        embeddings are cached); equals ``process_bytes``'s."""
+        return self.processor.config.video_second_per_grid(video_interval(data, self.limits))
 
     def process_audio(self, data_b64: str, declared_format: str) -> MediaInput:
         """Base64 audio → log-mel features (CPU work, runs in the executor)."""

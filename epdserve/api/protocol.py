@@ -6,9 +6,11 @@ OpenAI's ``text`` / ``image_url`` / ``input_audio`` parts we accept ``video_url`
 metadata-only parts that refer to embeddings an encoder worker already produced::
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, h, w]}, "uuid": "...", "ec_handle": {...}}
-    {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w]}, "uuid": "...", "ec_handle": {...}}
+    {"type": "video_embeds", "video_embeds": {"video_grid_thw": [t, h, w], "second_per_grid": 1.0},
+     "uuid": "...", "ec_handle": {...}}
 
-and, for audio models, ``audio_embeds`` with ``audio_grid_thw = [1, mel frames, 1]``.
+(``second_per_grid``, optional: the seconds of video one temporal patch spans; absent, the
+processor's fps) and, for audio models, ``audio_embeds`` with ``audio_grid_thw = [1, mel frames, 1]``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import msgspec
 
 from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.media.limits import MediaLimits
+from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 GridTHW = tuple[PositiveInt, PositiveInt, PositiveInt]
+SecondPerGrid = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECOND_PER_GRID)]  # finite: JSON has no NaN
 FinishReason = Literal["stop", "length"]
 
 MAX_STOP_STRINGS: Final = 4  # OpenAI's limit on `stop`
@@ -90,6 +93,9 @@ class VideoEmbeds(msgspec.Struct):
     video_grid_thw: GridTHW  # (t, h, w) in patches
     data: str | None = None  # inline embeddings, as in ``ImageEmbeds``
     dtype: EmbedsDtype = "float32"
+    # seconds of video one temporal patch spans (the sampled frames' spacing x temporal patch
+    # size; Qwen2.5-VL's positions and Qwen3-VL's timestamps); None: the processor's fps
+    second_per_grid: SecondPerGrid | None = None
 
 
 class VideoEmbedsPart(msgspec.Struct, tag_field="type", tag="video_embeds"):

@@ -16,6 +16,12 @@ language model needs and the EC-connector handle of the embeddings::
 An item may carry ``pixels`` instead of ``url``: a signed handle on its decoded frames in the
 router's slab (``transfer.pixels``), when the router decodes media itself (``--frontend-decode``).
 
+A video item also carries ``second_per_grid``, the seconds of video one temporal patch spans
+(from the clip's own timing, ``media.decode``), which the language model's prompt depends on
+(Qwen2.5-VL's positions, Qwen3-VL's timestamps). It is optional and a response's unknown fields
+are ignored, so peers of version 3 without it still talk: a router that gets none leaves it out,
+and the worker falls back to the processor's fps.
+
 Every message goes through the ``encode_*`` / ``decode_*`` functions below, which check the
 protocol version first: a peer speaking another version gets a clear error, not a field error.
 """
@@ -27,7 +33,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from epdserve.api.errors import BadRequest
-from epdserve.api.protocol import param_of
+from epdserve.api.protocol import SecondPerGrid, param_of
 
 ENCODER_PROTOCOL_VERSION: Final = 3  # bump on any incompatible change of the messages below (3: "pixels")
 
@@ -102,14 +108,18 @@ class EncodedItem(msgspec.Struct, kw_only=True):
     )
     status: ItemStatus  # "computed": a vision forward ran for it; "cache_hit": this encoder's cache; "store_hit": the shared store
     timings: ItemTimings = msgspec.field(default_factory=ItemTimings)
+    second_per_grid: SecondPerGrid | None = None  # a video's seconds per temporal patch (None: not a video)
 
     def embeds_part(self, handle: dict[str, Any] | None = None) -> dict[str, Any]:
         """The metadata-only chat content part that replaces this item's URL part (with
         ``ec_handle``, or another of the item's leases)."""
         key = f"{self.modality}_embeds"
+        meta: dict[str, Any] = {f"{self.modality}_grid_thw": list(self.grid_thw)}
+        if self.modality == "video" and self.second_per_grid is not None:
+            meta["second_per_grid"] = self.second_per_grid
         return {
             "type": key,
-            key: {f"{self.modality}_grid_thw": list(self.grid_thw)},
+            key: meta,
             "uuid": self.uuid,
             "ec_handle": self.ec_handle if handle is None else handle,
         }

@@ -90,7 +90,7 @@ from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferErr
 from epdserve.transfer.config import STORE_HANDLE, ECConfig
 from epdserve.transfer.factory import make_producer
 from epdserve.transfer.header import WireHeader, to_handle
-from epdserve.transfer.pixels import PixelReader, processor_digest
+from epdserve.transfer.pixels import PixelItem, PixelReader, processor_digest
 
 VISUAL_TOKENS = "visual tokens (embedding rows) served, by how"
 PIXEL_ITEMS = "items that arrived decoded (the router's pixel handles): not fetched, hashed or decoded here"
@@ -161,6 +161,7 @@ class _Ready(NamedTuple):
     status: ItemStatus
     timings: ItemTimings
     stored: WireHeader | None = None  # its shared-store entry, when this encoder knows there is one
+    second_per_grid: float | None = None  # a video's seconds per temporal patch (None: not a video)
 
 
 def _with_param(e: ApiError, param: str) -> ApiError:
@@ -387,6 +388,7 @@ class EncoderService:
                     store_handle=self._store_handle(r.stored) if r.stored is not None else None,
                     status=status,
                     timings=r.timings,
+                    second_per_grid=r.second_per_grid,
                 )
             )
         return EncodeResponse(items=items)
@@ -398,8 +400,11 @@ class EncoderService:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         data: bytes | None = None
+        second: float | None = None  # a video's timing, known here for pixels (the router decoded it)
         if item.url is None:  # then it carries pixels (decode_request)
-            uuid, t1 = self._pixel_uuid(item), t0
+            (uuid, interval), t1 = self._pixel_item(item), t0
+            if item.modality == "video":
+                second = self.processor.config.video_second_per_grid(interval)
         else:
             data = await load_media_bytes(item.url, self.config.limits, resolver.session)
             t1 = time.perf_counter()
@@ -408,20 +413,22 @@ class EncoderService:
             )
         cached = self.batcher.lookup(uuid)
         if cached is not None:
+            second = await self._video_timing(item, data, second)
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
-            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored)
+            return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored, second)
         if self.store is None:
-            return await self._compute(item, uuid, data, t0, t1)
+            return await self._compute(item, uuid, data, t0, t1, second)
         store, cfg = self.store, self.config.ec.store
         got = await fetch_or_claim(store, uuid, cfg.wait_s)
         if isinstance(got, StoredItem):
             self.batcher.remember(uuid, got.grid_thw, got.embeddings)
             self._remember_stored(uuid, got.header)
+            second = await self._video_timing(item, data, second)
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
-            return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header)
+            return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
         async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
-            ready = await self._compute(item, uuid, data, t0, t1)
+            ready = await self._compute(item, uuid, data, t0, t1, second)
             if ready.status == "computed":
                 header = await store.put(uuid, ready.grid_thw, ready.embeddings)
                 if header is not None:
@@ -454,16 +461,25 @@ class EncoderService:
         handle = to_handle(header, STORE_HANDLE)
         return signing.issue(handle, cfg.handle_key, cfg.store.ttl_s, signing.new_lease())
 
-    def _pixel_uuid(self, item: EncodeItem) -> str:
-        """The uuid a pixel handle names, once it verified and validated."""
+    def _pixel_item(self, item: EncodeItem) -> PixelItem:
+        """The uuid and timing a pixel handle names, once it verified and validated."""
         if self.pixels is None:
             raise BadRequest("This encoder has no cluster credential, so it accepts no pixel handle.")
         try:
-            uuid = self.pixels.uuid(item.pixels, item.modality)
+            named = self.pixels.item(item.pixels, item.modality)
         except TransferError as e:
             raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         self.metrics.inc("encoder_pixel_items_total", help_text=PIXEL_ITEMS)
-        return uuid
+        return named
+
+    async def _video_timing(self, item: EncodeItem, data: bytes | None, known: float | None) -> float | None:
+        """A video's seconds per temporal patch when its embeddings were not computed here: a
+        pixel handle's (``known``), or read from the URL's bytes without decoding the frames."""
+        if item.modality != "video" or data is None:
+            return known
+        assert self.resolver is not None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.resolver.video_second_per_grid, data)
 
     def _preprocess(self, item: EncodeItem, data: bytes | None) -> VisionInput | MediaInput:
         """Decode a URL's bytes, or read a pixel handle's frames (decoded and resized by the
@@ -482,8 +498,11 @@ class EncoderService:
         media = self._preprocess(item, data)
         return media, time.thread_time() - t
 
-    async def _compute(self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float) -> _Ready:
-        """Preprocess and encode one item here (the batcher joins it with concurrent ones)."""
+    async def _compute(
+        self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float, second: float | None
+    ) -> _Ready:
+        """Preprocess and encode one item here (the batcher joins it with concurrent ones);
+        ``second``: a pixel handle's video timing (a URL's comes with its preprocessing)."""
         loop = asyncio.get_running_loop()
         try:
             media, cpu_s = await loop.run_in_executor(self.executor, self._timed_preprocess, item, data)
@@ -511,7 +530,10 @@ class EncoderService:
             queue_ms=_ms(res.queue_s),
             encode_ms=_ms(res.encode_s),
         )
-        return _Ready(item, uuid, media.grid_thw, res.embeddings, "cache_hit" if res.cache_hit else "computed", timings)
+        if isinstance(media, MediaInput):
+            second = media.second_per_grid
+        status: ItemStatus = "cache_hit" if res.cache_hit else "computed"
+        return _Ready(item, uuid, media.grid_thw, res.embeddings, status, timings, second_per_grid=second)
 
     def _put_all(self, ready: list[_Ready], leases: int) -> list[list[Handle]]:
         """Put every item's embeddings (runs on the put thread): ``leases`` handles per item, the

@@ -4,18 +4,28 @@ Sizes are checked from the container header before pixel data is decoded, so a s
 claims a huge canvas (a decompression bomb) is refused without allocating it. Pillow's own
 ``Image.MAX_IMAGE_PIXELS`` is a process-wide setting read inside ``Image.open``; it is left
 untouched and only acts as a backstop (its bomb error also maps to 413).
+
+A video also reports its timing: the seconds between consecutive *sampled* frames (the mean over
+the sampled span), from the file's own clock (GIF/WebP per-frame durations, a container's packet
+timestamps), as transformers and vLLM take a video's frame rate from its metadata. A file with no
+usable clock (zero or absent durations) reports None, and the caller falls back to the processor's
+fps. The value comes from client bytes, so it is bounded: finite, positive, at most
+``MAX_SECOND_PER_GRID`` seconds.
 """
 
 from __future__ import annotations
 
 import io
+import math
+from fractions import Fraction
+from typing import NamedTuple
 
 import av
 import av.error
 from PIL import Image, UnidentifiedImageError
 
 from epdserve.media.errors import InvalidMedia, MediaTooLarge
-from epdserve.media.limits import MediaLimits
+from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
 from epdserve.media.processor import sample_frame_indices
 
 # Image formats decoded by Pillow when a video is expected (animated ones and stills as 1-frame
@@ -76,42 +86,80 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
             raise InvalidMedia(f"The image could not be decoded: {e}") from None
 
 
-def decode_video(data: bytes, limits: MediaLimits) -> list[Image.Image]:
+class Video(NamedTuple):
+    """A decoded video: its sampled frames and their timing."""
+
+    frames: list[Image.Image]  # RGB, ``limits.video_frames`` of them (all when the clip has fewer)
+    interval_s: float | None  # seconds between consecutive sampled frames; None: the file has no clock
+
+
+def decode_video(data: bytes, limits: MediaLimits) -> Video:
     """Decode a video and sample ``limits.video_frames`` frames evenly (all when it has fewer).
 
     Animated GIF/WebP/PNG (and still images, as 1-frame videos) go through Pillow; MP4, WebM and
     other containers through PyAV.
     """
+    return _video(data, limits, keep=True)
+
+
+def video_interval(data: bytes, limits: MediaLimits) -> float | None:
+    """``decode_video(data, limits).interval_s`` without converting frames (a container's packets
+    are only demuxed): the timing of an item whose embeddings are cached."""
+    return _video(data, limits, keep=False).interval_s
+
+
+def _video(data: bytes, limits: MediaLimits, keep: bool) -> Video:
     if len(data) > limits.max_bytes:
         raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
     img = _open_image(data, limits, _PILLOW_VIDEO_FORMATS)
     if img is not None:
         with img:
-            return _decode_animated(img, limits)
-    return _decode_container(data, limits)
+            return _decode_animated(img, limits, keep)
+    return _decode_container(data, limits, keep)
 
 
-def _decode_animated(img: Image.Image, limits: MediaLimits) -> list[Image.Image]:
+def _sampled_interval(starts: list[float], wanted: list[int], first_duration: float) -> float | None:
+    """Mean seconds between the ``wanted`` frames, given each frame's start time (``starts``, up to
+    the last wanted one); a single frame's is its own duration. None when not finite and positive."""
+    n = len(wanted)
+    seconds = (starts[wanted[-1]] - starts[wanted[0]]) / (n - 1) if n > 1 else first_duration
+    if not math.isfinite(seconds) or seconds <= 0:
+        return None
+    return min(seconds, MAX_SECOND_PER_GRID)
+
+
+def _decode_animated(img: Image.Image, limits: MediaLimits, keep: bool) -> Video:
     _check_pixels(img.width, img.height, limits, "video frame")
     try:
         total = int(getattr(img, "n_frames", 1))
         if total > limits.max_video_frames:
             raise MediaTooLarge(f"The video has {total} frames; at most {limits.max_video_frames} are accepted.")
-        frames = []
-        for i in sample_frame_indices(total, limits.video_frames):
+        wanted = sample_frame_indices(total, limits.video_frames)
+        wanted_set = set(wanted)
+        frames, starts, durations = [], [0.0], []
+        # every frame up to the last wanted one: its duration is part of the later frames' times
+        # (seeking decodes the frames in between anyway)
+        for i in range(wanted[-1] + 1):
             img.seek(i)
-            frames.append(to_rgb(img))
+            img.load()  # WebP reports a frame's duration once it is loaded
+            durations.append(max(0.0, float(img.info.get("duration") or 0)) / 1000)
+            starts.append(starts[-1] + durations[-1])
+            if keep and i in wanted_set:
+                frames.append(to_rgb(img))
     except Image.DecompressionBombError:
         raise MediaTooLarge(f"The video frame exceeds {limits.max_image_pixels} pixels.") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise InvalidMedia(f"The animated image could not be decoded: {e}") from None
-    return frames
+    return Video(frames, _sampled_interval(starts, wanted, durations[0]))
 
 
-def _decode_container(data: bytes, limits: MediaLimits) -> list[Image.Image]:
+def _decode_container(data: bytes, limits: MediaLimits, keep: bool) -> Video:
     try:
-        total = _count_video_packets(data, limits)
+        total, starts, first_duration = _count_video_packets(data, limits)
         wanted = sample_frame_indices(total, limits.video_frames)
+        interval = _sampled_interval(starts, wanted, first_duration) if starts else None
+        if not keep:
+            return Video([], interval)
         last_wanted = wanted[-1]
         frames: list[Image.Image] = []
         last = None
@@ -136,11 +184,13 @@ def _decode_container(data: bytes, limits: MediaLimits) -> list[Image.Image]:
         raise InvalidMedia(f"The media is not a decodable video: {e}") from None
     if not frames:
         raise InvalidMedia("The video contains no decodable frames.")
-    return [to_rgb(f) for f in frames]
+    return Video([to_rgb(f) for f in frames], interval)
 
 
-def _count_video_packets(data: bytes, limits: MediaLimits) -> int:
-    """Frames of the first video stream, counted from packets without decoding them."""
+def _count_video_packets(data: bytes, limits: MediaLimits) -> tuple[int, list[float], float]:
+    """Frames of the first video stream, counted from packets without decoding them, with their
+    start times in presentation order (frame i is the i-th decoded; empty when a packet has no
+    timestamp) and the first one's duration, in seconds."""
     with av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.video:
             raise InvalidMedia("The media has no video stream.")
@@ -149,11 +199,21 @@ def _count_video_packets(data: bytes, limits: MediaLimits) -> int:
         if ctx.width and ctx.height:
             _check_pixels(ctx.width, ctx.height, limits, "video frame")
         count = 0
+        stamps: list[tuple[int, int]] = []  # (pts, duration) in time_base units
+        timed = True
         for packet in container.demux(stream):
             if packet.size:
                 count += 1
                 if count > limits.max_video_frames:
                     raise MediaTooLarge(f"The video has more than {limits.max_video_frames} frames.")
+                timed = timed and packet.pts is not None
+                if timed:
+                    stamps.append((int(packet.pts), int(packet.duration or 0)))  # type: ignore[arg-type]
+        base = stream.time_base
     if count == 0:
         raise InvalidMedia("The video contains no frames.")
-    return count
+    if not timed or base is None:
+        return count, [], 0.0
+    stamps.sort()  # decode order → presentation order
+    tb = Fraction(base)
+    return count, [float(pts * tb) for pts, _ in stamps], float(stamps[0][1] * tb)

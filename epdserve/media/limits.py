@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
+
+# Most seconds of video one temporal patch may stand for (a video's timing comes from client bytes
+# or a client's ``video_embeds``; Qwen2.5-VL's positions grow with it): far beyond any real clip's
+# sampled frame spacing.
+MAX_SECOND_PER_GRID: Final = 3600.0
 
 
 @dataclass(frozen=True)

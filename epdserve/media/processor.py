@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from epdserve.media.limits import MAX_SECOND_PER_GRID
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, area within bounds, aspect kept."""
@@ -55,7 +57,7 @@ class ProcessorConfig:
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
     video_frames: int = 4  # frames sampled from a video
-    video_fps: float = 2.0  # frames per second the sampled video frames stand for (Qwen2.5-VL's time axis)
+    video_fps: float = 2.0  # frame rate of sampled video frames when the file has no timing of its own
 
     @property
     def factor(self) -> int:
@@ -63,8 +65,16 @@ class ProcessorConfig:
 
     @property
     def second_per_grid(self) -> float:
-        """Seconds of video one temporal patch spans (transformers' ``second_per_grid_ts``)."""
+        """Seconds of video one temporal patch spans (transformers' ``second_per_grid_ts``) when
+        the video has no timing of its own: its sampled frames stand for ``video_fps``."""
         return self.temporal_patch_size / self.video_fps
+
+    def video_second_per_grid(self, interval_s: float | None) -> float:
+        """Seconds one temporal patch spans for a video whose sampled frames are ``interval_s``
+        apart (``media.decode.Video``; None: ``second_per_grid``), at most ``MAX_SECOND_PER_GRID``."""
+        if interval_s is None:
+            return self.second_per_grid
+        return min(self.temporal_patch_size * interval_s, MAX_SECOND_PER_GRID)
 
     def hash_kwargs(self, video_frames: int) -> dict[str, int]:
         """The settings an item's content hash covers (``media.hashing``): every role that hashes

@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable
 
 from epdserve.api.errors import BadRequest
-from epdserve.api.protocol import EmbedsPart, embeds_grid, embeds_of, part_modality
+from epdserve.api.protocol import EmbedsPart, VideoEmbedsPart, embeds_grid, embeds_of, part_modality
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.messages import WireTensor
 from epdserve.models.precision import ITEMSIZE, all_finite
@@ -37,21 +37,24 @@ class MetadataEmbeds:
         self.model_id = model_id
         self.width = width
         self.rows_of = rows_of  # the model's placeholder count for a grid (raises ValueError)
-        # a video's seconds per temporal patch: the encoder sampled its frames with the processor
-        # settings of the same checkpoint, so this side takes them from there too
+        # a video's seconds per temporal patch when its part carries none (a client's, an older
+        # encoder's): the processor's fps, as for a video file without timing
         self.second_per_grid = second_per_grid
 
     async def __call__(self, part: EmbedsPart) -> MediaInput:
         modality, grid = part_modality(part), embeds_grid(part)
         t, h, w = grid
-        second = self.second_per_grid if modality == "video" else None
+        second = None
+        if isinstance(part, VideoEmbedsPart):
+            second = part.video_embeds.second_per_grid
+            second = self.second_per_grid if second is None else second
         try:
             rows = self.rows_of((t, h, w))
         except ValueError as e:
             raise BadRequest(f"{modality}_grid_thw {list(grid)}: {e}.") from None
         embeds = embeds_of(part)
         if embeds.data is not None:
-            emb, uuid = self._inline(modality, grid, embeds.data, embeds.dtype, rows)
+            emb, uuid = self._inline(modality, grid, embeds.data, embeds.dtype, rows, second)
             return MediaInput(uuid, modality, (t, h, w), embeddings=emb, second_per_grid=second)
         if part.ec_handle is None:
             raise BadRequest(f"A metadata-only {modality} item needs an ec_handle or inline data.")
@@ -60,7 +63,9 @@ class MetadataEmbeds:
             raise BadRequest(f"The ec_handle of {modality} {part.uuid} is not valid: it names other content.")
         return MediaInput(part.uuid, modality, (t, h, w), handle=part.ec_handle, second_per_grid=second)
 
-    def _inline(self, modality: str, grid: tuple[int, int, int], data: str, dtype: str, rows: int):
+    def _inline(
+        self, modality: str, grid: tuple[int, int, int], data: str, dtype: str, rows: int, second: float | None
+    ) -> tuple[WireTensor, str]:
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
@@ -75,5 +80,7 @@ class MetadataEmbeds:
             raise BadRequest(f"Inline {modality} embeddings contain NaN or infinite values.")
         # The uuid keys the prefix cache, so it comes from the content, never from the client: a
         # client naming another image's uuid must not share (or poison) that image's cached blocks.
-        digest = hashlib.sha256(f"{self.model_id}|{modality}|{list(grid)}|{dtype}|".encode() + raw).hexdigest()
+        # A video's timing is part of it: the same embeddings at another pace sit at other positions.
+        timing = "" if second is None else f"{second!r}|"
+        digest = hashlib.sha256(f"{self.model_id}|{modality}|{list(grid)}|{dtype}|{timing}".encode() + raw).hexdigest()
         return WireTensor(dtype, (rows, self.width), raw), f"inline-{digest}"

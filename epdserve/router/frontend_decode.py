@@ -179,11 +179,13 @@ class FrontendDecoder:
                 data = decode_data_url(url, self.limits)
             uuid = media_uuid(model, modality, data, self.hash_kwargs)
             p = self.processor
+            interval = None  # a video's timing travels in the handle: the encoder reports it
             try:
                 if modality == "image":
                     frames = [p.resized_image(decode_image(data, self.limits))]
                 else:
-                    frames = p.resized_video(decode_video(data, self.limits))
+                    video = decode_video(data, self.limits)
+                    frames, interval = p.resized_video(video.frames), video.interval_s
             except ValueError:  # a size the resize refuses: the encoder gives the client its error
                 return None
             sizes = {f.size for f in frames}
@@ -192,7 +194,7 @@ class FrontendDecoder:
                 return None
             pixels = np.stack([np.asarray(f, dtype=np.uint8) for f in frames])
             digest = processor_digest(model, self.hash_kwargs)
-            return self.producer.put(uuid, model, modality, digest, pixels)
+            return self.producer.put(uuid, model, modality, digest, pixels, interval)
         finally:
             self.decode_hist.observe(time.perf_counter() - t0)
 

@@ -54,7 +54,8 @@ class PromptBlocks:
             "video": (1, merge, merge),
             "audio": (1, 3, 1),
         }
-        # a video's seconds per temporal patch, as the workers take it (Qwen3-VL writes it into the prompt)
+        # a video's seconds per temporal patch when the encoder gave none, as the workers take it
+        # (Qwen3-VL writes it into the prompt)
         self.second_per_grid = ProcessorConfig.from_pretrained(model_dir).second_per_grid
 
     def blocks(self, req: ChatRequest, media: list[tuple[str, EncodedItem | None]], block_size: int) -> Blocks:
@@ -64,7 +65,7 @@ class PromptBlocks:
         inputs = [
             MediaInput(_UNKNOWN, modality, self.stand_in[modality], second_per_grid=self._seconds(modality))
             if it is None
-            else MediaInput(it.uuid, it.modality, it.grid_thw, second_per_grid=self._seconds(it.modality))
+            else MediaInput(it.uuid, it.modality, it.grid_thw, second_per_grid=self._seconds(it.modality, it))
             for modality, it in media
         ]
         prompt = self.builder.build(template_messages(req), inputs, req.chat_template_kwargs)
@@ -75,8 +76,14 @@ class PromptBlocks:
             hashes = hashes[: min(unknown) // block_size]
         return Blocks(hashes, [s.offset + s.length for s in spans], not unknown)
 
-    def _seconds(self, modality: str) -> float | None:
-        return self.second_per_grid if modality == "video" else None
+    def _seconds(self, modality: str, item: EncodedItem | None = None) -> float | None:
+        """A video's seconds per temporal patch: the encoder's (from the clip's timing), as the
+        worker gets it in the item's part; the processor's fps when the encoder gave none."""
+        if modality != "video":
+            return None
+        if item is not None and item.second_per_grid is not None:
+            return item.second_per_grid
+        return self.second_per_grid
 
 
 class KVIndex:

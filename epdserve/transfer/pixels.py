@@ -6,7 +6,7 @@ torch) and sends the encoder a *pixel handle* instead of the URL::
 
     {"connector": "shm", "version": 2, "key": "<media uuid>", "model_id": "...", "dtype": "uint8",
      "shape": [frames, height, width, 3], "nbytes": N, "checksum": "<xxh3-64>",
-     "modality": "image", "processor": "<digest of the preprocessing settings>",
+     "modality": "video", "processor": "<digest of the preprocessing settings>", "interval_s": 0.5,
      "slab": ..., "offset": ..., "generation": ..., "slot": ..., "path": ...,
      "issued_at": ..., "expires_at": ..., "lease": ..., "mac": ...}
 
@@ -32,14 +32,14 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final, NamedTuple
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from epdserve.media.hashing import canonical_json
-from epdserve.media.limits import MediaLimits
+from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import PROTOCOL_VERSION, Handle, InvalidHandle, TransferError
@@ -57,6 +57,15 @@ class PixelFields(msgspec.Struct):
 
     modality: str  # "image" or "video": part of the uuid, checked against the encode item's
     processor: str  # ``processor_digest`` of the settings the uuid was computed under
+    # a video's seconds between sampled frames, from its bytes (``media.decode.Video``; None: no clock)
+    interval_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_SECOND_PER_GRID)] | None = None
+
+
+class PixelItem(NamedTuple):
+    """What a verified pixel handle says of its item, before a byte is read."""
+
+    uuid: str  # the media uuid the router computed from the raw bytes
+    interval_s: float | None  # a video's seconds between sampled frames (None: the file had no clock)
 
 
 def processor_digest(model_id: str, processor_kwargs: Mapping[str, Any]) -> str:
@@ -83,9 +92,17 @@ class PixelProducer:
     def __init__(self, cfg: ECConfig) -> None:
         self._shm = ShmProducer(pixel_config(cfg))
 
-    def put(self, uuid: str, model_id: str, modality: str, processor: str, frames: Frames) -> Handle:
-        """A handle on a copy of ``frames`` (uint8 [T, H, W, 3]); ``ProducerFull`` when the slab
-        cannot hold it until leases are given back."""
+    def put(
+        self,
+        uuid: str,
+        model_id: str,
+        modality: str,
+        processor: str,
+        frames: Frames,
+        interval_s: float | None = None,
+    ) -> Handle:
+        """A handle on a copy of ``frames`` (uint8 [T, H, W, 3]) and, for a video, the seconds
+        between them; ``ProducerFull`` when the slab cannot hold it until leases are given back."""
         if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != CHANNELS:
             raise TransferError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
         flat = np.ascontiguousarray(frames).reshape(-1)
@@ -99,7 +116,7 @@ class PixelProducer:
             nbytes=int(flat.nbytes),
             checksum="0" * 16,  # fixed length: the header's size is known before the copy hashes it
         )
-        fields = PixelFields(modality=modality, processor=processor)
+        fields = PixelFields(modality=modality, processor=processor, interval_s=interval_s)
         return self._shm.put_bytes(draft, flat, msgspec.structs.asdict(fields))
 
     def release(self, handle: Handle) -> bool:
@@ -139,10 +156,14 @@ class PixelReader:
 
     def uuid(self, handle: object, modality: str) -> str:
         """The item's uuid, once the handle verified and validated (no byte read)."""
+        return self.item(handle, modality).uuid
+
+    def item(self, handle: object, modality: str) -> PixelItem:
+        """The item's uuid and timing, once the handle verified and validated (no byte read)."""
         verified = self._verify(handle)
         header = wire.from_handle(verified)
-        self._check(verified, header, modality)
-        return header.key
+        fields = self._check(verified, header, modality)
+        return PixelItem(header.key, fields.interval_s)
 
     def read(self, handle: object, modality: str) -> Frames:
         """A private copy of the handle's frames, uint8 [T, H, W, 3] (blocking: off the event loop)."""
@@ -156,7 +177,7 @@ class PixelReader:
             raise InvalidHandle("the pixel handle is not a shm handle")
         return verified
 
-    def _check(self, handle: Handle, header: wire.WireHeader, modality: str) -> None:
+    def _check(self, handle: Handle, header: wire.WireHeader, modality: str) -> PixelFields:
         """Everything the signed header says, against this encoder's own settings and limits."""
         try:
             fields = msgspec.convert(handle, PixelFields)
@@ -184,6 +205,7 @@ class PixelReader:
             raise InvalidHandle(f"the pixel handle's {width}x{height} frames exceed the encoder's pixel limit")
         if header.nbytes != frames * height * width * CHANNELS:
             raise InvalidHandle(f"the pixel handle says {header.nbytes} bytes for shape {list(shape)}")
+        return fields
 
     async def close(self) -> None:
         await self._shm.close()

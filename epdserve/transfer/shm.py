@@ -498,7 +498,7 @@ class ShmConsumer:
             return await asyncio.to_thread(self._read, header, location, word)
         return self._read(header, location, word)
 
-    def read_bytes(self, handle: Handle, check: Callable[[Handle, wire.WireHeader], None]) -> wire.Bytes:
+    def read_bytes(self, handle: Handle, check: Callable[[Handle, wire.WireHeader], object]) -> wire.Bytes:
         """The payload of a handle of any payload kind (blocking: call it off the event loop), as a
         private flat uint8 copy. ``check`` validates the verified handle and its header before any
         byte is read, so a bad header never makes this instance allocate or read what it did not
