@@ -67,8 +67,11 @@ class HFReference:
         messages: list[dict],
         images: list[Image.Image] | None = None,
         videos: list[list[Image.Image]] | None = None,
+        video_seconds: list[float] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Model inputs for chat ``messages`` whose image/video parts are filled in order."""
+        """Model inputs for chat ``messages`` whose image/video parts are filled in order;
+        ``video_seconds``: per video, the seconds one temporal patch spans (None: the frames stand
+        for the processor's fps, as a video file without timing)."""
         prompt = self.tok.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
         )
@@ -95,8 +98,9 @@ class HFReference:
         if vids:
             out["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vids]))
             out["video_grid_thw"] = torch.tensor([v.grid_thw for v in vids])
-            if self.timed_video:  # the frames stand for the processor's sampling rate
-                out["second_per_grid_ts"] = torch.tensor([self.proc.config.second_per_grid] * len(vids))
+            if self.timed_video:
+                seconds = video_seconds or [self.proc.config.second_per_grid] * len(vids)
+                out["second_per_grid_ts"] = torch.tensor(seconds)
         return out
 
     @torch.inference_mode()

@@ -152,22 +152,29 @@ def test_text_after_a_long_video_continues_after_its_last_time(ckpt: Path) -> No
     assert delta == int(pos.max()) + 1 - len(ids)
 
 
-def test_pixels_and_metadata_only_videos_get_the_same_positions(ckpt: Path, ref: HFReference) -> None:
-    """The aggregated server (pixels) and a PD worker given only the grid and a handle build the
-    same prompt and positions: both take the sampling rate from the checkpoint's processor."""
+@pytest.mark.parametrize(("duration", "second"), [(300, 0.6), ([300, 500, 200, 100], 2 / 3), (0, 2.0)])
+def test_pixels_and_metadata_only_videos_get_the_same_positions(
+    ckpt: Path, ref: HFReference, duration: int | list[int], second: float
+) -> None:
+    """The aggregated server (pixels) and a PD worker given only the grid, the encoder's
+    ``second_per_grid`` and a handle build the same prompt and positions: transformers' for the
+    clip's own timing (temporal patch size x the sampled frames' spacing; a GIF without frame
+    durations: the checkpoint's 1 fps)."""
     cfg = ModelConfig.from_pretrained(ckpt)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(ckpt))
     assert proc.config.second_per_grid == 2.0  # 2 frames per temporal patch at 1 fps
     frames = ShapesWorld(3).video().frames()
     gif = io.BytesIO()
-    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    timing = {"duration": duration} if duration else {}
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], loop=0, **timing)
     with ThreadPoolExecutor(1) as pool:
         pixels = MediaResolver("m", proc, MediaLimits(), pool).process_bytes("video", gif.getvalue())
+    assert pixels.second_per_grid == pytest.approx(second)
     builder = InputBuilder(ref.tok, cfg)
     part = msgspec.convert(
         {
             "type": "video_embeds",
-            "video_embeds": {"video_grid_thw": list(pixels.grid_thw)},
+            "video_embeds": {"video_grid_thw": list(pixels.grid_thw), "second_per_grid": pixels.second_per_grid},
             "uuid": pixels.uuid,
             "ec_handle": {"key": pixels.uuid},
         },
@@ -181,8 +188,9 @@ def test_pixels_and_metadata_only_videos_get_the_same_positions(ckpt: Path, ref:
     assert a.token_ids == b.token_ids and a.mrope_delta == b.mrope_delta
     assert a.mrope_positions is not None and b.mrope_positions is not None
     np.testing.assert_array_equal(a.mrope_positions, b.mrope_positions)
-    # and they are transformers' positions for the same frames at the same rate
-    inputs = ref.inputs(messages, videos=[frames])
+    # and they are transformers' positions for the same frames at the clip's timing
+    assert pixels.second_per_grid is not None
+    inputs = ref.inputs(messages, videos=[frames], video_seconds=[pixels.second_per_grid])
     theirs, _ = ref.model.model.get_rope_index(
         inputs["input_ids"],
         inputs["mm_token_type_ids"],
@@ -190,6 +198,14 @@ def test_pixels_and_metadata_only_videos_get_the_same_positions(ckpt: Path, ref:
         second_per_grid_ts=inputs["second_per_grid_ts"],
     )
     np.testing.assert_array_equal(a.mrope_positions, theirs[:, 0].numpy())
+    if duration:  # the timing shows: the checkpoint's fps would place the frame groups elsewhere
+        at_config, _ = ref.model.model.get_rope_index(
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            video_grid_thw=inputs["video_grid_thw"],
+            second_per_grid_ts=torch.tensor([proc.config.second_per_grid]),
+        )
+        assert not np.array_equal(a.mrope_positions, at_config[:, 0].numpy())
 
 
 # ---------------------------------------------------------------------------------------------
