@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from epdserve.api.errors import BadRequest
-from epdserve.api.protocol import ImageEmbedsPart, check_embeds_trust, decode_chat_request
+from epdserve.api.protocol import ImageEmbedsPart, VideoEmbedsPart, check_embeds_trust, decode_chat_request
+from epdserve.engine.inputs import MediaInput
 from epdserve.media.limits import MediaLimits
 from epdserve.pd.embeds import MetadataEmbeds
 
@@ -68,6 +69,29 @@ def test_inline_embeddings_are_decoded_and_keyed_by_their_content() -> None:
     assert got.uuid.startswith("inline-") and got.uuid != "client-chosen"
     assert resolve(inline(t, uuid="other")).uuid == got.uuid
     assert resolve(inline(t + 1)).uuid != got.uuid
+
+
+def test_a_video_part_takes_its_own_timing_and_the_timing_keys_inline_data() -> None:
+    resolver = MetadataEmbeds("m", WIDTH, lambda g: g[0] * g[1] * g[2] // (MERGE * MERGE), second_per_grid=2.0)
+    raw = base64.b64encode(torch.zeros(4, WIDTH).numpy().tobytes()).decode()
+
+    def video(second: float | None, data: str | None = None) -> MediaInput:
+        embeds: dict = {"video_grid_thw": [2, 2, 4], "data": data}
+        if second is not None:
+            embeds["second_per_grid"] = second
+        part = {
+            "type": "video_embeds",
+            "video_embeds": embeds,
+            "uuid": "u",
+            "ec_handle": None if data else {"key": "u"},
+        }
+        return asyncio.run(resolver(msgspec.convert(part, VideoEmbedsPart)))
+
+    assert video(0.2).second_per_grid == 0.2  # the encoder's, from the clip
+    assert video(None).second_per_grid == 2.0  # none given: the processor's fps
+    # the same embeddings at another pace sit at other positions: another prefix-cache key
+    assert video(0.2, raw).uuid != video(0.4, raw).uuid != video(None, raw).uuid
+    assert video(0.2, raw).uuid == video(0.2, raw).uuid
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

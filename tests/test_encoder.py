@@ -187,7 +187,8 @@ def test_image_matches_the_in_process_tower_then_hits_the_cache(
 
 def test_video_gif(encoder: Encoder, tower: torch.nn.Module, processor: VisionProcessor) -> None:
     data = gif_bytes(ShapesWorld(4).video().frames())
-    vi = processor.video(decode_video(data, MediaLimits()).frames)
+    video = decode_video(data, MediaLimits())
+    vi = processor.video(video.frames)
     expected = reference(tower, vi)
     status, body = encoder.encode([{"modality": "video", "url": data_url(data, "image/gif")}])
     assert status == 200, body
@@ -197,6 +198,12 @@ def test_video_gif(encoder: Encoder, tower: torch.nn.Module, processor: VisionPr
     assert item["uuid"] == lm_server_uuid(processor, "video", data)
     assert item["num_embeddings"] == expected.shape[0]
     assert_close_rel(read_back(item), expected)
+    # the clip's timing (100 ms frames, 2 per temporal patch), as a worker decoding it would take it
+    assert item["second_per_grid"] == processor.config.video_second_per_grid(video.interval_s) == pytest.approx(0.2)
+    status, body = encoder.encode([{"modality": "video", "url": data_url(data, "image/gif")}])
+    (again,) = body["items"]
+    assert again["status"] == "cache_hit" and again["second_per_grid"] == item["second_per_grid"]
+    read_back(again)
 
 
 def test_concurrent_requests_are_batched(encoder: Encoder, tower: torch.nn.Module, processor: VisionProcessor) -> None:

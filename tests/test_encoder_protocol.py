@@ -126,3 +126,37 @@ def test_embeds_part_is_what_the_lm_server_accepts() -> None:
     assert isinstance(parts[0], ImageEmbedsPart) and parts[0].image_embeds.image_grid_thw == (1, 4, 6)
     assert isinstance(parts[1], VideoEmbedsPart) and parts[1].video_embeds.video_grid_thw == (2, 4, 4)
     assert parts[0].uuid == items[0].uuid and parts[0].ec_handle == items[0].ec_handle
+
+
+def test_a_video_item_carries_its_timing_to_the_worker_and_older_peers_still_talk() -> None:
+    """``second_per_grid`` is optional on both sides of version 3: an encoder that sends none, a
+    router that ignores it."""
+    video = msgspec.structs.replace(encoded("video", (2, 4, 4)), second_per_grid=0.2)
+    part = video.embeds_part()
+    assert part["video_embeds"] == {"video_grid_thw": [2, 4, 4], "second_per_grid": 0.2}
+    assert "second_per_grid" not in encoded().embeds_part()["image_embeds"]
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]}).encode()
+    (parsed,) = decode_chat_request(body, MediaLimits()).media_parts()
+    assert isinstance(parsed, VideoEmbedsPart) and parsed.video_embeds.second_per_grid == 0.2
+    # an older encoder's answer (no field) and an older router reading a newer one (unknown field)
+    old = json.loads(encode_response(EncodeResponse(items=[video])))
+    del old["items"][0]["second_per_grid"]
+    assert decode_response(json.dumps(old).encode()).items[0].second_per_grid is None
+    assert "second_per_grid" not in encoded("video", (2, 4, 4)).embeds_part()["video_embeds"]
+
+    # a router of an earlier build meets the field as this one meets a later build's: ignored
+    old["items"][0]["a_later_field"] = 1
+    assert decode_response(json.dumps(old).encode()).items[0].uuid == video.uuid
+
+
+@pytest.mark.parametrize("second", [0, -1.0, 1e9, "fast"])
+def test_a_video_embeds_timing_out_of_bounds_is_400(second: object) -> None:
+    part = {
+        "type": "video_embeds",
+        "video_embeds": {"video_grid_thw": [2, 4, 4], "second_per_grid": second},
+        "uuid": "u",
+    }
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]}).encode()
+    with pytest.raises(BadRequest) as e:
+        decode_chat_request(body, MediaLimits())
+    assert e.value.param is not None and "second_per_grid" in e.value.param

@@ -16,6 +16,7 @@ import io
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,18 +27,22 @@ import pytest
 from PIL import Image
 
 from epdserve.api.errors import BadRequest
+from epdserve.api.metrics import Metrics
 from epdserve.api.timing import parse_server_timing
+from epdserve.bench.workload import gif_data_url
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION, decode_request
 from epdserve.launcher import free_port
+from epdserve.media.decode import decode_video
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.router.frontend_decode import FrontendDecodeConfig, FrontendDecoder
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.transfer import signing
 from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import HANDLE_PURPOSE, PIXEL_HANDLE_PURPOSE, ECConfig
-from epdserve.transfer.pixels import PixelProducer, PixelReader, processor_digest
+from epdserve.transfer.pixels import PixelItem, PixelProducer, PixelReader, processor_digest
 from epdserve.up import Deployment, Topology
 from tests.server_utils import http, internal_headers
 from tests.test_topologies import MODEL, ask, data_url, request_set
@@ -67,9 +72,10 @@ def pixel_key() -> bytes:
 def test_a_pixel_handle_round_trips(tmp_path: Path) -> None:
     producer, reader, _ = pixel_pair(tmp_path)
     sent = frames(3)
-    handle = producer.put(UUID, MODEL, "video", "settings", sent)
+    handle = producer.put(UUID, MODEL, "video", "settings", sent, interval_s=0.25)
     assert handle["shape"] == [3, 28, 56, 3] and handle["dtype"] == "uint8"
     assert reader.uuid(handle, "video") == UUID
+    assert reader.item(handle, "video") == PixelItem(UUID, 0.25)  # the clip's timing, for the encoder's answer
     got = reader.read(handle, "video")
     assert got.dtype == np.uint8 and np.array_equal(got, sent)
     assert producer.live_handles == 1 and producer.release(handle)
@@ -103,6 +109,8 @@ def test_forged_and_out_of_limit_pixel_handles_are_refused(tmp_path: Path) -> No
         (signing.sign({**fields, "shape": [1, 56, 56, 3], "nbytes": 56 * 56 * 3}, key), "pixel limit"),
         (signing.sign({**fields, "shape": [1, 28, 56]}, key), "shape"),
         (signing.sign({**fields, "nbytes": 10}, key), "bytes"),
+        (signing.sign({**fields, "interval_s": -1.0}, key), "malformed"),
+        (signing.sign({**fields, "interval_s": 1e9}, key), "malformed"),
     ]
     for handle, why in bad:
         with pytest.raises(InvalidHandle, match=why):
@@ -140,6 +148,28 @@ def test_resized_frames_preprocess_exactly_as_the_originals(model_dir: Path) -> 
     sent_frames = [Image.fromarray(np.asarray(f)) for f in proc.resized_video(video)]
     a, b = proc.video(video), proc.video(sent_frames)
     assert a.grid_thw == b.grid_thw and np.array_equal(a.pixel_values, b.pixel_values)
+
+
+def test_a_decoded_video_hands_its_timing_to_the_encoder(model_dir: Path) -> None:
+    """The router decodes: the sampled frames' interval goes into the pixel handle, as the encoder
+    would have read it from the same bytes."""
+    limits = MediaLimits()
+    cluster = ClusterCredential.from_text(SECRET)
+    config = FrontendDecodeConfig(enabled=True, shm_bytes=1 << 20)
+    decoder = FrontendDecoder(config, model_dir, limits, cluster, "router-test", 30.0, Metrics())
+    kwargs = ProcessorConfig.from_pretrained(model_dir).hash_kwargs(limits.video_frames)
+    ec = ECConfig(shm_bytes=1 << 20, secret=SECRET, instance="router-test")
+    reader = PixelReader(ec, MODEL, processor_digest(MODEL, kwargs), limits)
+    try:
+        url = gif_data_url(ShapesWorld(5).video().frames())  # 100 ms frames
+        data = base64.b64decode(url.split(",", 1)[1])
+        handle = decoder._decode(MODEL, "video", url, None, time.perf_counter())
+        assert handle is not None
+        assert reader.item(handle, "video").interval_s == decode_video(data, limits).interval_s == pytest.approx(0.1)
+        decoder.producer.release(handle)
+    finally:
+        asyncio.run(decoder.close())
+        asyncio.run(reader.close())
 
 
 def test_an_encode_item_carries_a_url_or_pixels() -> None:
@@ -319,6 +349,17 @@ def test_forged_pixel_handles_get_a_4xx_and_the_deployment_keeps_serving(on: Dep
         status, body = encode(good)  # the positive control: the same path accepts a good handle
         assert status == 200 and body["items"][0]["uuid"] == uuid, body
         assert body["items"][0]["timings"]["fetch_ms"] == 0
+        # a video's timing rides in its handle: the encoder answers with its seconds per temporal patch
+        vid = media_uuid(MODEL, "video", b"test-only", kwargs)
+        clip = producer.put(vid, MODEL, "video", processor_digest(MODEL, kwargs), np.stack([img, img]), 0.25)
+        payload = {
+            "version": ENCODER_PROTOCOL_VERSION,
+            "model": MODEL,
+            "items": [{"modality": "video", "pixels": clip}],
+        }
+        status, raw = http("POST", enc + "/v1/encode", msgspec.json.encode(payload), headers=internal_headers())
+        item = msgspec.json.decode(raw)["items"][0]
+        assert status == 200 and item["second_per_grid"] == 0.5, item
         status, _, _ = chat(on.url, [{"type": "image_url", "image_url": {"url": image_url(12)}}])
         assert status == 200
         assert http("GET", enc + "/health")[0] == 200
