@@ -33,6 +33,7 @@ from epdserve.router.pool import Worker
 from epdserve.router.refs import media_refs
 from epdserve.shapes import ShapesWorld
 from epdserve.up import Deployment, Topology
+from tests.checkpoints import build
 from tests.server_utils import counter, http, internal_headers
 
 BS = 16
@@ -81,6 +82,29 @@ def test_the_router_names_blocks_as_the_block_manager_does(model_dir: Path) -> N
     refs[0].result = msgspec.structs.replace(refs[0].result, uuid="u-2")
     other = PromptBlocks(model_dir).blocks(req, [(r.modality, r.result) for r in refs], BS).hashes
     assert other[:first] == ours[:first] and all(a != b for a, b in zip(other[first:], ours[first:], strict=True))
+
+
+def test_a_videos_blocks_follow_the_encoders_timing(tmp_path: Path) -> None:
+    """Qwen3-VL writes a video's timestamps into the prompt: the router names its blocks with the
+    encoder's ``second_per_grid``, as the worker builds the prompt from the part that carries it."""
+    ckpt = build("qwen3_vl", tmp_path / "qwen3_vl", seed=0)
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:image/gif;base64,R0lG"}}, {"type": "text", "text": "?"}]}]}  # fmt: skip
+    req = decode_chat_request(msgspec.json.encode(body), MediaLimits(), 100_000)
+    grid = (4, 4, 4)
+    item = EncodedItem(
+        uuid="v-1", modality="video", grid_thw=grid, num_embeddings=16, dtype="float32", shape=(16, 64),
+        ec_handle={}, status="computed", second_per_grid=0.2,
+    )  # fmt: skip
+    blocks = PromptBlocks(ckpt)
+    ours = blocks.blocks(req, [("video", item)], 4).hashes
+    builder = InputBuilder(FastTokenizer(ckpt), ModelConfig.from_pretrained(ckpt))
+    prompt = builder.build(template_messages(req), [MediaInput("v-1", "video", grid, second_per_grid=0.2)], None)
+    engine_req = request_from(AddRequest("r", prompt.token_ids, SamplingParams(), prompt.mm_items))
+    assert ours == BlockManager(64, 4)._hashes_upto(engine_req, len(prompt.token_ids))
+    # an encoder that gave no timing: the checkpoint's fps, another prompt
+    untimed = blocks.blocks(req, [("video", msgspec.structs.replace(item, second_per_grid=None))], 4).hashes
+    assert untimed != ours
 
 
 def test_the_index_weighs_cached_prefix_against_load_and_forgets_stale_workers() -> None:
