@@ -2,8 +2,9 @@
 follows seconds of video.
 
 A video's frame group i sits at temporal index int(i * second_per_grid * tokens_per_second), where
-second_per_grid = temporal_patch_size / fps is the time one temporal patch spans (transformers'
-``get_rope_index``, and the processor's ``second_per_grid_ts``). Images have one frame group, so
+second_per_grid = temporal_patch_size / fps is the time one temporal patch spans, fps the sampled
+frames' rate from the clip's own timing (``media.decode.Video``; the processor's fps for a file
+without one) (transformers' ``get_rope_index``, and the processor's ``second_per_grid_ts``). Images have one frame group, so
 only videos differ from Qwen2-VL.
 
 The text after a run continues at the run's largest position + 1, as the original implementation

@@ -12,10 +12,10 @@ grid (t, h, w); its output rows are the groups' rows in order, so group i takes 
 is an image-like run of grid (1, h, w) and the timestamp text between them counts as text.
 
 Timestamps: a group's time is the mean of its first and last frame's, frame k at k / fps
-(``_calculate_timestamps``). The engine samples a fixed number of frames over the clip and knows
-no frame rate, so, as for Qwen2.5-VL's time axis, the frames stand for consecutive frames at the
-processor's fps (``ProcessorConfig.video_fps``, carried as ``second_per_grid`` =
-temporal_patch_size / fps): pixels and metadata-only parts (grid only) make the same prompt. A last
+(``_calculate_timestamps``), with fps the sampled frames' rate: temporal_patch_size /
+``second_per_grid``, as for Qwen2.5-VL's time axis. ``second_per_grid`` comes from the clip's own
+timing (``media.decode.Video``; the processor's fps for a file without one) and travels with
+metadata-only parts, so pixels and metadata-only parts make the same prompt. A last
 group padded with a repeated frame counts that frame as the next one (transformers would repeat the
 last index there; it cannot be told from the grid). Without a ``second_per_grid``, transformers'
 own fallback of 24 fps.
