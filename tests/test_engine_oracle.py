@@ -17,6 +17,7 @@ from epdserve.hf_reference import HFReference
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
+from tests.engine_utils import drain
 from tests.server_utils import TEST_DEVICE
 
 MAX_NEW = 12
@@ -83,22 +84,13 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
     # each alone, then all concurrently (chunked prefill: budget 64 splits the longer prompts)
     for name, messages, images, videos in cases():
         eng.add_request(engine_request(name, builder, proc, messages, images, videos, eos))
-        assert run(eng)[name] == expected[name], name
+        assert drain(eng)[name] == expected[name], name
     for name, messages, images, videos in cases():
         eng.add_request(engine_request(name + "#b", builder, proc, messages, images, videos, eos))
-    got = run(eng)
+    got = drain(eng)
     for name in expected:
         assert got[name + "#b"] == expected[name], name
     eng.scheduler.blocks.check_integrity()
-
-
-def run(eng: EngineCore) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work:
-        for o in eng.step():
-            assert o.error is None, o.error
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
 
 
 def test_prefix_cache_never_reuses_blocks_across_different_images(model_dir: Path, ref: HFReference) -> None:
@@ -118,19 +110,19 @@ def test_prefix_cache_never_reuses_blocks_across_different_images(model_dir: Pat
     ra = engine_request("a", builder, proc, msgs, render_images(a), [], eos)
     ra.mm_items[0].uuid = "uuid-a"
     eng.add_request(ra)
-    run(eng)
+    drain(eng)
     rb = engine_request("b", builder, proc, msgs, render_images(b), [], eos)
     rb.mm_items[0].uuid = "uuid-b"
     image_offset = rb.mm_items[0].offset
     eng.add_request(rb)
-    got = run(eng)["b"]
+    got = drain(eng)["b"]
     assert got == ref.generate_ids(ref.inputs(msgs, images=render_images(b)), max_new_tokens=MAX_NEW)
     assert 0 < rb.num_cached_tokens <= image_offset  # the text before the image is shared, nothing after
     # the same image again reuses everything but the last block
     rc = engine_request("c", builder, proc, msgs, render_images(b), [], eos)
     rc.mm_items[0].uuid = "uuid-b"
     eng.add_request(rc)
-    assert run(eng)["c"] == got
+    assert drain(eng)["c"] == got
     assert rc.num_cached_tokens > rb.mm_items[0].end
 
 
@@ -166,7 +158,7 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: 
     builder = InputBuilder(ref.tok, cfg)
     for i, (m, s) in enumerate(zip(msgs, samples, strict=True)):
         eng.add_request(engine_request(f"r{i}", builder, proc, m, render_images(s), [], eos))
-    got = run(eng)
+    got = drain(eng)
     assert got == expected
     assert eng.scheduler.num_preemptions > 0
     eng.scheduler.blocks.check_integrity()

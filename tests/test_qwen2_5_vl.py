@@ -33,6 +33,7 @@ from epdserve.models.registry import prompt_layout
 from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.shapes import ShapesWorld, render_images
 from tests.checkpoints import build
+from tests.engine_utils import drain
 from tests.server_utils import TEST_DEVICE
 
 MAX_NEW = 12
@@ -255,15 +256,6 @@ def engine_request(
     return request_from(add), p.mrope_positions
 
 
-def run(eng: EngineCore) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work:
-        for o in eng.step():
-            assert o.error is None, o.error
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
-
-
 def test_greedy_tokens_match_transformers_alone_and_batched(
     ckpt: Path, ref: HFReference, proc: VisionProcessor
 ) -> None:
@@ -284,10 +276,10 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
             video = np.asarray(req.prompt_token_ids) == cfg.placeholder("video")
             assert pos is not None and sorted(set(pos[0, video].tolist()))[1] - pos[0, video].min() == 4
         eng.add_request(req)
-        assert run(eng)[name] == expected[name], name
+        assert drain(eng)[name] == expected[name], name
     for name, messages, images, videos in cases():
         eng.add_request(engine_request(name + "#b", builder, proc, messages, images, videos, eos)[0])
-    got = run(eng)
+    got = drain(eng)
     for name in expected:
         assert got[name + "#b"] == expected[name], name
     eng.scheduler.blocks.check_integrity()

@@ -16,6 +16,7 @@ from epdserve.models.qwen2_audio_layout import audio_grid, audio_tokens, encoder
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError
 from epdserve.models.registry import prompt_layout
 from tests.checkpoints import build
+from tests.engine_utils import drain
 from tests.numerics import assert_close_rel
 
 torch.set_num_threads(1)
@@ -241,15 +242,6 @@ def engine_request(rid: str, builder, proc, messages: list[dict], audios: list[n
     return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, None, 0, eos))
 
 
-def run_engine(eng) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work:
-        for o in eng.step():
-            assert o.error is None, o.error
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
-
-
 def test_engine_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf_model, feature_extractor) -> None:
     from transformers import AutoTokenizer
 
@@ -274,10 +266,10 @@ def test_engine_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, h
     proc = AudioProcessor(AudioProcessorConfig.from_pretrained(ckpt))
     for name, messages, audios in engine_cases():
         eng.add_request(engine_request(name, builder, proc, messages, audios, eos))
-        assert run_engine(eng)[name] == expected[name], name
+        assert drain(eng)[name] == expected[name], name
     for name, messages, audios in engine_cases():
         eng.add_request(engine_request(name + "#b", builder, proc, messages, audios, eos))
-    got = run_engine(eng)
+    got = drain(eng)
     assert {name: got[name + "#b"] for name in expected} == expected
     eng.scheduler.blocks.check_integrity()
 

@@ -35,6 +35,7 @@ from epdserve.transfer import header as wire
 from epdserve.transfer.base import PROTOCOL_VERSION, InvalidHandle, TransferError
 from epdserve.transfer.factory import make_consumer, make_producer
 from tests.checkpoints import build
+from tests.engine_utils import drain
 from tests.numerics import assert_close_rel
 from tests.server_utils import TEST_DEVICE
 
@@ -176,15 +177,6 @@ def _request(rid: str, builder: InputBuilder, proc: VisionProcessor, messages, i
     return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta, list(eos)))
 
 
-def _run(eng: EngineCore) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work:
-        for o in eng.step():
-            assert o.error is None, o.error
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
-
-
 def _eos(hf, tok) -> frozenset[int]:  # type: ignore[no-untyped-def]
     """The end tokens transformers' generate stops at."""
     eos = hf.generation_config.eos_token_id
@@ -212,11 +204,11 @@ def test_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf, tok)
         req = _request(name, builder, proc, messages, images, eos)
         assert all(it.length > BUDGET for it in req.mm_items)  # every run is split by a chunk boundary
         eng.add_request(req)
-        assert _run(eng)[name] == expected[name], name
+        assert drain(eng)[name] == expected[name], name
     # all at once, under other uuids (no encoder-cache or prefix-cache hits): batched chunks
     for name, messages, images in _cases():
         eng.add_request(_request(name + "#b", builder, proc, messages, images, eos))
-    got = _run(eng)
+    got = drain(eng)
     for name in expected:
         assert got[name + "#b"] == expected[name], name
     eng.scheduler.blocks.check_integrity()
@@ -417,10 +409,10 @@ def test_video_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf
         req = _video_request(name, builder, proc, messages, images, videos, eos)
         assert all(n > BUDGET for it in req.mm_items for _, _, n in it.placements())  # chunks split every run
         eng.add_request(req)
-        assert _run(eng)[name] == expected[name], name
+        assert drain(eng)[name] == expected[name], name
     for name, messages, images, videos in _video_cases():
         eng.add_request(_video_request(name + "#b", builder, proc, messages, images, videos, eos))
-    got = _run(eng)
+    got = drain(eng)
     for name in expected:
         assert got[name + "#b"] == expected[name], name
     eng.scheduler.blocks.check_integrity()
