@@ -167,3 +167,69 @@ def test_an_unrecognised_architecture_fails_at_once_naming_what_is_supported(tmp
     for name in supported_architectures():
         assert name in message
     assert "Traceback" not in r.stderr
+
+
+def _first_token_logprobs(model: Path, topology: str, dtype: str, part: dict) -> list[tuple[bytes, float]]:
+    d = Deployment(
+        Topology.parse(topology),
+        str(model),
+        port=free_port(),
+        extra_pd_args=[*PD_ARGS, "--dtype", dtype],
+        extra_encoder_args=["--dtype", dtype],
+    )
+    d.start()
+    try:
+        c = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.chat.completions.create(
+            model=model.name,
+            messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
+            temperature=0,
+            max_tokens=1,
+            logprobs=True,
+            top_logprobs=3,
+        )
+    finally:
+        d.stop()
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content
+    # by bytes: several partial UTF-8 tokens all print as U+FFFD
+    return [(bytes(t.bytes or []), t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs]
+
+
+def _audio_part() -> dict:
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    samples = (0.1 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32)
+    sf.write(buf, samples, 16000, format="WAV", subtype="FLOAT")
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2_audio"])
+def test_bfloat16_serves_each_family_through_e_pd(family: str, tmp_path: Path) -> None:
+    """In bfloat16 the first token's top logprobs are float32's within bfloat16's rounding, and
+    E+PD (bfloat16 embeddings through the EC connector; DeepStack levels, audio) gives the
+    aggregated server's (rounding apart: other processes, other batch shapes)."""
+    model = build(family, tmp_path / f"{family}-tiny")
+    part = (
+        _audio_part()
+        if family == "qwen2_audio"
+        else {"type": "image_url", "image_url": {"url": data_url(ShapesWorld(5).scene().render())}}
+    )
+    full = _first_token_logprobs(model, "aggregated", "float32", part)
+    half = _first_token_logprobs(model, "aggregated", "bfloat16", part)
+    disaggregated = _first_token_logprobs(model, "1e+1pd", "bfloat16", part)
+    _assert_close(full, half, 0.25)
+    _assert_close(half, disaggregated, 0.05)
+
+
+def _assert_close(a: list[tuple[bytes, float]], b: list[tuple[bytes, float]], tol: float) -> None:
+    """Two top-3 lists name mostly the same tokens, with logprobs within ``tol`` (near-ties may swap)."""
+    da, db = dict(a), dict(b)
+    common = da.keys() & db.keys()
+    assert len(common) >= 2, (a, b)
+    for token in common:
+        assert abs(da[token] - db[token]) < tol, (token, a, b)
