@@ -14,6 +14,9 @@ PY
 # 1. greedy tokens on cuda identical to transformers (float32), engine in- and out-of-process
 EPD_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider \
   tests/test_engine_oracle.py tests/test_engine_client.py 2>&1 | tee "$OUT/oracle.txt"
+# 1b. the same for every other model family (tiny random-weight checkpoints built offline)
+EPD_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -k greedy \
+  tests/test_qwen2_5_vl.py tests/test_qwen3_vl.py tests/test_qwen2_audio.py 2>&1 | tee "$OUT/oracle-families.txt"
 # 2. every role on cuda at each precision answers end to end (1e+1pd through the router)
 for dtype in float32 bfloat16 float16; do
   EPD_TEST_DEVICE=cuda EPD_TEST_DTYPE=$dtype python -m pytest -q -p no:cacheprovider \
