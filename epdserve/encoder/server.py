@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import Any, NamedTuple, TypeVar, get_args
 
 import msgspec
 import torch
@@ -95,6 +95,7 @@ from epdserve.transfer.pixels import PixelItem, PixelReader, processor_digest
 VISUAL_TOKENS = "visual tokens (embedding rows) served, by how"
 PIXEL_ITEMS = "items that arrived decoded (the router's pixel handles): not fetched, hashed or decoded here"
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 STORED_REMEMBERED = 65536  # uuids whose store entries this encoder remembers (for store handles on cache hits)
 
 
@@ -164,6 +165,14 @@ class _Ready(NamedTuple):
     second_per_grid: float | None = None  # a video's seconds per temporal patch (None: not a video)
 
 
+def _remember(table: OrderedDict[str, T], uuid: str, value: T) -> None:
+    """``table[uuid] = value``, most recent last; the oldest go past ``STORED_REMEMBERED``."""
+    table[uuid] = value
+    table.move_to_end(uuid)
+    while len(table) > STORED_REMEMBERED:
+        table.popitem(last=False)
+
+
 def _with_param(e: ApiError, param: str) -> ApiError:
     """``e`` pointing at the request field that caused it."""
     return type(e)(e.message, param=param, code=e.code)
@@ -224,6 +233,7 @@ class EncoderService:
             self.pixels = PixelReader(config.ec, config.model_name, digest, config.limits)
         self.store: EmbeddingStore | None = None
         self._stored: OrderedDict[str, WireHeader] = OrderedDict()
+        self._timings: OrderedDict[str, float] = OrderedDict()  # videos' second_per_grid, for cache hits
         if config.ec.store.enabled:
             check = EntryCheck(
                 config.model_name,
@@ -413,18 +423,18 @@ class EncoderService:
             )
         cached = self.batcher.lookup(uuid)
         if cached is not None:
-            second = await self._video_timing(item, data, second)
+            second = await self._video_timing(item, uuid, data, second)
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
             return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored, second)
         if self.store is None:
-            return await self._compute(item, uuid, data, t0, t1, second)
+            return self._timed(await self._compute(item, uuid, data, t0, t1, second))
         store, cfg = self.store, self.config.ec.store
         got = await fetch_or_claim(store, uuid, cfg.wait_s)
         if isinstance(got, StoredItem):
             self.batcher.remember(uuid, got.grid_thw, got.embeddings)
             self._remember_stored(uuid, got.header)
-            second = await self._video_timing(item, data, second)
+            second = await self._video_timing(item, uuid, data, second)
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
         async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
@@ -434,7 +444,7 @@ class EncoderService:
                 if header is not None:
                     self._remember_stored(uuid, header)
                     ready = ready._replace(stored=header)
-        return ready
+        return self._timed(ready)
 
     async def _ensure_stored(self, uuid: str, grid: Grid, embeddings: torch.Tensor) -> WireHeader | None:
         """The store entry of an item this encoder has cached, written again if the store lost it
@@ -451,10 +461,13 @@ class EncoderService:
 
     def _remember_stored(self, uuid: str, header: WireHeader) -> None:
         """Which items have a store entry (bounded: the oldest are forgotten first)."""
-        self._stored[uuid] = header
-        self._stored.move_to_end(uuid)
-        while len(self._stored) > STORED_REMEMBERED:
-            self._stored.popitem(last=False)
+        _remember(self._stored, uuid, header)
+
+    def _timed(self, ready: _Ready) -> _Ready:
+        """``ready``, its video timing remembered: a cache hit on it need not read its bytes again."""
+        if ready.second_per_grid is not None:
+            _remember(self._timings, ready.uuid, ready.second_per_grid)
+        return ready
 
     def _store_handle(self, header: WireHeader) -> Handle:
         cfg = self.config.ec
@@ -472,14 +485,21 @@ class EncoderService:
         self.metrics.inc("encoder_pixel_items_total", help_text=PIXEL_ITEMS)
         return named
 
-    async def _video_timing(self, item: EncodeItem, data: bytes | None, known: float | None) -> float | None:
-        """A video's seconds per temporal patch when its embeddings were not computed here: a
-        pixel handle's (``known``), or read from the URL's bytes without decoding the frames."""
+    async def _video_timing(self, item: EncodeItem, uuid: str, data: bytes | None, known: float | None) -> float | None:
+        """A video's seconds per temporal patch when its embeddings were not computed for this
+        call: a pixel handle's (``known``), the one remembered when this encoder computed or read it
+        (the uuid covers the bytes), else read from the URL's bytes without decoding the frames."""
         if item.modality != "video" or data is None:
             return known
+        remembered = self._timings.get(uuid)
+        if remembered is not None:
+            return remembered
         assert self.resolver is not None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.resolver.video_second_per_grid, data)
+        second = await loop.run_in_executor(self.executor, self.resolver.video_second_per_grid, data)
+        if second is not None:
+            _remember(self._timings, uuid, second)
+        return second
 
     def _preprocess(self, item: EncodeItem, data: bytes | None) -> VisionInput | MediaInput:
         """Decode a URL's bytes, or read a pixel handle's frames (decoded and resized by the
