@@ -43,7 +43,7 @@ def copy_tokenizer(
     out_dir: Path, extra_special: list[str] | None = None, chat_template: str | None = None
 ) -> dict[str, int]:
     """The embedded model's tokenizer files into ``out_dir``, with ``extra_special`` tokens appended
-    after its own; returns every special token's id."""
+    after its own; returns every special token's id (``build`` adds its generation config)."""
     src = default_model_dir()
     tok = json.loads((src / "tokenizer.json").read_text())
     cfg = json.loads((src / "tokenizer_config.json").read_text())
@@ -72,7 +72,6 @@ def copy_tokenizer(
         shutil.copy(src / "chat_template.json", out_dir / "chat_template.json")
     else:
         (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
-    shutil.copy(src / "generation_config.json", out_dir / "generation_config.json")
     return {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
 
 
@@ -90,6 +89,26 @@ def randomize(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> None:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(std * noise)
+
+
+def save_random(model: torch.nn.Module, out_dir: Path, seed: int) -> None:
+    """``model`` with seeded random weights (``randomize``), saved as safetensors in ``out_dir``."""
+    randomize(model, seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def qwen_image_processor(**fields: Any) -> dict[str, Any]:
+    """A Qwen-VL ``preprocessor_config.json``: the settings every family shares, then ``fields``."""
+    return {
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_resize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "resample": 3,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        **fields,
+    }
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

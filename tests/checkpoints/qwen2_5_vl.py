@@ -12,13 +12,9 @@ second per grid gives). The processor files are the hub checkpoints' (``min_pixe
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import torch
-
-from epdserve.assets import default_model_dir
-from tests.checkpoints import VOCAB_SIZE, copy_tokenizer, randomize, write_json
+from tests.checkpoints import VOCAB_SIZE, copy_tokenizer, qwen_image_processor, save_random, write_json
 
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS, VIDEO_MAX_PIXELS = 140 * 140, 224 * 224, 168 * 168
@@ -74,29 +70,17 @@ def build(out_dir: Path, seed: int) -> Path:
         tie_word_embeddings=True,
     )
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    randomize(model, seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    # save_pretrained writes a generation config from the model's (one eos); keep the tokenizer's
-    shutil.copy(default_model_dir() / "generation_config.json", out_dir / "generation_config.json")
-    processor = {
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "patch_size": PATCH,
-        "temporal_patch_size": TEMPORAL,
-        "merge_size": MERGE,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_resize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "resample": 3,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-    }
+    save_random(Qwen2_5_VLForConditionalGeneration(config).eval(), out_dir, seed)
+    processor = qwen_image_processor(
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        patch_size=PATCH,
+        temporal_patch_size=TEMPORAL,
+        merge_size=MERGE,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+        processor_class="Qwen2_5_VLProcessor",
+    )
     write_json(out_dir / "preprocessor_config.json", processor)
     video = {
         **{k: v for k, v in processor.items() if k != "image_processor_type"},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.checkpoints import VOCAB_SIZE, copy_tokenizer, randomize, write_json
+from tests.checkpoints import VOCAB_SIZE, copy_tokenizer, save_random, write_json
 
 AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 
@@ -82,8 +82,7 @@ def build(out_dir: Path, seed: int) -> Path:
         tie_word_embeddings=False,
     )
     model = Qwen2AudioForConditionalGeneration(config)
-    randomize(model, seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_random(model, out_dir, seed)
     write_json(
         out_dir / "preprocessor_config.json",
         {

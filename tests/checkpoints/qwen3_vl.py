@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from tests.checkpoints import VOCAB_SIZE, copy_tokenizer, randomize, write_json
+from tests.checkpoints import VOCAB_SIZE, copy_tokenizer, qwen_image_processor, save_random, write_json
 
 PATCH, MERGE, TEMPORAL = 16, 2, 2
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 160 * 160
@@ -71,26 +69,16 @@ def build(out_dir: Path, seed: int) -> Path:
         tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3VLForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    randomize(model, seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    processor = {
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "patch_size": PATCH,
-        "temporal_patch_size": TEMPORAL,
-        "merge_size": MERGE,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_resize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "resample": 3,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
-    }
+    save_random(Qwen3VLForConditionalGeneration(config).eval(), out_dir, seed)
+    processor = qwen_image_processor(
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        patch_size=PATCH,
+        temporal_patch_size=TEMPORAL,
+        merge_size=MERGE,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        processor_class="Qwen3VLProcessor",
+    )
     write_json(out_dir / "preprocessor_config.json", processor)
     video = {
         **{k: v for k, v in processor.items() if k != "image_processor_type"},
