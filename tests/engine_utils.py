@@ -1,8 +1,9 @@
-"""Driving an in-process engine core in the oracle tests."""
+"""The oracle tests' requests, and driving an in-process engine core through them."""
 
 from __future__ import annotations
 
 from epdserve.engine.core import EngineCore
+from epdserve.shapes import ShapesWorld, render_images
 
 
 def drain(eng: EngineCore) -> dict[str, list[int]]:
@@ -13,3 +14,25 @@ def drain(eng: EngineCore) -> dict[str, list[int]]:
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.token_ids)
     return out
+
+
+def cases() -> list[tuple[str, list[dict], list, list]]:
+    """(name, chat messages with bare image/video parts, images, videos): text, one image, images
+    of different sizes, a video, an image and a video."""
+    w = ShapesWorld(99)
+    one = w.sample("describe")
+    multi = w.sample("describe_nth")
+    while len({(sc.width, sc.height) for sc in multi.scenes}) < 2:
+        multi = w.sample("describe_nth")
+    vid = w.sample("direction")
+
+    def msg(media: list[str], q: str) -> list[dict]:
+        return [{"role": "user", "content": [*({"type": m} for m in media), {"type": "text", "text": q}]}]
+
+    return [
+        ("text", [{"role": "user", "content": "Describe the image."}], [], []),
+        ("image", msg(["image"], one.question), render_images(one), []),
+        ("images", msg(["image"] * len(multi.scenes), multi.question), render_images(multi), []),
+        ("video", msg(["video"], vid.question), [], [vid.frames]),
+        ("image+video", msg(["image", "video"], "Describe the image."), render_images(one), [vid.frames]),
+    ]

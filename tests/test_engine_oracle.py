@@ -17,7 +17,7 @@ from epdserve.hf_reference import HFReference
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
-from tests.engine_utils import drain
+from tests.engine_utils import cases, drain
 from tests.server_utils import TEST_DEVICE
 
 MAX_NEW = 12
@@ -26,26 +26,6 @@ MAX_NEW = 12
 @pytest.fixture(scope="module")
 def ref(model_dir: Path) -> HFReference:
     return HFReference(model_dir)
-
-
-def cases() -> list[tuple[str, list[dict], list, list]]:
-    w = ShapesWorld(99)
-    one = w.sample("describe")
-    multi = w.sample("describe_nth")
-    while len({(sc.width, sc.height) for sc in multi.scenes}) < 2:
-        multi = w.sample("describe_nth")
-    vid = w.sample("direction")
-
-    def msg(media: list[str], q: str) -> list[dict]:
-        return [{"role": "user", "content": [*({"type": m} for m in media), {"type": "text", "text": q}]}]
-
-    return [
-        ("text", [{"role": "user", "content": "Describe the image."}], [], []),
-        ("image", msg(["image"], one.question), render_images(one), []),
-        ("images", msg(["image"] * len(multi.scenes), multi.question), render_images(multi), []),
-        ("video", msg(["video"], vid.question), [], [vid.frames]),
-        ("image+video", msg(["image", "video"], "Describe the image."), render_images(one), [vid.frames]),
-    ]
 
 
 def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messages, images, videos, eos) -> Request:

@@ -31,9 +31,9 @@ from epdserve.models.loader import load_model
 from epdserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, window_order
 from epdserve.models.registry import prompt_layout
 from epdserve.pd.embeds import MetadataEmbeds
-from epdserve.shapes import ShapesWorld, render_images
+from epdserve.shapes import ShapesWorld
 from tests.checkpoints import build
-from tests.engine_utils import drain
+from tests.engine_utils import cases, drain
 from tests.server_utils import TEST_DEVICE
 
 MAX_NEW = 12
@@ -212,26 +212,6 @@ def test_pixels_and_metadata_only_videos_get_the_same_positions(
 # ---------------------------------------------------------------------------------------------
 # the engine against transformers' generate
 # ---------------------------------------------------------------------------------------------
-
-
-def cases() -> list[tuple[str, list[dict], list, list]]:
-    w = ShapesWorld(99)
-    one = w.sample("describe")
-    multi = w.sample("describe_nth")
-    while len({(sc.width, sc.height) for sc in multi.scenes}) < 2:
-        multi = w.sample("describe_nth")
-    vid = w.sample("direction")
-
-    def msg(media: list[str], q: str) -> list[dict]:
-        return [{"role": "user", "content": [*({"type": m} for m in media), {"type": "text", "text": q}]}]
-
-    return [
-        ("text", [{"role": "user", "content": "Describe the image."}], [], []),
-        ("image", msg(["image"], one.question), render_images(one), []),
-        ("images", msg(["image"] * len(multi.scenes), multi.question), render_images(multi), []),
-        ("video", msg(["video"], vid.question), [], [vid.frames]),
-        ("image+video", msg(["image", "video"], "Describe the image."), render_images(one), [vid.frames]),
-    ]
 
 
 def engine_request(
