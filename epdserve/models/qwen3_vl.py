@@ -132,23 +132,3 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
             # the blocks are Qwen2-VL's (fc1/fc2); only their MLP's names differ
             return mapped[0].replace(".mlp.linear_fc", ".mlp.fc"), mapped[1]
         return mapped
-
-    def embed_prompt(
-        self,
-        input_ids: torch.Tensor,
-        image_embeds: torch.Tensor | None = None,
-        video_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token embeddings with the first feature level of the media embeddings at their
-        placeholders (a video's frame groups take its rows in order); the DeepStack levels enter
-        the language model's forward instead."""
-        hidden = self.config.text.hidden_size
-        width = hidden * self.config.vision_config.feature_levels
-        for kind, embeds in (("image", image_embeds), ("video", video_embeds)):
-            if embeds is not None and (embeds.dim() != 2 or embeds.shape[1] != width):
-                raise MediaPlaceholderError(f"{kind} embeddings must be [rows, {width}], got {list(embeds.shape)}")
-        return super().embed_prompt(
-            input_ids,
-            None if image_embeds is None else image_embeds[:, :hidden],
-            None if video_embeds is None else video_embeds[:, :hidden],
-        )
