@@ -44,6 +44,11 @@ class PromptLayout(Protocol):
         model cannot take."""
         ...
 
+    def smallest_grid(self, modality: str) -> Grid:
+        """The smallest grid an item of ``modality`` may have (a stand-in for an item whose grid is
+        not known yet)."""
+        ...
+
     def positions(
         self,
         token_ids: list[int],

@@ -24,6 +24,9 @@ from epdserve.models.config import AudioConfig, ModelConfig
 CONV_CONTEXT_FRAMES = 2
 
 
+MIN_FRAMES = 3  # the fewest log-mel frames that make one embedding row
+
+
 def audio_grid(frames: int) -> Grid:
     """The ``grid_thw`` an audio item of ``frames`` valid log-mel frames travels with."""
     return (1, frames, 1)
@@ -73,6 +76,9 @@ class Qwen2AudioLayout:
 
     def num_placeholders(self, grid_thw: Grid) -> int:
         return audio_tokens(check_grid(grid_thw, self.audio))
+
+    def smallest_grid(self, modality: str) -> Grid:
+        return audio_grid(MIN_FRAMES)
 
     def positions(
         self,

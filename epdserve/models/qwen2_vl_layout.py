@@ -121,6 +121,9 @@ class Qwen2VLLayout:
             raise ValueError(f"h and w must be positive multiples of {self.merge}")
         return t * h * w // (self.merge * self.merge)
 
+    def smallest_grid(self, modality: str) -> Grid:
+        return (1, self.merge, self.merge)
+
     def positions(
         self,
         token_ids: list[int],

@@ -44,16 +44,7 @@ class Blocks(NamedTuple):
 
 class PromptBlocks:
     def __init__(self, model_dir: Path) -> None:
-        config = ModelConfig.from_pretrained(model_dir)
-        self.builder = InputBuilder(FastTokenizer(model_dir), config)
-        # a grid each modality accepts, for an item not known yet (only the tokens before it are
-        # named): the smallest image or video, an audio of 3 log-mel frames (one embedding row)
-        merge = config.vision.spatial_merge_size if config.vision is not None else 1
-        self.stand_in: dict[str, tuple[int, int, int]] = {
-            "image": (1, merge, merge),
-            "video": (1, merge, merge),
-            "audio": (1, 3, 1),
-        }
+        self.builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
         # a video's seconds per temporal patch when the encoder gave none, as the workers take it
         # (Qwen3-VL writes it into the prompt)
         self.second_per_grid = ProcessorConfig.from_pretrained(model_dir).second_per_grid
@@ -63,7 +54,11 @@ class PromptBlocks:
         not yet known)."""
         items = [it for _, it in media]
         inputs = [
-            MediaInput(_UNKNOWN, modality, self.stand_in[modality], second_per_grid=self._seconds(modality))
+            # an item not known yet stands in with any grid its modality takes: only the tokens
+            # before it are named
+            MediaInput(
+                _UNKNOWN, modality, self.builder.layout.smallest_grid(modality), second_per_grid=self._seconds(modality)
+            )
             if it is None
             else MediaInput(it.uuid, it.modality, it.grid_thw, second_per_grid=self._seconds(it.modality, it))
             for modality, it in media
