@@ -27,6 +27,7 @@ class World:
         self.free = list(range(256))
         self.rng.shuffle(self.free)
         self.seqs: dict[str, tuple[list[int], int]] = {}  # id -> (blocks, tokens in cache)
+        self.seen: set[tuple[bool, bool]] = set()  # (new_only, in_order) of the steps taken
 
     def admit(self, rid: str, prompt: int) -> None:
         """A sequence whose prompt KV is already in the paged cache (as after its prefill)."""
@@ -64,18 +65,21 @@ class World:
             decode_ctx=t(ctx),
             max_decode_ctx=max(ctx),
         )
+        self.seen.add((step.new_only, step.in_order))
         gathered = PagedAttention(self.cache, self.table, StepLayout(**base))
-        mirrored = PagedAttention(
-            self.cache,
-            self.table,
-            StepLayout(**base, mirror=step, mirror_src=self.table.slots(t(rows), step.starts, t(ctx), BS)),
-            self.mirror,
-        )
+        src = self.table.slots(t(rows), step.starts, t(ctx), BS)
+        # the step's tokens are all decode tokens; told so or not, the mirror must give the same
+        mirrored = [
+            PagedAttention(
+                self.cache, self.table, StepLayout(**base, mirror=step, mirror_src=src, decode_only=known), self.mirror
+            )
+            for known in (True, False)
+        ]
         for layer in range(LAYERS):
             q, k, v = torch.randn(len(ids), HQ, D), torch.randn(len(ids), HKV, D), torch.randn(len(ids), HKV, D)
             want = gathered(layer, q, k, v)
-            got = mirrored(layer, q, k, v)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            for attention in mirrored:
+                torch.testing.assert_close(attention(layer, q, k, v), want, rtol=1e-4, atol=1e-5)
 
 
 def test_mirrored_decode_attention_equals_the_gathered_one() -> None:
@@ -96,6 +100,8 @@ def test_mirrored_decode_attention_equals_the_gathered_one() -> None:
             w.leave(skipped)
             w.admit(skipped, w.rng.randrange(1, 20))
     assert w.mirror.capacity > 8  # the longest context outgrew the initial capacity
+    # the walk took the steady-state path (new tokens only, rows in order) and the general ones
+    assert {(True, True), (True, False), (False, False)} <= w.seen
     assert max(n for _, n in w.seqs.values()) <= w.mirror.capacity
 
 

@@ -58,6 +58,7 @@ class StepLayout:
     max_decode_ctx: int
     mirror: MirrorStep | None = None  # the decode sequences' rows in the contiguous mirror, if kept
     mirror_src: torch.Tensor | None = None  # [n] cache slots of the tokens copied into the mirror
+    decode_only: bool = False  # every token of the step is a decode token (decode_rows is 0..B-1)
 
 
 class KVCache:
@@ -174,8 +175,11 @@ class PagedAttention:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         lay = self.layout
         flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
-        flat_k.index_copy_(0, lay.slot_mapping, k.to(kc.dtype))
-        flat_v.index_copy_(0, lay.slot_mapping, v.to(vc.dtype))
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
+        flat_k.index_copy_(0, lay.slot_mapping, k)
+        flat_v.index_copy_(0, lay.slot_mapping, v)
+        if self.mirror is not None and lay.decode_only:
+            return self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         per_block = kc.shape[1] * kc.shape[2] * kc.shape[3]
@@ -202,7 +206,7 @@ class PagedAttention:
             # SDPA's own GQA path on CPU, and no copy of K/V per query head.
             b, hq = self.num_decodes, q.shape[1]
             if self.mirror is not None:
-                out[lay.decode_rows] = self._decode_mirrored(layer, q, flat_k, flat_v)
+                out[lay.decode_rows] = self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
                 return out
             qd = q[lay.decode_rows].view(b, hkv, hq // hkv, d)
             shape = (b, self.decode_span, hkv, d)
@@ -215,18 +219,28 @@ class PagedAttention:
             out[lay.decode_rows] = o.reshape(b, hq, d)
         return out
 
-    def _decode_mirrored(self, layer: int, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor) -> torch.Tensor:
-        """Decode attention over views of the mirror: copy in the tokens it lacks (the new ones,
-        and a prompt once), then one SDPA over its first rows; rows of no decode sequence get a
-        zero query and are dropped."""
+    def _decode_mirrored(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode attention over views of the mirror, for the decode rows of the step: copy in the
+        tokens it lacks (the new ones, and a prompt once), then one SDPA over its first rows; rows
+        of no decode sequence get a zero query and are dropped. In the steady state (only decode
+        tokens, one new token each, sequence i on row i) no gather or scatter is left."""
         lay, mirror = self.layout, self.mirror
         assert mirror is not None and lay.mirror is not None and lay.mirror_src is not None
         step = lay.mirror
-        mirror.fill(layer, step, flat_k.index_select(0, lay.mirror_src), flat_v.index_select(0, lay.mirror_src))
+        if not step.new_only:
+            k, v = flat_k.index_select(0, lay.mirror_src), flat_v.index_select(0, lay.mirror_src)
+        elif not lay.decode_only:
+            k, v = k[lay.decode_rows], v[lay.decode_rows]
+        mirror.fill(layer, step, k, v)
         hq, d = q.shape[1], q.shape[2]
         hkv = mirror.kv_heads
+        kd, vd = mirror.views(layer, step)
+        if lay.decode_only and step.in_order:
+            o = F.scaled_dot_product_attention(q.reshape(-1, hkv, hq // hkv, d), kd, vd, attn_mask=step.mask)
+            return o.reshape(-1, hq, d)
         qd = q.new_zeros((step.used_rows, hq, d))
         qd[step.rows] = q[lay.decode_rows]
-        kd, vd = mirror.views(layer, step)
         o = F.scaled_dot_product_attention(qd.view(step.used_rows, hkv, hq // hkv, d), kd, vd, attn_mask=step.mask)
         return o.reshape(step.used_rows, hq, d)[step.rows]

@@ -35,6 +35,8 @@ class MirrorStep:
     mask: torch.Tensor  # [used_rows, 1, 1, span] 0 where a row's position is in its context, else -inf
     starts: torch.Tensor  # [B] first position of each sequence not mirrored yet: copy [start, ctx)
     fill_dst: torch.Tensor  # [n x kv_heads] where each copied (token, kv head) row goes, token-major
+    new_only: bool = False  # each sequence copies only its new token (the steady state)
+    in_order: bool = False  # decode sequence i has row i, and no other rows are used
 
 
 class ContiguousDecodeKV:
@@ -108,7 +110,9 @@ class ContiguousDecodeKV:
         seq, pos = spans(starts_t, ctx_t)
         heads = torch.arange(self.kv_heads, device=dev)
         dst = ((rows_t[seq][:, None] * self.kv_heads + heads[None, :]) * self.capacity + pos[:, None]).reshape(-1)
-        return MirrorStep(rows_t, used, need, mask, starts_t, dst)
+        new_only = all(a == n - 1 for a, n in zip(starts, ctx, strict=True))
+        in_order = rows == list(range(len(rows)))
+        return MirrorStep(rows_t, used, need, mask, starts_t, dst, new_only, in_order)
 
     def fill(self, layer: int, step: MirrorStep, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy the step's tokens in: ``k``/``v`` are [n, kv_heads, head_dim], in ``spans`` order."""

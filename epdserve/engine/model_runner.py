@@ -235,6 +235,7 @@ class ModelRunner:
             max_decode_ctx=max(dec_ctx, default=0),
             mirror=mirror,
             mirror_src=mirror_src,
+            decode_only=not prefills,
         )
         tokens = t(ids)
         embeds = lm.embed_tokens(tokens).to(self.dtype)
