@@ -75,8 +75,11 @@ def tree_memory_mb(pids: list[int]) -> tuple[float, float]:
     return rss / 1024, pss / 1024
 
 
-def start_epdserve(topology: str, pin: bool) -> Running:
-    d = Deployment(Topology.parse(topology), None, port=free_port(), pin=pin)
+def start_epdserve(topology: str, pin: bool, dtype: str) -> Running:
+    models = ["--dtype", dtype]  # every encoder and language-model instance
+    d = Deployment(
+        Topology.parse(topology), None, port=free_port(), pin=pin, extra_pd_args=models, extra_encoder_args=models
+    )
     d.start()
     return Running(d.url, [r.proc.pid for r in d.roles], d.stop, d.startup_s)
 
@@ -142,7 +145,7 @@ def _replace_proxy(lab: Path) -> None:
 
 def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model: Path) -> list[dict]:
     """Start one system, measure it at every concurrency, stop it; one row per concurrency."""
-    run = start_vllm(topology, model) if system == "vllm" else start_epdserve(topology, args.pin_cores)
+    run = start_vllm(topology, model) if system == "vllm" else start_epdserve(topology, args.pin_cores, args.dtype)
     rows = []
     try:
         for conc in args.concurrency:
@@ -212,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
     ap.add_argument("--systems", default="epdserve:aggregated,vllm:aggregated,epdserve:1e+1pd,vllm:1e+1pd")
     ap.add_argument("--pin-cores", action="store_true", help="pin epdserve's encoder and PD to separate cores")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="epdserve's precision (the vLLM recipe serves bfloat16: the same by default)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model = default_model_dir()
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += [{"run": run, **r} for r in bench_one(system, topology, args, workload, model)]
     print(
         f"\n{args.requests} requests per cell, 1 image of {args.image_size} px, {args.output_len} output tokens "
-        f"(exact), {args.runs} run(s)\n"
+        f"(exact), {args.runs} run(s); epdserve in {args.dtype}, vLLM in bfloat16 (its recipe)\n"
     )
     print(
         "| run | system | topology | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | startup s "

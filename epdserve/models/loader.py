@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from epdserve.models.config import ALL_PARTS, ModelConfig
+from epdserve.models.cpu_linear import prepare_linears
 from epdserve.models.registry import model_class
 
 
@@ -88,17 +89,6 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
                 module._buffers[name] = made[id(b)]
 
 
-def column_major_linears(model: nn.Module) -> None:
-    """Store every ``nn.Linear`` weight column-major: the same values, ``weight`` still [out, in]
-    (a transposed view), so ``F.linear`` multiplies by a contiguous [in, out] matrix. On CPU, MKL
-    packs a transposed operand again on every call; at decode batch sizes skipping that is a large
-    part of each matmul, and at prefill sizes it costs nothing (docs/benchmarks.md, issue 14)."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-            w = module.weight
-            module.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
-
-
 def load_model(
     model_dir: str | Path,
     parts: frozenset[str] = ALL_PARTS,
@@ -125,8 +115,7 @@ def load_model(
     if missing:
         raise CheckpointError(f"{model_dir}: no tensor for {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
     loadable.init_buffers()
-    if torch.device(device).type == "cpu":
-        column_major_linears(model)
+    prepare_linears(model, dtype, torch.device(device))
     model.eval().requires_grad_(False)
     report = LoadReport(
         model_dir=str(model_dir),

@@ -402,8 +402,7 @@ class Qwen2LanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
 
 _FUSED = {

@@ -1,0 +1,65 @@
+"""How a loaded model's linear layers are laid out for the CPU's matrix libraries.
+
+The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU matmul:
+
+- **float32**: MKL multiplies by a row-major ``[out, in]`` weight as a transposed operand, which
+  it packs again on every call; stored column-major (the same values, ``weight`` still
+  ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]`` matrix and that copy is
+  gone. Same kernels, same results.
+- **bfloat16 / float16**: oneDNN (AMX or AVX-512 on CPUs that have them) reorders the weight into
+  its blocked layout on every call too; ``PackedLinear`` does it once, at load, as vLLM's CPU
+  backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
+
+Measured in docs/benchmarks.md (issue 14). On other devices the weights stay as loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
+
+
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build run oneDNN matmuls in ``dtype`` (bf16/fp16 only)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+class PackedLinear(nn.Module):
+    """A loaded ``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference only:
+    ``weight`` keeps the dtype and [out, in] shape but is an opaque oneDNN tensor)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above)."""
+    if device.type != "cpu":
+        return
+    pack = packing_supported(dtype)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if pack:
+                setattr(module, name, PackedLinear(child))
+            elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():
+                child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
