@@ -71,10 +71,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pin-cores", action="store_true")
+    ap.add_argument(
+        "--dispatch-interference", type=float, default=None, help="adaptive's weight of a decoding request's stall"
+    )
     args = ap.parse_args()
     cells = [Cell(i, o, c) for i in args.images for o in args.output_lens for c in args.concurrency]
     cells += args.poisson
     deployments = {}
+    interference = (
+        [] if args.dispatch_interference is None else ["--dispatch-interference", str(args.dispatch_interference)]
+    )
     for policy in POLICIES:  # all three up at once: the idle two cost nothing but memory
         d = Deployment(
             Topology.parse(args.topology),
@@ -83,6 +89,7 @@ def main() -> None:
             pin=args.pin_cores,
             dispatch=policy,
             extra_args=list(MEDIA_LIMIT_ARGS),
+            extra_router_args=interference if policy == "adaptive" else [],
         )
         d.start()
         deployments[policy] = d

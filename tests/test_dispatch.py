@@ -105,10 +105,17 @@ def test_a_queued_encoder_sends_media_to_the_worker() -> None:
     assert m.choose(256, Side(ENCODER, 20_000, WORKER, 2)).local  # 2 s of patches queued on the encoder
 
 
-def test_interference_weighs_the_batch() -> None:
-    m = DispatchModel(PROC, interference=0.0)
-    m.observe([item((8, 8), 6.4, 3.2)], call_s=0.0136)
-    assert m.choose(1024, Side(ENCODER, 0, WORKER, 8)).local  # the batch's wait does not count
+def test_only_requests_awaiting_their_first_token_pay_for_a_raw_encode_by_default() -> None:
+    m = trained()  # interference 0 by default: a decoding request's stall is no TTFT
+    waiting = m.choose(1024, Side(ENCODER, 0, WORKER, 8))
+    decoding = m.choose(1024, Side(ENCODER, 0, WORKER, 0, worker_decoding=8))
+    assert decoding.local_s == pytest.approx(1024 * (5e-5 + 1e-4))
+    assert decoding.local and not waiting.local
+    weighed = DispatchModel(PROC, interference=0.25)  # an operator who weighs the time between tokens
+    weighed.observe([item((8, 8), 6.4, 3.2)], call_s=0.0136)
+    quarter = weighed.choose(1024, Side(ENCODER, 0, WORKER, 0, worker_decoding=8))
+    assert quarter.local_s == pytest.approx(1024 * (5e-5 + 1e-4) * (1 + 0.25 * 8))
+    assert not quarter.local
 
 
 def test_workers_without_vision_and_missing_encoders() -> None:

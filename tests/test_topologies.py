@@ -158,6 +158,9 @@ def test_adaptive_dispatch_equals_aggregated(aggregated, topology: str) -> None:
         # assert_same_answers sends the set, then its first 16 of three rounds
         media_requests = sum(1 for r in [*reqs, *(reqs * 3)[:16]] if media_urls([r]))
         assert dispatched(d.url, "remote") + dispatched(d.url, "local") == media_requests
+        # what the cost model weighs went back to zero with every request answered
+        assert metric(d.url, 'router_lm_requests{state="awaiting_first_token"}') == 0
+        assert metric(d.url, 'router_lm_requests{state="past_first_token"}') == 0
         enc = next(r for r in d.roles if r.name == "encoder0")
         enc.proc.kill()
         enc.proc.wait()

@@ -5,7 +5,7 @@
 For ``P`` patches of media that need a vision forward::
 
     remote = encoder wait + P × (preprocess + forward)  + hop + P × bytes/patch × worker fetch
-    local  =                P × (preprocess + forward_w) × (1 + interference × batch)
+    local  =                P × (preprocess + forward_w) × (1 + waiting + interference × decoding)
 
 - *encoder wait*: the patches already in flight on the least busy encoder × its forward cost;
 - *forward*, *preprocess*: the encoder's seconds per patch of vision forward and CPU seconds per
@@ -17,10 +17,15 @@ For ``P`` patches of media that need a vision forward::
   calls' durations against the timings the encoder returns — a low quantile of recent calls, not
   their mean: under load the excess also holds waits on busy event loops and cores, which raw
   media would meet as well; the worker's fetch cost per byte comes from its report;
-- *batch*: requests in flight on the worker — its engine runs a vision forward inside a step, so
-  every request in its batch waits that long too, and on a CPU host the worker's own decoding and
-  resizing of the media takes the cores its engine runs on (``interference`` weighs their delay
-  against this request's; measured on the sweep in docs/benchmarks.md).
+- *waiting*, *decoding*: the requests in flight on the worker, before and after their first
+  token. Its engine runs a vision forward inside a step, and on a CPU host the worker's own
+  decoding and resizing of the media takes the cores its engine runs on, so every request in its
+  batch waits that long too. One still waiting for its first token pays that wait in its TTFT, in
+  full — counting those whose media is still on an encoder: they reach the worker's queue as soon
+  as it is encoded. One already decoding pays one longer gap between tokens: no TTFT, so by
+  default (``interference`` 0) it does not count; an operator who weighs the time between tokens
+  against the first one sets the weight (the router knows which is which: it has seen their first
+  bytes or not). Measured on the sweep in docs/benchmarks.md.
 
 Items the router already holds a result for (its directory, a cached handle) cost nothing
 remote, and are never sent raw. A worker without a vision tower only takes the remote path;
@@ -92,11 +97,12 @@ class Side:
     encoder: LoadReport | None  # the least busy healthy encoder's report (None: no healthy encoder)
     encoder_patches: int  # patches in flight on that encoder
     worker: LoadReport  # the chosen language-model worker's report
-    worker_batch: int  # requests in flight on that worker
+    worker_waiting: int  # requests in flight on that worker still waiting for their first token
+    worker_decoding: int = 0  # and those past it
 
 
 class DispatchModel:
-    def __init__(self, processor: ProcessorConfig, interference: float = 1.0) -> None:
+    def __init__(self, processor: ProcessorConfig, interference: float = 0.0) -> None:
         self.processor = processor
         self.interference = interference
         self.preprocess = Average()  # encoder seconds per patch: decode, resize, patchify
@@ -164,7 +170,8 @@ class DispatchModel:
             + patches * self.bytes_per_patch.value * w.fetch_s_per_byte
         )
         forward_w = w.vision_s_per_patch or forward
-        local = patches * (pre + forward_w) * (1 + self.interference * side.worker_batch)
+        stalled = side.worker_waiting + self.interference * side.worker_decoding
+        local = patches * (pre + forward_w) * (1 + stalled)
         return Choice(self.measured and local < remote, remote, local)
 
 

@@ -36,6 +36,7 @@ class Worker:
     failures: int = 0  # consecutive failed probes or calls
     report: LoadReport = field(default_factory=LoadReport)  # its load and costs at the last probe
     patches: int = 0  # patches of the encode calls in flight on it (encoders)
+    awaiting: int = 0  # of its outstanding requests, those still waiting for their first byte (encoding included)
 
     @property
     def load(self) -> float:

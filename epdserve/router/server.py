@@ -129,7 +129,7 @@ class RouterConfig:
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
     frontend: FrontendDecodeConfig = field(default_factory=FrontendDecodeConfig)  # decode media here
     dispatch: Dispatch = "always"  # media to encoders; never: raw to workers; adaptive: by cost (router.dispatch)
-    dispatch_interference: float = 1.0  # adaptive: weight of the batch's wait on a worker's own encode
+    dispatch_interference: float = 0.0  # adaptive: weight of a decoding request's stall by a raw encode (its TPOT)
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
@@ -258,6 +258,15 @@ class Router:
                  lambda: {k: g.in_flight for k, g in gates.items()}, monotonic=False)  # fmt: skip
         m.counts("router_admission_waiting", "requests waiting for admission, by class", "class",
                  lambda: {k: g.waiting for k, g in gates.items()}, monotonic=False)  # fmt: skip
+        lm_pools = (self.pds, self.prefills, self.decodes)
+
+        def lm_requests() -> dict[str, int]:
+            workers = [w for pool in lm_pools for w in pool.workers.values()]
+            return {"awaiting_first_token": sum(w.awaiting for w in workers),
+                    "past_first_token": sum(w.outstanding - w.awaiting for w in workers)}  # fmt: skip
+
+        m.counts("router_lm_requests", "requests on the language-model workers, awaiting their first token "
+                 "(media still encoding included) or past it", "state", lm_requests, monotonic=False)  # fmt: skip
         m.counts("router_admission_rejected_total", "requests answered 429 after waiting for admission, by class",
                  "class", lambda: {k: g.rejected for k, g in gates.items()})  # fmt: skip
         self.window = Counter[str]()  # requests since the last stats line
@@ -504,8 +513,9 @@ class Router:
             todo = self._dispatch(worker, todo)
         if todo:
             t0 = time.perf_counter()
-            if worker is not None:
+            if worker is not None:  # it will need the worker's engine as soon as its media is encoded
                 worker.outstanding += 1
+                worker.awaiting += 1
             try:
                 await self._encode_shielded(req.model, todo, leases, trail.request_id)
             except (Unavailable, WorkerFailed):
@@ -514,6 +524,7 @@ class Router:
             finally:
                 if worker is not None:
                     worker.outstanding -= 1
+                    worker.awaiting -= 1
             encode = time.perf_counter() - t0
             self.encode_hist.observe(encode)
             trail.add("router_encode", encode)
@@ -541,7 +552,8 @@ class Router:
             encoder=least.report if least else None,
             encoder_patches=least.patches if least else 0,
             worker=worker.report,
-            worker_batch=worker.outstanding,
+            worker_waiting=worker.awaiting,
+            worker_decoding=max(0, worker.outstanding - worker.awaiting),
         )
         choice = model.choose(sum(r.patches for r in fresh), side) if fresh else None
         path = "local" if choice is not None and choice.local else "remote"
@@ -978,6 +990,15 @@ class Router:
         pool = pool or self.pds
         t0 = time.perf_counter()
         pd.outstanding += 1
+        pd.awaiting += 1
+        awaiting = True
+
+        def first_byte() -> None:
+            nonlocal awaiting
+            pd.awaiting -= 1
+            awaiting = False
+            self._first_byte(trail, time.perf_counter() - t0)
+
         try:
             with self.tracing.client_span(f"POST {path}", **{"epd.worker": pd.url, "epd.role": pool.role}) as trace:
                 upstream = await self.post_chat(pool, pd, body, trail, path, trace)
@@ -997,12 +1018,14 @@ class Router:
                         except (aiohttp.ClientError, TimeoutError, OSError) as e:
                             pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
                             raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
-                        self._first_byte(trail, time.perf_counter() - t0)
+                        first_byte()
                         return trail.stamp(error_response(upstream, raw)), upstream.status == 200
-                    self._first_byte(trail, time.perf_counter() - t0)
+                    first_byte()
                     return await self._relay_stream(request, upstream, pd, trail, pool), True
         finally:
             pd.outstanding -= 1
+            if awaiting:
+                pd.awaiting -= 1
 
     def _first_byte(self, trail: Trail, from_worker_call: float) -> None:
         self.ttfb_hist.observe(from_worker_call)
