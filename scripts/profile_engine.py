@@ -53,13 +53,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--gathered-decode-kv", action="store_true", help="no contiguous decode KV (A/B)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = default_model_dir()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    config = EngineConfig(num_kv_blocks=1024, contiguous_decode_kv=not args.gathered_decode_kv)
+    config = EngineConfig(num_kv_blocks=1024, contiguous_decode_kv=not args.gathered_decode_kv, dtype=args.dtype)
     try:  # the engine core (this tree): the front end detokenizes
         from epdserve.engine.core import EngineCore
         from epdserve.engine.detokenizer import Detokenizer
@@ -101,7 +102,7 @@ def main() -> None:
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
     tokens = args.requests * args.output_len
     head = (
-        f"# {label}: {args.requests} requests x {args.output_len} tokens, {steps} steps, "
+        f"# {label} ({args.dtype}): {args.requests} requests x {args.output_len} tokens, {steps} steps, "
         f"{wall:.2f} s under the profiler, {tokens / wall:.0f} tok/s\n"
     )
     text = head + buf.getvalue()
