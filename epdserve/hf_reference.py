@@ -19,9 +19,26 @@ import numpy as np
 import torch
 from PIL import Image
 
-from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
 
 EmbedOverride = Callable[[torch.Tensor], torch.Tensor]
+
+
+def model_inputs(
+    input_ids: torch.Tensor, image_token_id: int, video_token_id: int, imgs: list[VisionInput], vids: list[VisionInput]
+) -> dict[str, torch.Tensor]:
+    """transformers' model inputs for an expanded prompt ``[1, N]`` and our preprocessed pixels."""
+    mm = torch.zeros_like(input_ids)
+    mm[input_ids == image_token_id] = 1
+    mm[input_ids == video_token_id] = 2
+    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": mm}
+    if imgs:
+        out["pixel_values"] = torch.from_numpy(np.concatenate([v.pixel_values for v in imgs]))
+        out["image_grid_thw"] = torch.tensor([v.grid_thw for v in imgs])
+    if vids:
+        out["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vids]))
+        out["video_grid_thw"] = torch.tensor([v.grid_thw for v in vids])
+    return out
 
 
 class HFReference:
@@ -87,20 +104,10 @@ class HFReference:
                 expanded += [t] * self._count(next(it_v).grid_thw)
             else:
                 expanded.append(t)
-        input_ids = torch.tensor([expanded])
-        mm = torch.zeros_like(input_ids)
-        mm[input_ids == self.image_token_id] = 1
-        mm[input_ids == self.video_token_id] = 2
-        out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": mm}
-        if imgs:
-            out["pixel_values"] = torch.from_numpy(np.concatenate([v.pixel_values for v in imgs]))
-            out["image_grid_thw"] = torch.tensor([v.grid_thw for v in imgs])
-        if vids:
-            out["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vids]))
-            out["video_grid_thw"] = torch.tensor([v.grid_thw for v in vids])
-            if self.timed_video:
-                seconds = video_seconds or [self.proc.config.second_per_grid] * len(vids)
-                out["second_per_grid_ts"] = torch.tensor(seconds)
+        out = model_inputs(torch.tensor([expanded]), self.image_token_id, self.video_token_id, imgs, vids)
+        if vids and self.timed_video:
+            seconds = video_seconds or [self.proc.config.second_per_grid] * len(vids)
+            out["second_per_grid_ts"] = torch.tensor(seconds)
         return out
 
     @torch.inference_mode()

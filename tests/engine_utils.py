@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from epdserve.engine.core import EngineCore
+from epdserve.engine.request import Request
 from epdserve.shapes import ShapesWorld, render_images
 
 
@@ -14,6 +17,23 @@ def drain(eng: EngineCore) -> dict[str, list[int]]:
             assert o.error is None, o.error
             out.setdefault(o.request_id, []).extend(o.token_ids)
     return out
+
+
+def assert_alone_then_batched(
+    eng: EngineCore, requests: Callable[[str], Iterable[Request]], expected: dict[str, list[int]]
+) -> None:
+    """``requests(suffix)`` gives the requests with ids ``name + suffix``: each one alone, then all
+    at once (chunked prefill splits the longer prompts), must give ``expected[name]``; the block
+    manager is consistent after."""
+    for req in requests(""):
+        eng.add_request(req)
+        assert drain(eng)[req.request_id] == expected[req.request_id], req.request_id
+    for req in requests("#b"):
+        eng.add_request(req)
+    got = drain(eng)
+    for name in expected:
+        assert got[name + "#b"] == expected[name], name
+    eng.scheduler.blocks.check_integrity()
 
 
 def cases() -> list[tuple[str, list[dict], list, list]]:

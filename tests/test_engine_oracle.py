@@ -17,7 +17,7 @@ from epdserve.hf_reference import HFReference
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
-from tests.engine_utils import cases, drain
+from tests.engine_utils import assert_alone_then_batched, cases, drain
 from tests.server_utils import TEST_DEVICE
 
 MAX_NEW = 12
@@ -62,15 +62,9 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
         inputs = ref.inputs(messages, images=images, videos=videos)
         expected[name] = ref.generate_ids(inputs, max_new_tokens=MAX_NEW)
     # each alone, then all concurrently (chunked prefill: budget 64 splits the longer prompts)
-    for name, messages, images, videos in cases():
-        eng.add_request(engine_request(name, builder, proc, messages, images, videos, eos))
-        assert drain(eng)[name] == expected[name], name
-    for name, messages, images, videos in cases():
-        eng.add_request(engine_request(name + "#b", builder, proc, messages, images, videos, eos))
-    got = drain(eng)
-    for name in expected:
-        assert got[name + "#b"] == expected[name], name
-    eng.scheduler.blocks.check_integrity()
+    assert_alone_then_batched(
+        eng, lambda sfx: [engine_request(n + sfx, builder, proc, m, i, v, eos) for n, m, i, v in cases()], expected
+    )
 
 
 def test_prefix_cache_never_reuses_blocks_across_different_images(model_dir: Path, ref: HFReference) -> None:

@@ -33,7 +33,7 @@ from epdserve.models.registry import prompt_layout
 from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.shapes import ShapesWorld
 from tests.checkpoints import build
-from tests.engine_utils import cases, drain
+from tests.engine_utils import assert_alone_then_batched, cases
 from tests.numerics import assert_close_rel
 from tests.server_utils import TEST_DEVICE
 
@@ -250,20 +250,15 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
     for name, messages, images, videos in cases():
         inputs = ref.inputs(messages, images=images, videos=videos)
         expected[name] = ref.generate_ids(inputs, max_new_tokens=MAX_NEW)
-    # each alone, then all concurrently (chunked prefill: budget 64 splits the longer prompts)
     for name, messages, images, videos in cases():
-        req, pos = engine_request(name, builder, proc, messages, images, videos, eos)
         if videos:  # 1 fps frames: a temporal patch spans 2 s, 4 positions at 2 tokens per second
+            req, pos = engine_request(name, builder, proc, messages, images, videos, eos)
             video = np.asarray(req.prompt_token_ids) == cfg.placeholder("video")
             assert pos is not None and sorted(set(pos[0, video].tolist()))[1] - pos[0, video].min() == 4
-        eng.add_request(req)
-        assert drain(eng)[name] == expected[name], name
-    for name, messages, images, videos in cases():
-        eng.add_request(engine_request(name + "#b", builder, proc, messages, images, videos, eos)[0])
-    got = drain(eng)
-    for name in expected:
-        assert got[name + "#b"] == expected[name], name
-    eng.scheduler.blocks.check_integrity()
+    # each alone, then all concurrently (chunked prefill: budget 64 splits the longer prompts)
+    assert_alone_then_batched(
+        eng, lambda sfx: [engine_request(n + sfx, builder, proc, m, i, v, eos)[0] for n, m, i, v in cases()], expected
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from epdserve.engine.inputs import InputBuilder, MediaInput, PromptError
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.hf_reference import model_inputs
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import load_model
@@ -35,7 +36,7 @@ from epdserve.transfer import header as wire
 from epdserve.transfer.base import PROTOCOL_VERSION, InvalidHandle, TransferError
 from epdserve.transfer.factory import make_consumer, make_producer
 from tests.checkpoints import build
-from tests.engine_utils import drain
+from tests.engine_utils import assert_alone_then_batched, drain
 from tests.numerics import assert_close_rel
 from tests.server_utils import TEST_DEVICE
 
@@ -271,17 +272,8 @@ def _hf_video_inputs(tok, proc: VisionProcessor, messages: list[dict], images: l
             piece = _hf_video_text(next(it_v).grid_thw, proc.config.video_fps, proc.config.temporal_patch_size)
         pieces.append(piece)
     input_ids = torch.tensor([tok("".join(pieces), add_special_tokens=False)["input_ids"]])
-    mm = torch.zeros_like(input_ids)
-    mm[input_ids == tok.convert_tokens_to_ids("<|image_pad|>")] = 1
-    mm[input_ids == tok.convert_tokens_to_ids("<|video_pad|>")] = 2
-    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "mm_token_type_ids": mm}
-    if imgs:
-        out["pixel_values"] = torch.from_numpy(np.concatenate([v.pixel_values for v in imgs]))
-        out["image_grid_thw"] = torch.tensor([v.grid_thw for v in imgs])
-    if vids:
-        out["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.pixel_values for v in vids]))
-        out["video_grid_thw"] = torch.tensor([v.grid_thw for v in vids])
-    return out
+    image, video = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|video_pad|>")
+    return model_inputs(input_ids, image, video, imgs, vids)
 
 
 def _video_cases() -> list[tuple[str, list[dict], list[Image.Image], list[list[Image.Image]]]]:
@@ -405,17 +397,13 @@ def test_video_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf
         ckpt, EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=BUDGET, num_kv_blocks=512, max_model_len=1024)
     )
     builder = InputBuilder(tok, cfg)
-    for name, messages, images, videos in _video_cases():
-        req = _video_request(name, builder, proc, messages, images, videos, eos)
+
+    def requests(sfx: str) -> list[Request]:
+        return [_video_request(n + sfx, builder, proc, m, i, v, eos) for n, m, i, v in _video_cases()]
+
+    for req in requests(""):
         assert all(n > BUDGET for it in req.mm_items for _, _, n in it.placements())  # chunks split every run
-        eng.add_request(req)
-        assert drain(eng)[name] == expected[name], name
-    for name, messages, images, videos in _video_cases():
-        eng.add_request(_video_request(name + "#b", builder, proc, messages, images, videos, eos))
-    got = drain(eng)
-    for name in expected:
-        assert got[name + "#b"] == expected[name], name
-    eng.scheduler.blocks.check_integrity()
+    assert_alone_then_batched(eng, requests, expected)
 
 
 def test_the_core_refuses_runs_that_do_not_tile_the_item(ckpt: Path, tok) -> None:  # type: ignore[no-untyped-def]
