@@ -1,5 +1,5 @@
-"""The contiguous mirror of decoding sequences' KV: decode attention over its views equals
-attention over the gathered paged blocks, step after step, while sequences join, leave, are
+"""The contiguous mirror of decoding sequences' KV: decode attention over its views (and the fused
+kernels' attention over the paged cache in place) equals attention over the gathered paged blocks, step after step, while sequences join, leave, are
 preempted (a new block list) and outgrow the mirror's capacity; and its memory is resident only
 as far as it is used."""
 
@@ -12,6 +12,7 @@ import torch
 from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, StepLayout
 from epdserve.engine.contiguous_kv import ContiguousDecodeKV
 from epdserve.engine.memory import lazy_zeros
+from epdserve.kernels.ops import CpuKernelOps, select_ops
 
 BS, HKV, HQ, D, LAYERS = 4, 2, 4, 8, 2
 CPU = torch.device("cpu")
@@ -19,6 +20,8 @@ CPU = torch.device("cpu")
 
 class World:
     def __init__(self, seed: int) -> None:
+        ops = select_ops("auto", torch.float32, CPU)
+        self.kernels = ops if isinstance(ops, CpuKernelOps) else None
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         self.cache = KVCache(LAYERS, 256, BS, HKV, D, torch.float32, CPU)
@@ -75,6 +78,10 @@ class World:
             )
             for known in (True, False)
         ]
+        if self.kernels is not None:  # and the fused kernels' attention, reading the paged cache in place
+            mirrored.append(
+                PagedAttention(self.cache, self.table, StepLayout(**base, decode_only=True), None, self.kernels)
+            )
         for layer in range(LAYERS):
             q, k, v = torch.randn(len(ids), HQ, D), torch.randn(len(ids), HKV, D), torch.randn(len(ids), HKV, D)
             want = gathered(layer, q, k, v)

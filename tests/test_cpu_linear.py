@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from epdserve.assets import default_model_dir
+from epdserve.kernels.ops import TorchOps
 from epdserve.models.cpu_linear import PackedLinear, packing_supported, prepare_linears
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
@@ -70,4 +71,5 @@ def test_a_loaded_model_runs_on_the_prepared_layout() -> None:
         layer = packed.language_model.layers[0].mlp
         x = torch.randn(4, lm.config.hidden_size, dtype=torch.bfloat16)
         ref = lm.layers[0].mlp.to(torch.bfloat16)
-        assert_close_rel(layer(x).float(), ref(x).float(), rel=2e-2)
+        ops = TorchOps()
+        assert_close_rel(layer(x, ops).float(), ref(x, ops).float(), rel=2e-2)

@@ -14,6 +14,7 @@ from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
+from epdserve.kernels import KernelChoice
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
@@ -45,15 +46,25 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
     return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta, list(eos)))
 
 
-@pytest.mark.parametrize("contiguous", [True, False], ids=["mirrored-decode-kv", "gathered-decode-kv"])
+@pytest.mark.parametrize(
+    ("kernels", "contiguous"),
+    [("auto", True), ("torch", True), ("torch", False)],
+    ids=["fused-kernels", "torch-mirrored-decode-kv", "torch-gathered-decode-kv"],
+)
 def test_greedy_tokens_match_transformers_alone_and_batched(
-    model_dir: Path, ref: HFReference, contiguous: bool
+    model_dir: Path, ref: HFReference, kernels: KernelChoice, contiguous: bool
 ) -> None:
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
     eng = EngineCore.from_pretrained(
         model_dir,
-        EngineConfig(device=TEST_DEVICE, max_num_batched_tokens=64, num_kv_blocks=256, contiguous_decode_kv=contiguous),
+        EngineConfig(
+            device=TEST_DEVICE,
+            max_num_batched_tokens=64,
+            num_kv_blocks=256,
+            contiguous_decode_kv=contiguous,
+            kernels=kernels,
+        ),
     )
     builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)

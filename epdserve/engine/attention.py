@@ -25,6 +25,7 @@ from epdserve.engine.memory import lazy_zeros
 
 if TYPE_CHECKING:
     from epdserve.engine.contiguous_kv import ContiguousDecodeKV, MirrorStep
+    from epdserve.kernels.ops import CpuKernelOps
 
 
 def spans(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,15 +150,23 @@ class PagedAttention:
     """The ``AttentionBackend`` for one engine step."""
 
     def __init__(
-        self, cache: KVCache, table: BlockTable, layout: StepLayout, mirror: ContiguousDecodeKV | None = None
+        self,
+        cache: KVCache,
+        table: BlockTable,
+        layout: StepLayout,
+        mirror: ContiguousDecodeKV | None = None,
+        kernels: CpuKernelOps | None = None,
     ) -> None:
+        """``kernels``: write KV and attend decode tokens with the fused CPU kernels, which read
+        the paged cache in place (no mirror, no gather)."""
         self.cache = cache
         self.layout = layout
         self.table = table
-        self.mirror = mirror if layout.mirror is not None else None
+        self.mirror = mirror if layout.mirror is not None and kernels is None else None
+        self.kernels = kernels
         bs = cache.block_size
         self.num_decodes = len(layout.decode_rows)
-        if self.num_decodes and self.mirror is None:
+        if self.num_decodes and self.mirror is None and kernels is None:
             nb = -(-layout.max_decode_ctx // bs)
             self.decode_blocks = table.table[layout.decode_table_rows, :nb].reshape(-1)  # [B*nb]
             self.decode_span = nb * bs
@@ -176,8 +185,17 @@ class PagedAttention:
         lay = self.layout
         flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
         k, v = k.to(kc.dtype), v.to(vc.dtype)
-        flat_k.index_copy_(0, lay.slot_mapping, k)
-        flat_v.index_copy_(0, lay.slot_mapping, v)
+        if self.kernels is not None:
+            self.kernels.write_kv(k, v, kc, vc, lay.slot_mapping)
+        else:
+            flat_k.index_copy_(0, lay.slot_mapping, k)
+            flat_v.index_copy_(0, lay.slot_mapping, v)
+        if self.kernels is not None and lay.decode_only:
+            out = q.new_empty(q.shape)
+            self.kernels.decode_attention(
+                q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
+            )
+            return out
         if self.mirror is not None and lay.decode_only:
             return self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
         out = torch.empty_like(q)
@@ -205,6 +223,11 @@ class PagedAttention:
             # ([B, Hkv, group, D]; one position, so no causal mask within them): half the cost of
             # SDPA's own GQA path on CPU, and no copy of K/V per query head.
             b, hq = self.num_decodes, q.shape[1]
+            if self.kernels is not None:
+                self.kernels.decode_attention(
+                    q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
+                )
+                return out
             if self.mirror is not None:
                 out[lay.decode_rows] = self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
                 return out

@@ -27,6 +27,7 @@ from epdserve.engine.contiguous_kv import ContiguousDecodeKV
 from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
+from epdserve.kernels.ops import CpuKernelOps, select_ops
 from epdserve.models.base import DeepStack
 from epdserve.models.precision import torch_dtype
 from epdserve.transfer.kv import KVLayout
@@ -57,6 +58,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         lm = model.language_model
         tc = lm.config
+        # the layer's elementwise ops and decode attention: fused kernels where they build
+        self.kernels = select_ops(config.kernels, self.dtype, self.device)
+        lm.ops = self.kernels
         self.kv = KVCache(
             tc.num_hidden_layers,
             config.num_kv_blocks,
@@ -76,7 +80,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-            if config.contiguous_decode_kv
+            if config.contiguous_decode_kv and not self.kernels.fused  # the kernels read the paged cache in place
             else None
         )
         max_blocks = -(-config.max_model_len // config.block_size)
@@ -256,7 +260,8 @@ class ModelRunner:
                             stack_feats.append(rows_e[:, hsize:])
             q += s.num_new_tokens
         positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
-        attention = PagedAttention(self.kv, self.table, layout, self.mirror)
+        fused = self.kernels if isinstance(self.kernels, CpuKernelOps) else None
+        attention = PagedAttention(self.kv, self.table, layout, self.mirror, fused)
         if stack_rows:
             feats = torch.cat(stack_feats).to(dev, self.dtype).view(-1, levels - 1, hsize).transpose(0, 1)
             hidden = lm(embeds, positions, attention, DeepStack(torch.cat(stack_rows).to(dev), feats))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.kernels.ops import LayerOps, TorchOps, apply_rotary, rms_norm
 from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
@@ -44,14 +45,7 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     raise ConfigError(f"unsupported activation {name!r}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, D]; cos/sin: [N, D], broadcast over heads."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+_apply_rotary = apply_rotary  # x: [N, heads, D]; cos/sin: [N, D], broadcast over heads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,8 +238,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in fp32 and scale in the input dtype, as the model was trained
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MRotaryEmbedding(nn.Module):
@@ -311,17 +304,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend, ops: LayerOps
     ) -> torch.Tensor:
         n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        qk = qkv[:, : (hq + hkv) * d].reshape(n, hq + hkv, d)
+        qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
         # q and k rotate in one pass (the same elementwise math, half the calls)
-        qk = _apply_rotary(qk, cos, sin)
+        qk = ops.rotary(qk, cos, sin)
         q, k = qk.split((hq, hkv), dim=1)
-        out = attention(self.layer_idx, q, k, qkv[:, (hq + hkv) * d :].reshape(n, hkv, d))
+        out = attention(self.layer_idx, q, k, qkv[:, (hq + hkv) * d :].view(n, hkv, d))
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -336,8 +329,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = _activation(config.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -350,10 +346,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        ops: LayerOps,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The residual stream ``x`` gains the previous layer's ``delta`` (in place); returns this
+        layer's MLP output, which the next layer (or the final norm) adds in the same call as its
+        norm."""
+        a, m = self.input_layernorm, self.post_attention_layernorm
+        attn = self.self_attn(ops.add_rms_norm(x, delta, a.weight, a.eps), cos, sin, attention, ops)
+        return self.mlp(ops.add_rms_norm(x, attn, m.weight, m.eps), ops)
 
 
 class Qwen2LanguageModel(nn.Module):
@@ -374,6 +380,7 @@ class Qwen2LanguageModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config)
+        self.ops: LayerOps = TorchOps()  # the engine may swap in the fused CPU kernels (kernels.ops)
         # tied: logits use the embedding matrix, so there is no separate parameter to load
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -393,12 +400,16 @@ class Qwen2LanguageModel(nn.Module):
         if positions.shape != (3, inputs_embeds.shape[0]):
             raise ValueError(f"positions must be [3, {inputs_embeds.shape[0]}], got {list(positions.shape)}")
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
-        x = inputs_embeds
+        ops = self.ops
+        x = inputs_embeds.clone()  # the residual stream, updated in place
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attention)
+            delta = layer(x, delta, cos, sin, attention, ops)
             if deepstack is not None and i < deepstack.features.shape[0]:
+                x.add_(delta)
+                delta = None
                 x[deepstack.rows] += deepstack.features[i].to(x.dtype)
-        return self.norm(x)
+        return ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""

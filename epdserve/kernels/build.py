@@ -1,0 +1,127 @@
+"""Compile ``cpu_kernels.cpp`` for this machine and load it (ctypes).
+
+The library is built with the CPU's own instruction set (``-march=native``), so its file name
+carries a hash of the source, the compiler, the flags and the CPU's feature flags: a cache that
+moves to another machine (a home directory, a container layer) is rebuilt, never run on the wrong
+CPU. The cache directory must belong to this user and be writable by nobody else (a library
+loaded from it runs as this process); otherwise the build goes to a private temporary directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ABI = 2  # epd_kernels_abi() of the source this module's ctypes signatures describe
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-trapping-math",
+    "-fno-math-errno",
+    "-fopenmp-simd",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+)
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built or loaded here (the reason is in the message)."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "epdserve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise KernelBuildError("no C++ compiler found (install g++ or set CXX)")
+    return cxx
+
+
+def _private_dir(path: Path) -> bool:
+    """``path`` exists (made here if not), is ours, and nobody else may write to it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where this machine's build lives (built if it is not there yet); KernelBuildError if it
+    cannot be built."""
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{cxx} --version failed: {e}") from None
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    directory = cache_dir or default_cache_dir()
+    if not _private_dir(directory):
+        directory = Path(tempfile.mkdtemp(prefix="epd-kernels-"))
+    path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelBuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # atomic: processes building at once each install a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
+    """The built library with its functions' signatures set; KernelBuildError if unavailable."""
+    path = library_path(cache_dir)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from None
+    if lib.epd_kernels_abi() != ABI:
+        raise KernelBuildError(f"{path} has ABI {lib.epd_kernels_abi()}, expected {ABI}")
+    p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "epd_add_rms_norm": [c_int, p, i64, p, i64, p, p, i64, i64, i64, f32],
+        "epd_rotary": [c_int, p, i64, i64, i64, p, p, i64, i64],
+        "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
+        "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
+        "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
+    }
+    checked = {"epd_write_kv", "epd_decode_attention"}  # return 0, or -1 for an index out of range
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, (c_int if name in checked else None)
+    return lib

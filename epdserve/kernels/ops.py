@@ -1,0 +1,250 @@
+"""The elementwise work of a decoder layer and the paged decode attention, behind one interface.
+
+``TorchOps`` is the PyTorch arithmetic the model has always run; ``CpuKernelOps`` does the same
+with the fused kernels of ``cpu_kernels.cpp`` (fewer, larger calls: the same operations and
+rounding points, summed in another order, so results agree to float tolerance, not bit for bit).
+``select_ops`` picks one for an engine: the kernels on a CPU, in float32 or bfloat16, when they
+build; PyTorch otherwise.
+
+Layout contracts (checked, a tensor that breaks one is a programming error): rows are the first
+dimension with any stride, everything after it contiguous; the KV cache is
+``[blocks, block_size, kv_heads, head_dim]``; a block table is ``[rows, max_blocks]`` int64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.kernels import KernelChoice
+from epdserve.kernels.build import KernelBuildError, load_library
+
+log = logging.getLogger(__name__)
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, heads, D] rotated by cos/sin [N, D] (broadcast over heads), rotate-half style."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalized in float32 and scaled in the input dtype, as the model was trained."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class LayerOps(Protocol):
+    """What a decoder layer computes besides its matmuls and attention."""
+
+    fused: bool  # the fused kernels (the attention backend then also takes write_kv/decode_attention)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += delta`` (in place, when given), then ``rms_norm(x, weight, eps)``."""
+        ...
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, heads, D] rotated by cos/sin [N, D]; may rotate ``x`` in place."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: ``silu(gate) * up`` of the halves of each row of ``gate_up``."""
+        ...
+
+
+class TorchOps:
+    """The layer's elementwise ops as PyTorch calls."""
+
+    fused = False
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rows(t: torch.Tensor, width: int) -> int:
+    """The row stride of a CPU tensor whose rows (dim 0) each hold ``width`` contiguous elements."""
+    shape = t.shape
+    if t.is_contiguous() and t.numel() == shape[0] * width and t.device.type == "cpu":
+        return width
+    strides = t.stride()
+    expected = 1
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:]), strict=True):
+        if size != 1 and stride != expected:
+            break
+        expected *= size
+    else:
+        if expected == width and t.device.type == "cpu":
+            return strides[0]
+    raise ValueError(f"kernel operand must be CPU rows of {width} contiguous elements, got {tuple(shape)}")
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, hkv: int, d: int) -> None:
+    for cache in (k_cache, v_cache):
+        if cache.dtype != dtype or cache.dim() != 4 or cache.shape[2:] != (hkv, d) or not cache.is_contiguous():
+            raise ValueError(f"the KV cache must be contiguous [blocks, block_size, {hkv}, {d}] of {dtype}")
+    if v_cache.shape != k_cache.shape or k_cache.device.type != "cpu":
+        raise ValueError("the K and V caches must be CPU tensors of one shape")
+
+
+class CpuKernelOps:
+    """The same ops through the fused C++ kernels (float32 and bfloat16 CPU tensors)."""
+
+    fused = True
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    @staticmethod
+    def supports(dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in _DTYPE_CODE
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        rows, n = x.shape
+        out = torch.empty((rows, n), dtype=x.dtype)
+        sd = _rows(delta, n) if delta is not None else 0
+        self.lib.epd_add_rms_norm(
+            _DTYPE_CODE[x.dtype],
+            x.data_ptr(),
+            _rows(x, n),
+            delta.data_ptr() if delta is not None else None,
+            sd,
+            weight.data_ptr(),
+            out.data_ptr(),
+            n,
+            rows,
+            n,
+            eps,
+        )
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows, heads, d = x.shape
+        self.lib.epd_rotary(
+            _DTYPE_CODE[x.dtype],
+            x.data_ptr(),
+            _rows(x, heads * d),
+            heads,
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            _rows(cos, d),
+            rows,
+        )
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, two_n = gate_up.shape
+        n = two_n // 2
+        out = torch.empty((rows, n), dtype=gate_up.dtype)
+        self.lib.epd_silu_mul(
+            _DTYPE_CODE[gate_up.dtype], gate_up.data_ptr(), _rows(gate_up, two_n), out.data_ptr(), n, rows, n
+        )
+        return out
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """k, v [N, kv_heads, D] into the cache at ``slots`` [N] (int64)."""
+        rows, hkv, d = k.shape
+        w = hkv * d
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or len(slots) != rows:
+            raise ValueError("slots must be contiguous int64, one per row")
+        _check_cache(k_cache, v_cache, k.dtype, hkv, d)
+        if v.dtype != k.dtype:
+            raise ValueError("k and v must have one dtype")
+        status = self.lib.epd_write_kv(
+            _DTYPE_CODE[k.dtype],
+            k.data_ptr(),
+            _rows(k, w),
+            v.data_ptr(),
+            _rows(v, w),
+            w,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            rows,
+            k_cache.shape[0] * k_cache.shape[1],
+        )
+        if status:
+            raise ValueError("a KV slot is outside the cache")
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        q_rows: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        table: torch.Tensor,
+        table_rows: torch.Tensor,
+        ctx: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """For each decode sequence b: its query row ``q_rows[b]`` of q [N, Hq, D] attends over
+        positions 0..ctx[b]-1 of the paged cache (block table row ``table_rows[b]``); the result
+        goes to the same row of ``out`` [N, Hq, D]."""
+        n, hq, d = q.shape
+        blocks, bs, hkv, _ = k_cache.shape
+        _check_cache(k_cache, v_cache, q.dtype, hkv, d)
+        for t in (q_rows, table_rows, ctx):
+            if t.dtype != torch.int64 or not t.is_contiguous() or len(t) != len(q_rows):
+                raise ValueError("q_rows, table_rows and ctx must be contiguous int64 of one length")
+        if table.dtype != torch.int64 or not table.is_contiguous() or table.dim() != 2:
+            raise ValueError("the block table must be a contiguous int64 matrix")
+        if out.dtype != q.dtype or out.shape != q.shape:
+            raise ValueError("out must be like q")
+        status = self.lib.epd_decode_attention(
+            _DTYPE_CODE[q.dtype],
+            q.data_ptr(),
+            _rows(q, hq * d),
+            q_rows.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            blocks,
+            table.data_ptr(),
+            table.shape[1],
+            table.shape[0],
+            table_rows.data_ptr(),
+            ctx.data_ptr(),
+            len(q_rows),
+            n,
+            hq,
+            hkv,
+            d,
+            bs,
+            d**-0.5,
+            out.data_ptr(),
+            _rows(out, hq * d),
+        )
+        if status:
+            raise ValueError("a decode row, block-table row, context length or block id is out of range")
+
+
+def select_ops(choice: KernelChoice, dtype: torch.dtype, device: torch.device) -> LayerOps:
+    """The ops an engine runs with (``choice`` "torch" forces PyTorch)."""
+    if choice == "torch" or not CpuKernelOps.supports(dtype, device):
+        return TorchOps()
+    try:
+        return CpuKernelOps(load_library())
+    except KernelBuildError as e:
+        log.warning("fused CPU kernels unavailable, using PyTorch ops: %s", e)
+        return TorchOps()

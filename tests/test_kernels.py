@@ -1,0 +1,151 @@
+"""The fused CPU kernels against the PyTorch ops they replace (float32 and bfloat16), their
+decode attention against SDPA over the same paged cache, and how the library is built: cached per
+machine, never loaded from a directory others may write, and PyTorch ops when it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epdserve.kernels import build
+from epdserve.kernels.build import KernelBuildError, load_library
+from epdserve.kernels.ops import CpuKernelOps, TorchOps, select_ops
+from tests.numerics import assert_close_rel
+
+COMPILER = shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")
+needs_compiler = pytest.mark.skipif(not COMPILER, reason="no C++ compiler on this machine")
+CPU = torch.device("cpu")
+# bfloat16 results are compared after the same rounding points: one bfloat16 step apart at most
+REL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernelOps:
+    if not COMPILER:
+        pytest.skip("no C++ compiler on this machine")
+    ops = select_ops("auto", torch.float32, CPU)
+    assert isinstance(ops, CpuKernelOps), "a compiler is here: the kernels must build"
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_kernels_equal_the_torch_ops(kernels: CpuKernelOps, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    ref = TorchOps()
+    rows, hidden, heads, d, inter = 7, 96, 6, 16, 80
+    x = torch.randn(rows, hidden).to(dtype)
+    delta = torch.randn(rows, hidden).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    x_ref, x_k = x.clone(), x.clone()
+    assert_close_rel(
+        kernels.add_rms_norm(x_k, delta, w, 1e-6).float(), ref.add_rms_norm(x_ref, delta, w, 1e-6).float(), REL[dtype]
+    )
+    assert torch.equal(x_k, x_ref)  # the residual stream gained delta in place, identically
+    assert_close_rel(
+        kernels.add_rms_norm(x_k, None, w, 1e-6).float(), ref.add_rms_norm(x_ref, None, w, 1e-6).float(), REL[dtype]
+    )
+
+    # rotary over a strided view (q and k heads inside a wider qkv row), as the model passes it
+    qkv = torch.randn(rows, (heads + 2) * d).to(dtype)
+    angles = torch.randn(rows, d // 2).float() * 3
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    view = qkv[:, : heads * d].view(rows, heads, d)
+    rest = qkv[:, heads * d :].clone()
+    want = ref.rotary(view.clone(), cos, sin)
+    got = kernels.rotary(view, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place
+    assert_close_rel(got.float(), want.float(), REL[dtype])
+    assert torch.equal(qkv[:, heads * d :], rest)  # the rest of the row untouched
+
+    gate_up = (3 * torch.randn(rows, 2 * inter)).to(dtype)
+    assert_close_rel(kernels.silu_mul(gate_up).float(), ref.silu_mul(gate_up).float(), REL[dtype])
+
+
+def test_kernels_refuse_a_layout_they_cannot_read(kernels: CpuKernelOps) -> None:
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.silu_mul(x.t())  # rows whose elements are not contiguous
+    kv = x.view(8, 1, 4)
+    cache = torch.zeros(2, 2, 1, 4)  # 4 slots
+    with pytest.raises(ValueError, match="int64"):
+        kernels.write_kv(kv, kv, cache, cache.clone(), torch.arange(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels.write_kv(kv[:2], kv[:2], cache, cache.clone(), torch.tensor([3, 4]))
+    assert not cache.any()  # checked before anything was written
+    t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    q, out, table = torch.randn(2, 2, 4), torch.zeros(2, 2, 4), t([[0, 1]])
+    for rows, table_rows, ctx, bad_table in [
+        ([2], [0], [3], table),  # no such query row
+        ([0], [1], [3], table),  # no such block-table row
+        ([0], [0], [5], table),  # longer than the table holds
+        ([0], [0], [3], t([[0, 7]])),  # a block id outside the cache
+    ]:
+        with pytest.raises(ValueError, match="out of range"):
+            kernels.decode_attention(q, t(rows), cache, cache, bad_table, t(table_rows), t(ctx), out)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_the_paged_cache_as_sdpa_over_the_gathered_context(
+    kernels: CpuKernelOps, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(1)
+    blocks, bs, hkv, hq, d = 64, 4, 2, 6, 16
+    k_cache, v_cache = torch.zeros(blocks, bs, hkv, d, dtype=dtype), torch.zeros(blocks, bs, hkv, d, dtype=dtype)
+    ctx = [1, 5, 13, 29]
+    perm = torch.randperm(blocks).tolist()  # blocks scattered over the cache
+    table = torch.zeros(6, 10, dtype=torch.long)
+    table_rows = [4, 0, 2, 5]  # block-table rows in another order than the batch
+    for b, n in enumerate(ctx):
+        ids = [perm.pop() for _ in range(-(-n // bs))]
+        table[table_rows[b], : len(ids)] = torch.tensor(ids)
+        slots = torch.tensor([ids[t // bs] * bs + t % bs for t in range(n)])
+        kernels.write_kv(torch.randn(n, hkv, d).to(dtype), torch.randn(n, hkv, d).to(dtype), k_cache, v_cache, slots)
+    q_rows = [3, 0, 5, 1]  # decode rows among other (prefill) rows of the step
+    q = torch.randn(6, hq, d).to(dtype)
+    out = torch.full((6, hq, d), 7.0, dtype=dtype)
+    t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    kernels.decode_attention(q, t(q_rows), k_cache, v_cache, table, t(table_rows), t(ctx), out)
+    for b, n in enumerate(ctx):
+        ids = table[table_rows[b]]
+        slots = torch.tensor([int(ids[i // bs]) * bs + i % bs for i in range(n)])
+        k = k_cache.view(-1, hkv, d)[slots].float().transpose(0, 1)  # [hkv, n, d]
+        v = v_cache.view(-1, hkv, d)[slots].float().transpose(0, 1)
+        qb = q[q_rows[b]].float().view(hkv, hq // hkv, d)
+        want = F.scaled_dot_product_attention(qb, k, v).reshape(hq, d)
+        assert_close_rel(out[q_rows[b]].float(), want, REL[dtype])
+    untouched = sorted(set(range(6)) - set(q_rows))
+    assert (out[untouched] == 7.0).all()  # rows of no decode sequence are left alone
+
+
+@needs_compiler
+def test_the_library_is_built_once_per_machine_and_reused(tmp_path: Path) -> None:
+    first = build.library_path(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert build.library_path(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert load_library(tmp_path).epd_kernels_abi() == build.ABI
+    assert not list(tmp_path.glob("*.tmp"))  # nothing half-written left behind
+
+
+@needs_compiler
+def test_a_cache_directory_others_may_write_is_not_used(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    path = build.library_path(shared)
+    assert path.parent != shared and not list(shared.iterdir())
+    assert path.parent.stat().st_mode & 0o077 == 0  # a private directory instead
+
+
+def test_without_a_compiler_the_engine_runs_the_torch_ops(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelBuildError):
+        build.library_path(tmp_path)
+    assert type(select_ops("auto", torch.float32, CPU)) is TorchOps
+    assert type(select_ops("torch", torch.float32, CPU)) is TorchOps
+    assert type(select_ops("auto", torch.float16, CPU)) is TorchOps  # no float16 kernels
