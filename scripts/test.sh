@@ -4,8 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 # the shared embedding store's tests run a real redis-server, Mooncake's wheel needs the RDMA and
-# NUMA libraries even over TCP, the multi-host test needs ip (Debian's packages)
+# NUMA libraries even over TCP, the multi-host test needs ip, the fused CPU kernels a C++
+# compiler (Debian's packages)
 missing=()
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)  # the multi-host test's network namespaces
 for lib in libibverbs.so.1:libibverbs1 librdmacm.so.1:librdmacm1 libnuma.so.1:libnuma1; do

@@ -13,11 +13,12 @@ import binascii
 import dataclasses
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from typing import TypeVar
 
 import aiohttp
 
 from epdserve.api.errors import BadRequest, from_media_error
-from epdserve.api.protocol import EmbedsPart, ImageUrlPart, InputAudioPart, MediaPart
+from epdserve.api.protocol import EmbedsPart, ImageUrlPart, InputAudioPart, MediaPart, VideoUrlPart
 from epdserve.engine.inputs import MediaInput
 from epdserve.media.audio import AudioProcessor
 from epdserve.media.decode import decode_image, decode_video, video_interval
@@ -28,6 +29,7 @@ from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import VisionProcessor
 
 EmbedsResolver = Callable[[EmbedsPart], Awaitable[MediaInput]]
+T = TypeVar("T")
 
 
 class MediaResolver:
@@ -56,6 +58,26 @@ class MediaResolver:
 
     async def resolve(self, parts: list[MediaPart]) -> list[MediaInput]:
         return list(await asyncio.gather(*(self._one(p) for p in parts)))
+
+    async def resolve_then(self, parts: list[MediaPart], then: Callable[[list[MediaInput]], T], executor: Executor) -> T:
+        """``then(resolved parts)``, run in ``executor``. A request with one image or video (the
+        common case) is decoded, preprocessed and handed to ``then`` in one executor job: every
+        hop between the event loop and a thread waits for both to be free, and under load that
+        wait was most of a request's preprocessing time. Several raw items are still processed
+        concurrently, each in its own job."""
+        loop = asyncio.get_running_loop()
+        raw = [i for i, p in enumerate(parts) if isinstance(p, ImageUrlPart | VideoUrlPart)]
+        if len(raw) != 1 or len(parts) != 1:
+            media = await self.resolve(parts)
+            return await loop.run_in_executor(executor, then, media)
+        part = parts[0]
+        url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url  # type: ignore[union-attr]
+        modality = "image" if isinstance(part, ImageUrlPart) else "video"
+        try:
+            data = await load_media_bytes(url, self.limits, self.session)
+            return await loop.run_in_executor(self.executor, lambda: then([self.process_bytes(modality, data)]))
+        except MediaError as e:  # the edge: media errors become HTTP errors here
+            raise from_media_error(e) from None
 
     async def _one(self, part: MediaPart) -> MediaInput:
         if isinstance(part, EmbedsPart):

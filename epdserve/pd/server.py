@@ -316,11 +316,10 @@ class ChatService:
             raise BadRequest(f"This model ({cfg.model_name}) takes no {kind} input; {accepted}.", param="messages")
         if not self.core.vision and any(isinstance(p, RawMediaPart) for p in parts):
             raise BadRequest("This instance has no media encoder: send media through the router (metadata-only items).")
-        media = await self.resolver.resolve(parts)
-        loop = asyncio.get_running_loop()
+        messages, kwargs = template_messages(req), req.chat_template_kwargs
         try:
-            prompt = await loop.run_in_executor(
-                self.template_executor, self.builder.build, template_messages(req), media, req.chat_template_kwargs
+            prompt = await self.resolver.resolve_then(
+                parts, lambda media: self.builder.build(messages, media, kwargs), self.template_executor
             )
         except PromptError as e:
             raise BadRequest(str(e)) from None
