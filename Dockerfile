@@ -26,7 +26,7 @@ RUN pip install ".${EPD_EXTRAS:+[$EPD_EXTRAS]}" && epdserve model-path
 
 FROM ${PYTHON_IMAGE}
 # a C++ compiler: language-model roles build their fused CPU kernels for the CPU they run on, at
-# first start (about a second; cached in ~/.cache/epdserve). Without one they run PyTorch ops.
+# first start (cached in ~/.cache/epdserve). Without one they run PyTorch ops.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 --user-group epd
 COPY --from=build /opt/epdserve /opt/epdserve

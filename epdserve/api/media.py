@@ -59,7 +59,9 @@ class MediaResolver:
     async def resolve(self, parts: list[MediaPart]) -> list[MediaInput]:
         return list(await asyncio.gather(*(self._one(p) for p in parts)))
 
-    async def resolve_then(self, parts: list[MediaPart], then: Callable[[list[MediaInput]], T], executor: Executor) -> T:
+    async def resolve_then(
+        self, parts: list[MediaPart], then: Callable[[list[MediaInput]], T], executor: Executor
+    ) -> T:
         """``then(resolved parts)``, run in ``executor``. A request with one image or video (the
         common case) is decoded, preprocessed and handed to ``then`` in one executor job: every
         hop between the event loop and a thread waits for both to be free, and under load that
