@@ -134,6 +134,17 @@ void silu_mul(const T* gu, int64_t sg, T* out, int64_t so, int64_t rows, int64_t
     }
 }
 
+// f(t, row of token t) for positions 0..n-1 of a sequence whose blocks are ``blocks``, in a cache
+// whose tokens are ``row`` elements apart (``base`` points at the wanted head of token 0's slot)
+template <typename T, typename F>
+inline void each_token(const T* base, const int64_t* blocks, int64_t n, int64_t block_size, int64_t row, F f) {
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const T* block = base + blocks[t0 / block_size] * block_size * row;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        for (int64_t o = 0; o < len; ++o) f(t0 + o, block + o * row);
+    }
+}
+
 // Attention of one new token per sequence over its paged context (the new token's k/v already in
 // the cache): sequence b's query row q_rows[b] attends to positions 0..ctx[b]-1, whose slots come
 // from block table row table_rows[b]. Query heads sharing a KV head (GQA) read its keys once.
@@ -163,20 +174,15 @@ int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc,
         T* orow = out + q_rows[b] * so;
         for (int64_t g = 0; g < hkv; ++g) {
             for (int64_t j = 0; j < group * d; ++j) qf[j] = load(qrow + g * group * d + j);
-            for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                const T* kb = kc + blocks[t0 / block_size] * block_size * row + g * d;
-                const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-                for (int64_t o = 0; o < len; ++o) {
-                    const T* kt = kb + o * row;
-                    for (int64_t j = 0; j < group; ++j) {
-                        const float* qj = qf.data() + j * d;
-                        float s = 0.f;
+            each_token(kc + g * d, blocks, n, block_size, row, [&](int64_t t, const T* kt) {
+                for (int64_t j = 0; j < group; ++j) {
+                    const float* qj = qf.data() + j * d;
+                    float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                        for (int64_t i = 0; i < d; ++i) s = std::fma(qj[i], load(kt + i), s);
-                        scores[j * n + t0 + o] = s * scale;
-                    }
+                    for (int64_t i = 0; i < d; ++i) s = std::fma(qj[i], load(kt + i), s);
+                    scores[j * n + t] = s * scale;
                 }
-            }
+            });
             for (int64_t j = 0; j < group; ++j) {
                 float* sj = scores.data() + j * n;
                 float m = -INFINITY;
@@ -192,19 +198,14 @@ int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc,
                 for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
             }
             std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                const T* vb = vc + blocks[t0 / block_size] * block_size * row + g * d;
-                const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-                for (int64_t o = 0; o < len; ++o) {
-                    const T* vt = vb + o * row;
-                    for (int64_t j = 0; j < group; ++j) {
-                        const float p = scores[j * n + t0 + o];
-                        float* aj = acc.data() + j * d;
+            each_token(vc + g * d, blocks, n, block_size, row, [&](int64_t t, const T* vt) {
+                for (int64_t j = 0; j < group; ++j) {
+                    const float p = scores[j * n + t];
+                    float* aj = acc.data() + j * d;
 #pragma omp simd
-                        for (int64_t i = 0; i < d; ++i) aj[i] = std::fma(p, load(vt + i), aj[i]);
-                    }
+                    for (int64_t i = 0; i < d; ++i) aj[i] = std::fma(p, load(vt + i), aj[i]);
                 }
-            }
+            });
             for (int64_t j = 0; j < group * d; ++j) store(orow + g * group * d + j, acc[j]);
         }
     }
