@@ -70,6 +70,10 @@ def test_kernels_refuse_a_layout_they_cannot_read(kernels: CpuKernelOps) -> None
     x = torch.randn(8, 4)
     with pytest.raises(ValueError, match="contiguous"):
         kernels.silu_mul(x.t())  # rows whose elements are not contiguous
+    with pytest.raises(ValueError, match="rows of 4"):
+        kernels.add_rms_norm(x, x[:3], torch.ones(4), 1e-6)  # a delta shorter than x
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.add_rms_norm(x.bfloat16(), None, torch.ones(4), 1e-6)  # a float32 weight read as bfloat16
     kv = x.view(8, 1, 4)
     cache = torch.zeros(2, 2, 1, 4)  # 4 slots
     with pytest.raises(ValueError, match="int64"):

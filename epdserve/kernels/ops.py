@@ -96,6 +96,14 @@ def _rows(t: torch.Tensor, width: int) -> int:
     raise ValueError(f"kernel operand must be CPU rows of {width} contiguous elements, got {tuple(shape)}")
 
 
+def _like(t: torch.Tensor, dtype: torch.dtype, rows: int, width: int) -> None:
+    """``t`` has ``dtype`` and at least ``rows`` rows of ``width`` (what a kernel will read)."""
+    if t.dtype != dtype or (t.shape[0] if t.dim() > 1 else 1) < rows or t.numel() < rows * width:
+        raise ValueError(f"kernel operand must be {dtype} with {rows} rows of {width}, got {t.dtype} {tuple(t.shape)}")
+    if t.dim() > 1:
+        _rows(t, width)
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, hkv: int, d: int) -> None:
     for cache in (k_cache, v_cache):
         if cache.dtype != dtype or cache.dim() != 4 or cache.shape[2:] != (hkv, d) or not cache.is_contiguous():
@@ -120,6 +128,9 @@ class CpuKernelOps:
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         rows, n = x.shape
+        _like(weight, x.dtype, 1, n)
+        if delta is not None:
+            _like(delta, x.dtype, rows, n)
         out = torch.empty((rows, n), dtype=x.dtype)
         sd = _rows(delta, n) if delta is not None else 0
         self.lib.epd_add_rms_norm(
@@ -139,6 +150,10 @@ class CpuKernelOps:
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rows, heads, d = x.shape
+        _like(cos, x.dtype, rows, d)
+        _like(sin, x.dtype, rows, d)
+        if sin.stride() != cos.stride() or d % 2:
+            raise ValueError("cos and sin must share a layout, and head_dim be even")
         self.lib.epd_rotary(
             _DTYPE_CODE[x.dtype],
             x.data_ptr(),
@@ -154,6 +169,8 @@ class CpuKernelOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         rows, two_n = gate_up.shape
+        if two_n % 2:
+            raise ValueError("gate_up must hold two halves")
         n = two_n // 2
         out = torch.empty((rows, n), dtype=gate_up.dtype)
         self.lib.epd_silu_mul(
