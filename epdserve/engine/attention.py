@@ -209,14 +209,16 @@ class PagedAttention:
             if s.q_len == s.ctx_len:  # whole sequence in this step: no cache read needed
                 ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
                 vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                # 4-D, not 3-D: only a batched call takes PyTorch's flash kernel on CPU (3-D falls
+                # back to the unfused math path; docs/benchmarks.md)
+                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=gqa)[0]
             else:
                 ks = block_k.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].transpose(0, 1).to(q.dtype)
                 vs = block_v.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].transpose(0, 1).to(q.dtype)
                 # query i sits at absolute position ctx_len - q_len + i
                 qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
                 mask = torch.arange(s.ctx_len, device=q.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, enable_gqa=gqa)[0]
             out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
         if self.num_decodes:
             # Grouped-query decode: the query heads sharing a KV head become that head's query rows
