@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,14 @@ def test_the_library_is_built_once_per_machine_and_reused(tmp_path: Path) -> Non
     assert build.library_path(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert load_library(tmp_path).epd_kernels_abi() == build.ABI
     assert not list(tmp_path.glob("*.tmp"))  # nothing half-written left behind
+
+
+@needs_compiler
+def test_roles_starting_together_build_one_library(tmp_path: Path) -> None:
+    code = f"from pathlib import Path; from epdserve.kernels.build import load_library as f; f(Path({str(tmp_path)!r}))"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert len(list(tmp_path.glob("*.so"))) == 1 and not list(tmp_path.glob("*.tmp"))
 
 
 @needs_compiler
