@@ -97,11 +97,12 @@ def test_kernels_refuse_a_layout_they_cannot_read(kernels: CpuKernelOps) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64, 128])  # a generic head size and the two the kernel unrolls
 def test_decode_attention_reads_the_paged_cache_as_sdpa_over_the_gathered_context(
-    kernels: CpuKernelOps, dtype: torch.dtype
+    kernels: CpuKernelOps, dtype: torch.dtype, d: int
 ) -> None:
     torch.manual_seed(1)
-    blocks, bs, hkv, hq, d = 64, 4, 2, 6, 16
+    blocks, bs, hkv, hq = 64, 4, 2, 6
     k_cache, v_cache = torch.zeros(blocks, bs, hkv, d, dtype=dtype), torch.zeros(blocks, bs, hkv, d, dtype=dtype)
     ctx = [1, 5, 13, 29]
     perm = torch.randperm(blocks).tolist()  # blocks scattered over the cache

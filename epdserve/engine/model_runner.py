@@ -61,6 +61,8 @@ class ModelRunner:
         # the layer's elementwise ops and decode attention: fused kernels where they build
         self.kernels = select_ops(config.kernels, self.dtype, self.device)
         lm.ops = self.kernels
+        ops = self.kernels
+        self.attention_kernels = ops if isinstance(ops, CpuKernelOps) and ops.attends(tc.head_dim) else None
         self.kv = KVCache(
             tc.num_hidden_layers,
             config.num_kv_blocks,
@@ -80,7 +82,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-            if config.contiguous_decode_kv and not self.kernels.fused  # the kernels read the paged cache in place
+            if config.contiguous_decode_kv and self.attention_kernels is None  # the kernels read the cache in place
             else None
         )
         max_blocks = -(-config.max_model_len // config.block_size)
@@ -260,8 +262,7 @@ class ModelRunner:
                             stack_feats.append(rows_e[:, hsize:])
             q += s.num_new_tokens
         positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
-        fused = self.kernels if isinstance(self.kernels, CpuKernelOps) else None
-        attention = PagedAttention(self.kv, self.table, layout, self.mirror, fused)
+        attention = PagedAttention(self.kv, self.table, layout, self.mirror, self.attention_kernels)
         if stack_rows:
             feats = torch.cat(stack_feats).to(dev, self.dtype).view(-1, levels - 1, hsize).transpose(0, 1)
             hidden = lm(embeds, positions, attention, DeepStack(torch.cat(stack_rows).to(dev), feats))

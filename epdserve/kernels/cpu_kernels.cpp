@@ -91,17 +91,20 @@ void add_rms_norm(T* x, int64_t sx, const T* delta, int64_t sd, const T* w, T* o
 template <typename T>
 void rope_rows(T* x, int64_t sx, int64_t heads, int64_t d, const T* cos, const T* sin, int64_t sc, int64_t rows) {
     const int64_t h2 = d / 2;
-    std::vector<float> tmp(d);
+    std::vector<float> lo(h2), hi(h2);
     for (int64_t r = 0; r < rows; ++r) {
         const T* c = cos + r * sc;
         const T* s = sin + r * sc;
         for (int64_t h = 0; h < heads; ++h) {
             T* xh = x + r * sx + h * d;
-            for (int64_t i = 0; i < d; ++i) tmp[i] = load(xh + i);
-            for (int64_t i = 0; i < d; ++i) {
-                float rot = i < h2 ? -tmp[i + h2] : tmp[i - h2];
-                store(xh + i, rnd<T>(tmp[i] * load(c + i)) + rnd<T>(rot * load(s + i)));
+            for (int64_t i = 0; i < h2; ++i) {
+                lo[i] = load(xh + i);
+                hi[i] = load(xh + h2 + i);
             }
+            // first half: x*cos - x2*sin; second half: x*cos + x1*sin (rotate_half)
+            for (int64_t i = 0; i < h2; ++i) store(xh + i, rnd<T>(lo[i] * load(c + i)) + rnd<T>(-hi[i] * load(s + i)));
+            for (int64_t i = 0; i < h2; ++i)
+                store(xh + h2 + i, rnd<T>(hi[i] * load(c + h2 + i)) + rnd<T>(lo[i] * load(s + h2 + i)));
         }
     }
 }
@@ -134,28 +137,98 @@ void silu_mul(const T* gu, int64_t sg, T* out, int64_t so, int64_t rows, int64_t
     }
 }
 
-// f(t, row of token t) for positions 0..n-1 of a sequence whose blocks are ``blocks``, in a cache
-// whose tokens are ``row`` elements apart (``base`` points at the wanted head of token 0's slot)
-template <typename T, typename F>
-inline void each_token(const T* base, const int64_t* blocks, int64_t n, int64_t block_size, int64_t row, F f) {
+// Eight lanes of float32 in GCC's vector extension: the compiler maps them to the machine's own
+// SIMD registers (AVX2, AVX-512, NEON), with no intrinsics to port.
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+    v8f r;
+    std::memcpy(&r, p, sizeof r);
+    return r;
+}
+inline v8f load8(const bf16* p) {
+    v8h h;
+    std::memcpy(&h, p, sizeof h);
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f r;
+    std::memcpy(&r, &u, sizeof r);
+    return r;
+}
+inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// Attention sums may use fused multiply-adds, as SDPA's own kernels do (the elementwise kernels
+// above keep PyTorch's separate roundings).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+// One sequence's query heads of one KV head (``group`` of them, ``qrow`` [group, d]) over its
+// ``n`` cached tokens. NV = head_dim / 8 when it is known at compile time (the common head sizes:
+// the loops over a row unroll and a token's row stays in registers), 0 for any other size.
+template <int NV, typename T>
+void attend(const T* qrow, const T* kbase, const T* vbase, const int64_t* blocks, int64_t n, int64_t block_size,
+            int64_t row, int64_t group, int64_t dyn_nv, float scale, float* scores, v8f* qv, v8f* acc, v8f* tokbuf,
+            T* orow) {
+    const int64_t nv = NV ? NV : dyn_nv;
+    v8f local[NV ? NV : 1];
+    v8f* tok = NV ? local : tokbuf;
+    for (int64_t j = 0; j < group * nv; ++j) qv[j] = load8(qrow + 8 * j);
     for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* block = base + blocks[t0 / block_size] * block_size * row;
+        const T* block = kbase + blocks[t0 / block_size] * block_size * row;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; ++o) f(t0 + o, block + o * row);
+        for (int64_t o = 0; o < len; ++o) {
+            const T* kt = block + o * row;
+            for (int64_t v = 0; v < nv; ++v) tok[v] = load8(kt + 8 * v);
+            for (int64_t j = 0; j < group; ++j) {
+                v8f s = qv[j * nv] * tok[0];
+                for (int64_t v = 1; v < nv; ++v) s += qv[j * nv + v] * tok[v];
+                scores[j * n + t0 + o] = hsum(s) * scale;
+            }
+        }
     }
+    for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores + j * n;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) m = sj[t] > m ? sj[t] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+            sj[t] = exp_approx(sj[t] - m);
+            sum += sj[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
+    }
+    for (int64_t j = 0; j < group * nv; ++j) acc[j] = v8f{};
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const T* block = vbase + blocks[t0 / block_size] * block_size * row;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        for (int64_t o = 0; o < len; ++o) {
+            const T* vt = block + o * row;
+            for (int64_t v = 0; v < nv; ++v) tok[v] = load8(vt + 8 * v);
+            for (int64_t j = 0; j < group; ++j) {
+                const float p = scores[j * n + t0 + o];
+                for (int64_t v = 0; v < nv; ++v) acc[j * nv + v] += p * tok[v];
+            }
+        }
+    }
+    for (int64_t j = 0; j < group * nv; ++j)
+        for (int64_t i = 0; i < 8; ++i) store(orow + 8 * j + i, acc[j][i]);
 }
 
 // Attention of one new token per sequence over its paged context (the new token's k/v already in
 // the cache): sequence b's query row q_rows[b] attends to positions 0..ctx[b]-1, whose slots come
 // from block table row table_rows[b]. Query heads sharing a KV head (GQA) read its keys once.
-// Scores, softmax and the weighted sum are float32 (fused multiply-adds, as SDPA's kernels).
+// Scores, softmax and the weighted sum are float32; head_dim must be a multiple of 8.
 template <typename T>
 int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc, const T* vc, int64_t num_blocks,
                      const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows, const int64_t* ctx,
                      int64_t batch, int64_t q_len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale,
                      T* out, int64_t so) {
     // every index is checked before anything is read: a bad one is an error, never a stray read
-    if (hkv < 1 || hq % hkv) return -1;
+    if (hkv < 1 || hq % hkv || d % 8) return -1;
     for (int64_t b = 0; b < batch; ++b) {
         if (q_rows[b] < 0 || q_rows[b] >= q_len || table_rows[b] < 0 || table_rows[b] >= table_len) return -1;
         if (ctx[b] < 1 || ctx[b] > st * block_size) return -1;
@@ -163,54 +236,31 @@ int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc,
         for (int64_t i = 0; i * block_size < ctx[b]; ++i)
             if (blocks[i] < 0 || blocks[i] >= num_blocks) return -1;
     }
-    const int64_t group = hq / hkv;
+    const int64_t group = hq / hkv, nv = d / 8;
     const int64_t row = hkv * d;  // elements per cached token
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<v8f> qv(group * nv), acc(group * nv), tok(nv);
+    std::vector<float> scores;
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = ctx[b];
         const int64_t* blocks = table + table_rows[b] * st;
         scores.resize(group * n);
-        const T* qrow = q + q_rows[b] * sq;
-        T* orow = out + q_rows[b] * so;
         for (int64_t g = 0; g < hkv; ++g) {
-            for (int64_t j = 0; j < group * d; ++j) qf[j] = load(qrow + g * group * d + j);
-            each_token(kc + g * d, blocks, n, block_size, row, [&](int64_t t, const T* kt) {
-                for (int64_t j = 0; j < group; ++j) {
-                    const float* qj = qf.data() + j * d;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t i = 0; i < d; ++i) s = std::fma(qj[i], load(kt + i), s);
-                    scores[j * n + t] = s * scale;
-                }
-            });
-            for (int64_t j = 0; j < group; ++j) {
-                float* sj = scores.data() + j * n;
-                float m = -INFINITY;
-                for (int64_t t = 0; t < n; ++t) m = sj[t] > m ? sj[t] : m;
-                float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) {
-                    sj[t] = exp_approx(sj[t] - m);
-                    sum += sj[t];
-                }
-                const float inv = 1.f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
-            }
-            std::fill(acc.begin(), acc.end(), 0.f);
-            each_token(vc + g * d, blocks, n, block_size, row, [&](int64_t t, const T* vt) {
-                for (int64_t j = 0; j < group; ++j) {
-                    const float p = scores[j * n + t];
-                    float* aj = acc.data() + j * d;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; ++i) aj[i] = std::fma(p, load(vt + i), aj[i]);
-                }
-            });
-            for (int64_t j = 0; j < group * d; ++j) store(orow + g * group * d + j, acc[j]);
+            const T* qrow = q + q_rows[b] * sq + g * group * d;
+            T* orow = out + q_rows[b] * so + g * group * d;
+            const T *kb = kc + g * d, *vb = vc + g * d;
+            float* sc = scores.data();
+            if (nv == 8)
+                attend<8>(qrow, kb, vb, blocks, n, block_size, row, group, nv, scale, sc, qv.data(), acc.data(), tok.data(), orow);
+            else if (nv == 16)
+                attend<16>(qrow, kb, vb, blocks, n, block_size, row, group, nv, scale, sc, qv.data(), acc.data(), tok.data(), orow);
+            else
+                attend<0>(qrow, kb, vb, blocks, n, block_size, row, group, nv, scale, sc, qv.data(), acc.data(), tok.data(), orow);
         }
     }
     return 0;
 }
+
+#pragma GCC pop_options
 
 }  // namespace
 

@@ -42,8 +42,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LayerOps(Protocol):
     """What a decoder layer computes besides its matmuls and attention."""
 
-    fused: bool  # the fused kernels (the attention backend then also takes write_kv/decode_attention)
-
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
@@ -61,8 +59,6 @@ class LayerOps(Protocol):
 
 class TorchOps:
     """The layer's elementwise ops as PyTorch calls."""
-
-    fused = False
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -115,14 +111,17 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtyp
 class CpuKernelOps:
     """The same ops through the fused C++ kernels (float32 and bfloat16 CPU tensors)."""
 
-    fused = True
-
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in _DTYPE_CODE
+
+    @staticmethod
+    def attends(head_dim: int) -> bool:
+        """Whether ``decode_attention`` takes this head size (its rows are read 8 lanes at a time)."""
+        return head_dim % 8 == 0
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
