@@ -303,3 +303,17 @@ def test_items_inside_cached_kv_are_not_fetched_unless_the_blocks_are_gone(model
     finally:
         engine.close()
         producer.close()
+
+
+def test_the_queue_stage_counts_the_step_a_request_waited_for(model_dir: Path, hf: HFReference) -> None:
+    """A request read off the channel while a step runs waits for that step: its ``queue`` stage
+    says so (the time is not lost between stages)."""
+    core = EngineCore.from_pretrained(model_dir, ENGINE, vision=False)
+    came = time.perf_counter()
+    time.sleep(0.05)  # the step that was running when it came
+    assert core.add(text_request(hf, "late", "Name a shape.", max_tokens=1), came) == []
+    first = [o for o in core.step() if o.request_id == "late"][0]
+    assert first.stages is not None and first.stages.queue >= 0.05
+    assert core.add(text_request(hf, "now", "Name a shape.", max_tokens=1)) == []  # read at once: no wait
+    first = [o for o in core.step() if o.request_id == "now"][0]
+    assert first.stages is not None and first.stages.queue < 0.05

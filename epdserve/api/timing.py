@@ -16,8 +16,9 @@ Stages (each role prefixes its own):
   own report, the slowest item per stage;
   ``media``: how each item was obtained (computed, cache_hit, store_hit, directory, skipped);
 - ``pd_`` (or ``prefill_``/``decode_``): ``preprocess`` (template, media decode), ``fetch``
-  (embeddings, or KV, arriving through a connector), ``queue`` (ready, not admitted yet),
-  ``prefill`` (admitted until the first token), and, for answers that are not streamed, ``decode``.
+  (embeddings, or KV, arriving through a connector), ``queue`` (in the engine core: the step
+  running when it came, then ready and not admitted yet), ``prefill`` (admitted until the first
+  token), and, for answers that are not streamed, ``decode``.
 
 Streamed answers carry the stages known when their headers go out (up to the first token). The
 same stages feed each role's ``*_stage_seconds{stage}`` histograms, timing asked for or not.

@@ -91,8 +91,9 @@ class EngineCore:
         return self.runner.has_encoder
 
     # ---- requests ----------------------------------------------------------------------------
-    def add(self, msg: AddRequest) -> list[EngineOutput]:
-        """Admit a request; returns its error output at once if it cannot run at all."""
+    def add(self, msg: AddRequest, received: float = 0.0) -> list[EngineOutput]:
+        """Admit a request; returns its error output at once if it cannot run at all. ``received``:
+        when the core read it (perf_counter; 0: now), while a step may have been running."""
         if msg.request_id in self.requests:
             return [_error(msg.request_id, f"duplicate request id {msg.request_id}", "invalid_request")]
         try:
@@ -118,6 +119,7 @@ class EngineCore:
             return [_error(req.request_id, str(e), "invalid_handle")]
         self.requests[req.request_id] = req
         req.t_added = time.perf_counter()
+        req.t_received = min(received, req.t_added) if received else req.t_added
         if msg.kv is not None and msg.kv.handle is not None:
             # the media handles wait: they are needed only if the KV cannot be loaded
             req.pending_fetches += 1
@@ -443,7 +445,10 @@ def _stages(req: Request) -> StageTimes:
     now = time.perf_counter()
     ready = req.t_ready or req.t_added
     admitted = req.t_admitted or now
-    return StageTimes(fetch=max(0.0, ready - req.t_added), queue=max(0.0, admitted - ready), prefill=now - admitted)
+    waited = req.t_added - (req.t_received or req.t_added)  # for the step that ran when it came
+    return StageTimes(
+        fetch=max(0.0, ready - req.t_added), queue=max(0.0, admitted - ready) + waited, prefill=now - admitted
+    )
 
 
 def _error(request_id: str, message: str, kind: ErrorKind) -> EngineOutput:

@@ -8,6 +8,7 @@ until a fetch wakes it), and hands each batch of outputs to ``deliver``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from epdserve.engine.core import EngineCore
@@ -26,13 +27,13 @@ class StepLoop:
         self.deliver = deliver
         self.other = other
         self._cv = threading.Condition()
-        self._inbox: list[ToCore] = []
+        self._inbox: list[tuple[float, ToCore]] = []  # (when it came, the message)
         self._stopped = False
         core._on_wake = self.wake
 
     def post(self, msg: ToCore) -> None:
         with self._cv:
-            self._inbox.append(msg)
+            self._inbox.append((time.perf_counter(), msg))
             self._cv.notify()
 
     def wake(self) -> None:
@@ -54,9 +55,9 @@ class StepLoop:
                     return
                 inbox, self._inbox = self._inbox, []
             outputs: list[EngineOutput] = []
-            for msg in inbox:
+            for received, msg in inbox:
                 if isinstance(msg, AddRequest):
-                    outputs += core.add(msg)
+                    outputs += core.add(msg, received)
                 elif isinstance(msg, AbortRequests):
                     for rid in msg.request_ids:
                         core.abort(rid)

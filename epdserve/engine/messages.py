@@ -185,7 +185,7 @@ class StageTimes(msgspec.Struct, frozen=True):
     """Where a request's time went inside the engine core until its first output, in seconds."""
 
     fetch: float = 0.0  # waiting for its embeddings (or KV) to arrive through a connector
-    queue: float = 0.0  # ready, waiting for the scheduler to admit it
+    queue: float = 0.0  # waiting in the engine core: for the step running when it came, then ready to be admitted
     prefill: float = 0.0  # admitted, until its first token was sampled
 
 

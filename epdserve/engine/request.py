@@ -76,7 +76,9 @@ class Request:
     pending_fetches: int = 0  # media items (or the KV) still being fetched by handle
     kv_produce: bool = False  # prefill instance: hand the prompt's KV on after the first token
     kv_rows: torch.Tensor | None = None  # decode instance: the prompt's KV, loaded, not yet in blocks
-    # stage clock (the core's perf_counter): added, every fetch done, first admitted; 0 = not yet
+    # stage clock (the core's perf_counter): received (read off the channel, maybe during a step),
+    # added, every fetch done, first admitted; 0 = not yet
+    t_received: float = 0.0
     t_added: float = 0.0
     t_ready: float = 0.0
     t_admitted: float = 0.0

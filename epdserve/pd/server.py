@@ -244,7 +244,9 @@ class ChatService:
         self.itl = m.histogram("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = m.histogram("e2e_request_latency_seconds", "request latency")
         self.prep = m.histogram("request_preprocess_seconds", "media fetch + decode + preprocess + template")
-        self.queue_time = m.histogram("request_queue_time_seconds", "ready in the engine, waiting to be admitted")
+        self.queue_time = m.histogram(
+            "request_queue_time_seconds", "in the engine core until admitted (its running step, then ready)"
+        )
         self.stage_hist = m.histogram("request_stage_seconds", "where requests' time went, by stage", ("stage",))
         for stage in STAGES:
             self.stage_hist.labels(stage=stage)  # exported before the first request
