@@ -1,4 +1,4 @@
-"""Paged attention with PyTorch SDPA (CPU and CUDA).
+"""Paged attention: the fused CPU kernels' decode attention, or PyTorch SDPA (CPU and CUDA).
 
 The KV cache of a layer is two tensors ``[num_blocks, block_size, kv_heads, head_dim]``; a token's
 slot is ``block_id * block_size + offset``. The runner keeps every running request's block table
@@ -7,10 +7,11 @@ built with tensor ops, not rebuilt per sequence. Per step the runner builds one 
 each layer then
 
   1. writes the new k/v into their slots,
-  2. attends: all decode sequences (one new token each) together in one padded SDPA call — over
-     views of the contiguous mirror of their KV (``contiguous_kv``) when the runner keeps one, else
-     over their blocks gathered block-wise; no Python loop over sequences per layer — and prefill
-     chunks one sequence at a time with a causal mask offset by the tokens already cached.
+  2. attends: all decode sequences (one new token each) together in one call — the kernels'
+     (``kernels.ops``), reading their blocks in place, or one padded SDPA over views of the
+     contiguous mirror of their KV (``contiguous_kv``) when the runner keeps one, else over their
+     blocks gathered block-wise; no Python loop over sequences per layer — and prefill chunks one
+     sequence at a time with SDPA and a causal mask offset by the tokens already cached.
 """
 
 from __future__ import annotations
@@ -183,21 +184,21 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         lay = self.layout
-        flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
         k, v = k.to(kc.dtype), v.to(vc.dtype)
         if self.kernels is not None:
             self.kernels.write_kv(k, v, kc, vc, lay.slot_mapping)
+            if lay.decode_only:
+                out = q.new_empty(q.shape)
+                self.kernels.decode_attention(
+                    q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
+                )
+                return out
         else:
+            flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
             flat_k.index_copy_(0, lay.slot_mapping, k)
             flat_v.index_copy_(0, lay.slot_mapping, v)
-        if self.kernels is not None and lay.decode_only:
-            out = q.new_empty(q.shape)
-            self.kernels.decode_attention(
-                q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
-            )
-            return out
-        if self.mirror is not None and lay.decode_only:
-            return self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
+            if self.mirror is not None and lay.decode_only:
+                return self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         per_block = kc.shape[1] * kc.shape[2] * kc.shape[3]
