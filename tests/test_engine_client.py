@@ -312,8 +312,8 @@ def test_the_queue_stage_counts_the_step_a_request_waited_for(model_dir: Path, h
     came = time.perf_counter()
     time.sleep(0.05)  # the step that was running when it came
     assert core.add(text_request(hf, "late", "Name a shape.", max_tokens=1), came) == []
-    first = [o for o in core.step() if o.request_id == "late"][0]
+    first = next(o for o in core.step() if o.request_id == "late")
     assert first.stages is not None and first.stages.queue >= 0.05
     assert core.add(text_request(hf, "now", "Name a shape.", max_tokens=1)) == []  # read at once: no wait
-    first = [o for o in core.step() if o.request_id == "now"][0]
+    first = next(o for o in core.step() if o.request_id == "now")
     assert first.stages is not None and first.stages.queue < 0.05
