@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,13 +149,17 @@ def test_roles_starting_together_build_one_library(tmp_path: Path) -> None:
 
 
 @needs_compiler
-def test_a_cache_directory_others_may_write_is_not_used(tmp_path: Path) -> None:
+def test_a_cache_directory_others_may_write_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
     path = build.library_path(shared)
     assert path.parent != shared and not list(shared.iterdir())
     assert path.parent.stat().st_mode & 0o077 == 0  # a private directory instead
+    shutil.rmtree(path.parent)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where that one-off build goes
+    assert load_library(shared).epd_kernels_abi() == build.ABI
+    assert not list(tmp_path.glob("epd-kernels-*"))  # loaded, then removed: nothing left per start
 
 
 def test_without_a_compiler_the_engine_runs_the_torch_ops(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

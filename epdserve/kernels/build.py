@@ -36,6 +36,9 @@ FLAGS = (
 )
 
 
+_TEMP_PREFIX = "epd-kernels-"  # a private one-off build directory, when the cache cannot be used
+
+
 class KernelBuildError(RuntimeError):
     """The kernels could not be built or loaded here (the reason is in the message)."""
 
@@ -86,7 +89,7 @@ def library_path(cache_dir: Path | None = None) -> Path:
         key.update(b"\0")
     directory = cache_dir or default_cache_dir()
     if not _private_dir(directory):
-        directory = Path(tempfile.mkdtemp(prefix="epd-kernels-"))
+        directory = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX))
     path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
@@ -110,6 +113,9 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelBuildError(f"cannot load {path}: {e}") from None
+    finally:
+        if path.parent.name.startswith(_TEMP_PREFIX):  # a one-off build: loaded (or not), it can go
+            shutil.rmtree(path.parent, ignore_errors=True)
     if lib.epd_kernels_abi() != ABI:
         raise KernelBuildError(f"{path} has ABI {lib.epd_kernels_abi()}, expected {ABI}")
     p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
