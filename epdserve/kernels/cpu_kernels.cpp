@@ -163,6 +163,22 @@ inline float hsum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 
+// f(t) for the positions t = 0..n-1 of a sequence, ``tok`` holding token t's row (nv vectors) of
+// the cache at ``base`` (the wanted head of slot 0; tokens ``row`` elements apart)
+template <typename T, typename F>
+__attribute__((always_inline)) inline void each_row(const T* base, const int64_t* blocks, int64_t n,
+                                                    int64_t block_size, int64_t row, int64_t nv, v8f* tok, F&& f) {
+    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        const T* block = base + blocks[t0 / block_size] * block_size * row;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        for (int64_t o = 0; o < len; ++o) {
+            const T* r = block + o * row;
+            for (int64_t v = 0; v < nv; ++v) tok[v] = load8(r + 8 * v);
+            f(t0 + o);
+        }
+    }
+}
+
 // One sequence's query heads of one KV head (``group`` of them, ``qrow`` [group, d]) over its
 // ``n`` cached tokens. NV = head_dim / 8 when it is known at compile time (the common head sizes:
 // the loops over a row unroll and a token's row stays in registers), 0 for any other size.
@@ -174,19 +190,13 @@ void attend(const T* qrow, const T* kbase, const T* vbase, const int64_t* blocks
     v8f local[NV ? NV : 1];
     v8f* tok = NV ? local : tokbuf;
     for (int64_t j = 0; j < group * nv; ++j) qv[j] = load8(qrow + 8 * j);
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* block = kbase + blocks[t0 / block_size] * block_size * row;
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; ++o) {
-            const T* kt = block + o * row;
-            for (int64_t v = 0; v < nv; ++v) tok[v] = load8(kt + 8 * v);
-            for (int64_t j = 0; j < group; ++j) {
-                v8f s = qv[j * nv] * tok[0];
-                for (int64_t v = 1; v < nv; ++v) s += qv[j * nv + v] * tok[v];
-                scores[j * n + t0 + o] = hsum(s) * scale;
-            }
+    each_row(kbase, blocks, n, block_size, row, nv, tok, [&](int64_t t) __attribute__((always_inline)) {
+        for (int64_t j = 0; j < group; ++j) {
+            v8f s = qv[j * nv] * tok[0];
+            for (int64_t v = 1; v < nv; ++v) s += qv[j * nv + v] * tok[v];
+            scores[j * n + t] = hsum(s) * scale;
         }
-    }
+    });
     for (int64_t j = 0; j < group; ++j) {
         float* sj = scores + j * n;
         float m = -INFINITY;
@@ -202,18 +212,12 @@ void attend(const T* qrow, const T* kbase, const T* vbase, const int64_t* blocks
         for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
     }
     for (int64_t j = 0; j < group * nv; ++j) acc[j] = v8f{};
-    for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* block = vbase + blocks[t0 / block_size] * block_size * row;
-        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        for (int64_t o = 0; o < len; ++o) {
-            const T* vt = block + o * row;
-            for (int64_t v = 0; v < nv; ++v) tok[v] = load8(vt + 8 * v);
-            for (int64_t j = 0; j < group; ++j) {
-                const float p = scores[j * n + t0 + o];
-                for (int64_t v = 0; v < nv; ++v) acc[j * nv + v] += p * tok[v];
-            }
+    each_row(vbase, blocks, n, block_size, row, nv, tok, [&](int64_t t) __attribute__((always_inline)) {
+        for (int64_t j = 0; j < group; ++j) {
+            const float p = scores[j * n + t];
+            for (int64_t v = 0; v < nv; ++v) acc[j * nv + v] += p * tok[v];
         }
-    }
+    });
     for (int64_t j = 0; j < group * nv; ++j)
         for (int64_t i = 0; i < 8; ++i) store(orow + 8 * j + i, acc[j][i]);
 }
