@@ -67,19 +67,11 @@ class MediaResolver:
         hop between the event loop and a thread waits for both to be free, and under load that
         wait was most of a request's preprocessing time. Several raw items are still processed
         concurrently, each in its own job."""
-        loop = asyncio.get_running_loop()
-        raw = [i for i, p in enumerate(parts) if isinstance(p, ImageUrlPart | VideoUrlPart)]
-        if len(raw) != 1 or len(parts) != 1:
-            media = await self.resolve(parts)
-            return await loop.run_in_executor(executor, then, media)
-        part = parts[0]
-        url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url  # type: ignore[union-attr]
-        modality = "image" if isinstance(part, ImageUrlPart) else "video"
-        try:
-            data = await load_media_bytes(url, self.limits, self.session)
-            return await loop.run_in_executor(self.executor, lambda: then([self.process_bytes(modality, data)]))
-        except MediaError as e:  # the edge: media errors become HTTP errors here
-            raise from_media_error(e) from None
+        part = parts[0] if len(parts) == 1 else None
+        if isinstance(part, ImageUrlPart | VideoUrlPart):
+            return await self._url_media(part, lambda item: then([item]))
+        media = await self.resolve(parts)
+        return await asyncio.get_running_loop().run_in_executor(executor, then, media)
 
     async def _one(self, part: MediaPart) -> MediaInput:
         if isinstance(part, EmbedsPart):
@@ -93,11 +85,18 @@ class MediaResolver:
                 return await loop.run_in_executor(self.executor, self.process_audio, audio.data, audio.format)
             except MediaError as e:
                 raise from_media_error(e) from None
+        return await self._url_media(part, lambda item: item)
+
+    async def _url_media(self, part: ImageUrlPart | VideoUrlPart, after: Callable[[MediaInput], T]) -> T:
+        """An image or video: fetched here, then decoded, preprocessed and passed to ``after`` in
+        one executor job."""
         url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url
         modality = "image" if isinstance(part, ImageUrlPart) else "video"
         try:
             data = await load_media_bytes(url, self.limits, self.session)
-            return await loop.run_in_executor(self.executor, self.process_bytes, modality, data)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: after(self.process_bytes(modality, data))
+            )
         except MediaError as e:  # the edge: media errors become HTTP errors here
             raise from_media_error(e) from None
 

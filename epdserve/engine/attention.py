@@ -188,11 +188,7 @@ class PagedAttention:
         if self.kernels is not None:
             self.kernels.write_kv(k, v, kc, vc, lay.slot_mapping)
             if lay.decode_only:
-                out = q.new_empty(q.shape)
-                self.kernels.decode_attention(
-                    q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
-                )
-                return out
+                return self._decode_in_place(q, kc, vc, q.new_empty(q.shape))
         else:
             flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
             flat_k.index_copy_(0, lay.slot_mapping, k)
@@ -227,10 +223,7 @@ class PagedAttention:
             # SDPA's own GQA path on CPU, and no copy of K/V per query head.
             b, hq = self.num_decodes, q.shape[1]
             if self.kernels is not None:
-                self.kernels.decode_attention(
-                    q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
-                )
-                return out
+                return self._decode_in_place(q, kc, vc, out)
             if self.mirror is not None:
                 out[lay.decode_rows] = self._decode_mirrored(layer, q, k, v, flat_k, flat_v)
                 return out
@@ -243,6 +236,15 @@ class PagedAttention:
             vd = gv.view(shape).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask)
             out[lay.decode_rows] = o.reshape(b, hq, d)
+        return out
+
+    def _decode_in_place(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The kernels' decode attention into the decode rows of ``out`` (other rows untouched)."""
+        assert self.kernels is not None
+        lay = self.layout
+        self.kernels.decode_attention(
+            q, lay.decode_rows, kc, vc, self.table.table, lay.decode_table_rows, lay.decode_ctx, out
+        )
         return out
 
     def _decode_mirrored(

@@ -59,9 +59,7 @@ class ModelRunner:
         lm = model.language_model
         tc = lm.config
         # the layer's elementwise ops and decode attention: fused kernels where they build
-        self.kernels = select_ops(config.kernels, self.dtype, self.device)
-        lm.ops = self.kernels
-        ops = self.kernels
+        ops = lm.ops = select_ops(config.kernels, self.dtype, self.device)
         self.attention_kernels = ops if isinstance(ops, CpuKernelOps) and ops.attends(tc.head_dim) else None
         self.kv = KVCache(
             tc.num_hidden_layers,

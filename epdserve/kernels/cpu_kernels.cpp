@@ -3,7 +3,7 @@
 // Each function does what several PyTorch calls did, with the same arithmetic and the same
 // rounding points: values are computed in float32 and rounded to the tensor's dtype (float32 or
 // bfloat16, round to nearest even) wherever the PyTorch version produced a tensor. Plain C ABI,
-// called through ctypes with raw pointers: no PyTorch headers, so it builds in about a second.
+// called through ctypes with raw pointers: no PyTorch headers, so it builds quickly.
 // Strides are in elements. Built with -ffp-contract=off so that a*b+c is never fused into an FMA.
 
 #include <cmath>

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.kernels.ops import apply_rotary
 from epdserve.models.config import ConfigError, VisionConfig
 from epdserve.models.qwen2_vl import (
     GridLike,
@@ -35,7 +36,6 @@ from epdserve.models.qwen2_vl import (
     RMSNorm,
     VisionRotaryEmbedding,
     _activation,
-    _apply_rotary,
     check_patches,
 )
 from epdserve.models.qwen2_vl_layout import grid_list
@@ -111,8 +111,8 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         # rotate in fp32 like the reference: bf16 angles lose the position of far patches
-        q = _apply_rotary(q.float(), cos, sin).to(v.dtype)
-        k = _apply_rotary(k.float(), cos, sin).to(v.dtype)
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
         return self.proj(segments.attend(q, k, v).reshape(n, -1))
 
 

@@ -45,9 +45,6 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     raise ConfigError(f"unsupported activation {name!r}")
 
 
-_apply_rotary = apply_rotary  # x: [N, heads, D]; cos/sin: [N, D], broadcast over heads
-
-
 # ---------------------------------------------------------------------------------------------
 # vision tower
 # ---------------------------------------------------------------------------------------------
@@ -131,8 +128,8 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         # rotate in fp32 like the reference: bf16 angles lose the position of far patches
-        q = _apply_rotary(q.float(), cos, sin).to(v.dtype)
-        k = _apply_rotary(k.float(), cos, sin).to(v.dtype)
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
         outs, start = [], 0
         for t, h, w in grids:
             # the t frames of one item have equal length, so they batch as [t, heads, h*w, D]
