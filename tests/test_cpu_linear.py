@@ -9,7 +9,14 @@ from torch import nn
 
 from epdserve.assets import default_model_dir
 from epdserve.kernels.ops import TorchOps
-from epdserve.models.cpu_linear import PackedLinear, packing_supported, prepare_linears
+from epdserve.models.cpu_linear import (
+    EXACT_ROWS,
+    PackedLinear,
+    packing_supported,
+    prepare_linears,
+    row_bucket,
+    row_buckets,
+)
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
 
@@ -73,3 +80,26 @@ def test_a_loaded_model_runs_on_the_prepared_layout() -> None:
         ref = lm.layers[0].mlp.to(torch.bfloat16)
         ops = TorchOps()
         assert_close_rel(layer(x, ops).float(), ref(x, ops).float(), rel=2e-2)
+
+
+def test_row_buckets_are_few_and_cover_every_batch() -> None:
+    buckets = row_buckets(8192)
+    assert len(buckets) < 80  # a few dozen kernels for any batch up to thousands of rows
+    assert buckets[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))  # decode batches run as they are
+    for rows in range(1, 8193):
+        b = row_bucket(rows)
+        assert rows <= b <= rows * 1.125 + 15 and b in buckets
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_padded_row_counts_give_exactly_the_unpadded_products(dtype: torch.dtype) -> None:
+    if not packing_supported(dtype):
+        pytest.skip(f"this CPU or torch build has no oneDNN {dtype}")
+    model = _model(dtype)
+    packed = PackedLinear(model[0])
+    for rows in (17, 33, 47, 300):  # padded to 32, 48, 48 and 320 rows
+        x = torch.randn(rows, 256, dtype=dtype)
+        got = packed(x)
+        assert got.shape == (rows, 512)
+        assert torch.equal(got, packed(torch.cat([x, torch.zeros(row_bucket(rows) - rows, 256, dtype=dtype)]))[:rows])
+        assert_close_rel(got.float(), model[0](x).float(), rel=1e-2)

@@ -15,6 +15,7 @@ from epdserve.engine.request import Request
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
 from epdserve.kernels import KernelChoice
+from epdserve.kernels import ops as kernel_ops
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
@@ -47,13 +48,20 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
 
 
 @pytest.mark.parametrize(
-    ("kernels", "contiguous"),
-    [("auto", True), ("torch", True), ("torch", False)],
-    ids=["fused-kernels", "torch-mirrored-decode-kv", "torch-gathered-decode-kv"],
+    ("kernels", "contiguous", "chunk_budget"),
+    [("auto", True, None), ("auto", True, 0), ("torch", True, None), ("torch", False, None)],
+    ids=["fused-kernels", "fused-kernels-sdpa-prefill", "torch-mirrored-decode-kv", "torch-gathered-decode-kv"],
 )
 def test_greedy_tokens_match_transformers_alone_and_batched(
-    model_dir: Path, ref: HFReference, kernels: KernelChoice, contiguous: bool
+    model_dir: Path,
+    ref: HFReference,
+    kernels: KernelChoice,
+    contiguous: bool,
+    chunk_budget: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if chunk_budget is not None:  # prompt chunks through SDPA, not the kernels' row-wise attention
+        monkeypatch.setattr(kernel_ops, "CHUNK_ROWS_BUDGET", chunk_budget)
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
     eng = EngineCore.from_pretrained(
@@ -148,3 +156,50 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: 
     assert eng.scheduler.num_preemptions > 0
     eng.scheduler.blocks.check_integrity()
     assert eng.scheduler.blocks.num_free == blocks
+
+
+def test_a_step_encodes_each_image_once_and_a_bad_item_fails_only_its_request(
+    model_dir: Path, ref: HFReference
+) -> None:
+    """Every image of a step goes through the vision tower in one forward, an image two requests
+    share once; an item the tower refuses fails its own request and the others run as alone."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+    builder = InputBuilder(ref.tok, cfg)
+    world = ShapesWorld(11)
+    a, b = world.scene().render(), world.scene().render()
+    va, vb = proc.image(a), proc.image(b)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+
+    def request(rid: str, uuid: str, v, pixels=None) -> Request:
+        p = builder.build(msgs, [MediaInput(uuid, "image", v.grid_thw, v.pixel_values if pixels is None else pixels)])
+        pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta))
+
+    alone = {}
+    for rid, uuid, v in (("a", "img-a", va), ("b", "img-b", vb)):
+        eng = EngineCore.from_pretrained(model_dir, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256))
+        eng.add_request(request(rid, uuid, v))
+        alone[rid] = drain(eng)[rid]
+
+    eng = EngineCore.from_pretrained(model_dir, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256))
+    for req in (request("a1", "img-a", va), request("a2", "img-a", va), request("b", "img-b", vb)):
+        eng.add_request(req)
+    got = drain(eng)
+    assert eng.runner.vision_patches == va.pixel_values.shape[0] + vb.pixel_values.shape[0]  # one forward each
+    assert got["a1"] == got["a2"] == alone["a"] and got["b"] == alone["b"]
+
+    eng = EngineCore.from_pretrained(model_dir, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256))
+    eng.add_request(request("a", "img-a", va))
+    eng.add_request(request("bad", "img-bad", va, pixels=va.pixel_values[:-4]))  # fewer patches than its grid
+    eng.add_request(request("b", "img-b", vb))
+    outs: dict[str, list[int]] = {}
+    errors = {}
+    while eng.has_work:
+        for o in eng.step():
+            if o.error is not None:
+                errors[o.request_id] = o.error
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    assert set(errors) == {"bad"} and "vision encoding failed" in errors["bad"]
+    assert outs["a"] == alone["a"] and outs["b"] == alone["b"]

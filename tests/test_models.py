@@ -16,7 +16,7 @@ from epdserve.hf_reference import HFReference
 from epdserve.media.processor import VisionInput
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import load_model
-from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration, frame_runs
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, mrope_positions
 from epdserve.models.registry import UnknownArchitectureError, model_class
 from epdserve.shapes import ShapesWorld
@@ -79,6 +79,32 @@ def test_vision_tower_matches_hf_video(hf: HFReference, vision_only: Qwen2VLForC
     ref = torch.cat(hf.model.model.get_video_features(pixels, grid).pooler_output)
     assert vision_only.visual is not None
     assert_close_rel(vision_only.visual(pixels, grid), ref)
+
+
+@torch.inference_mode()
+def test_vision_tower_batches_items_of_one_size_as_hf_does_one_by_one(
+    hf: HFReference, vision_only: Qwen2VLForConditionalGeneration
+) -> None:
+    """Consecutive items of one frame size share one attention call (``frame_runs``); every
+    item's embeddings still equal transformers' for that item alone."""
+    images = _images()
+    items = [hf.proc.image(img) for img in (images[0], images[0], images[2], images[2], images[2], images[1])]
+    pixels, grid = _batch(items)
+    assert frame_runs([tuple(g) for g in grid.tolist()]) == [
+        (2, grid[0, 1].item() * grid[0, 2].item()),
+        (3, 56 * 112 // 14**2),
+        (1, grid[5, 1].item() * grid[5, 2].item()),
+    ]
+    assert vision_only.visual is not None
+    ours = vision_only.visual(pixels, grid).split([v.grid_thw[1] * v.grid_thw[2] // 4 for v in items])
+    for item, emb in zip(items, ours, strict=True):
+        p, g = _batch([item])
+        assert_close_rel(emb, torch.cat(hf.model.model.get_image_features(p, g).pooler_output))
+
+
+def test_frame_runs_join_only_consecutive_equal_frames() -> None:
+    assert frame_runs([(1, 4, 4), (2, 4, 4), (1, 2, 4), (1, 4, 4), (1, 2, 8)]) == [(3, 16), (1, 8), (2, 16)]
+    assert frame_runs([]) == []
 
 
 def test_vision_tower_rejects_inconsistent_grid(hf: HFReference, vision_only: Qwen2VLForConditionalGeneration) -> None:

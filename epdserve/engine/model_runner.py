@@ -14,6 +14,7 @@ row-local, so a chunk of a prompt takes exactly the levels of its own rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.kernels.ops import CpuKernelOps, select_ops
 from epdserve.models.base import DeepStack
+from epdserve.models.cpu_linear import WARM_ROWS, row_bucket, row_buckets
 from epdserve.models.precision import torch_dtype
 from epdserve.transfer.kv import KVLayout
 
@@ -91,6 +93,10 @@ class ModelRunner:
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
+        if self.device.type == "cpu":  # the sampled rows' matmul compiled for every batch now, not mid-serving
+            with torch.inference_mode():
+                for rows in row_buckets(min(config.max_num_seqs, WARM_ROWS)):
+                    lm.compute_logits(torch.zeros(rows, tc.hidden_size, dtype=self.dtype))
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(len(self.kv.k), self.kv.k[0].shape[2], self.kv.k[0].shape[3], self.config.dtype)
@@ -119,18 +125,24 @@ class ModelRunner:
     def _ensure_embeddings(self, items: list[MediaItem]) -> None:
         """Fill ``item.embeddings`` for every item: cache hit, or one batched forward per encoder."""
         todo: dict[str, list[MediaItem]] = {}  # encoder attribute -> its items, in order
+        first: dict[tuple, MediaItem] = {}  # one forward per distinct item of the call
+        twins: list[tuple[MediaItem, MediaItem]] = []  # (item, the equal item encoded for it)
         for it in items:
             if it.embeddings is not None:
                 continue
+            key = (it.uuid, it.grid_thw, it.length)
             cached = self.encoder_cache.get(it.uuid)
             if cached is not None and cached.shape[0] == it.length:
                 it.embeddings = cached
+            elif key in first:
+                twins.append((it, first[key]))
             elif it.pixel_values is None:
                 raise MediaError(f"no embeddings and no pixels for media item {it.uuid}")
             elif it.modality not in _ENCODERS:
                 raise MediaError(f"media item {it.uuid} has unknown modality {it.modality!r}")
             else:
                 todo.setdefault(_ENCODERS[it.modality], []).append(it)
+                first[key] = it
         for attr, group in todo.items():
             encoder = getattr(self.model, attr, None)
             if encoder is None:
@@ -150,6 +162,8 @@ class ModelRunner:
                 it.embeddings = e
                 it.pixel_values = None  # pixels are not needed again
                 self.encoder_cache.put(it.uuid, e)
+        for it, twin in twins:
+            it.embeddings, it.pixel_values = twin.embeddings, None
 
     def _check_width(self, items: list[MediaItem]) -> None:
         """Every item's embeddings carry all of the model's feature levels (connectors and the
@@ -167,12 +181,17 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         failed: dict[str, str] = {}
         scheduled = []
-        for s in plan.scheduled:
+        needed = [[it for it in s.request.mm_items if it.offset < s.end and it.end > s.start] for s in plan.scheduled]
+        if sum(map(len, needed)) > 1:
+            # the whole step's media in one forward per encoder; should some item fail it, each
+            # request's items are encoded again below on their own, failing only that request
+            with contextlib.suppress(Exception):
+                self._ensure_embeddings([it for items in needed for it in items])
+        for s, items in zip(plan.scheduled, needed, strict=True):
             req = s.request
-            needed = [it for it in req.mm_items if it.offset < s.end and it.end > s.start]
             try:
-                self._ensure_embeddings(needed)
-                self._check_width(needed)
+                self._ensure_embeddings(items)
+                self._check_width(items)
             except MediaError as e:
                 failed[req.request_id] = str(e)
                 continue
@@ -208,14 +227,17 @@ class ModelRunner:
                     pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
                     dec_pos = []
                 pos_parts.append(req.positions(s.start, s.end))
-            if s.num_new_tokens > 1 or s.end == 1:
+            chunk = s.num_new_tokens > 1 or s.end == 1  # of a prompt (a decode token follows its first)
+            kernels = self.attention_kernels
+            if chunk and not (kernels is not None and kernels.attends_chunk(s.num_new_tokens, s.end)):
                 prefills.append(PrefillSlice(q, s.num_new_tokens, s.end, row))
-            else:
-                dec_q.append(q)
-                dec_rows.append(row)
-                dec_ctx.append(s.end)
-                dec_ids.append(req.request_id)
-                dec_blocks.append(req.block_ids)
+            else:  # a decode token, or each token of a short chunk: one query row over its causal prefix
+                dec_q.extend(range(q, q + s.num_new_tokens))
+                dec_rows.extend([row] * s.num_new_tokens)
+                dec_ctx.extend(range(s.start + 1, s.end + 1))
+                if not chunk:  # (the mirror, kept only without kernels, holds decoding requests)
+                    dec_ids.append(req.request_id)
+                    dec_blocks.append(req.block_ids)
             q += s.num_new_tokens
         if dec_pos:
             pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
@@ -275,7 +297,9 @@ class ModelRunner:
                 sampling.append(s.request)
         sampled: dict[str, Sampled] = {}
         if sampling:
-            logits = lm.compute_logits(hidden[t(last_rows)])
+            # at a bounded set of row counts (the last row repeated), as the layers' matmuls run
+            padded = last_rows + last_rows[-1:] * (row_bucket(len(last_rows)) - len(last_rows))
+            logits = lm.compute_logits(hidden[t(padded)])[: len(last_rows)]
             for r, out in zip(sampling, sample(logits, sampling), strict=True):
                 sampled[r.request_id] = out
         return StepResult(sampled, failed)

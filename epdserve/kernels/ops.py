@@ -26,6 +26,7 @@ from epdserve.kernels.build import KernelBuildError, load_library
 log = logging.getLogger(__name__)
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+CHUNK_ROWS_BUDGET = 64 * 1024  # new tokens x context of a prefill chunk the row-wise attention takes
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,6 +123,14 @@ class CpuKernelOps:
     def attends(head_dim: int) -> bool:
         """Whether ``decode_attention`` takes this head size (its rows are read 8 lanes at a time)."""
         return head_dim % 8 == 0
+
+    @staticmethod
+    def attends_chunk(q_len: int, ctx_len: int) -> bool:
+        """Whether a prefill chunk of ``q_len`` new tokens (``ctx_len`` with those cached) is
+        attended row by row by ``decode_attention`` — each new token over its causal prefix in the
+        cache — rather than by one SDPA call: for short chunks, where SDPA's fixed cost dominates;
+        its matrix products win on long ones."""
+        return q_len * ctx_len <= CHUNK_ROWS_BUDGET
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -10,15 +10,41 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   its blocked layout on every call too; ``PackedLinear`` does it once, at load, as vLLM's CPU
   backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
 
+oneDNN also compiles a kernel for every row count it meets (about a millisecond each), and a
+serving engine meets hundreds: every prefill step's total differs. ``PackedLinear`` therefore runs
+at a bounded set of row counts (``row_bucket``): exact up to 16 rows (decode batches), above that
+the input is padded with zero rows to the next bucket and the padding cut off the output. A row's
+result does not depend on the rows beside it, so the outputs are the same. At load, every
+distinct linear shape is run once at each bucket up to ``WARM_ROWS`` rows (``warm_up``), so those
+compilations happen before the first request, not during it.
+
 Measured in docs/benchmarks.md (issue 14). On other devices the weights stay as loaded.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
+EXACT_ROWS = 16  # row counts up to this run as they are; larger ones are rounded up (row_bucket)
+WARM_ROWS = 256  # row buckets up to this are compiled at load (decode batches and short prefills)
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a matmul of ``rows`` rows runs at: ``rows`` up to ``EXACT_ROWS``, above it
+    rounded up to a multiple of 16 (to 256 rows), then of 1/8 of its power of two (at most 12.5%
+    padding) — so a few dozen row counts cover every batch up to thousands of rows."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count ``row_bucket`` gives for 1..``max_rows``."""
+    return sorted({row_bucket(n) for n in range(1, max_rows + 1)})
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -44,7 +70,15 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if x.dim() == 2 and x.shape[0] <= EXACT_ROWS:  # a decode batch: as it is
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        n = rows.shape[0]
+        padded = row_bucket(n)
+        if padded != n:
+            rows = F.pad(rows, (0, 0, 0, padded - n))
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return y[:n].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -63,3 +97,21 @@ def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) 
                 setattr(module, name, PackedLinear(child))
             elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
+    if pack:
+        warm_up(model)
+
+
+@torch.inference_mode()
+def warm_up(model: nn.Module, max_rows: int = WARM_ROWS) -> None:
+    """Run each distinct ``PackedLinear`` shape of ``model`` once at every row bucket up to
+    ``max_rows``: oneDNN compiles its kernels for them now rather than in the first requests."""
+    seen: set[tuple[int, int, bool]] = set()
+    for m in model.modules():
+        if not isinstance(m, PackedLinear):
+            continue
+        shape = (m.in_features, m.out_features, m.bias is not None)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        for rows in row_buckets(max_rows):
+            m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))

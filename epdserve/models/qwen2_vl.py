@@ -131,13 +131,27 @@ class VisionAttention(nn.Module):
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
         outs, start = [], 0
-        for t, h, w in grids:
-            # the t frames of one item have equal length, so they batch as [t, heads, h*w, D]
-            end = start + t * h * w
-            qi, ki, vi = (y[start:end].view(t, h * w, self.num_heads, self.head_dim).transpose(1, 2) for y in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(t * h * w, -1))
+        for frames, size in frame_runs(grids):
+            # frames of one size (of one item or of consecutive items) batch as [frames, heads, size, D]
+            end = start + frames * size
+            qi, ki, vi = (
+                y[start:end].view(frames, size, self.num_heads, self.head_dim).transpose(1, 2) for y in (q, k, v)
+            )
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(frames * size, -1))
             start = end
-        return self.proj(torch.cat(outs))
+        return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+
+def frame_runs(grids: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The frames of consecutive items as runs of equal size: (frames, patches per frame) each.
+    Attention stays within a frame, so a run is one batched call, however many items it spans."""
+    runs: list[tuple[int, int]] = []
+    for t, h, w in grids:
+        if runs and runs[-1][1] == h * w:
+            runs[-1] = (runs[-1][0] + t, h * w)
+        else:
+            runs.append((t, h * w))
+    return runs
 
 
 class VisionMLP(nn.Module):
