@@ -71,6 +71,7 @@ from epdserve.encoder.protocol import (
     encode_response,
 )
 from epdserve.engine.inputs import MediaInput
+from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
@@ -205,7 +206,7 @@ class EncoderService:
         )
         model_config = ModelConfig.from_pretrained(config.model)
         self.feature_levels = model_config.feature_levels  # written into every EC header it produces
-        self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
+        self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model), load_resampler())
         self.audio = AudioProcessor(AudioProcessorConfig.from_pretrained(config.model)) if model_config.audio else None
         self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
         # one thread: puts are short copies, kept off the event loop and the forward thread

@@ -22,10 +22,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI = 2  # epd_kernels_abi() of the source this module's ctypes signatures describe
+ABI = 3  # epd_kernels_abi() of the source this module's ctypes signatures describe
 FLAGS = (
     "-O3",
     "-march=native",
+    "-mprefer-vector-width=512",
     "-ffp-contract=off",
     "-fno-trapping-math",
     "-fno-math-errno",
@@ -125,8 +126,13 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
+        "epd_resize_bicubic_u8": [p, i64, i64, i64, p, i64, i64, c_int],
     }
-    checked = {"epd_write_kv", "epd_decode_attention"}  # return 0, or -1 for an index out of range
+    checked = {
+        "epd_write_kv",
+        "epd_decode_attention",
+        "epd_resize_bicubic_u8",
+    }  # return 0, or -1 for an index out of range
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (c_int if name in checked else None)

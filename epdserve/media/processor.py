@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from epdserve.kernels.resample import Resampler
 from epdserve.media.limits import MAX_SECOND_PER_GRID
 
 
@@ -122,18 +123,27 @@ class ProcessorConfig:
 class VisionProcessor:
     """Turns PIL images and frame lists into patch arrays for the vision tower."""
 
-    def __init__(self, config: ProcessorConfig) -> None:
+    def __init__(self, config: ProcessorConfig, resampler: Resampler | None = None) -> None:
+        """``resampler``: the compiled resize (``kernels.resample``), whose bytes equal Pillow's;
+        None resizes with Pillow."""
         self.config = config
+        self.resampler = resampler
         self._mean = np.asarray(config.image_mean, dtype=np.float32)[:, None, None]
         self._std = np.asarray(config.image_std, dtype=np.float32)[:, None, None]
 
-    def _resized(self, img: Image.Image, max_pixels: int) -> Image.Image:
+    def _resized_pixels(self, img: Image.Image, max_pixels: int) -> np.ndarray:
+        """The image as RGB pixels [h, w, 3] (uint8) at the size the vision tower takes."""
         c = self.config
-        img = img.convert("RGB")
+        img = img if img.mode == "RGB" else img.convert("RGB")
         h, w = smart_resize(img.height, img.width, c.factor, c.min_pixels, max_pixels)
-        if (h, w) != (img.height, img.width):
-            img = img.resize((w, h), resample=Image.Resampling.BICUBIC)
-        return img
+        if (h, w) == (img.height, img.width):
+            return np.asarray(img)
+        if self.resampler is not None:
+            return self.resampler.resize(np.asarray(img), h, w)
+        return np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC))
+
+    def _resized(self, img: Image.Image, max_pixels: int) -> Image.Image:
+        return Image.fromarray(self._resized_pixels(img, max_pixels))
 
     def is_resized(self, height: int, width: int, modality: str) -> bool:
         """Whether a frame of this size is left as it is (``image``/``video`` do not resize it
@@ -144,9 +154,9 @@ class VisionProcessor:
         return smart_resize(height, width, c.factor, c.min_pixels, max_pixels) == (height, width)
 
     def _frame(self, img: Image.Image, max_pixels: int) -> np.ndarray:
-        return self._normalized(self._resized(img, max_pixels))
+        return self._normalized(self._resized_pixels(img, max_pixels))
 
-    def _normalized(self, img: Image.Image) -> np.ndarray:
+    def _normalized(self, img: Image.Image | np.ndarray) -> np.ndarray:
         c = self.config
         arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1)  # C, H, W
         # same arithmetic order as the reference: rescale, then normalize

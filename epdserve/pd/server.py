@@ -74,6 +74,7 @@ from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClien
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
 from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, StageTimes, WireTensor
+from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
@@ -100,7 +101,7 @@ class ChatService:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.tokenizer = FastTokenizer(config.model)
         self.builder = InputBuilder(self.tokenizer, self.model_config)
-        self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model))
+        self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model), load_resampler())
         self.audio = (
             AudioProcessor(AudioProcessorConfig.from_pretrained(config.model))
             if self.model_config.audio is not None

@@ -41,6 +41,7 @@ import numpy as np
 
 from epdserve.api.errors import from_media_error
 from epdserve.api.metrics import Metrics
+from epdserve.kernels.resample import load_resampler
 from epdserve.media.decode import decode_image, decode_video
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import decode_data_url, load_media_bytes, media_session
@@ -89,7 +90,7 @@ class FrontendDecoder:
         self.config = config
         self.limits = limits
         processor = ProcessorConfig.from_pretrained(model_dir)
-        self.processor = VisionProcessor(processor)
+        self.processor = VisionProcessor(processor, load_resampler())
         self.hash_kwargs = processor.hash_kwargs(limits.video_frames)
         ec = ECConfig(shm_bytes=config.shm_bytes, secret=cluster.secret.decode(), ttl_s=lease_ttl_s, instance=instance)
         self.producer = PixelProducer(ec)
