@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from epdserve.allocator import keep_freed_memory
 from epdserve.assets import default_model_dir
 from epdserve.config_flags import Flag, add_flags, to_argv, values
 from epdserve.models.config import ConfigError
@@ -797,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:  # a bare ``epdserve``: what it can do
         parser.print_help()
         return 0
+    keep_freed_memory()  # before the command allocates anything large
     try:
         return COMMANDS[args.cmd].run(args)
     except (ConfigError, UnknownArchitectureError) as e:  # a checkpoint no role can serve: one line, not a traceback

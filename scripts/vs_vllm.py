@@ -156,6 +156,7 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
                 num_requests=args.requests,
                 warmup=8,
                 concurrency=conc,
+                seed=conc,  # fresh images per cell: no cell is served from an earlier one's caches
             )
             s = asyncio.run(run_bench(cfg)).summary
             memory = tree_memory_mb(run.pids)

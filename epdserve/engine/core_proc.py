@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 
+from epdserve.allocator import keep_freed_memory
 from epdserve.api import logs
 from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
@@ -88,6 +89,7 @@ def _pin(cpus: str) -> None:
 
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
+    keep_freed_memory()
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the core stops
     fmt = os.environ.get(logs.LOG_FORMAT_ENV, "text")

@@ -30,7 +30,7 @@ from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.kernels.ops import CpuKernelOps, select_ops
 from epdserve.models.base import DeepStack
-from epdserve.models.cpu_linear import WARM_ROWS, row_bucket, row_buckets
+from epdserve.models.cpu_linear import row_bucket
 from epdserve.models.precision import torch_dtype
 from epdserve.transfer.kv import KVLayout
 
@@ -93,10 +93,6 @@ class ModelRunner:
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
-        if self.device.type == "cpu":  # the sampled rows' matmul compiled for every batch now, not mid-serving
-            with torch.inference_mode():
-                for rows in row_buckets(min(config.max_num_seqs, WARM_ROWS)):
-                    lm.compute_logits(torch.zeros(rows, tc.hidden_size, dtype=self.dtype))
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(len(self.kv.k), self.kv.k[0].shape[2], self.kv.k[0].shape[3], self.config.dtype)

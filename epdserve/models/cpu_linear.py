@@ -14,9 +14,9 @@ oneDNN also compiles a kernel for every row count it meets (about a millisecond 
 serving engine meets hundreds: every prefill step's total differs. ``PackedLinear`` therefore runs
 at a bounded set of row counts (``row_bucket``): exact up to 16 rows (decode batches), above that
 the input is padded with zero rows to the next bucket and the padding cut off the output. A row's
-result does not depend on the rows beside it, so the outputs are the same. At load, every
-distinct linear shape is run once at each bucket up to ``WARM_ROWS`` rows (``warm_up``), so those
-compilations happen before the first request, not during it.
+result does not depend on the rows beside it, so the outputs are the same. Each bucket is
+compiled when first met (a few dozen times per linear shape, ever), not at load: every compiled
+kernel stays resident (about half a megabyte each), and most buckets are never met.
 
 Measured in docs/benchmarks.md (issue 14). On other devices the weights stay as loaded.
 """
@@ -29,7 +29,6 @@ from torch import nn
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
 EXACT_ROWS = 16  # row counts up to this run as they are; larger ones are rounded up (row_bucket)
-WARM_ROWS = 256  # row buckets up to this are compiled at load (decode batches and short prefills)
 
 
 def row_bucket(rows: int) -> int:
@@ -40,11 +39,6 @@ def row_bucket(rows: int) -> int:
         return rows
     step = max(16, 1 << max(0, (rows - 1).bit_length() - 4))
     return -(-rows // step) * step
-
-
-def row_buckets(max_rows: int) -> list[int]:
-    """Every row count ``row_bucket`` gives for 1..``max_rows``."""
-    return sorted({row_bucket(n) for n in range(1, max_rows + 1)})
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -97,21 +91,3 @@ def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) 
                 setattr(module, name, PackedLinear(child))
             elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
-    if pack:
-        warm_up(model)
-
-
-@torch.inference_mode()
-def warm_up(model: nn.Module, max_rows: int = WARM_ROWS) -> None:
-    """Run each distinct ``PackedLinear`` shape of ``model`` once at every row bucket up to
-    ``max_rows``: oneDNN compiles its kernels for them now rather than in the first requests."""
-    seen: set[tuple[int, int, bool]] = set()
-    for m in model.modules():
-        if not isinstance(m, PackedLinear):
-            continue
-        shape = (m.in_features, m.out_features, m.bias is not None)
-        if shape in seen:
-            continue
-        seen.add(shape)
-        for rows in row_buckets(max_rows):
-            m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
