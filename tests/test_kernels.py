@@ -68,6 +68,21 @@ def test_elementwise_kernels_equal_the_torch_ops(kernels: CpuKernelOps, dtype: t
     gate_up = (3 * torch.randn(rows, 2 * inter)).to(dtype)
     assert_close_rel(kernels.silu_mul(gate_up).float(), ref.silu_mul(gate_up).float(), REL[dtype])
 
+    # a vision tower's rotary: q and k of a fused qkv [N, 3, heads, D] in one call, computed in
+    # float32 by float32 angles and rounded once: PyTorch's result bit for bit, in place
+    fused = torch.randn(rows, 3, heads, d).to(dtype)
+    far = torch.randn(rows, d // 2) * 500  # far patches: large angles
+    cos32, sin32 = torch.cat([far.cos()] * 2, -1), torch.cat([far.sin()] * 2, -1)
+    v_before = fused[:, 2].clone()
+    qk = fused[:, :2].flatten(1, 2)
+    want = ref.rotary_f32(qk.clone(), cos32, sin32)
+    got = kernels.rotary_f32(qk, cos32, sin32)
+    assert got.data_ptr() == fused.data_ptr() and torch.equal(got, want)
+    assert torch.equal(fused[:, 2], v_before)
+
+    h = (4 * torch.randn(rows, inter)).to(dtype)
+    assert_close_rel(kernels.quick_gelu(h).float(), ref.quick_gelu(h).float(), REL[dtype])
+
 
 def test_kernels_refuse_a_layout_they_cannot_read(kernels: CpuKernelOps) -> None:
     x = torch.randn(8, 4)

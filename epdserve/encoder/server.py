@@ -71,6 +71,8 @@ from epdserve.encoder.protocol import (
     encode_response,
 )
 from epdserve.engine.inputs import MediaInput
+from epdserve.kernels import KernelChoice
+from epdserve.kernels.ops import select_ops
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
 from epdserve.media.errors import MediaError
@@ -115,6 +117,7 @@ class EncoderConfig:
     max_items_per_request: int = 32  # media items one /v1/encode request may carry
     max_request_bytes: int = 64 << 20  # largest request body
     preprocess_threads: int = 2  # threads hashing, decoding and preprocessing media
+    kernels: KernelChoice = "auto"  # auto: the tower's rotary in the fused C++ kernels (CPU, float32/bfloat16); torch
     threads: int = 1  # torch intra-op threads for the vision forward (0: torch default); 1 suits small models
     device: str = "cpu"  # torch device of the vision tower
     dtype: DType = "float32"  # weights and activations: float32 | bfloat16 | float16
@@ -128,6 +131,8 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # raises for an unknown name
+        if self.kernels not in get_args(KernelChoice):
+            raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")
         for name in ("max_items_per_request", "max_request_bytes", "preprocess_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -197,6 +202,8 @@ class EncoderService:
             visual = getattr(model, "audio", None)
         if not isinstance(visual, torch.nn.Module):
             raise ValueError(f"{config.model}: the model has no media encoder")
+        if hasattr(visual, "ops"):  # a vision tower: its rotary through the fused kernels where they build
+            visual.ops = select_ops(config.kernels, config.torch_dtype, torch.device(config.device))
         self.checkpoint_tensors = len(checkpoint_files(config.model))
         log.info(
             "encoder loaded %d of %d checkpoint tensors (vision tower only) in %.2f s",

@@ -62,6 +62,8 @@ class ModelRunner:
         tc = lm.config
         # the layer's elementwise ops and decode attention: fused kernels where they build
         ops = lm.ops = select_ops(config.kernels, self.dtype, self.device)
+        if getattr(model, "visual", None) is not None:  # the vision tower rotates through them too
+            model.visual.ops = ops
         self.attention_kernels = ops if isinstance(ops, CpuKernelOps) and ops.attends(tc.head_dim) else None
         self.kv = KVCache(
             tc.num_hidden_layers,

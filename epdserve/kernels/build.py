@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI = 3  # epd_kernels_abi() of the source this module's ctypes signatures describe
+ABI = 5  # epd_kernels_abi() of the source this module's ctypes signatures describe
 FLAGS = (
     "-O3",
     "-march=native",
@@ -123,6 +123,8 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
     signatures = {
         "epd_add_rms_norm": [c_int, p, i64, p, i64, p, p, i64, i64, i64, f32],
         "epd_rotary": [c_int, p, i64, i64, i64, p, p, i64, i64],
+        "epd_rotary_f32": [c_int, p, i64, i64, i64, p, p, i64, i64],
+        "epd_quick_gelu": [c_int, p, p, i64],
         "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],

@@ -114,6 +114,27 @@ void rope_rows(T* __restrict x, int64_t sx, int64_t heads, int64_t d, const T* _
     }
 }
 
+// the same rotation of x (T) by float32 cos/sin, computed in float32 and rounded to T once at the
+// end (a vision tower rotates this way: in bfloat16 the angles of far patches would be lost)
+template <typename T>
+void rope_rows_f32(T* __restrict x, int64_t sx, int64_t heads, int64_t d, const float* __restrict cos,
+                   const float* __restrict sin, int64_t sc, int64_t rows) {
+    const int64_t h2 = d / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* c = cos + r * sc;
+        const float* s = sin + r * sc;
+        for (int64_t h = 0; h < heads; ++h) {
+            T* xh = x + r * sx + h * d;
+#pragma omp simd
+            for (int64_t i = 0; i < h2; ++i) {
+                const float lo = load(xh + i), hi = load(xh + h2 + i);
+                store(xh + i, lo * c[i] + -hi * s[i]);
+                store(xh + h2 + i, hi * c[h2 + i] + lo * s[h2 + i]);
+            }
+        }
+    }
+}
+
 // k and v rows [rows, width] (row strides sk, sv) copied to cache slots (cache [slots, width])
 template <typename T>
 int write_kv(const T* k, int64_t sk, const T* v, int64_t sv, int64_t width, T* kc, T* vc, const int64_t* slots,
@@ -139,6 +160,18 @@ void silu_mul(const T* __restrict gu, int64_t sg, T* __restrict out, int64_t so,
             const float gi = load(g + i);
             store(o + i, rnd<T>(gi / (1.f + exp_approx(-gi))) * load(u + i));
         }
+    }
+}
+
+// out = x * sigmoid(1.702 x) (quick GELU), rounded where PyTorch rounds: the scaled input, the
+// sigmoid, the product
+template <typename T>
+void quick_gelu(const T* __restrict x, T* __restrict out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        const float xi = load(x + i);
+        const float a = rnd<T>(xi * 1.702f);
+        store(out + i, xi * rnd<T>(1.f / (1.f + exp_approx(-a))));
     }
 }
 
@@ -420,7 +453,7 @@ extern "C" {
 
 // dtype: 0 float32, 1 bfloat16. Every pointer is to the first element of a tensor (or view).
 
-int epd_kernels_abi() { return 3; }
+int epd_kernels_abi() { return 5; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
                       int64_t so, int64_t rows, int64_t n, float eps) {
@@ -436,6 +469,21 @@ void epd_rotary(int dtype, void* x, int64_t sx, int64_t heads, int64_t d, const 
         rope_rows((float*)x, sx, heads, d, (const float*)cos, (const float*)sin, sc, rows);
     else
         rope_rows((bf16*)x, sx, heads, d, (const bf16*)cos, (const bf16*)sin, sc, rows);
+}
+
+void epd_rotary_f32(int dtype, void* x, int64_t sx, int64_t heads, int64_t d, const float* cos, const float* sin,
+                    int64_t sc, int64_t rows) {
+    if (dtype == 0)
+        rope_rows_f32((float*)x, sx, heads, d, cos, sin, sc, rows);
+    else
+        rope_rows_f32((bf16*)x, sx, heads, d, cos, sin, sc, rows);
+}
+
+void epd_quick_gelu(int dtype, const void* x, void* out, int64_t n) {
+    if (dtype == 0)
+        quick_gelu((const float*)x, (float*)out, n);
+    else
+        quick_gelu((const bf16*)x, (bf16*)out, n);
 }
 
 void epd_silu_mul(int dtype, const void* gu, int64_t sg, void* out, int64_t so, int64_t rows, int64_t n) {

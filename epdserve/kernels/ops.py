@@ -57,6 +57,15 @@ class LayerOps(Protocol):
         """SwiGLU: ``silu(gate) * up`` of the halves of each row of ``gate_up``."""
         ...
 
+    def rotary_f32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, heads, D] rotated in float32 by float32 cos/sin [N, D] and rounded to its
+        dtype once (a vision tower's rotation); may rotate ``x`` in place."""
+        ...
+
+    def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``x * sigmoid(1.702 * x)`` (a vision MLP's activation)."""
+        ...
+
 
 class TorchOps:
     """The layer's elementwise ops as PyTorch calls."""
@@ -74,6 +83,12 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def rotary_f32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x.float(), cos, sin).to(x.dtype)
+
+    def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
 
 
 def _rows(t: torch.Tensor, width: int) -> int:
@@ -174,6 +189,31 @@ class CpuKernelOps:
             rows,
         )
         return x
+
+    def rotary_f32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows, heads, d = x.shape
+        _like(cos, torch.float32, rows, d)
+        _like(sin, torch.float32, rows, d)
+        if sin.stride() != cos.stride() or d % 2:
+            raise ValueError("cos and sin must share a layout, and head_dim be even")
+        self.lib.epd_rotary_f32(
+            _DTYPE_CODE[x.dtype],
+            x.data_ptr(),
+            _rows(x, heads * d),
+            heads,
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            _rows(cos, d),
+            rows,
+        )
+        return x
+
+    def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.epd_quick_gelu(_DTYPE_CODE[x.dtype], x.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         rows, two_n = gate_up.shape

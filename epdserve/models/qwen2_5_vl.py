@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.kernels.ops import apply_rotary
+from epdserve.kernels.ops import LayerOps, TorchOps
 from epdserve.models.config import ConfigError, VisionConfig
 from epdserve.models.qwen2_vl import (
     GridLike,
@@ -37,6 +37,7 @@ from epdserve.models.qwen2_vl import (
     VisionRotaryEmbedding,
     _activation,
     check_patches,
+    rotated_qkv,
 )
 from epdserve.models.qwen2_vl_layout import grid_list
 
@@ -107,13 +108,11 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        # rotate in fp32 like the reference: bf16 angles lose the position of far patches
-        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
-        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        return self.proj(segments.attend(q, k, v).reshape(n, -1))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, ops: LayerOps
+    ) -> torch.Tensor:
+        q, k, v = rotated_qkv(self.qkv(x), self.num_heads, self.head_dim, cos, sin, ops)
+        return self.proj(segments.attend(q, k, v).reshape(x.shape[0], -1))
 
 
 class VisionMLP(nn.Module):
@@ -140,8 +139,10 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, ops: LayerOps
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments, ops)
         return x + self.mlp(self.norm2(x))
 
 
@@ -174,6 +175,7 @@ class Qwen2_5_VisionTower(nn.Module):
         self.rotary = VisionRotaryEmbedding(config)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = RMSPatchMerger(config)
+        self.ops: LayerOps = TorchOps()  # its runner may swap in the fused CPU kernels (kernels.ops)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
@@ -192,7 +194,7 @@ class Qwen2_5_VisionTower(nn.Module):
         windows = Segments(window_lengths, x.device)
         frames = Segments(frame_lengths(grids), x.device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if i in self.full_attention else windows)
+            x = block(x, cos, sin, frames if i in self.full_attention else windows, self.ops)
         merged = self.merger(x)
         out = torch.empty_like(merged)
         out[order] = merged  # back to processor order

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.kernels.ops import LayerOps, TorchOps, apply_rotary, rms_norm
+from epdserve.kernels.ops import LayerOps, TorchOps, rms_norm
 from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
@@ -123,13 +123,14 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grids: list[tuple[int, int, int]]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        grids: list[tuple[int, int, int]],
+        ops: LayerOps,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        # rotate in fp32 like the reference: bf16 angles lose the position of far patches
-        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
-        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        q, k, v = rotated_qkv(self.qkv(x), self.num_heads, self.head_dim, cos, sin, ops)
         outs, start = [], 0
         for frames, size in frame_runs(grids):
             # frames of one size (of one item or of consecutive items) batch as [frames, heads, size, D]
@@ -140,6 +141,16 @@ class VisionAttention(nn.Module):
             outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(frames * size, -1))
             start = end
         return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+
+def rotated_qkv(
+    qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, ops: LayerOps
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [N, heads, D] of a fused projection [N, 3 * heads * D], q and k rotated in float32
+    like the reference (bfloat16 angles lose the position of far patches), both in one call."""
+    parts = qkv.view(qkv.shape[0], 3, heads, head_dim)
+    qk = ops.rotary_f32(parts[:, :2].flatten(1, 2), cos, sin)
+    return qk[:, :heads], qk[:, heads:], parts[:, 2]
 
 
 def frame_runs(grids: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -160,9 +171,11 @@ class VisionMLP(nn.Module):
         self.fc1 = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
         self.fc2 = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
         self.act = _activation(config.hidden_act)
+        self.quick_gelu = config.hidden_act == "quick_gelu"  # fused by the kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(ops.quick_gelu(h) if self.quick_gelu else self.act(h))
 
 
 class VisionBlock(nn.Module):
@@ -176,10 +189,15 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grids: list[tuple[int, int, int]]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        grids: list[tuple[int, int, int]],
+        ops: LayerOps,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, grids)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), cos, sin, grids, ops)
+        return x + self.mlp(self.norm2(x), ops)
 
 
 class PatchMerger(nn.Module):
@@ -210,6 +228,7 @@ class Qwen2VisionTower(nn.Module):
         self.rotary = VisionRotaryEmbedding(config)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
+        self.ops: LayerOps = TorchOps()  # its runner may swap in the fused CPU kernels (kernels.ops)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
@@ -219,7 +238,7 @@ class Qwen2VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grids)
         for block in self.blocks:
-            x = block(x, cos, sin, grids)
+            x = block(x, cos, sin, grids, self.ops)
         return self.merger(x)
 
 

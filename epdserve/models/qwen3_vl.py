@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epdserve.kernels.ops import LayerOps, TorchOps
 from epdserve.models.config import VisionConfig
 from epdserve.models.qwen2_vl import (
     GridLike,
@@ -75,6 +76,7 @@ class Qwen3VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(config, postshuffle=True) for _ in config.deepstack_visual_indexes
         )
+        self.ops: LayerOps = TorchOps()  # its runner may swap in the fused CPU kernels (kernels.ops)
 
     def position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """The learned table resampled to each grid (bilinear, corners aligned: transformers'
@@ -113,7 +115,7 @@ class Qwen3VisionTower(nn.Module):
         levels: list[torch.Tensor] = []
         taps = self.config.deepstack_visual_indexes
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, grids)
+            x = block(x, cos, sin, grids, self.ops)
             if i in taps:
                 levels.append(self.deepstack_merger_list[taps.index(i)](x))
         return torch.cat([self.merger(x), *levels], dim=1)
