@@ -202,8 +202,9 @@ class EncoderService:
             visual = getattr(model, "audio", None)
         if not isinstance(visual, torch.nn.Module):
             raise ValueError(f"{config.model}: the model has no media encoder")
-        if hasattr(visual, "ops"):  # a vision tower: its rotary through the fused kernels where they build
-            visual.ops = select_ops(config.kernels, config.torch_dtype, torch.device(config.device))
+        tower: Any = visual  # a vision tower runs its rotary and activation with these ops (an audio tower has none)
+        if hasattr(tower, "ops"):
+            tower.ops = select_ops(config.kernels, config.torch_dtype, torch.device(config.device))
         self.checkpoint_tensors = len(checkpoint_files(config.model))
         log.info(
             "encoder loaded %d of %d checkpoint tensors (vision tower only) in %.2f s",

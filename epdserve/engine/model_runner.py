@@ -207,7 +207,9 @@ class ModelRunner:
         dec_pos: list[int] = []  # positions of decode tokens past the prompt (all three M-RoPE rows equal)
         rows, starts, ends = [], [], []
         prefills: list[PrefillSlice] = []
-        dec_q, dec_rows, dec_ctx = [], [], []
+        dec_q: list[int] = []  # rows attended one by one: decode tokens, and short prompt chunks' tokens
+        dec_rows: list[int] = []
+        dec_ctx: list[int] = []
         dec_ids: list[str] = []
         dec_blocks: list[list[int]] = []
         q = 0
