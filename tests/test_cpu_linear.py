@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from epdserve.assets import default_model_dir
+from epdserve.kernels import KernelChoice
+from epdserve.kernels.amx import AmxMatmul, load_amx
 from epdserve.kernels.ops import TorchOps
 from epdserve.models.cpu_linear import (
     EXACT_ROWS,
+    AmxLinear,
     PackedLinear,
     packing_supported,
     prepare_linears,
@@ -41,15 +45,21 @@ def test_float32_weights_go_column_major_with_the_same_products() -> None:
         assert_close_rel(model(x), y)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_linears_are_prepacked_where_the_cpu_runs_them(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "kernels"), [(torch.bfloat16, "torch"), (torch.bfloat16, "auto"), (torch.float16, "auto")]
+)
+def test_half_precision_linears_are_prepacked_where_the_cpu_runs_them(
+    dtype: torch.dtype, kernels: KernelChoice
+) -> None:
     if not packing_supported(dtype):
         pytest.skip(f"this CPU or torch build has no oneDNN {dtype}")
     model = _model(dtype)
     xs = [torch.randn(n, 256, dtype=dtype) for n in ROWS]
     want = [model(x) for x in xs]
-    prepare_linears(model, dtype, torch.device("cpu"))
-    assert [type(m) for m in model] == [PackedLinear, nn.SiLU, PackedLinear]
+    prepare_linears(model, dtype, torch.device("cpu"), kernels)
+    # bfloat16 on an AMX CPU: the compiled tile matmul, unless the kernels are turned off; else oneDNN
+    kind = AmxLinear if dtype == torch.bfloat16 and kernels == "auto" and load_amx() is not None else PackedLinear
+    assert [type(m) for m in model] == [kind, nn.SiLU, kind]
     for x, y in zip(xs, want, strict=True):
         got = model(x)
         assert got.dtype == dtype and got.shape == y.shape
@@ -102,3 +112,43 @@ def test_padded_row_counts_give_exactly_the_unpadded_products(dtype: torch.dtype
         assert got.shape == (rows, 512)
         assert torch.equal(got, packed(torch.cat([x, torch.zeros(row_bucket(rows) - rows, 256, dtype=dtype)]))[:rows])
         assert_close_rel(got.float(), model[0](x).float(), rel=1e-2)
+
+
+@pytest.fixture(scope="module")
+def amx() -> AmxMatmul:
+    a = load_amx()
+    if a is None:
+        pytest.skip("no AMX here (CPU, compiler or operating system)")
+    return a
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(256, 1536, False), (768, 256, False), (1176, 128, True), (40, 24, True)])
+def test_the_amx_matmul_equals_f_linear_at_any_row_count(amx: AmxMatmul, k: int, n: int, bias: bool) -> None:
+    """Whole and partial 16-row blocks, K a multiple of 32 or not, N a multiple of 16 or not:
+    float32 sums of the same products rounded once, so within a bfloat16 rounding of F.linear
+    (oneDNN's sums, in their own order)."""
+    torch.manual_seed(k + n)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    packed = amx.pack(w)
+    for rows in (1, 5, 16, 17, 46, 64, 300):
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        got = amx.linear(x, packed, n, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert_close_rel(got.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), rel=1e-2)
+    strided = torch.randn(7, k + 9, dtype=torch.bfloat16)[:, 3 : 3 + k]  # rows with a stride of their own
+    assert torch.equal(amx.linear(strided, packed, n, b), amx.linear(strided.contiguous(), packed, n, b))
+    assert amx.linear(torch.randn(2, 3, k, dtype=torch.bfloat16), packed, n, b).shape == (2, 3, n)
+    assert amx.linear(torch.empty(0, k, dtype=torch.bfloat16), packed, n, b).shape == (0, n)
+
+
+def test_the_amx_matmul_refuses_what_does_not_fit_its_weight(amx: AmxMatmul) -> None:
+    packed = amx.pack(torch.randn(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 rows"):
+        amx.linear(torch.randn(4, 64), packed, 32)  # float32
+    with pytest.raises(ValueError, match="bfloat16 rows"):
+        amx.linear(torch.randn(4, 96, dtype=torch.bfloat16), packed, 32)  # another K
+    with pytest.raises(ValueError, match="bias"):
+        amx.linear(torch.randn(4, 64, dtype=torch.bfloat16), packed, 32, torch.randn(31, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        amx.pack(torch.randn(32, 64))

@@ -194,7 +194,11 @@ class EncoderService:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         model, self.load_report = load_model(
-            config.model, parts=frozenset({"vision"}), dtype=config.torch_dtype, device=config.device
+            config.model,
+            parts=frozenset({"vision"}),
+            dtype=config.torch_dtype,
+            device=config.device,
+            kernels=config.kernels,
         )
         # one media encoder per model: the vision tower, or an audio model's audio tower
         visual = getattr(model, "visual", None)

@@ -82,7 +82,9 @@ class EngineCore:
         from epdserve.models.precision import torch_dtype
 
         parts = frozenset({"vision", "language"} if vision else {"language"})
-        model, _ = load_model(model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device)
+        model, _ = load_model(
+            model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device, kernels=config.kernels
+        )
         return cls(model, config, ec, model_id or Path(model_dir).name, on_wake, role, kv)
 
     @property

@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI = 5  # epd_kernels_abi() of the source this module's ctypes signatures describe
+ABI = 6  # epd_kernels_abi() of the source this module's ctypes signatures describe
 FLAGS = (
     "-O3",
     "-march=native",
@@ -125,16 +125,21 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_rotary": [c_int, p, i64, i64, i64, p, p, i64, i64],
         "epd_rotary_f32": [c_int, p, i64, i64, i64, p, p, i64, i64],
         "epd_quick_gelu": [c_int, p, p, i64],
+        "epd_amx_available": [],
+        "epd_amx_pack": [p, i64, i64, p],
+        "epd_amx_linear": [p, i64, i64, i64, p, i64, p, p, i64],
         "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
         "epd_resize_bicubic_u8": [p, i64, i64, i64, p, i64, i64, c_int],
     }
-    checked = {
+    checked = {  # return 0, or -1 for an index out of range or sizes refused (the AMX ones: 1/0, 0/-1)
         "epd_write_kv",
         "epd_decode_attention",
         "epd_resize_bicubic_u8",
-    }  # return 0, or -1 for an index out of range
+        "epd_amx_available",
+        "epd_amx_linear",
+    }
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, (c_int if name in checked else None)

@@ -10,8 +10,12 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AMX_BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -446,6 +450,105 @@ void resample_columns(const uint8_t* in, int64_t width, int64_t oh, const Taps& 
     }
 }
 
+// ---- bfloat16 matmul on AMX tiles, for the few rows of a decode or short prefill step --------
+// oneDNN's own AMX kernels are the right tool for many rows; for a few dozen rows its per-call
+// cost (~35 us, most of it outside the matrix product) is most of the time. The weight [N, K] is
+// packed once into the tile layout (``amx_pack``): for each 16 output columns and each 32 of K,
+// one 1 KB tile whose row r holds, per column, the pair (k0 + 2r, k0 + 2r + 1). A step's rows go
+// through in blocks of 16 against four column tiles at a time, summed in float32, then the bias
+// (in float32) and one rounding to bfloat16 - what oneDNN does, summed in its own order.
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {
+    static const bool ok = [] {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
+void amx_configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {  // 0-3: float32 sums 16 x 16; 4: 16 rows x 32 of K; 5: a weight tile
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+void amx_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp, int64_t n, const bf16* bias,
+                bf16* out, int64_t so) {
+    const int64_t kb = (k + 31) / 32, nb = (n + 15) / 16;
+    const bool ragged = k % 32 != 0;
+    const int64_t whole = m / 16 * 16;  // rows read in place, in whole 16-row blocks
+    // copied, zero-padded: the last K block of the whole blocks when K is ragged, and the rows
+    // past the last whole block (the tiles never read past a row or past the input)
+    std::vector<bf16> last_k(ragged ? whole * 32 : 0, 0), last_rows(m > whole ? 16 * kb * 32 : 0, 0);
+    for (int64_t r = 0; ragged && r < whole; ++r)
+        std::memcpy(&last_k[r * 32], x + r * sx + (kb - 1) * 32, (k - (kb - 1) * 32) * 2);
+    for (int64_t r = whole; r < m; ++r) std::memcpy(&last_rows[(r - whole) * kb * 32], x + r * sx, k * 2);
+    alignas(64) float acc[4][16 * 16];
+    amx_configure();
+    // four column tiles at a time against every row block: their weight tiles stay in L1
+    for (int64_t n0 = 0; n0 < nb; n0 += 4) {
+        const int64_t tiles = nb - n0 < 4 ? nb - n0 : 4;
+        const bf16* w = wp + n0 * kb * 512;
+        for (int64_t m0 = 0; m0 < m; m0 += 16) {
+            const int64_t mr = m - m0 < 16 ? m - m0 : 16;
+            const bool inside = m0 < whole;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k0 = 0; k0 < kb; ++k0) {
+                if (!inside)
+                    _tile_loadd(4, last_rows.data() + k0 * 32, kb * 32 * 2);
+                else if (ragged && k0 == kb - 1)
+                    _tile_loadd(4, last_k.data() + m0 * 32, 64);
+                else
+                    _tile_loadd(4, x + m0 * sx + k0 * 32, sx * 2);
+                _tile_loadd(5, w + k0 * 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (tiles > 1) {
+                    _tile_loadd(5, w + (kb + k0) * 512, 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(5, w + (2 * kb + k0) * 512, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(5, w + (3 * kb + k0) * 512, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t c0 = (n0 + t) * 16, cols = n - c0 < 16 ? n - c0 : 16;
+                const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+                const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + c0)), 16))
+                                      : _mm512_setzero_ps();
+                for (int64_t r = 0; r < mr; ++r) {  // + bias, then one rounding to bfloat16 (as oneDNN)
+                    const __m512 v = _mm512_add_ps(_mm512_load_ps(acc[t] + r * 16), b);
+                    _mm256_mask_storeu_epi16(out + (m0 + r) * so + c0, keep, (__m256i)_mm512_cvtneps_pbh(v));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 }  // namespace
 
 
@@ -453,7 +556,7 @@ extern "C" {
 
 // dtype: 0 float32, 1 bfloat16. Every pointer is to the first element of a tensor (or view).
 
-int epd_kernels_abi() { return 5; }
+int epd_kernels_abi() { return 6; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
                       int64_t so, int64_t rows, int64_t n, float eps) {
@@ -511,6 +614,44 @@ int epd_decode_attention(int dtype, const void* q, int64_t sq, const int64_t* q_
                                 (float*)out, so);
     return decode_attention((const bf16*)q, sq, q_rows, (const bf16*)kc, (const bf16*)vc, num_blocks, table, st,
                             table_len, table_rows, ctx, batch, q_len, hq, hkv, d, block_size, scale, (bf16*)out, so);
+}
+
+// Whether the AMX matmul runs here: built for a CPU with AMX and the kernel lets this process use
+// its tile registers.
+int epd_amx_available() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// w [n, k] bfloat16 packed into ``out`` in the tile layout: ceil(n / 16) * ceil(k / 32) tiles of 512
+void epd_amx_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) {
+    const int64_t kb = (k + 31) / 32, nb = (n + 15) / 16;
+    for (int64_t b = 0; b < nb; ++b)
+        for (int64_t k0 = 0; k0 < kb; ++k0) {
+            uint16_t* tile = out + (b * kb + k0) * 512;
+            for (int64_t r = 0; r < 16; ++r)
+                for (int64_t c = 0; c < 16; ++c)
+                    for (int64_t e = 0; e < 2; ++e) {
+                        const int64_t col = b * 16 + c, kk = k0 * 32 + 2 * r + e;
+                        tile[r * 32 + c * 2 + e] = col < n && kk < k ? w[col * k + kk] : 0;
+                    }
+        }
+}
+
+// out [m, n] (row stride so) = x [m, k] (row stride sx) . w^T (+ bias), bfloat16; -1 without AMX
+int epd_amx_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const uint16_t* wp, int64_t n,
+                   const uint16_t* bias, uint16_t* out, int64_t so) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (!amx_permitted() || m < 1 || k < 1 || n < 1 || sx < k || so < n) return -1;
+    amx_linear(x, sx, m, k, wp, n, bias, out, so);
+    return 0;
+#else
+    (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so;
+    return -1;
+#endif
 }
 
 // ``in`` (h x w x c bytes) resized to oh x ow as Pillow's Image.resize(BICUBIC) does, into

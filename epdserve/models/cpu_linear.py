@@ -6,8 +6,12 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   it packs again on every call; stored column-major (the same values, ``weight`` still
   ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]`` matrix and that copy is
   gone. Same kernels, same results.
-- **bfloat16 / float16**: oneDNN (AMX or AVX-512 on CPUs that have them) reorders the weight into
-  its blocked layout on every call too; ``PackedLinear`` does it once, at load, as vLLM's CPU
+- **bfloat16 on a CPU with AMX**: the compiled kernels' tile matmul (``AmxLinear``,
+  ``kernels.amx``), the weight packed once at load: no per-call setup and nothing compiled per row
+  count; at or under oneDNN's time at the row counts measured (docs/benchmarks.md) but for one
+  shape at 192 rows and more.
+- **bfloat16 without AMX, float16**: oneDNN (AVX-512 where the CPU has it) reorders the weight
+  into its blocked layout on every call; ``PackedLinear`` does it once, at load, as vLLM's CPU
   backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
 
 oneDNN also compiles a kernel for every row count it meets (about a millisecond each), and a
@@ -18,7 +22,7 @@ result does not depend on the rows beside it, so the outputs are the same. Each 
 compiled when first met (a few dozen times per linear shape, ever), not at load: every compiled
 kernel stays resident (about half a megabyte each), and most buckets are never met.
 
-Measured in docs/benchmarks.md (issue 14). On other devices the weights stay as loaded.
+On other devices the weights stay as loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from epdserve.kernels import KernelChoice
+from epdserve.kernels.amx import AmxMatmul, load_amx
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
 EXACT_ROWS = 16  # row counts up to this run as they are; larger ones are rounded up (row_bucket)
@@ -78,16 +85,38 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above)."""
+class AmxLinear(nn.Module):
+    """A loaded bfloat16 ``nn.Linear`` multiplied on AMX tiles by the compiled kernels
+    (``kernels.amx``): ``weight`` holds the tile layout (1-D), packed once at load."""
+
+    def __init__(self, linear: nn.Linear, amx: AmxMatmul) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.amx = amx
+        self.weight = nn.Parameter(amx.pack(linear.weight), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.amx.linear(x, self.weight, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device, kernels: KernelChoice = "auto") -> None:
+    """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above);
+    bfloat16 ones go to the compiled AMX matmul where the CPU has AMX (``kernels`` "auto")."""
     if device.type != "cpu":
         return
+    amx = load_amx() if dtype == torch.bfloat16 and kernels == "auto" else None
     pack = packing_supported(dtype)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            if pack:
+            if amx is not None:
+                setattr(module, name, AmxLinear(child, amx))
+            elif pack:
                 setattr(module, name, PackedLinear(child))
             elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)

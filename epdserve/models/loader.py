@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from epdserve.kernels import KernelChoice
 from epdserve.models.config import ALL_PARTS, ModelConfig
 from epdserve.models.cpu_linear import prepare_linears
 from epdserve.models.registry import model_class
@@ -94,6 +95,7 @@ def load_model(
     parts: frozenset[str] = ALL_PARTS,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    kernels: KernelChoice = "auto",
 ) -> tuple[nn.Module, LoadReport]:
     """The model of ``model_dir`` with only ``parts`` built and loaded, in eval mode, without grads."""
     start = time.perf_counter()
@@ -115,7 +117,7 @@ def load_model(
     if missing:
         raise CheckpointError(f"{model_dir}: no tensor for {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
     loadable.init_buffers()
-    prepare_linears(model, dtype, torch.device(device))
+    prepare_linears(model, dtype, torch.device(device), kernels)
     model.eval().requires_grad_(False)
     report = LoadReport(
         model_dir=str(model_dir),

@@ -1,0 +1,74 @@
+"""bfloat16 matmuls on AMX tiles (Intel CPUs that have AMX), in the compiled kernels.
+
+oneDNN's AMX matmul costs ~20-35 us per call before any arithmetic at the row counts of a decode or
+a short prefill step, and compiles a new kernel (about a millisecond, and half a megabyte kept
+resident) for every row count it meets. ``AmxMatmul`` packs a weight once into the tile layout and
+multiplies any number of rows with no per-call setup and nothing to compile: float32 sums of the
+same bfloat16 products, the bias added in float32, one rounding to bfloat16 (oneDNN's arithmetic;
+the order of the sums is the kernel's own). ``load_amx`` gives None where the CPU, the compiler or
+the operating system (which must grant a process the tile registers) does not allow it; callers
+keep oneDNN then.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from epdserve.kernels.build import KernelBuildError, load_library
+
+log = logging.getLogger(__name__)
+
+
+class AmxMatmul:
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    @staticmethod
+    def packed_size(out_features: int, in_features: int) -> int:
+        """Elements of a packed weight: one 16 x 32 tile per 16 outputs and 32 inputs."""
+        return -(-out_features // 16) * -(-in_features // 32) * 512
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A [out, in] bfloat16 weight in the tile layout (1-D)."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"expected a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        out = torch.empty(self.packed_size(n, k), dtype=torch.bfloat16)
+        self.lib.epd_amx_pack(w.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` for x [..., in] bfloat16 and ``packed = pack(weight)``."""
+        k = x.shape[-1]
+        if x.dtype != torch.bfloat16 or packed.numel() != self.packed_size(out_features, k):
+            raise ValueError(f"x must be bfloat16 rows of the packed weight's {k} inputs")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != out_features):
+            raise ValueError(f"bias must be {out_features} bfloat16 values")
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = torch.empty((m, out_features), dtype=torch.bfloat16)
+        if m:
+            b = bias.contiguous().data_ptr() if bias is not None else None
+            status = self.lib.epd_amx_linear(
+                rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), out_features, b, out.data_ptr(), out_features
+            )
+            if status != 0:
+                raise RuntimeError("the AMX matmul refused its operands")
+        return out.reshape(*x.shape[:-1], out_features)
+
+
+def load_amx() -> AmxMatmul | None:
+    """The AMX matmul, or None where it cannot run here (no AMX, no compiler, tiles refused)."""
+    try:
+        lib = load_library()
+    except KernelBuildError as e:
+        log.info("no compiled kernels, so no AMX matmul: %s", e)
+        return None
+    return AmxMatmul(lib) if lib.epd_amx_available() == 1 else None
