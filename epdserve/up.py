@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,7 +327,8 @@ class Deployment:
                 args += ["--engine-cpus", ",".join(map(str, plan.engines[name]))]
             role = self._launch(name, [*args, *self.extra_args], free_port(), plan.roles.get(name))
             workers[kind].append(role)
-        self._wait([*encoders, *(r for rs in workers.values() for r in rs)])
+        # the router starts beside them (their addresses are known) and is healthy once it has
+        # found a worker healthy; every role must be, before the deployment is
         args = ["router", *self.model_args, *router_args]
         if encoders:
             args += ["--encoders", *(r.url for r in encoders)]
@@ -333,7 +336,25 @@ class Deployment:
             if roles:
                 args += [f"--{kind}", *(r.url for r in roles)]
         args += [*self.extra_router_args, *self.extra_args]
-        self._wait([self._launch("router", args, self.port, None, public=True)])
+        router = self._launch("router", args, self.port, None, public=True)
+        self._wait([*encoders, *(r for rs in workers.values() for r in rs), router])
+        self._wait_seen(router, {"encoders": len(encoders), **{kind: len(roles) for kind, roles in workers.items()}})
+
+    def _wait_seen(self, router: Role, counts: dict[str, int]) -> None:
+        """Until the router has found every role it was given healthy (its /health counts)."""
+        deadline = time.time() + self.startup_timeout_s
+        while time.time() < deadline and not self.stop_signal:
+            if router.proc.poll() is not None:
+                raise StartupError(f"router exited with code {router.proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(router.url + "/health", timeout=1) as r:
+                    seen = json.loads(r.read())
+                if all(seen.get(kind, 0) >= n for kind, n in counts.items()):
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise StartupError(f"the router did not find every role healthy after {self.startup_timeout_s:.0f}s")
 
     def supervise(self) -> None:
         """Restart roles that die, until ``request_stop``."""

@@ -100,6 +100,9 @@ from epdserve.transfer.config import HANDLE_PURPOSE
 
 log = logging.getLogger(__name__)
 
+FAST_PROBE_S = 0.1  # probe period while no worker is healthy, or at start-up until all have been
+STARTUP_PROBE_S = 60.0  # how long start-up's fast probing waits for workers named but not yet up
+
 _TAIL = len(SSE_DONE)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -321,6 +324,7 @@ class Router:
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None))
+        self._probe_started, self._all_seen = time.monotonic(), False
         self._probe_task = asyncio.create_task(self._probe_loop())
         if self.frontend is not None:
             await self.frontend.start()
@@ -374,7 +378,16 @@ class Router:
                     self.auto_limit.tick()
             except Exception:  # a probe round must never end the loop
                 log.exception("health probe round failed")
-            await asyncio.sleep(self.config.probe_interval_s)
+            # while no worker can take a request (all down), and at start-up until every worker
+            # named has answered once, probe often: the router uses a worker the moment it is up
+            if not self._all_seen and time.monotonic() - self._probe_started < STARTUP_PROBE_S:
+                self._all_seen = all(len(pool.healthy) == len(pool.workers) for pool in self.pools)
+            else:
+                self._all_seen = True
+            fast = not (self.pds.healthy or self.splits) or not self._all_seen
+            await asyncio.sleep(
+                min(FAST_PROBE_S, self.config.probe_interval_s) if fast else self.config.probe_interval_s
+            )
 
     async def _discover(self) -> None:
         """Workers from DNS (every ``dns_interval_s``), and registrations whose heartbeats stopped."""
