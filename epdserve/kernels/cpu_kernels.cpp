@@ -96,44 +96,32 @@ void add_rms_norm(T* __restrict x, int64_t sx, const T* __restrict delta, int64_
     }
 }
 
-// rotate heads [rows, heads, d] in place: x*cos + rotate_half(x)*sin, each product rounded;
-// element i and i + d/2 of a head depend only on each other, so one pass rewrites both
-template <typename T>
-void rope_rows(T* __restrict x, int64_t sx, int64_t heads, int64_t d, const T* __restrict cos,
-               const T* __restrict sin, int64_t sc, int64_t rows) {
+// rotate heads [rows, heads, d] in place: x*cos + rotate_half(x)*sin. RoundEach: each product
+// rounded to T, as a language model rotating in T does; else in float32 (by float32 angles, A) and
+// rounded to T once at the end, as a vision tower does (in bfloat16 the angles of far patches
+// would be lost). Element i and i + d/2 of a head depend only on each other: one pass rewrites both.
+template <bool RoundEach, typename T, typename A>
+void rope_rows(T* __restrict x, int64_t sx, int64_t heads, int64_t d, const A* __restrict cos,
+               const A* __restrict sin, int64_t sc, int64_t rows) {
     const int64_t h2 = d / 2;
     for (int64_t r = 0; r < rows; ++r) {
-        const T* c = cos + r * sc;
-        const T* s = sin + r * sc;
+        const A* c = cos + r * sc;
+        const A* s = sin + r * sc;
         for (int64_t h = 0; h < heads; ++h) {
             T* xh = x + r * sx + h * d;
             // first half: x*cos - x2*sin; second half: x*cos + x1*sin (rotate_half)
 #pragma omp simd
             for (int64_t i = 0; i < h2; ++i) {
                 const float lo = load(xh + i), hi = load(xh + h2 + i);
-                store(xh + i, rnd<T>(lo * load(c + i)) + rnd<T>(-hi * load(s + i)));
-                store(xh + h2 + i, rnd<T>(hi * load(c + h2 + i)) + rnd<T>(lo * load(s + h2 + i)));
-            }
-        }
-    }
-}
-
-// the same rotation of x (T) by float32 cos/sin, computed in float32 and rounded to T once at the
-// end (a vision tower rotates this way: in bfloat16 the angles of far patches would be lost)
-template <typename T>
-void rope_rows_f32(T* __restrict x, int64_t sx, int64_t heads, int64_t d, const float* __restrict cos,
-                   const float* __restrict sin, int64_t sc, int64_t rows) {
-    const int64_t h2 = d / 2;
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* c = cos + r * sc;
-        const float* s = sin + r * sc;
-        for (int64_t h = 0; h < heads; ++h) {
-            T* xh = x + r * sx + h * d;
-#pragma omp simd
-            for (int64_t i = 0; i < h2; ++i) {
-                const float lo = load(xh + i), hi = load(xh + h2 + i);
-                store(xh + i, lo * c[i] + -hi * s[i]);
-                store(xh + h2 + i, hi * c[h2 + i] + lo * s[h2 + i]);
+                const float a = lo * load(c + i), b = -hi * load(s + i);
+                const float e = hi * load(c + h2 + i), f = lo * load(s + h2 + i);
+                if constexpr (RoundEach) {
+                    store(xh + i, rnd<T>(a) + rnd<T>(b));
+                    store(xh + h2 + i, rnd<T>(e) + rnd<T>(f));
+                } else {
+                    store(xh + i, a + b);
+                    store(xh + h2 + i, e + f);
+                }
             }
         }
     }
@@ -569,17 +557,17 @@ void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t
 void epd_rotary(int dtype, void* x, int64_t sx, int64_t heads, int64_t d, const void* cos, const void* sin,
                 int64_t sc, int64_t rows) {
     if (dtype == 0)
-        rope_rows((float*)x, sx, heads, d, (const float*)cos, (const float*)sin, sc, rows);
+        rope_rows<true>((float*)x, sx, heads, d, (const float*)cos, (const float*)sin, sc, rows);
     else
-        rope_rows((bf16*)x, sx, heads, d, (const bf16*)cos, (const bf16*)sin, sc, rows);
+        rope_rows<true>((bf16*)x, sx, heads, d, (const bf16*)cos, (const bf16*)sin, sc, rows);
 }
 
 void epd_rotary_f32(int dtype, void* x, int64_t sx, int64_t heads, int64_t d, const float* cos, const float* sin,
                     int64_t sc, int64_t rows) {
     if (dtype == 0)
-        rope_rows_f32((float*)x, sx, heads, d, cos, sin, sc, rows);
+        rope_rows<false>((float*)x, sx, heads, d, cos, sin, sc, rows);
     else
-        rope_rows_f32((bf16*)x, sx, heads, d, cos, sin, sc, rows);
+        rope_rows<false>((bf16*)x, sx, heads, d, cos, sin, sc, rows);
 }
 
 void epd_quick_gelu(int dtype, const void* x, void* out, int64_t n) {

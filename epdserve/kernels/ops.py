@@ -172,31 +172,20 @@ class CpuKernelOps:
         return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rows, heads, d = x.shape
-        _like(cos, x.dtype, rows, d)
-        _like(sin, x.dtype, rows, d)
-        if sin.stride() != cos.stride() or d % 2:
-            raise ValueError("cos and sin must share a layout, and head_dim be even")
-        self.lib.epd_rotary(
-            _DTYPE_CODE[x.dtype],
-            x.data_ptr(),
-            _rows(x, heads * d),
-            heads,
-            d,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            _rows(cos, d),
-            rows,
-        )
-        return x
+        return self._rotate(self.lib.epd_rotary, x, cos, sin, x.dtype)
 
     def rotary_f32(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self._rotate(self.lib.epd_rotary_f32, x, cos, sin, torch.float32)
+
+    @staticmethod
+    def _rotate(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, angles: torch.dtype) -> torch.Tensor:
+        """``x`` [N, heads, D] rotated in place by ``kernel`` with cos/sin [N, D] of ``angles``."""
         rows, heads, d = x.shape
-        _like(cos, torch.float32, rows, d)
-        _like(sin, torch.float32, rows, d)
+        _like(cos, angles, rows, d)
+        _like(sin, angles, rows, d)
         if sin.stride() != cos.stride() or d % 2:
             raise ValueError("cos and sin must share a layout, and head_dim be even")
-        self.lib.epd_rotary_f32(
+        kernel(
             _DTYPE_CODE[x.dtype],
             x.data_ptr(),
             _rows(x, heads * d),
