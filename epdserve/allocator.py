@@ -2,8 +2,8 @@
 
 A served request allocates and frees several buffers of hundreds of kilobytes (a decoded image,
 its resized and normalized copies, a step's activations). glibc serves each from a fresh mmap
-and unmaps it on free, so the next request faults every page in again: hundreds of page faults
-per request, each a trip into the kernel. With the thresholds below such buffers come from the
+and unmaps it on free, so the next request faults every page in again, each fault a trip into
+the kernel (measured in docs/benchmarks.md). With the thresholds below such buffers come from the
 heap and stay there for reuse; freed memory returns to the kernel once more than ``TRIM_BYTES``
 of it sits at the heap's top. Other C libraries have no ``mallopt``: nothing changes there.
 """

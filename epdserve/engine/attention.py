@@ -1,4 +1,4 @@
-"""Paged attention: the fused CPU kernels' decode attention, or PyTorch SDPA (CPU and CUDA).
+"""Paged attention: the fused CPU kernels' row-wise attention, or PyTorch SDPA (CPU and CUDA).
 
 The KV cache of a layer is two tensors ``[num_blocks, block_size, kv_heads, head_dim]``; a token's
 slot is ``block_id * block_size + offset``. The runner keeps every running request's block table
@@ -10,8 +10,10 @@ each layer then
   2. attends: all decode sequences (one new token each) together in one call — the kernels'
      (``kernels.ops``), reading their blocks in place, or one padded SDPA over views of the
      contiguous mirror of their KV (``contiguous_kv``) when the runner keeps one, else over their
-     blocks gathered block-wise; no Python loop over sequences per layer — and prefill chunks one
-     sequence at a time with SDPA and a causal mask offset by the tokens already cached.
+     blocks gathered block-wise; no Python loop over sequences per layer. With the kernels, the
+     tokens of a short prompt chunk are rows of that same call, each over its causal prefix;
+     longer chunks (and every chunk without the kernels) go one sequence at a time through SDPA
+     with a causal mask offset by the tokens already cached.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """bfloat16 matmuls on AMX tiles (Intel CPUs that have AMX), in the compiled kernels.
 
-oneDNN's AMX matmul costs ~20-35 us per call before any arithmetic at the row counts of a decode or
-a short prefill step, and compiles a new kernel (about a millisecond, and half a megabyte kept
-resident) for every row count it meets. ``AmxMatmul`` packs a weight once into the tile layout and
+At the row counts of a decode or a short prefill step, most of oneDNN's AMX matmul call is spent
+before any arithmetic, and it compiles a new kernel (kept resident) for every row count it meets
+(docs/benchmarks.md). ``AmxMatmul`` packs a weight once into the tile layout and
 multiplies any number of rows with no per-call setup and nothing to compile: float32 sums of the
 same bfloat16 products, the bias added in float32, one rounding to bfloat16 (oneDNN's arithmetic;
 the order of the sums is the kernel's own). ``load_amx`` gives None where the CPU, the compiler or

@@ -440,7 +440,7 @@ void resample_columns(const uint8_t* in, int64_t width, int64_t oh, const Taps& 
 
 // ---- bfloat16 matmul on AMX tiles, for the few rows of a decode or short prefill step --------
 // oneDNN's own AMX kernels are the right tool for many rows; for a few dozen rows its per-call
-// cost (~35 us, most of it outside the matrix product) is most of the time. The weight [N, K] is
+// cost, most of it outside the matrix product, is most of the time. The weight [N, K] is
 // packed once into the tile layout (``amx_pack``): for each 16 output columns and each 32 of K,
 // one 1 KB tile whose row r holds, per column, the pair (k0 + 2r, k0 + 2r + 1). A step's rows go
 // through in blocks of 16 against four column tiles at a time, summed in float32, then the bias

@@ -142,9 +142,6 @@ class VisionProcessor:
             return self.resampler.resize(np.asarray(img), h, w)
         return np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC))
 
-    def _resized(self, img: Image.Image, max_pixels: int) -> Image.Image:
-        return Image.fromarray(self._resized_pixels(img, max_pixels))
-
     def is_resized(self, height: int, width: int, modality: str) -> bool:
         """Whether a frame of this size is left as it is (``image``/``video`` do not resize it
         again): a frame from ``resized_image``/``resized_video`` almost always is; only extreme
@@ -177,17 +174,21 @@ class VisionProcessor:
     def resized_image(self, img: Image.Image) -> Image.Image:
         """The RGB image at the size the vision tower sees it (``image`` without normalizing):
         what a router that decodes media hands an encoder."""
-        return self._resized(img, self.config.max_pixels)
+        return Image.fromarray(self._resized_pixels(img, self.config.max_pixels))
 
     def resized_video(self, frames: list[Image.Image]) -> list[Image.Image]:
         """The RGB frames at the size the vision tower sees them (``video`` without normalizing)."""
+        return [Image.fromarray(f) for f in self._video_pixels(frames)]
+
+    def _video_pixels(self, frames: list[Image.Image]) -> list[np.ndarray]:
+        """Each frame's RGB pixels at the size of the first's (the vision tower's size for it)."""
         if not frames:
             raise ValueError("a video needs at least one frame")
         c = self.config
         first = frames[0].convert("RGB")
         h, w = smart_resize(first.height, first.width, c.factor, c.min_pixels, c.video_max_pixels)
         return [
-            self._resized(f.convert("RGB").resize((w, h)) if f.size != first.size else f, c.video_max_pixels)
+            self._resized_pixels(f.convert("RGB").resize((w, h)) if f.size != first.size else f, c.video_max_pixels)
             for f in frames
         ]
 
@@ -198,7 +199,7 @@ class VisionProcessor:
 
     def video(self, frames: list[Image.Image]) -> VisionInput:
         c = self.config
-        arrs = [self._normalized(f) for f in self.resized_video(frames)]
+        arrs = [self._normalized(f) for f in self._video_pixels(frames)]
         while len(arrs) % c.temporal_patch_size:
             arrs.append(arrs[-1])  # pad with the last frame, as the reference does
         return self._patchify(np.stack(arrs))

@@ -14,13 +14,13 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   into its blocked layout on every call; ``PackedLinear`` does it once, at load, as vLLM's CPU
   backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
 
-oneDNN also compiles a kernel for every row count it meets (about a millisecond each), and a
-serving engine meets hundreds: every prefill step's total differs. ``PackedLinear`` therefore runs
+oneDNN also compiles a kernel for every row count it meets (docs/benchmarks.md), and a serving
+engine meets a great many: every prefill step's total differs. ``PackedLinear`` therefore runs
 at a bounded set of row counts (``row_bucket``): exact up to 16 rows (decode batches), above that
 the input is padded with zero rows to the next bucket and the padding cut off the output. A row's
 result does not depend on the rows beside it, so the outputs are the same. Each bucket is
 compiled when first met (a few dozen times per linear shape, ever), not at load: every compiled
-kernel stays resident (about half a megabyte each), and most buckets are never met.
+kernel stays resident, and most buckets are never met.
 
 On other devices the weights stay as loaded.
 """
