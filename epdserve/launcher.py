@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# a role's exit code when it had started and then lost its engine core: restart it, it was no failed start
+ENGINE_CORE_DIED_EXIT = 3
 
 
 class Cancelled(Exception):

@@ -10,8 +10,8 @@ tower). Every role is its own process (its own process group), optionally pinned
   and are addressed at 127.0.0.1, and PD workers behind a router accept only cluster callers.
 - Every role gets the cluster secret in its environment (never on a command line, where ``ps``
   shows it); the API key reaches only the public role, the admin key only the router.
-- A role that dies after start-up is restarted on its port (``epdserve.supervisor``); one that
-  fails during start-up stops everything.
+- A role that dies after it was healthy is restarted on its port (``epdserve.supervisor``), during
+  start-up too; one that fails before it was ever healthy stops everything.
 - Children cannot outlive ``up``: each gets SIGTERM from the kernel when ``up`` dies, however it
   dies, and SIGINT/SIGTERM/SIGHUP stop everything at any time (a second one kills at once).
 
@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdserve.launcher import Cancelled, free_port, port_available, wait_healthy
+from epdserve.launcher import ENGINE_CORE_DIED_EXIT, Cancelled, free_port, is_healthy, port_available
 from epdserve.models.config import ModelConfig
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
-from epdserve.supervisor import RestartPolicy, Role, Supervisor
+from epdserve.supervisor import RestartPolicy, Role, Supervisor, exit_reason
 from epdserve.transfer.config import Connector
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ TOPOLOGY = re.compile(
 TOPOLOGIES_HELP = "aggregated | <N>e+<M>pd | <N>e+<P>p+<D>d | <P>p+<D>d"
 INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable from this machine only
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STARTUP_POLL_S = 0.05  # how often start-up looks at the roles and the router
 STOP_TIMEOUT_S = 8.0  # grace for all roles together after SIGTERM, then SIGKILL
 
 
@@ -255,15 +256,39 @@ class Deployment:
         self._say(f"{name} pid {role.proc.pid} at {role.url}" + (f" (log {log})" if log else ""))
         return role
 
-    def _wait(self, roles: list[Role]) -> None:
-        for r in roles:
-            try:
-                wait_healthy(r.url, r.proc, self.startup_timeout_s, cancelled=lambda: bool(self.stop_signal))
-            except RuntimeError:
-                where = f"its log: {r.log}" if r.log else "its output is above"
-                raise StartupError(f"{r.name} exited with code {r.proc.returncode} during start-up ({where})") from None
-            except TimeoutError:
-                raise StartupError(f"{r.name} was not healthy at {r.url} after {self.startup_timeout_s:.0f}s") from None
+    def _wait(self, roles: list[Role], router: Role | None = None, counts: dict[str, int] | None = None) -> None:
+        """Until every role has answered /health and, given a router, the router has found each kind
+        of role healthy (``counts``: its /health counts). All are watched together, so a role that is
+        healthy cannot die unnoticed behind one still loading. A role that exits before it was ever
+        healthy stops the start; one that was (its own /health answered, or it exited because its
+        engine core died, which only a started role can) is restarted, as after start-up."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        loading = list(roles)
+        supervisor = Supervisor(self.roles, self.restart, self._say)
+        while time.monotonic() < deadline:
+            if self.stop_signal:
+                raise Cancelled("start-up")
+            for r in loading:
+                code = r.proc.poll()
+                if code is not None and code != ENGINE_CORE_DIED_EXIT and r.restart_at is None:
+                    where = f"its log: {r.log}" if r.log else "its output is above"
+                    raise StartupError(f"{r.name} exited with {exit_reason(code)} during start-up ({where})")
+            supervisor.check()
+            loading = [r for r in loading if r.restart_at is not None or not is_healthy(r.url, timeout=1.0)]
+            if not loading and (router is None or self._router_found(router, counts or {})):
+                return
+            time.sleep(STARTUP_POLL_S)
+        waiting = ", ".join(r.name for r in loading) or "the router's view of every role"
+        raise StartupError(f"not healthy after {self.startup_timeout_s:.0f}s: {waiting}")
+
+    @staticmethod
+    def _router_found(router: Role, counts: dict[str, int]) -> bool:
+        try:
+            with urllib.request.urlopen(router.url + "/health", timeout=1) as r:
+                seen = json.loads(r.read())
+        except (OSError, ValueError):
+            return False
+        return all(seen.get(kind, 0) >= n for kind, n in counts.items())
 
     def start(self) -> None:
         t0 = time.time()
@@ -337,24 +362,8 @@ class Deployment:
                 args += [f"--{kind}", *(r.url for r in roles)]
         args += [*self.extra_router_args, *self.extra_args]
         router = self._launch("router", args, self.port, None, public=True)
-        self._wait([*encoders, *(r for rs in workers.values() for r in rs), router])
-        self._wait_seen(router, {"encoders": len(encoders), **{kind: len(roles) for kind, roles in workers.items()}})
-
-    def _wait_seen(self, router: Role, counts: dict[str, int]) -> None:
-        """Until the router has found every role it was given healthy (its /health counts)."""
-        deadline = time.time() + self.startup_timeout_s
-        while time.time() < deadline and not self.stop_signal:
-            if router.proc.poll() is not None:
-                raise StartupError(f"router exited with code {router.proc.returncode} during start-up")
-            try:
-                with urllib.request.urlopen(router.url + "/health", timeout=1) as r:
-                    seen = json.loads(r.read())
-                if all(seen.get(kind, 0) >= n for kind, n in counts.items()):
-                    return
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        raise StartupError(f"the router did not find every role healthy after {self.startup_timeout_s:.0f}s")
+        counts = {"encoders": len(encoders), **{kind: len(roles) for kind, roles in workers.items()}}
+        self._wait([*encoders, *(r for rs in workers.values() for r in rs), router], router, counts)
 
     def supervise(self) -> None:
         """Restart roles that die, until ``request_stop``."""

@@ -19,15 +19,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from epdserve.assets import default_model_dir
 from epdserve.bench.workload import image_data_url
-from epdserve.launcher import free_port, is_healthy
+from epdserve.launcher import ENGINE_CORE_DIED_EXIT, free_port, is_healthy
 from epdserve.shapes import ShapesWorld
-from epdserve.supervisor import RestartPolicy
+from epdserve.supervisor import RestartPolicy, Role
+from epdserve.up import Deployment, StartupError, Topology
 from tests.server_utils import http
 
 READY = re.compile(r"ready in [\d.]+s at (?P<url>http://\S+)/v1")
@@ -184,6 +186,94 @@ def test_slab_cleanup_removes_only_unlocked_slabs_of_our_roles(tmp_path: Path) -
         fcntl.flock(f, fcntl.LOCK_EX)
         assert remove_slabs_of({pid}, tmp_path) == [left]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([held.name, foreign.name])
+
+
+# A stand-in role for the start-up rules: a real process with a real /health. Each start appends a
+# line to its ``lives`` file; ``plan`` says, per life, how it ends: "serve" (forever), "exit N" (at
+# once, with code N), "serve-then-exit N" (healthy for a second, then code N). A "router" answers
+# /health with {"pds": 1} only once the file ``lives`` of its target has two lines.
+ROLE_SCRIPT = """
+import http.server, json, pathlib, sys, threading, time
+port, lives, plan, target = int(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
+with lives.open("a") as f:
+    f.write("life\\n")
+life = plan[min(len(lives.read_text().splitlines()), len(plan)) - 1]
+if life.startswith("exit"):
+    sys.exit(int(life.split()[1]))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        seen = target == "-" or len(pathlib.Path(target).read_text().splitlines()) >= 2
+        body = json.dumps({"status": "ok", "pds": int(seen)}).encode()
+        self.send_response(200 if target == "-" or seen else 503)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+if life.startswith("serve-then-exit"):
+    time.sleep(1.0)
+    sys.exit(int(life.split()[1]))
+time.sleep(600)
+"""
+
+
+@dataclass
+class ScriptRole(Role):
+    lives: Path = Path()
+    plan: str = "serve"
+    target: str = "-"
+
+    def launch(self) -> None:
+        port = self.url.rsplit(":", 1)[1]
+        argv = [sys.executable, "-c", ROLE_SCRIPT, port, str(self.lives), self.plan, self.target]
+        self.proc = subprocess.Popen(argv, start_new_session=True)
+        self.started_at = time.monotonic()
+        self.pids.append(self.proc.pid)
+
+
+def script_deployment(tmp_path: Path, **plans: str) -> tuple[Deployment, dict[str, ScriptRole]]:
+    deployment = Deployment(Topology.parse("1e+1pd"), None, restart=RestartPolicy(first_delay_s=0.1, poll_s=0.05))
+    deployment.startup_timeout_s = 60.0
+    roles: dict[str, ScriptRole] = {}
+    for name, plan in plans.items():
+        target = str(tmp_path / f"{plan.split(':')[1]}.lives") if plan.startswith("router:") else "-"
+        role = ScriptRole(name, f"http://127.0.0.1:{free_port()}", [], lives=tmp_path / f"{name}.lives")
+        role.plan, role.target = plan.split(":")[0], target
+        role.launch()
+        deployment.roles.append(role)
+        roles[name] = role
+    return deployment, roles
+
+
+def test_a_role_failing_before_it_was_healthy_fails_the_start(tmp_path: Path) -> None:
+    deployment, roles = script_deployment(tmp_path, encoder0="serve", pd0="exit 1")
+    try:
+        with pytest.raises(StartupError, match=r"pd0 exited with code 1 during start-up"):
+            deployment._wait(list(roles.values()))
+    finally:
+        deployment.stop()
+
+
+def test_a_role_whose_engine_core_died_during_start_up_is_restarted(tmp_path: Path) -> None:
+    # its exit code says it had started: an early client may already have been served by it
+    deployment, roles = script_deployment(tmp_path, pd0=f"exit {ENGINE_CORE_DIED_EXIT},serve")
+    try:
+        deployment._wait(list(roles.values()))
+        assert len(roles["pd0"].pids) == 2 and roles["pd0"].proc.poll() is None
+    finally:
+        deployment.stop()
+
+
+def test_a_role_dying_after_it_was_healthy_is_restarted_while_the_router_looks(tmp_path: Path) -> None:
+    # the race a client can win: the role was healthy (the router may have served with it), then
+    # died before the router had found every role; the start goes on, the role restarted
+    deployment, roles = script_deployment(tmp_path, pd0="serve-then-exit 0,serve", router="router:pd0")
+    try:
+        deployment._wait(list(roles.values()), roles["router"], {"pds": 1})
+        assert len(roles["pd0"].pids) == 2 and is_healthy(roles["pd0"].url)
+    finally:
+        deployment.stop()
 
 
 def test_busy_port_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:

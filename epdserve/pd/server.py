@@ -75,6 +75,7 @@ from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
 from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, StageTimes, WireTensor
 from epdserve.kernels.resample import load_resampler
+from epdserve.launcher import ENGINE_CORE_DIED_EXIT
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
@@ -742,7 +743,7 @@ def build_app(service: ChatService) -> web.Application:
 
 
 def serve(config: ServerConfig, core: MPClient | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM; exits 3 when the engine core died."""
+    """Run the server until SIGINT/SIGTERM; exits ``ENGINE_CORE_DIED_EXIT`` when the engine core died."""
     service = ChatService(config, core)
     log.info(
         "epdserve serving %s on http://%s:%d (role %s, vision tower %s%s)",
@@ -760,4 +761,4 @@ def serve(config: ServerConfig, core: MPClient | None = None) -> None:
         raise SystemExit(1) from None
     if service.core_died is not None:
         log.error("stopped because the engine core died: %s", service.core_died)
-        raise SystemExit(3)
+        raise SystemExit(ENGINE_CORE_DIED_EXIT)
