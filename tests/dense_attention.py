@@ -25,6 +25,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 class DenseCausalAttention:
     """All tokens of one sequence in a single call; nothing is kept between calls."""
 
+    row_wise = None  # attends every token itself: no fused stack
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _attend(q, k, v)
 
@@ -39,6 +41,8 @@ class DenseKVCache:
     def __len__(self) -> int:
         """Tokens cached so far (per layer; all layers see the same tokens)."""
         return 0 if not self._keys else next(iter(self._keys.values())).shape[0]
+
+    row_wise = None  # attends every token itself: no fused stack
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer in self._keys:

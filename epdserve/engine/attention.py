@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.engine.memory import lazy_zeros
+from epdserve.kernels.fused import RowWise
 
 if TYPE_CHECKING:
     from epdserve.engine.contiguous_kv import ContiguousDecodeKV, MirrorStep
@@ -182,6 +183,11 @@ class PagedAttention:
                 for _ in range(2)
             ]
         self.prefill_blocks = [table.table[s.row, : -(-s.ctx_len // bs)] for s in layout.prefills]
+        self.row_wise = (
+            RowWise(layout.slot_mapping, layout.decode_rows, table.table, layout.decode_table_rows, layout.decode_ctx)
+            if kernels is not None and layout.decode_only
+            else None
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]

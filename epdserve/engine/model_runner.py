@@ -28,6 +28,7 @@ from epdserve.engine.contiguous_kv import ContiguousDecodeKV
 from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
+from epdserve.kernels.fused import FusedDecoder
 from epdserve.kernels.ops import CpuKernelOps, select_ops
 from epdserve.models.base import DeepStack
 from epdserve.models.cpu_linear import row_bucket
@@ -87,6 +88,12 @@ class ModelRunner:
             if config.contiguous_decode_kv and self.attention_kernels is None  # the kernels read the cache in place
             else None
         )
+        if self.attention_kernels is not None:  # all layers in one call where the model allows it
+            layers = lm.fused_layers()
+            if layers is not None:
+                lm.fused = FusedDecoder(
+                    self.attention_kernels.lib, lm.stack_shape(), layers, lm.norm.weight, self.kv.k, self.kv.v
+                )
         max_blocks = -(-config.max_model_len // config.block_size)
         self.table = BlockTable(config.max_num_seqs, max_blocks, self.device)
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)

@@ -252,6 +252,21 @@ void attend(const T* qrow, const T* kbase, const T* vbase, const int64_t* blocks
         for (int64_t i = 0; i < 8; ++i) store(orow + 8 * j + i, acc[j][i]);
 }
 
+// Whether every query row, block-table row, context length and block id of an attention call is
+// in range (what decode_attention reads through them)
+bool attention_rows_valid(const int64_t* q_rows, const int64_t* table, int64_t st, int64_t table_len,
+                          const int64_t* table_rows, const int64_t* ctx, int64_t batch, int64_t q_len,
+                          int64_t num_blocks, int64_t block_size) {
+    for (int64_t b = 0; b < batch; ++b) {
+        if (q_rows[b] < 0 || q_rows[b] >= q_len || table_rows[b] < 0 || table_rows[b] >= table_len) return false;
+        if (ctx[b] < 1 || ctx[b] > st * block_size) return false;
+        const int64_t* blocks = table + table_rows[b] * st;
+        for (int64_t i = 0; i * block_size < ctx[b]; ++i)
+            if (blocks[i] < 0 || blocks[i] >= num_blocks) return false;
+    }
+    return true;
+}
+
 // Attention of one new token per sequence over its paged context (the new token's k/v already in
 // the cache): sequence b's query row q_rows[b] attends to positions 0..ctx[b]-1, whose slots come
 // from block table row table_rows[b]. Query heads sharing a KV head (GQA) read its keys once.
@@ -263,13 +278,8 @@ int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc,
                      T* out, int64_t so) {
     // every index is checked before anything is read: a bad one is an error, never a stray read
     if (hkv < 1 || hq % hkv || d % 8) return -1;
-    for (int64_t b = 0; b < batch; ++b) {
-        if (q_rows[b] < 0 || q_rows[b] >= q_len || table_rows[b] < 0 || table_rows[b] >= table_len) return -1;
-        if (ctx[b] < 1 || ctx[b] > st * block_size) return -1;
-        const int64_t* blocks = table + table_rows[b] * st;
-        for (int64_t i = 0; i * block_size < ctx[b]; ++i)
-            if (blocks[i] < 0 || blocks[i] >= num_blocks) return -1;
-    }
+    if (!attention_rows_valid(q_rows, table, st, table_len, table_rows, ctx, batch, q_len, num_blocks, block_size))
+        return -1;
     const int64_t group = hq / hkv, nv = d / 8;
     const int64_t row = hkv * d;  // elements per cached token
     std::vector<v8f> qv(group * nv), acc(group * nv), tok(nv);
@@ -535,6 +545,50 @@ void amx_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
     }
     _tile_release();
 }
+
+// The pointers of one layer in a decoder stack's table (int64 each), in this order.
+enum LayerPtr { LP_IN_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_POST_NORM, LP_GATE_UP, LP_DOWN, LP_K_CACHE, LP_V_CACHE, LP_COUNT };
+
+// Every layer of a Qwen2-style decoder over the rows of one step whose tokens all attend row by
+// row over the paged cache: the calls the Python layer makes, in its order and with its rounding
+// points, in one call (bit for bit the same outputs). x [rows, hidden] is the residual stream,
+// updated in place; out [rows, hidden] gets the final norm of it. -1 for an index out of range.
+int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                  int64_t inter, float eps, float scale, bf16* x, int64_t rows, const bf16* final_norm, bf16* out,
+                  const bf16* cos, const bf16* sin, const int64_t* slots, int64_t num_blocks, int64_t block_size,
+                  const int64_t* q_rows, const int64_t* table, int64_t st, int64_t table_len,
+                  const int64_t* table_rows, const int64_t* ctx, int64_t batch) {
+    const int64_t qkvw = (hq + 2 * hkv) * d, qw = hq * d;
+    // every index checked before any layer runs: a bad step changes nothing, in no layer
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] < 0 || slots[r] >= num_blocks * block_size) return -1;
+    if (!attention_rows_valid(q_rows, table, st, table_len, table_rows, ctx, batch, rows, num_blocks, block_size))
+        return -1;
+    std::vector<bf16> h(rows * hidden), qkv(rows * qkvw), attn(rows * qw), gu(rows * 2 * inter), act(rows * inter),
+        delta(rows * hidden);
+    const auto at = [](int64_t v) { return reinterpret_cast<bf16*>(static_cast<intptr_t>(v)); };
+    for (int64_t l = 0; l < layers; ++l) {
+        const int64_t* p = ptrs + l * LP_COUNT;
+        bf16 *kc = at(p[LP_K_CACHE]), *vc = at(p[LP_V_CACHE]);
+        add_rms_norm(x, hidden, l ? delta.data() : nullptr, hidden, at(p[LP_IN_NORM]), h.data(), hidden, rows, hidden,
+                     eps);
+        amx_linear(h.data(), hidden, rows, hidden, at(p[LP_QKV]), qkvw, at(p[LP_QKV_BIAS]), qkv.data(), qkvw);
+        rope_rows<true>(qkv.data(), qkvw, hq + hkv, d, cos, sin, d, rows);
+        if (write_kv(qkv.data() + qw, qkvw, qkv.data() + qw + hkv * d, qkvw, hkv * d, kc, vc, slots, rows,
+                     num_blocks * block_size))
+            return -1;
+        if (decode_attention(qkv.data(), qkvw, q_rows, kc, vc, num_blocks, table, st, table_len, table_rows, ctx,
+                             batch, rows, hq, hkv, d, block_size, scale, attn.data(), qw))
+            return -1;
+        amx_linear(attn.data(), qw, rows, qw, at(p[LP_O]), hidden, nullptr, delta.data(), hidden);
+        add_rms_norm(x, hidden, delta.data(), hidden, at(p[LP_POST_NORM]), h.data(), hidden, rows, hidden, eps);
+        amx_linear(h.data(), hidden, rows, hidden, at(p[LP_GATE_UP]), 2 * inter, nullptr, gu.data(), 2 * inter);
+        silu_mul(gu.data(), 2 * inter, act.data(), inter, rows, inter);
+        amx_linear(act.data(), inter, rows, inter, at(p[LP_DOWN]), hidden, nullptr, delta.data(), hidden);
+    }
+    add_rms_norm(x, hidden, layers ? delta.data() : nullptr, hidden, final_norm, out, hidden, rows, hidden, eps);
+    return 0;
+}
 #endif
 
 }  // namespace
@@ -544,7 +598,7 @@ extern "C" {
 
 // dtype: 0 float32, 1 bfloat16. Every pointer is to the first element of a tensor (or view).
 
-int epd_kernels_abi() { return 6; }
+int epd_kernels_abi() { return 7; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
                       int64_t so, int64_t rows, int64_t n, float eps) {
@@ -638,6 +692,27 @@ int epd_amx_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so;
+    return -1;
+#endif
+}
+
+// All layers of a decoder stack in one call (``decoder_stack``; bfloat16 on AMX): ``ptrs`` holds
+// LP_COUNT pointers per layer. -1 without AMX, for sizes refused, or an index out of range.
+int epd_decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                      int64_t inter, float eps, float scale, uint16_t* x, int64_t rows, const uint16_t* final_norm,
+                      uint16_t* out, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
+                      int64_t num_blocks, int64_t block_size, const int64_t* q_rows, const int64_t* table, int64_t st,
+                      int64_t table_len, const int64_t* table_rows, const int64_t* ctx, int64_t batch) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (!amx_permitted() || layers < 0 || rows < 1 || hidden < 1 || inter < 1 || hkv < 1 || hq % hkv || d % 8 ||
+        d % 2 || batch != rows)
+        return -1;
+    return decoder_stack(ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x, rows, final_norm, out, cos, sin,
+                         slots, num_blocks, block_size, q_rows, table, st, table_len, table_rows, ctx, batch);
+#else
+    (void)ptrs, (void)layers, (void)hidden, (void)hq, (void)hkv, (void)d, (void)inter, (void)eps, (void)scale;
+    (void)x, (void)rows, (void)final_norm, (void)out, (void)cos, (void)sin, (void)slots, (void)num_blocks;
+    (void)block_size, (void)q_rows, (void)table, (void)st, (void)table_len, (void)table_rows, (void)ctx, (void)batch;
     return -1;
 #endif
 }

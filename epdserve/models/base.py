@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from epdserve.kernels.fused import RowWise
+
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 
 
@@ -27,6 +29,10 @@ class DeepStack(NamedTuple):
 
 
 class AttentionBackend(Protocol):
+    # set when every new token of the step attends row by row over the paged cache: a fused
+    # decoder stack (kernels.fused) may then run all layers in one call instead
+    row_wise: RowWise | None
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [N, Hq, D], k/v: [N, Hkv, D] for the N new tokens of this step (all sequences
         concatenated, in scheduling order, positional rotation already applied).

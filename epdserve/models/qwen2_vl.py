@@ -16,14 +16,17 @@ takes the set of parts to build).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdserve.kernels.fused import FusedDecoder, LayerWeights, StackShape
 from epdserve.kernels.ops import LayerOps, TorchOps, rms_norm
 from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import ALL_PARTS, ConfigError, ModelConfig, TextConfig, VisionConfig
+from epdserve.models.cpu_linear import AmxLinear
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
 
 GridLike = torch.Tensor | Sequence[Sequence[int]]
@@ -411,6 +414,7 @@ class Qwen2LanguageModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config)
         self.ops: LayerOps = TorchOps()  # the engine may swap in the fused CPU kernels (kernels.ops)
+        self.fused: FusedDecoder | None = None  # and the whole stack in one call, for row-wise steps
         # tied: logits use the embedding matrix, so there is no separate parameter to load
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -430,6 +434,8 @@ class Qwen2LanguageModel(nn.Module):
         if positions.shape != (3, inputs_embeds.shape[0]):
             raise ValueError(f"positions must be [3, {inputs_embeds.shape[0]}], got {list(positions.shape)}")
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        if self.fused is not None and deepstack is None and attention.row_wise is not None:
+            return self.fused(inputs_embeds.clone(), cos, sin, attention.row_wise)
         ops = self.ops
         x = inputs_embeds.clone()  # the residual stream, updated in place
         delta: torch.Tensor | None = None
@@ -440,6 +446,35 @@ class Qwen2LanguageModel(nn.Module):
                 delta = None
                 x[deepstack.rows] += deepstack.features[i].to(x.dtype)
         return ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
+
+    def stack_shape(self) -> StackShape:
+        c = self.config
+        return StackShape(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
+        )
+
+    def fused_layers(self) -> list[LayerWeights] | None:
+        """The layers' tensors for a ``FusedDecoder``; None when a layer is not the plain
+        Qwen2 shape it runs (per-head q/k norms, an activation other than SiLU, biases past q/k/v)
+        or its matmuls are not packed for AMX."""
+        out: list[LayerWeights] = []
+        for module in self.layers:
+            layer = cast(DecoderLayer, module)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            if not (
+                isinstance(qkv, AmxLinear)
+                and isinstance(o, AmxLinear)
+                and isinstance(gate_up, AmxLinear)
+                and isinstance(down, AmxLinear)
+            ):
+                return None
+            if attn.q_norm is not None or mlp.act is not F.silu or any(m.bias is not None for m in (o, gate_up, down)):
+                return None
+            bias = qkv.bias.detach() if qkv.bias is not None else None
+            norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
+            out.append(LayerWeights(norms[0], qkv.weight, bias, o.weight, norms[1], gate_up.weight, down.weight))
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""

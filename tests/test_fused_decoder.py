@@ -1,0 +1,100 @@
+"""The fused decoder stack (kernels.fused): all layers of a row-wise step in one call of the
+compiled kernels, bit for bit the layer-by-layer path's outputs (bfloat16 on AMX only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core import EngineCore
+from epdserve.engine.inputs import InputBuilder
+from epdserve.hf_reference import HFReference
+from epdserve.kernels.amx import load_amx
+from epdserve.kernels.fused import FusedDecoder, RowWise
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.models.config import ModelConfig
+from tests.engine_utils import cases, drain
+from tests.test_engine_oracle import engine_request
+
+pytestmark = pytest.mark.skipif(load_amx() is None, reason="the fused stack runs on AMX only")
+
+
+def bf16_engine(model_dir: Path, **kw) -> EngineCore:
+    cfg = EngineConfig(dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=256, **kw)
+    return EngineCore.from_pretrained(model_dir, cfg)
+
+
+def test_the_fused_stack_equals_the_layer_by_layer_path_bit_for_bit(model_dir: Path) -> None:
+    eng = bf16_engine(model_dir)
+    lm = eng.runner.model.language_model
+    fused = lm.fused
+    assert isinstance(fused, FusedDecoder)
+    forward = lm.forward
+    compared: list[bool] = []
+
+    def both(embeds, positions, attention, deepstack=None):
+        if attention.row_wise is None:
+            return forward(embeds, positions, attention, deepstack)
+        lm.fused = None  # the layer-by-layer path first (it writes the same k/v the fused one will)
+        expected = forward(embeds, positions, attention, deepstack)
+        lm.fused = fused
+        got = forward(embeds, positions, attention, deepstack)
+        compared.append(torch.equal(got, expected))
+        return got
+
+    lm.forward = both
+    ref = HFReference(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+    builder = InputBuilder(ref.tok, cfg)
+    eos = frozenset(ref.model.generation_config.eos_token_id)
+    for req in [engine_request(n, builder, proc, m, i, v, eos) for n, m, i, v in cases()]:
+        eng.add_request(req)  # all at once: decode rows of some with prompt chunks of others
+    out = drain(eng)
+    assert all(len(toks) > 0 for toks in out.values())
+    assert len(compared) > 10 and all(compared), compared
+
+
+def test_greedy_tokens_are_the_same_with_and_without_the_fused_stack(model_dir: Path) -> None:
+    ref = HFReference(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+    builder = InputBuilder(ref.tok, cfg)
+    eos = frozenset(ref.model.generation_config.eos_token_id)
+    outs = []
+    for fused in (True, False):
+        eng = bf16_engine(model_dir)
+        if not fused:
+            eng.runner.model.language_model.fused = None
+        for req in [engine_request(n, builder, proc, m, i, v, eos) for n, m, i, v in cases()]:
+            eng.add_request(req)
+        outs.append(drain(eng))
+    assert outs[0] == outs[1]
+
+
+def test_an_index_out_of_range_is_refused_before_the_cache_is_touched(model_dir: Path) -> None:
+    eng = bf16_engine(model_dir)
+    lm = eng.runner.model.language_model
+    fused = lm.fused
+    assert isinstance(fused, FusedDecoder)
+    kv = eng.runner.kv
+    before = [k.clone() for k in kv.k]
+    h, d = lm.config.hidden_size, lm.config.head_dim
+    x = torch.randn(2, h).to(torch.bfloat16)
+    cos, sin = torch.ones(2, d, dtype=torch.bfloat16), torch.zeros(2, d, dtype=torch.bfloat16)
+    slots = kv.k[0].shape[0] * kv.k[0].shape[1]
+    table = torch.zeros(1, 4, dtype=torch.int64)
+    one = torch.ones(2, dtype=torch.int64)
+    for bad in (
+        RowWise(torch.tensor([0, slots]), torch.arange(2), table, torch.zeros(2, dtype=torch.int64), one),  # slot
+        RowWise(torch.tensor([0, 1]), torch.arange(2), table, torch.tensor([0, 1]), one),  # table row
+        RowWise(torch.tensor([0, 1]), torch.arange(2), table, torch.zeros(2, dtype=torch.int64), one * 1000),  # ctx
+    ):
+        with pytest.raises(ValueError, match="out of range"):
+            fused(x.clone(), cos, sin, bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, kv.k, strict=True))  # in no layer
+    with pytest.raises(ValueError, match="int64"):
+        fused(x.clone(), cos, sin, RowWise(torch.tensor([0, 1], dtype=torch.int32), torch.arange(2), table, one, one))
