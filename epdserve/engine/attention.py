@@ -184,7 +184,13 @@ class PagedAttention:
             ]
         self.prefill_blocks = [table.table[s.row, : -(-s.ctx_len // bs)] for s in layout.prefills]
         self.row_wise = (
-            RowWise(layout.slot_mapping, layout.decode_rows, table.table, layout.decode_table_rows, layout.decode_ctx)
+            RowWise(
+                layout.slot_mapping.contiguous(),
+                layout.decode_rows.contiguous(),
+                table.table.contiguous(),
+                layout.decode_table_rows.contiguous(),
+                layout.decode_ctx.contiguous(),
+            )
             if kernels is not None and layout.decode_only
             else None
         )
