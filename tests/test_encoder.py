@@ -7,7 +7,10 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +22,7 @@ from PIL import Image
 
 from epdserve.api.media import MediaResolver
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
+from epdserve.encoder.server import EncoderConfig
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.media.decode import decode_image, decode_video
 from epdserve.media.hashing import media_uuid
@@ -270,3 +274,15 @@ def test_not_json_and_unknown_routes(encoder: Encoder) -> None:
     assert status == 400 and "JSON" in json.loads(body)["error"]["message"]
     status, body = http("GET", encoder.url + "/v1/chat/completions")
     assert status in (404, 405) and "error" in json.loads(body)
+
+
+def test_media_threads_default_to_the_cores_the_encoder_may_run_on() -> None:
+    # pinned to one core (as `up --pin-cores` pins an encoder), one thread: a burst's images are
+    # then preprocessed in turn instead of interleaved
+    code = "from epdserve.encoder.server import media_threads; print(media_threads(0), media_threads(3))"
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    done = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "3"]
+    with pytest.raises(ValueError, match="preprocess_threads"):
+        EncoderConfig(Path("unused"), preprocess_threads=-1)

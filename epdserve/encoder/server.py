@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -116,7 +117,7 @@ class EncoderConfig:
     encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
     max_items_per_request: int = 32  # media items one /v1/encode request may carry
     max_request_bytes: int = 64 << 20  # largest request body
-    preprocess_threads: int = 2  # threads hashing, decoding and preprocessing media
+    preprocess_threads: int = 0  # threads hashing, decoding and preprocessing media (0: one per core it may run on)
     kernels: KernelChoice = "auto"  # auto: the tower's rotary in the fused C++ kernels (CPU, float32/bfloat16); torch
     threads: int = 1  # torch intra-op threads for the vision forward (0: torch default); 1 suits small models
     device: str = "cpu"  # torch device of the vision tower
@@ -133,10 +134,10 @@ class EncoderConfig:
         torch_dtype(self.dtype)  # raises for an unknown name
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")
-        for name in ("max_items_per_request", "max_request_bytes", "preprocess_threads"):
+        for name in ("max_items_per_request", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("encoder_cache_bytes", "threads"):
+        for name in ("encoder_cache_bytes", "threads", "preprocess_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EncoderConfig.{name} must be >= 0, got {getattr(self, name)}")
         self.batcher  # noqa: B018 - validates the batching fields
@@ -169,6 +170,14 @@ class _Ready(NamedTuple):
     timings: ItemTimings
     stored: WireHeader | None = None  # its shared-store entry, when this encoder knows there is one
     second_per_grid: float | None = None  # a video's seconds per temporal patch (None: not a video)
+
+
+def media_threads(configured: int) -> int:
+    """Threads for media work: as configured, else one per core this process may run on. More
+    threads than cores only interleave a burst's images (each then finishes later than it would
+    in turn) and take the GIL from the vision forward between their C calls
+    (docs/benchmarks.md)."""
+    return configured or len(os.sched_getaffinity(0))
 
 
 def _remember(table: OrderedDict[str, T], uuid: str, value: T) -> None:
@@ -220,7 +229,7 @@ class EncoderService:
         self.feature_levels = model_config.feature_levels  # written into every EC header it produces
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model), load_resampler())
         self.audio = AudioProcessor(AudioProcessorConfig.from_pretrained(config.model)) if model_config.audio else None
-        self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
+        self.executor = ThreadPoolExecutor(media_threads(config.preprocess_threads), thread_name_prefix="epd-media")
         # one thread: puts are short copies, kept off the event loop and the forward thread
         self.put_executor = ThreadPoolExecutor(1, thread_name_prefix="epd-ec-put")
         self.producer = producer if producer is not None else make_producer(config.ec)
