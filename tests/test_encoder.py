@@ -28,6 +28,7 @@ from epdserve.media.decode import decode_image, decode_video
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
+from epdserve.media.workers import media_threads
 from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.shapes import ShapesWorld
 from epdserve.transfer.config import ECConfig
@@ -276,13 +277,21 @@ def test_not_json_and_unknown_routes(encoder: Encoder) -> None:
     assert status in (404, 405) and "error" in json.loads(body)
 
 
-def test_media_threads_default_to_the_cores_the_encoder_may_run_on() -> None:
-    # pinned to one core (as `up --pin-cores` pins an encoder), one thread: a burst's images are
-    # then preprocessed in turn instead of interleaved
-    code = "from epdserve.encoder.server import media_threads; print(media_threads(0), media_threads(3))"
+def test_media_threads_default_to_the_cores_free_for_them() -> None:
+    # pinned to one core (as `up --pin-cores` pins an encoder, and a PD worker's front end apart
+    # from its engine core), one thread: a burst's images are then preprocessed in turn
+    code = (
+        "from epdserve.media.workers import media_threads; "
+        "print(media_threads(0), media_threads(3), media_threads(0, engine_cores=[99]), media_threads(0, (), 1))"
+    )
     cpu = sorted(os.sched_getaffinity(0))[0]
     done = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["1", "3"]
+    assert done.stdout.split() == ["1", "3", "1", "1"]
+    # unpinned: every core, less the engine core's where it computes among them
+    mine = sorted(os.sched_getaffinity(0))
+    assert media_threads(0) == len(mine)
+    assert media_threads(0, engine_cores=mine[:1]) == max(1, len(mine) - 1)
+    assert media_threads(0, engine_threads=1) == max(1, len(mine) - 1)
     with pytest.raises(ValueError, match="preprocess_threads"):
         EncoderConfig(Path("unused"), preprocess_threads=-1)

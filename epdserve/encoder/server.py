@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +80,7 @@ from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
+from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.models.precision import DType, torch_dtype
@@ -170,14 +170,6 @@ class _Ready(NamedTuple):
     timings: ItemTimings
     stored: WireHeader | None = None  # its shared-store entry, when this encoder knows there is one
     second_per_grid: float | None = None  # a video's seconds per temporal patch (None: not a video)
-
-
-def media_threads(configured: int) -> int:
-    """Threads for media work: as configured, else one per core this process may run on. More
-    threads than cores only interleave a burst's images (each then finishes later than it would
-    in turn) and take the GIL from the vision forward between their C calls
-    (docs/benchmarks.md)."""
-    return configured or len(os.sched_getaffinity(0))
 
 
 def _remember(table: OrderedDict[str, T], uuid: str, value: T) -> None:

@@ -29,7 +29,7 @@ class ServerConfig:
     default_max_tokens: int = 256  # max_tokens when the request sets none
     max_request_bytes: int = 64 << 20  # largest request body
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
-    preprocess_threads: int = 2  # threads decoding and preprocessing media
+    preprocess_threads: int = 0  # threads decoding and preprocessing media (0: media.workers.media_threads)
     template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)
     otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
@@ -52,6 +52,8 @@ class ServerConfig:
             raise ValueError(f"a {self.role} instance needs a KV connector")
         if self.kv is not None and self.kv.handle_purpose != KV_HANDLE_PURPOSE:
             raise ValueError("the KV connector's config must sign with the KV key (transfer.kv.kv_config)")
+        if self.preprocess_threads < 0 or self.template_threads < 1:
+            raise ValueError("preprocess_threads must be >= 0 and template_threads >= 1")
 
     @property
     def model_name(self) -> str:

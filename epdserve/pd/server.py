@@ -71,6 +71,7 @@ from epdserve.api.registration import Registrar
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.api.tracing import Tracing, wall_ns
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
+from epdserve.engine.config import cpu_list
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.inputs import InputBuilder, PromptError
 from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, KVTransfer, StageTimes, WireTensor
@@ -79,6 +80,7 @@ from epdserve.launcher import ENGINE_CORE_DIED_EXIT
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
 from epdserve.media.fetch import media_session
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
 from epdserve.pd.completions import CompletionHandlers
 from epdserve.pd.config import ServerConfig
@@ -108,7 +110,9 @@ class ChatService:
             if self.model_config.audio is not None
             else None
         )
-        self.executor = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="epd-media")
+        engine = config.engine
+        threads = media_threads(config.preprocess_threads, cpu_list(engine.cpus), max(1, engine.threads))
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="epd-media")
         # prompts render and tokenize in their own pool: a long prompt never queues media work, nor
         # media work a prompt
         self.template_executor = ThreadPoolExecutor(config.template_threads, thread_name_prefix="epd-template")
