@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # a role's exit code when it had started and then lost its engine core: restart it, it was no failed start
@@ -104,6 +105,25 @@ def start_role(
     finally:
         if log:
             log.close()
+
+
+def process_tree(pids: list[int]) -> list[int]:
+    """The processes and all their descendants (from /proc), each once: a role and what it started."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    todo, seen = list(pids), []
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.append(pid)
+            todo += children.get(pid, [])
+    return seen
 
 
 def wait_healthy(

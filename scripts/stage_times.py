@@ -17,33 +17,18 @@ from pathlib import Path
 
 from epdserve.bench.loadgen import BenchConfig, run_bench
 from epdserve.bench.workload import WorkloadConfig
-from epdserve.launcher import free_port
+from epdserve.launcher import free_port, process_tree
 from epdserve.up import Deployment, Topology
 
 CLOCK_TICKS = 100  # /proc/<pid>/stat times are in these (USER_HZ)
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(p.name))
-    return out
-
-
 def cpu_seconds(d: Deployment) -> dict[str, float]:
     """CPU seconds so far of each role's process tree."""
-    children = _children()
     out = {}
     for role in d.roles:
-        todo, total = [role.proc.pid], 0.0
-        while todo:
-            pid = todo.pop()
-            todo += children.get(pid, [])
+        total = 0.0
+        for pid in process_tree([role.proc.pid]):
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS

@@ -28,7 +28,7 @@ from pathlib import Path
 from epdserve.assets import default_model_dir
 from epdserve.bench.loadgen import BenchConfig, run_bench
 from epdserve.bench.workload import WorkloadConfig
-from epdserve.launcher import free_port, is_healthy
+from epdserve.launcher import free_port, is_healthy, process_tree
 from epdserve.up import Deployment, Topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,21 +49,8 @@ def tree_memory_mb(pids: list[int]) -> tuple[float, float]:
     Summed RSS counts every shared page once per process mapping it (libraries, a shared-memory
     slab mapped by producer and consumer); summed PSS splits each shared page among its mappers,
     so it counts the tree's memory once."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p.name))
-    todo, seen, rss, pss = list(pids), set(), 0, 0
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo += children.get(pid, [])
+    rss, pss = 0, 0
+    for pid in process_tree(pids):
         try:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Rss:"):

@@ -26,7 +26,7 @@ import pytest
 
 from epdserve.assets import default_model_dir
 from epdserve.bench.workload import image_data_url
-from epdserve.launcher import ENGINE_CORE_DIED_EXIT, free_port, is_healthy
+from epdserve.launcher import ENGINE_CORE_DIED_EXIT, free_port, is_healthy, process_tree
 from epdserve.shapes import ShapesWorld
 from epdserve.supervisor import RestartPolicy, Role
 from epdserve.up import Deployment, StartupError, Topology
@@ -464,3 +464,22 @@ def test_engine_cpus_are_a_core_list() -> None:
     for bad in ("x", "3-1", "1-", "-1", "1;2"):
         with pytest.raises(ValueError, match="core list"):
             EngineConfig(cpus=bad)
+
+
+def test_process_tree_finds_a_role_and_what_it_started() -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        tree = process_tree([child.pid])
+        assert tree[0] == child.pid and grandchild in tree and os.getpid() not in tree
+        assert len(tree) == len(set(tree))
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
