@@ -117,13 +117,13 @@ def process_tree(pids: list[int]) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(p.name))
-    todo, seen = list(pids), []
+    todo, seen = list(pids), dict[int, None]()  # insertion-ordered: the roots first
     while todo:
         pid = todo.pop()
         if pid not in seen:
-            seen.append(pid)
+            seen[pid] = None
             todo += children.get(pid, [])
-    return seen
+    return list(seen)
 
 
 def wait_healthy(

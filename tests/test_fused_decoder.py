@@ -89,12 +89,12 @@ def test_an_index_out_of_range_is_refused_before_the_cache_is_touched(model_dir:
     table = torch.zeros(1, 4, dtype=torch.int64)
     one = torch.ones(2, dtype=torch.int64)
     for bad in (
-        RowWise(torch.tensor([0, slots]), torch.arange(2), table, torch.zeros(2, dtype=torch.int64), one),  # slot
-        RowWise(torch.tensor([0, 1]), torch.arange(2), table, torch.tensor([0, 1]), one),  # table row
-        RowWise(torch.tensor([0, 1]), torch.arange(2), table, torch.zeros(2, dtype=torch.int64), one * 1000),  # ctx
+        RowWise(torch.tensor([0, slots]), table, torch.zeros(2, dtype=torch.int64), one),  # slot
+        RowWise(torch.tensor([0, 1]), table, torch.tensor([0, 1]), one),  # table row
+        RowWise(torch.tensor([0, 1]), table, torch.zeros(2, dtype=torch.int64), one * 1000),  # ctx
     ):
         with pytest.raises(ValueError, match="out of range"):
             fused(x.clone(), cos, sin, bad)
     assert all(torch.equal(a, b) for a, b in zip(before, kv.k, strict=True))  # in no layer
     with pytest.raises(ValueError, match="int64"):
-        fused(x.clone(), cos, sin, RowWise(torch.tensor([0, 1], dtype=torch.int32), torch.arange(2), table, one, one))
+        fused(x.clone(), cos, sin, RowWise(torch.tensor([0, 1], dtype=torch.int32), table, one, one))

@@ -184,9 +184,8 @@ class PagedAttention:
             ]
         self.prefill_blocks = [table.table[s.row, : -(-s.ctx_len // bs)] for s in layout.prefills]
         self.row_wise = (
-            RowWise(
+            RowWise(  # every token is a decode row, in order (decode_rows is 0..N-1)
                 layout.slot_mapping.contiguous(),
-                layout.decode_rows.contiguous(),
                 table.table.contiguous(),
                 layout.decode_table_rows.contiguous(),
                 layout.decode_ctx.contiguous(),

@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI = 7  # epd_kernels_abi() of the source this module's ctypes signatures describe
+ABI = 8  # epd_kernels_abi() of the source this module's ctypes signatures describe
 FLAGS = (
     "-O3",
     "-march=native",
@@ -132,7 +132,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
         "epd_resize_bicubic_u8": [p, i64, i64, i64, p, i64, i64, c_int],
-        "epd_decoder_stack": [p, *[i64] * 6, f32, f32, p, i64, p, p, p, p, p, i64, i64, p, p, i64, i64, p, p, i64],
+        "epd_decoder_stack": [p, *[i64] * 6, f32, f32, p, i64, p, p, p, p, p, i64, i64, p, i64, i64, p, p],
     }
     checked = {  # return 0, or -1 for an index out of range or sizes refused (the AMX ones: 1/0, 0/-1)
         "epd_write_kv",

@@ -127,16 +127,29 @@ void rope_rows(T* __restrict x, int64_t sx, int64_t heads, int64_t d, const A* _
     }
 }
 
-// k and v rows [rows, width] (row strides sk, sv) copied to cache slots (cache [slots, width])
-template <typename T>
-int write_kv(const T* k, int64_t sk, const T* v, int64_t sv, int64_t width, T* kc, T* vc, const int64_t* slots,
-             int64_t rows, int64_t num_slots) {
+bool slots_valid(const int64_t* slots, int64_t rows, int64_t num_slots) {
     for (int64_t r = 0; r < rows; ++r)
-        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+        if (slots[r] < 0 || slots[r] >= num_slots) return false;
+    return true;
+}
+
+// k and v rows [rows, width] (row strides sk, sv) copied to cache slots (cache [slots, width]);
+// the slots must be valid (slots_valid)
+template <typename T>
+void copy_kv(const T* k, int64_t sk, const T* v, int64_t sv, int64_t width, T* kc, T* vc, const int64_t* slots,
+             int64_t rows) {
     for (int64_t r = 0; r < rows; ++r) {
         std::memcpy(kc + slots[r] * width, k + r * sk, width * sizeof(T));
         std::memcpy(vc + slots[r] * width, v + r * sv, width * sizeof(T));
     }
+}
+
+// copy_kv after every slot was checked: -1 (nothing written) for one out of range
+template <typename T>
+int write_kv(const T* k, int64_t sk, const T* v, int64_t sv, int64_t width, T* kc, T* vc, const int64_t* slots,
+             int64_t rows, int64_t num_slots) {
+    if (!slots_valid(slots, rows, num_slots)) return -1;
+    copy_kv(k, sk, v, sv, width, kc, vc, slots, rows);
     return 0;
 }
 
@@ -270,16 +283,12 @@ bool attention_rows_valid(const int64_t* q_rows, const int64_t* table, int64_t s
 // Attention of one new token per sequence over its paged context (the new token's k/v already in
 // the cache): sequence b's query row q_rows[b] attends to positions 0..ctx[b]-1, whose slots come
 // from block table row table_rows[b]. Query heads sharing a KV head (GQA) read its keys once.
-// Scores, softmax and the weighted sum are float32; head_dim must be a multiple of 8.
+// Scores, softmax and the weighted sum are float32. The indices must be valid
+// (attention_rows_valid), hkv >= 1 must divide hq and head_dim be a multiple of 8.
 template <typename T>
-int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc, const T* vc, int64_t num_blocks,
-                     const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows, const int64_t* ctx,
-                     int64_t batch, int64_t q_len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale,
-                     T* out, int64_t so) {
-    // every index is checked before anything is read: a bad one is an error, never a stray read
-    if (hkv < 1 || hq % hkv || d % 8) return -1;
-    if (!attention_rows_valid(q_rows, table, st, table_len, table_rows, ctx, batch, q_len, num_blocks, block_size))
-        return -1;
+void attend_rows(const T* q, int64_t sq, const int64_t* q_rows, const T* kc, const T* vc, const int64_t* table,
+                 int64_t st, const int64_t* table_rows, const int64_t* ctx, int64_t batch, int64_t hq, int64_t hkv,
+                 int64_t d, int64_t block_size, float scale, T* out, int64_t so) {
     const int64_t group = hq / hkv, nv = d / 8;
     const int64_t row = hkv * d;  // elements per cached token
     std::vector<v8f> qv(group * nv), acc(group * nv), tok(nv);
@@ -301,6 +310,18 @@ int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc,
                 attend<0>(qrow, kb, vb, blocks, n, block_size, row, group, nv, scale, sc, qv.data(), acc.data(), tok.data(), orow);
         }
     }
+}
+
+// attend_rows after every index was checked: a bad one is an error, never a stray read
+template <typename T>
+int decode_attention(const T* q, int64_t sq, const int64_t* q_rows, const T* kc, const T* vc, int64_t num_blocks,
+                     const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows, const int64_t* ctx,
+                     int64_t batch, int64_t q_len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale,
+                     T* out, int64_t so) {
+    if (hkv < 1 || hq % hkv || d % 8) return -1;
+    if (!attention_rows_valid(q_rows, table, st, table_len, table_rows, ctx, batch, q_len, num_blocks, block_size))
+        return -1;
+    attend_rows(q, sq, q_rows, kc, vc, table, st, table_rows, ctx, batch, hq, hkv, d, block_size, scale, out, so);
     return 0;
 }
 
@@ -550,19 +571,20 @@ void amx_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 enum LayerPtr { LP_IN_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_POST_NORM, LP_GATE_UP, LP_DOWN, LP_K_CACHE, LP_V_CACHE, LP_COUNT };
 
 // Every layer of a Qwen2-style decoder over the rows of one step whose tokens all attend row by
-// row over the paged cache: the calls the Python layer makes, in its order and with its rounding
-// points, in one call (bit for bit the same outputs). x [rows, hidden] is the residual stream,
-// updated in place; out [rows, hidden] gets the final norm of it. -1 for an index out of range.
+// row over the paged cache (row r's query attends over ctx[r] positions of block-table row
+// table_rows[r]): the calls the Python layer makes, in its order and with its rounding points, in
+// one call (bit for bit the same outputs). x [rows, hidden] is the residual stream, updated in
+// place; out [rows, hidden] gets the final norm of it. -1 for an index out of range.
 int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
                   int64_t inter, float eps, float scale, bf16* x, int64_t rows, const bf16* final_norm, bf16* out,
                   const bf16* cos, const bf16* sin, const int64_t* slots, int64_t num_blocks, int64_t block_size,
-                  const int64_t* q_rows, const int64_t* table, int64_t st, int64_t table_len,
-                  const int64_t* table_rows, const int64_t* ctx, int64_t batch) {
+                  const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows, const int64_t* ctx) {
     const int64_t qkvw = (hq + 2 * hkv) * d, qw = hq * d;
-    // every index checked before any layer runs: a bad step changes nothing, in no layer
-    for (int64_t r = 0; r < rows; ++r)
-        if (slots[r] < 0 || slots[r] >= num_blocks * block_size) return -1;
-    if (!attention_rows_valid(q_rows, table, st, table_len, table_rows, ctx, batch, rows, num_blocks, block_size))
+    std::vector<int64_t> q_rows(rows);
+    for (int64_t r = 0; r < rows; ++r) q_rows[r] = r;
+    // every index checked once, before any layer runs: a bad step changes nothing, in no layer
+    if (!slots_valid(slots, rows, num_blocks * block_size) ||
+        !attention_rows_valid(q_rows.data(), table, st, table_len, table_rows, ctx, rows, rows, num_blocks, block_size))
         return -1;
     std::vector<bf16> h(rows * hidden), qkv(rows * qkvw), attn(rows * qw), gu(rows * 2 * inter), act(rows * inter),
         delta(rows * hidden);
@@ -574,12 +596,9 @@ int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t h
                      eps);
         amx_linear(h.data(), hidden, rows, hidden, at(p[LP_QKV]), qkvw, at(p[LP_QKV_BIAS]), qkv.data(), qkvw);
         rope_rows<true>(qkv.data(), qkvw, hq + hkv, d, cos, sin, d, rows);
-        if (write_kv(qkv.data() + qw, qkvw, qkv.data() + qw + hkv * d, qkvw, hkv * d, kc, vc, slots, rows,
-                     num_blocks * block_size))
-            return -1;
-        if (decode_attention(qkv.data(), qkvw, q_rows, kc, vc, num_blocks, table, st, table_len, table_rows, ctx,
-                             batch, rows, hq, hkv, d, block_size, scale, attn.data(), qw))
-            return -1;
+        copy_kv(qkv.data() + qw, qkvw, qkv.data() + qw + hkv * d, qkvw, hkv * d, kc, vc, slots, rows);
+        attend_rows(qkv.data(), qkvw, q_rows.data(), kc, vc, table, st, table_rows, ctx, rows, hq, hkv, d, block_size,
+                    scale, attn.data(), qw);
         amx_linear(attn.data(), qw, rows, qw, at(p[LP_O]), hidden, nullptr, delta.data(), hidden);
         add_rms_norm(x, hidden, delta.data(), hidden, at(p[LP_POST_NORM]), h.data(), hidden, rows, hidden, eps);
         amx_linear(h.data(), hidden, rows, hidden, at(p[LP_GATE_UP]), 2 * inter, nullptr, gu.data(), 2 * inter);
@@ -598,7 +617,7 @@ extern "C" {
 
 // dtype: 0 float32, 1 bfloat16. Every pointer is to the first element of a tensor (or view).
 
-int epd_kernels_abi() { return 7; }
+int epd_kernels_abi() { return 8; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
                       int64_t so, int64_t rows, int64_t n, float eps) {
@@ -701,18 +720,17 @@ int epd_amx_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
 int epd_decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
                       int64_t inter, float eps, float scale, uint16_t* x, int64_t rows, const uint16_t* final_norm,
                       uint16_t* out, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
-                      int64_t num_blocks, int64_t block_size, const int64_t* q_rows, const int64_t* table, int64_t st,
-                      int64_t table_len, const int64_t* table_rows, const int64_t* ctx, int64_t batch) {
+                      int64_t num_blocks, int64_t block_size, const int64_t* table, int64_t st, int64_t table_len,
+                      const int64_t* table_rows, const int64_t* ctx) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    if (!amx_permitted() || layers < 0 || rows < 1 || hidden < 1 || inter < 1 || hkv < 1 || hq % hkv || d % 8 ||
-        d % 2 || batch != rows)
+    if (!amx_permitted() || layers < 0 || rows < 1 || hidden < 1 || inter < 1 || hkv < 1 || hq % hkv || d % 8)
         return -1;
     return decoder_stack(ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x, rows, final_norm, out, cos, sin,
-                         slots, num_blocks, block_size, q_rows, table, st, table_len, table_rows, ctx, batch);
+                         slots, num_blocks, block_size, table, st, table_len, table_rows, ctx);
 #else
     (void)ptrs, (void)layers, (void)hidden, (void)hq, (void)hkv, (void)d, (void)inter, (void)eps, (void)scale;
     (void)x, (void)rows, (void)final_norm, (void)out, (void)cos, (void)sin, (void)slots, (void)num_blocks;
-    (void)block_size, (void)q_rows, (void)table, (void)st, (void)table_len, (void)table_rows, (void)ctx, (void)batch;
+    (void)block_size, (void)table, (void)st, (void)table_len, (void)table_rows, (void)ctx;
     return -1;
 #endif
 }

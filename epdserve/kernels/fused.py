@@ -47,11 +47,10 @@ class LayerWeights(NamedTuple):
 
 
 class RowWise(NamedTuple):
-    """A step whose every new token attends row by row: row r's query attends positions
-    0..ctx[r]-1 of block-table row ``table_rows[r]``, after its k/v went to ``slots[r]``."""
+    """A step whose every new token attends row by row: the query of the step's row r attends
+    positions 0..ctx[r]-1 of block-table row ``table_rows[r]``, after its k/v went to ``slots[r]``."""
 
     slots: torch.Tensor  # int64 [N]
-    q_rows: torch.Tensor  # int64 [N]: 0..N-1
     table: torch.Tensor  # int64 [rows, max_blocks]
     table_rows: torch.Tensor  # int64 [N]
     ctx: torch.Tensor  # int64 [N]
@@ -97,7 +96,7 @@ class FusedDecoder:
         _check(final_norm, h, "final norm")
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(len(layers), POINTERS_PER_LAYER)
         # the tensors whose addresses the table holds stay alive as long as it does
-        self._held = (list(layers), final_norm, list(k_cache), list(v_cache))
+        self._held = (list(layers), list(k_cache), list(v_cache))
         self.final_norm = final_norm
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: RowWise) -> torch.Tensor:
@@ -110,7 +109,6 @@ class FusedDecoder:
         _check(sin, n * s.head_dim, "sin")
         for name, t in (
             ("slots", step.slots),
-            ("q_rows", step.q_rows),
             ("table_rows", step.table_rows),
             ("ctx", step.ctx),
         ):
@@ -139,13 +137,11 @@ class FusedDecoder:
             step.slots.data_ptr(),
             self.blocks,
             self.block_size,
-            step.q_rows.data_ptr(),
             table.data_ptr(),
             table.shape[1],
             table.shape[0],
             step.table_rows.data_ptr(),
             step.ctx.data_ptr(),
-            n,
         )
         if status:
             raise ValueError("a KV slot, block-table row, context length or block id is out of range")

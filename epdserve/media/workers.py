@@ -15,7 +15,7 @@ from collections.abc import Collection
 def media_threads(configured: int, engine_cores: Collection[int] = (), engine_threads: int = 0) -> int:
     """``configured`` when set (> 0); else the free cores of this process (at least one).
 
-    ``engine_cores``: where a worker's engine core is pinned ("" unpinned: it may run anywhere);
+    ``engine_cores``: where a worker's engine core is pinned (empty: unpinned, it may run anywhere);
     ``engine_threads``: its compute threads (0: no engine beside this process, as an encoder)."""
     if configured:
         return configured
