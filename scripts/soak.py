@@ -2,10 +2,12 @@
 
 Starts ``epdserve up`` (any topology), keeps ``--concurrency`` requests in flight for ``--minutes``
 with a mixed workload (text, fresh images, repeated images, streaming and not), samples the
-resident memory of every role every ``--sample-s`` seconds, and reports per-status counts and the
-memory of each role at the start of the measured window, at its end and at its peak. Exits 1 when
-any request failed or a role's memory grew by more than ``--max-growth-mb`` over the window beyond
-what its bounded embedding cache took (fresh images fill an encoder's cache by design).
+resident memory of every role and the bytes in ``/dev/shm`` every ``--sample-s`` seconds, and
+reports per-status counts, each role's memory at the start of the measured window, at its end and
+at its peak, and its slope (a least-squares line through every sample of the window, in MB per
+hour, beyond what its bounded embedding cache took: fresh images fill an encoder's cache by
+design). Exits 1 when any request failed, or a role's memory (or ``/dev/shm``) grew by more than
+``--max-growth-mb`` over the window beyond its cache.
 
     python scripts/soak.py --topology 1e+1pd --minutes 10 --concurrency 8 --out docs/results/soak.json
 
@@ -52,6 +54,8 @@ def role_pids(up_pid: int) -> dict[str, int]:
             continue
         words = [w.decode() for w in cmd if w]
         role = next((w for w in words if w in ("encoder", "serve", "router")), "?")
+        if role == "serve" and "--role" in words:
+            role = words[words.index("--role") + 1]
         port = words[words.index("--port") + 1] if "--port" in words else "?"
         out[f"{role}:{port}"] = int(p.name)
     return out
@@ -81,8 +85,34 @@ def cache_mb(role: str) -> float:
     return float(m.group(1)) / 2**20 if m else float("nan")
 
 
+def shm_mb() -> float:
+    """Bytes held by files in /dev/shm (every deployment's slabs on this machine)."""
+    total = 0
+    for f in Path("/dev/shm").iterdir():
+        try:
+            total += f.stat().st_blocks * 512
+        except OSError:
+            continue
+    return total / 2**20
+
+
 def sample(t_s: float, pids: dict[str, int]) -> dict:
-    return {"t_s": round(t_s, 1), **{k: rss_mb(p) for k, p in pids.items()}, "cache": {k: cache_mb(k) for k in pids}}
+    return {
+        "t_s": round(t_s, 1),
+        **{k: rss_mb(p) for k, p in pids.items()},
+        "cache": {k: cache_mb(k) for k in pids},
+        "shm": shm_mb(),
+    }
+
+
+def slope_per_hour(ts: list[float], ys: list[float]) -> float:
+    """The least-squares slope of ys over ts (seconds), per hour."""
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    return 0.0 if var == 0 else 3600 * sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var
 
 
 def request_body(rng: random.Random, model: str, pool: list[str], world: ShapesWorld) -> dict:
@@ -195,6 +225,13 @@ def main() -> int:
     cache_growth = {k: round(last["cache"][k] - first["cache"][k], 1) for k in pids}
     other_growth = {k: round(growth[k] - cache_growth[k], 1) for k in pids}
     peak = {k: round(max(s[k] for s in result["samples"]), 1) for k in pids}
+    ts = [s["t_s"] for s in result["samples"]]
+
+    def beyond_cache(k: str) -> list[float]:
+        return [s[k] - (s["cache"][k] if s["cache"][k] == s["cache"][k] else 0.0) for s in result["samples"]]
+
+    slopes = {k: round(slope_per_hour(ts, beyond_cache(k)), 1) for k in pids}
+    shm_growth = round(last["shm"] - first["shm"], 1)
     failed = {k: v for k, v in result["statuses"].items() if k != "200"}
     total = sum(result["statuses"].values())
     summary = {
@@ -210,11 +247,15 @@ def main() -> int:
         "rss_growth_mb": growth,
         "encoder_cache_growth_mb": cache_growth,
         "rss_growth_beyond_cache_mb": other_growth,
+        "rss_slope_beyond_cache_mb_per_h": slopes,
+        "shm_start_mb": round(first["shm"], 1),
+        "shm_end_mb": round(last["shm"], 1),
+        "shm_slope_mb_per_h": round(slope_per_hour(ts, [s["shm"] for s in result["samples"]]), 1),
     }
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1) + "\n")
-    ok = not failed and all(g <= args.max_growth_mb for g in other_growth.values())
+    ok = not failed and all(g <= args.max_growth_mb for g in [*other_growth.values(), shm_growth])
     return 0 if ok else 1
 
 
