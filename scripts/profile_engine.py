@@ -3,7 +3,7 @@ this process, detokenized as a server would, under cProfile. Works on this tree 
 before the engine core split (``git worktree add /tmp/before c8f9cc6`` and run it from there), so
 the two profiles compare the same work.
 
-    python scripts/profile_engine.py --requests 16 --output-len 256 --out docs/results/profile-after.txt
+    python scripts/profile_engine.py --requests 16 --output-len 256 --out bench-results/profile-engine.txt
 """
 
 from __future__ import annotations

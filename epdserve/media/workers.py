@@ -3,7 +3,7 @@
 One per core the role's process may run on, less the cores its engine core computes on when they
 are among them: more threads than free cores only interleave a burst's images — each then
 finishes later than it would in turn — and take the GIL from the event loop and the model
-between their C calls (docs/benchmarks.md, issue 14's seventh session).
+between their C calls (docs/benchmarks.md, "Kernels and step times").
 """
 
 from __future__ import annotations
