@@ -168,7 +168,7 @@ def _decode(data: bytes, fmt: str, limits: MediaLimits, budget: DecodeBudget) ->
                 left -= block.shape[0]
             samples = np.concatenate(blocks) if blocks else np.zeros((0, channels), dtype=np.float32)
     except sf.LibsndfileError as e:
-        raise InvalidMedia(f"The audio could not be decoded as {fmt}: {e.error_string}.") from None
+        raise InvalidMedia(f"The audio could not be decoded as {fmt}: {e.error_string.rstrip('.')}.") from None
     except (RuntimeError, ValueError, TypeError) as e:  # soundfile's other failures on malformed input
         raise InvalidMedia(f"The audio could not be decoded as {fmt}: {e}.") from None
     _check_duration(samples.shape[0], rate, limits)
