@@ -173,7 +173,13 @@ class FrontendDecoder:
         self._count("pixels" if handle is not None else "unsized")
 
     def _decode(
-        self, model: str, modality: str, url: str, data: bytes | None, queued_at: float, cancelled: threading.Event
+        self,
+        model: str,
+        modality: str,
+        url: str,
+        data: bytes | None,
+        queued_at: float,
+        cancelled: threading.Event | None = None,
     ) -> Handle | None:
         """One item (runs on a decode thread): its pixel handle, or None when its frames would be
         resized again by the encoder (extreme aspect ratios; an exact answer needs the URL)."""
