@@ -5,6 +5,7 @@ failures on client bytes that are always a typed media error."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import threading
 import time
@@ -230,3 +231,16 @@ def test_each_corpus_file_is_accepted_or_refused_as_expected_within_its_budget(n
             with pytest.raises(expected):
                 decoders[modality]()
         assert time.perf_counter() - t0 < LIMITS.decode_timeout_s + 5, (name, modality)
+
+
+def test_the_routers_size_hint_reads_only_accepted_headers() -> None:
+    from epdserve.router.dispatch import _data_url_image_size
+
+    def url(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    assert _data_url_image_size(url(still("PNG", (40, 30)))) == (40, 30)
+    assert _data_url_image_size(url(still("GIF", (40, 30)))) == (40, 30)
+    for name in ("dds_32x32.dds", "sgi_32x32.sgi", "tiff_32x32.tiff"):  # never parsed
+        assert _data_url_image_size(url((CORPUS / name).read_bytes())) is None, name
+    assert _data_url_image_size(url((CORPUS / "gif_truncated_struct_error.gif").read_bytes())) == (32, 24)
