@@ -92,8 +92,8 @@ class Video(NamedTuple):
 def decode_video(data: bytes, limits: MediaLimits, budget: DecodeBudget | None = None) -> Video:
     """Decode a video and sample ``limits.video_frames`` frames evenly (all when it has fewer).
 
-    Animated GIF/WebP/PNG (and still images, as 1-frame videos) go through Pillow; MP4, WebM and
-    other containers through PyAV.
+    Animated GIF/WebP/PNG (and still images, as 1-frame videos) go through Pillow; MP4 and WebM
+    through PyAV, each with its one demuxer.
     """
     return _video(data, limits, keep=True, budget=budget)
 
