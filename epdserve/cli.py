@@ -149,6 +149,12 @@ MEDIA_FLAGS = (
     Flag("allow_private_addresses", "--allow-private-media"),
     Flag("fetch_timeout_s", "--media-fetch-timeout"),
     "max_audio_seconds",
+    Flag("decode_timeout_s", "--media-decode-timeout"),
+    "max_decode_pixels",
+    "max_video_seconds",
+    "image_formats",
+    "video_formats",
+    "audio_formats",
 )
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
 # flags, which roles get them)

@@ -124,9 +124,9 @@ class Timeout(ApiError):
 def from_media_error(e: MediaError) -> ApiError:
     """The HTTP answer to a media error (the edge is the only place media errors meet statuses)."""
     if isinstance(e, MediaTooLarge):
-        return PayloadTooLarge(e.message)
+        return PayloadTooLarge(e.message, code=e.code)
     if isinstance(e, MediaTimeout):
-        return Timeout(e.message)
+        return Timeout(e.message, code=e.code)
     if isinstance(e, InvalidMedia):
-        return BadRequest(e.message)
-    return BadRequest(e.message)
+        return BadRequest(e.message, code=e.code)
+    return BadRequest(e.message, code=e.code)

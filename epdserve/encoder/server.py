@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,7 @@ from epdserve.kernels import KernelChoice
 from epdserve.kernels.ops import select_ops
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
+from epdserve.media.budget import run_decode
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
@@ -515,21 +517,26 @@ class EncoderService:
             _remember(self._timings, uuid, second)
         return second
 
-    def _preprocess(self, item: EncodeItem, data: bytes | None) -> VisionInput | MediaInput:
-        """Decode a URL's bytes, or read a pixel handle's frames (decoded and resized by the
+    def _preprocess(
+        self, item: EncodeItem, data: bytes | None, cancelled: threading.Event | None = None
+    ) -> VisionInput | MediaInput:
+        """Decode a URL's bytes (under the item's decode budget; ``cancelled`` is set when the
+        request is abandoned), or read a pixel handle's frames (decoded and resized by the
         router), then normalize and patchify (CPU work, runs in the executor)."""
         if data is not None:
             assert self.resolver is not None
-            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""))
+            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""), cancelled)
         assert self.pixels is not None  # _pixel_uuid checked
         frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
         return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)
 
-    def _timed_preprocess(self, item: EncodeItem, data: bytes | None) -> tuple[VisionInput | MediaInput, float]:
+    def _timed_preprocess(
+        self, item: EncodeItem, data: bytes | None, cancelled: threading.Event
+    ) -> tuple[VisionInput | MediaInput, float]:
         """``_preprocess`` and the CPU time it took this thread: its cost, not counting waits for
         the pool or for a core shared with other threads."""
         t = time.thread_time()
-        media = self._preprocess(item, data)
+        media = self._preprocess(item, data, cancelled)
         return media, time.thread_time() - t
 
     async def _compute(
@@ -537,9 +544,8 @@ class EncoderService:
     ) -> _Ready:
         """Preprocess and encode one item here (the batcher joins it with concurrent ones);
         ``second``: a pixel handle's video timing (a URL's comes with its preprocessing)."""
-        loop = asyncio.get_running_loop()
         try:
-            media, cpu_s = await loop.run_in_executor(self.executor, self._timed_preprocess, item, data)
+            media, cpu_s = await run_decode(self.executor, partial(self._timed_preprocess, item, data))
         except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
             raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses

@@ -94,7 +94,7 @@ from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.split import SplitChat
 from epdserve.router.trail import ROUTER_STAGES, Trail
-from epdserve.router.upstream import RetryableWorker, error_code, error_response, passthrough_error
+from epdserve.router.upstream import RetryableWorker, about_media, error_code, error_response, passthrough_error
 from epdserve.transfer.cached import cached_handle
 from epdserve.transfer.config import HANDLE_PURPOSE
 
@@ -170,6 +170,7 @@ class _Outcome(Enum):
     OK = "ok"
     FAILED = "failed"  # the encoder is broken: mark it and retry elsewhere
     BUSY = "busy"  # the encoder is saturated (429): retry elsewhere, keep it healthy
+    ERROR = "error"  # the encoder answered with a server error: retry elsewhere; its health probe judges it
 
 
 class Router:
@@ -747,7 +748,7 @@ class Router:
         """Items grouped per encoder, one call per group, failed groups retried elsewhere."""
         pending = list(refs)
         tried: set[str] = set()
-        busy = False
+        busy = errors = False
         while pending:
             try:
                 groups: dict[str, tuple[Worker, list[MediaRef]]] = {}
@@ -760,6 +761,8 @@ class Router:
                     raise Overloaded(
                         "Every encoder is busy; retry shortly.", retry_after_s=self.config.retry_after_s
                     ) from None
+                if errors:
+                    raise WorkerFailed("The encoders failed on this request.") from None
                 raise Unavailable("No healthy encoder worker is available.") from None
             n = self.config.max_items_per_encode
             calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
@@ -769,6 +772,7 @@ class Router:
                 if outcome is not _Outcome.OK:
                     tried.add(w.url)
                     busy |= outcome is _Outcome.BUSY
+                    errors |= outcome is _Outcome.ERROR
                     self.metrics.inc("router_encoder_retries_total", help_text="encoder calls retried elsewhere")
                     pending += rs
 
@@ -801,11 +805,12 @@ class Router:
                         log.error("encoder %s refused the cluster credential", w.url)
                         self.encoders.mark_failed(w)
                         return _Outcome.FAILED
-                    if 400 <= resp.status < 500:  # the media itself is bad: the client's error
+                    if 400 <= resp.status < 500 or about_media(raw):  # the media itself is bad: the client's error
                         raise passthrough_error(resp.status, raw)
                     if resp.status != 200:
-                        self.encoders.mark_failed(w)
-                        return _Outcome.FAILED
+                        # it answered, so it is up: one request's failure does not mark it unhealthy
+                        log.warning("encoder %s answered HTTP %d", w.url, resp.status)
+                        return _Outcome.ERROR
                     out = decode_response(raw)
         except TimeoutError:
             raise Timeout("An encoder did not answer in time.") from None
@@ -1024,6 +1029,12 @@ class Router:
                             raise RetryableWorker(pd.url, "embeddings unavailable", worker_ok=True)
                         return error_response(upstream, raw), False
                     if upstream.status >= 500:
+                        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                            raw = b""
+                            raw = await upstream.read()
+                        if about_media(raw):  # the request's own media failed there: the client's error
+                            first_byte()
+                            return trail.stamp(error_response(upstream, raw)), False
                         raise RetryableWorker(pd.url, f"HTTP {upstream.status}")
                     if upstream.status != 200 or not stream:
                         try:

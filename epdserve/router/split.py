@@ -45,7 +45,7 @@ from epdserve.api.timing import SERVER_TIMING
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.trail import Trail
-from epdserve.router.upstream import RetryableWorker, error_code, passthrough_error
+from epdserve.router.upstream import RetryableWorker, about_media, error_code, passthrough_error
 
 if TYPE_CHECKING:
     from epdserve.router.server import Router
@@ -256,7 +256,7 @@ class SplitChat:
             answer = await upstream.read()
         if error_code(answer) == EMBEDS_UNAVAILABLE:
             raise RetryableWorker(worker.url, "embeddings unavailable", worker_ok=True)
-        if upstream.status >= 500:
+        if upstream.status >= 500 and not about_media(answer):
             raise RetryableWorker(worker.url, f"HTTP {upstream.status}")
         raise passthrough_error(upstream.status, answer)
 
