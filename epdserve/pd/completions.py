@@ -12,7 +12,7 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.completions import Completion, CompletionChoice, CompletionRequest, decode_completion_request
-from epdserve.api.errors import ApiError, BadRequest, NotFound
+from epdserve.api.errors import ApiError, BadRequest, NotFound, context_too_long
 from epdserve.api.http import json_response, read_body
 from epdserve.api.logs import request_id
 from epdserve.api.protocol import (
@@ -26,6 +26,7 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.engine.messages import AddRequest
+from epdserve.pd.tokenizer import TooManyTokens
 
 if TYPE_CHECKING:
     from epdserve.pd.server import ChatService, Piece
@@ -41,18 +42,19 @@ class CompletionHandlers:
         if req.model and req.model != cfg.model_name:
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
+        limit = cfg.engine.max_model_len
         if isinstance(req.prompt, str):
             loop = asyncio.get_running_loop()
-            tok, text = self.s.tokenizer, req.prompt
-            ids = await loop.run_in_executor(
-                self.s.template_executor, lambda: list(tok.encode(text, add_special_tokens=False))
-            )
+            tok, text, budget = self.s.tokenizer, req.prompt, limit - params.max_tokens
+            try:
+                ids = await loop.run_in_executor(self.s.template_executor, lambda: tok.encode_within(text, budget))
+            except TooManyTokens as e:
+                raise context_too_long(limit, e.at_least, params.max_tokens) from None
         else:
             ids = list(req.prompt)
             vocab = self.s.model_config.text.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {vocab}).", param="prompt")
-        limit = cfg.engine.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise BadRequest(
                 f"This model's maximum context length is {limit} tokens, but {len(ids) + params.max_tokens} were "

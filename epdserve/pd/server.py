@@ -29,7 +29,7 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.auth import is_internal
-from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable, context_too_long
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.load import CostRate, LoadReport, worker_ratio
@@ -88,7 +88,7 @@ from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.pd.launch import launch_core
 from epdserve.pd.logprobs import TokenTexts
 from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer
+from epdserve.pd.tokenizer import FastTokenizer, TooManyTokens
 
 log = logging.getLogger(__name__)
 
@@ -325,18 +325,22 @@ class ChatService:
         if not self.core.vision and any(isinstance(p, RawMediaPart) for p in parts):
             raise BadRequest("This instance has no media encoder: send media through the router (metadata-only items).")
         messages, kwargs = template_messages(req), req.chat_template_kwargs
+        limit = cfg.engine.max_model_len
+        explicit = req.max_completion_tokens is not None or req.max_tokens is not None
+        # a prompt over this many tokens is refused for the cost of counting that many
+        budget = limit - params.max_tokens if explicit else limit - 1
         try:
             prompt = await self.resolver.resolve_then(
-                parts, lambda media: self.builder.build(messages, media, kwargs), self.template_executor
+                parts, lambda media: self.builder.build(messages, media, kwargs, budget), self.template_executor
             )
+        except TooManyTokens as e:
+            raise context_too_long(limit, e.at_least, params.max_tokens if explicit else 0) from None
         except PromptError as e:
             raise BadRequest(str(e)) from None
         self.prep.observe(time.perf_counter() - t0)
         n = len(prompt.token_ids)
-        limit = cfg.engine.max_model_len
         if n >= limit:
-            raise BadRequest(f"The prompt is {n} tokens long; this model's maximum context length is {limit} tokens.")
-        explicit = req.max_completion_tokens is not None or req.max_tokens is not None
+            raise context_too_long(limit, n, 0, exact=True)
         if n + params.max_tokens > limit:
             if explicit:
                 raise BadRequest(

@@ -361,6 +361,8 @@ class Router:
             await self.session.close()
         if self.frontend is not None:
             await self.frontend.close()
+        if self.prompt_blocks is not None:
+            self.prompt_blocks.executor.shutdown(wait=False, cancel_futures=True)
         self.tracing.shutdown()
 
     async def _probe_loop(self) -> None:
@@ -469,7 +471,9 @@ class Router:
         media = [(r.modality, r.result or self._known(r)) for r in refs]
         try:
             # rendering and tokenizing a prompt is CPU work: not on the event loop
-            named = await asyncio.to_thread(prompt_blocks.blocks, req, media, index.block_size)
+            named = await asyncio.get_running_loop().run_in_executor(
+                prompt_blocks.executor, prompt_blocks.blocks, req, media, index.block_size, self._context_len()
+            )
         except Exception:  # the router cannot name the blocks (e.g. a template error): balance load
             log.exception("could not compute the prompt's KV blocks")
             return pool.pick(exclude=exclude), None
@@ -599,13 +603,19 @@ class Router:
 
         async def note() -> None:
             try:
-                full = await asyncio.to_thread(prompt_blocks.blocks, req, media, block_size)
+                full = await asyncio.get_running_loop().run_in_executor(
+                    prompt_blocks.executor, prompt_blocks.blocks, req, media, block_size, self._context_len()
+                )
             except Exception:
                 log.exception("could not compute the prompt's KV blocks")
                 return
             index.note(worker.url, full.hashes)
 
         self.spawn(note())
+
+    def _context_len(self) -> int | None:
+        """The workers' context length, once learnt: no prompt is tokenized past it."""
+        return self._model[1] if self._model is not None and self._model[1] else None
 
     def _directory_keys(self, refs: list[MediaRef]) -> None:
         """Key the refs in the directory, once it can help: encoders hand out store handles, or
