@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from epdserve.api.errors import Overloaded
+from epdserve.api.errors import BadRequest, Overloaded
+from epdserve.api.protocol import SamplingRequest
 from epdserve.security.credentials import bearer
 
 MAX_CLIENTS = 1 << 16  # token buckets remembered; full ones are forgotten beyond this
@@ -134,3 +135,17 @@ class Quotas:
         if len(self._buckets) > MAX_CLIENTS:  # forget the clients whose bucket is full again
             per_min = self.config.max_tokens_per_minute_per_key
             self._buckets = {c: v for c, v in self._buckets.items() if self._level(c) < per_min}
+
+
+def requested_max_tokens(req: SamplingRequest) -> int | None:
+    """The completion length the request asks for (None: the server's default)."""
+    chat = getattr(req, "max_completion_tokens", None)
+    return chat if chat is not None else req.max_tokens
+
+
+def check_max_tokens(req: SamplingRequest, limit: int) -> None:
+    """400 when the request asks for more than the server's ``max_tokens_limit`` (0: no cap)."""
+    asked = requested_max_tokens(req)
+    if limit and asked is not None and asked > limit:
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise BadRequest(f"{param} may be at most {limit} on this server, got {asked}.", param=param)

@@ -25,6 +25,7 @@ from epdserve.api.protocol import (
     sse_event,
     to_sampling_params,
 )
+from epdserve.api.quota import check_max_tokens
 from epdserve.engine.messages import AddRequest
 from epdserve.pd.tokenizer import TooManyTokens
 
@@ -42,6 +43,7 @@ class CompletionHandlers:
         if req.model and req.model != cfg.model_name:
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
+        check_max_tokens(req, cfg.quota.max_tokens_limit)
         limit = cfg.engine.max_model_len
         if isinstance(req.prompt, str):
             loop = asyncio.get_running_loop()
