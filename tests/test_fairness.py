@@ -6,7 +6,11 @@ traffic only to the operator."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +24,7 @@ from epdserve.api.quota import QuotaConfig, Quotas
 from epdserve.assets import default_model_dir
 from epdserve.launcher import free_port, start_role, stop
 from epdserve.pd.tokenizer import CHUNK_CHARS, FastTokenizer, TooManyTokens
-from epdserve.up import Deployment, Topology
+from epdserve.up import Deployment, Topology, open_api_warning
 from tests.server_utils import device_args, http, internal_headers, running
 
 MODEL = "shapes-qwen2vl"
@@ -241,3 +245,30 @@ def test_the_router_holds_each_key_to_its_share() -> None:
         assert refused[2]["Retry-After"] == "1" and refused[1]["error"]["type"] == "rate_limit_error"
     finally:
         d.stop()
+
+
+def test_up_on_a_public_interface_without_an_api_key_warns_how_to_fix_it() -> None:
+    assert open_api_warning("127.0.0.1", "") is None and open_api_warning("::1", "") is None
+    assert open_api_warning("localhost", "") is None and open_api_warning("0.0.0.0", "k") is None
+    for host in ("0.0.0.0", "::", "10.1.2.3", "myhost"):
+        warning = open_api_warning(host, "")
+        assert warning is not None and "EPD_API_KEY" in warning and "127.0.0.1" in warning
+    # the real command: it warns before anything starts (here the port is taken, so nothing does)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from epdserve.cli import main; raise SystemExit(main())",
+            "up",
+            "--host",
+            "0.0.0.0",
+        ]
+        done = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=120)
+        lines = [line for line in done.stderr.splitlines() if "WARNING" in line]
+        assert len(lines) == 1 and "no API key" in lines[0] and "--host 127.0.0.1" in lines[0], done.stderr
+        env = {**os.environ, "EPD_API_KEY": API_KEY}
+        done = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=120, env=env)
+        assert "WARNING" not in done.stderr and done.returncode != 0, done.stderr
