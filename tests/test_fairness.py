@@ -156,6 +156,18 @@ def test_the_server_caps_max_tokens(server: str) -> None:
     status, body, _, _ = post(server, chat("Hi", max_tokens=65), key="cap")
     assert status == 400 and body["error"]["param"] == "max_tokens" and "at most 64" in body["error"]["message"]
     assert post(server, chat("Hi", max_tokens=64), key="cap")[0] == 200
+    completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 65}
+    status, raw = http("POST", server + "/v1/completions", json.dumps(completion).encode())
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+
+
+def test_a_million_character_completion_prompt_is_refused_at_once(server: str) -> None:
+    body = {"model": MODEL, "prompt": words(1 << 20), "max_tokens": 4}
+    t0 = time.perf_counter()
+    status, raw = http("POST", server + "/v1/completions", json.dumps(body).encode())
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt", error
+    assert time.perf_counter() - t0 < 10  # generous: counting it through takes seconds
 
 
 def test_per_key_limits_answer_429_with_retry_after(server: str) -> None:
@@ -181,6 +193,9 @@ def test_a_key_over_its_tokens_per_minute_gets_429(server: str, tok: FastTokeniz
     assert limited, [s[0] for s in statuses]
     assert "tokens per minute" in limited[0][1]["error"]["message"] and int(limited[0][2]["Retry-After"]) >= 1
     assert post(server, chat("Hi"), key="dave")[0] == 200  # another key is not held back
+    completion = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 8}).encode()
+    headers = {"Authorization": "Bearer carol"}
+    assert http("POST", server + "/v1/completions", completion, headers=headers)[0] == 429  # the same share
 
 
 def test_public_metrics_show_health_only_once_an_api_key_is_set() -> None:

@@ -126,14 +126,16 @@ class Timeout(ApiError):
     default_code = "timeout"
 
 
-def context_too_long(limit: int, prompt_tokens: int, completion_tokens: int, exact: bool = False) -> BadRequest:
+def context_too_long(
+    limit: int, prompt_tokens: int, completion_tokens: int, exact: bool = False, param: str = "messages"
+) -> BadRequest:
     """OpenAI's answer to a prompt (plus the completion asked for) over the context length;
     unless ``exact``, ``prompt_tokens`` is a lower bound (the prompt was not counted to its end)."""
     asked = f", and {completion_tokens} were asked for the completion" if completion_tokens else ""
     return BadRequest(
-        f"This model's maximum context length is {limit} tokens; the messages hold "
-        f"{prompt_tokens}{'' if exact else ' or more'} tokens{asked}. Shorten the messages or the completion.",
-        param="messages",
+        f"This model's maximum context length is {limit} tokens; the {param} hold "
+        f"{prompt_tokens}{'' if exact else ' or more'} tokens{asked}. Shorten the {param} or the completion.",
+        param=param,
         code="context_length_exceeded",
     )
 

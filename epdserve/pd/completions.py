@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from epdserve.api import logs
+from epdserve.api.auth import is_internal
 from epdserve.api.completions import Completion, CompletionChoice, CompletionRequest, decode_completion_request
 from epdserve.api.errors import ApiError, BadRequest, NotFound, context_too_long
 from epdserve.api.http import json_response, read_body
@@ -25,7 +26,7 @@ from epdserve.api.protocol import (
     sse_event,
     to_sampling_params,
 )
-from epdserve.api.quota import check_max_tokens
+from epdserve.api.quota import Quotas, check_max_tokens
 from epdserve.engine.messages import AddRequest
 from epdserve.pd.tokenizer import TooManyTokens
 
@@ -51,7 +52,7 @@ class CompletionHandlers:
             try:
                 ids = await loop.run_in_executor(self.s.template_executor, lambda: tok.encode_within(text, budget))
             except TooManyTokens as e:
-                raise context_too_long(limit, e.at_least, params.max_tokens) from None
+                raise context_too_long(limit, e.at_least, params.max_tokens, param="prompt") from None
         else:
             ids = list(req.prompt)
             vocab = self.s.model_config.text.vocab_size
@@ -73,10 +74,19 @@ class CompletionHandlers:
         s = self.s
         t0 = time.perf_counter()
         rid = request_id(request.headers)
+        ticket = None
         try:
+            if not is_internal(request):  # a client's share (api.quota); the router counted its calls
+                ticket = s.quotas.admit(Quotas.client(request))
             req, add = await self._prepare(await read_body(request, s.config.max_request_bytes))
+            if ticket is not None:
+                ticket.reserve(len(add.prompt_token_ids) + add.params.max_tokens)
             gen, first = await Generation.started(s, add)
-        except ApiError as e:
+        except BaseException as e:
+            if ticket is not None:
+                ticket.failed()
+            if not isinstance(e, ApiError):
+                raise
             s.count("text", e.status)
             logs.access(id=rid, status=e.status, kind="text", e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
             raise
@@ -84,6 +94,7 @@ class CompletionHandlers:
         ttft = time.perf_counter() - t0
         s.ttft.observe(ttft)
         last = first
+        used = None  # tokens the answer used, once known (a stream keeps what it reserved)
         try:
             async with contextlib.aclosing(gen.rest()) as rest:
                 if req.stream:
@@ -93,8 +104,11 @@ class CompletionHandlers:
                     async for piece in rest:
                         text.append(piece.text)
                         last = piece
+                used = last.prompt_tokens + last.completion_tokens
                 return json_response(encode_json(self._answer(add, "".join(text), last)))
         finally:
+            if ticket is not None:
+                ticket.done(used)
             e2e = time.perf_counter() - t0
             s.e2e.observe(e2e)
             logs.access(id=rid, status=200, kind="text", endpoint="completions", ttft_ms=1e3 * ttft,
