@@ -13,14 +13,17 @@ little is answered 429 with ``Retry-After``: the seconds until the bucket holds 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 
+from epdserve.api.auth import is_internal
 from epdserve.api.errors import BadRequest, Overloaded
 from epdserve.api.protocol import SamplingRequest
 from epdserve.security.credentials import bearer
@@ -81,6 +84,24 @@ class Quotas:
             return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
         return "addr:" + (request.remote or "")
 
+    @contextlib.contextmanager
+    def share(self, request: web.Request, tokens: int) -> Iterator[Callable[[web.StreamResponse], None]]:
+        """Hold the request's place and ``tokens`` for the body (429 when its client has used its
+        share); the body reports the answer (``settle(resp)``): what its usage shows unused comes
+        back, everything when it failed. A request with the cluster credential is not counted."""
+        if is_internal(request):
+            yield lambda resp: None
+            return
+        ticket = self.admit(self.client(request))
+        try:
+            ticket.reserve(tokens)
+            yield lambda resp: ticket.done(used_by(resp))
+        except BaseException:
+            ticket.failed()
+            raise
+        finally:
+            ticket.done()
+
     def admit(self, client: str) -> Ticket:
         """A place for one more request of ``client``, or 429 when it has its share in flight."""
         limit = self.config.max_inflight_per_key
@@ -135,6 +156,19 @@ class Quotas:
         if len(self._buckets) > MAX_CLIENTS:  # forget the clients whose bucket is full again
             per_min = self.config.max_tokens_per_minute_per_key
             self._buckets = {c: v for c, v in self._buckets.items() if self._level(c) < per_min}
+
+
+def used_by(resp: web.StreamResponse) -> int | None:
+    """The tokens an answer used: a whole JSON answer says (its ``usage``), a failed one used
+    none; a stream's length is not read here (None: it keeps what it reserved)."""
+    if resp.status != 200:
+        return 0
+    if isinstance(resp, web.Response) and isinstance(resp.body, bytes):
+        try:
+            return int(msgspec.json.decode(resp.body)["usage"]["total_tokens"])
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            return None
+    return None
 
 
 def requested_max_tokens(req: SamplingRequest) -> int | None:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -39,7 +39,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api import logs
-from epdserve.api.auth import AuthConfig, is_internal, is_operator
+from epdserve.api.auth import AuthConfig, is_operator
 from epdserve.api.completions import CompletionRequest, decode_completion_request
 from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
@@ -71,7 +71,7 @@ from epdserve.api.protocol import (
     sse_error,
     to_sampling_params,
 )
-from epdserve.api.quota import QuotaConfig, Quotas, Ticket, check_max_tokens, requested_max_tokens
+from epdserve.api.quota import QuotaConfig, Quotas, check_max_tokens, requested_max_tokens
 from epdserve.api.registration import HEARTBEATS_PER_LEASE
 from epdserve.api.timing import SERVER_TIMING, wanted
 from epdserve.api.tracing import Tracing
@@ -938,32 +938,17 @@ class Router:
         with self._answered(trail, span) as answer:
             req = await self.validate(raw)
             answer.kind = trail.kind = request_kind(req)
-            with self._share(request, prompt_chars(req), requested_max_tokens(req)) as settle:
+            with self.quotas.share(request, self._reserve(prompt_chars(req), requested_max_tokens(req))) as settle:
                 async with self.gates["text" if answer.kind == "text" else "media"].admit():
                     resp = await self._chat(request, req, raw, trail)
                 settle(resp)
             answer.status = resp.status
             return resp
 
-    @contextlib.contextmanager
-    def _share(
-        self, request: web.Request, chars: int, max_tokens: int | None
-    ) -> Iterator[Callable[[web.StreamResponse], None]]:
-        """The client's share (``api.quota``): a place among its requests in flight and its tokens
-        (the prompt estimated from its characters, plus ``max_tokens``), 429 when it has used it;
-        what the answer's usage shows unused is given back, everything when it failed."""
-        if is_internal(request):
-            yield lambda resp: None
-            return
-        ticket = self.quotas.admit(Quotas.client(request))
-        try:
-            ticket.reserve(-(-chars // CHARS_PER_TOKEN) + (max_tokens or DEFAULT_MAX_TOKENS))
-            yield lambda resp: _settle(ticket, resp)
-        except BaseException:
-            ticket.failed()
-            raise
-        finally:
-            ticket.done()
+    def _reserve(self, chars: int, max_tokens: int | None) -> int:
+        """The tokens a request reserves of its client's share (``api.quota``): its prompt as
+        estimated from its characters, plus ``max_tokens``; settled by the answer's usage."""
+        return -(-chars // CHARS_PER_TOKEN) + (max_tokens or DEFAULT_MAX_TOKENS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
@@ -978,7 +963,7 @@ class Router:
                 req = decode_completion_request(raw, self.config.max_prompt_chars)
                 await self._check_sampling(req)
                 chars = len(req.prompt) * (1 if isinstance(req.prompt, str) else CHARS_PER_TOKEN)
-                with self._share(request, chars, requested_max_tokens(req)) as settle:
+                with self.quotas.share(request, self._reserve(chars, requested_max_tokens(req))) as settle:
                     async with self.gates["text"].admit():
                         resp = await self._complete_text(request, req, raw, trail)
                     settle(resp)
@@ -1252,18 +1237,6 @@ class Router:
             log.debug("no metrics from %s: %s", w.url, e)
         self.metrics.inc("router_scrape_failures_total", help_text="worker metrics the router could not read")
         return None
-
-
-def _settle(ticket: Ticket, resp: web.StreamResponse) -> None:
-    """End a request's ticket with the tokens its answer used: a whole JSON answer says (its
-    ``usage``); a stream's length is not read here, so it keeps what it reserved."""
-    if resp.status != 200:
-        ticket.failed()
-    elif isinstance(resp, web.Response) and isinstance(resp.body, bytes):
-        try:
-            ticket.done(int(msgspec.json.decode(resp.body)["usage"]["total_tokens"]))
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
-            ticket.done()
 
 
 @dataclass
