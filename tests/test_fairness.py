@@ -25,7 +25,7 @@ from epdserve.assets import default_model_dir
 from epdserve.launcher import free_port, start_role, stop
 from epdserve.pd.tokenizer import CHUNK_CHARS, FastTokenizer, TooManyTokens
 from epdserve.up import Deployment, Topology, open_api_warning
-from tests.server_utils import device_args, http, internal_headers, running
+from tests.server_utils import counter, device_args, http, internal_headers, running
 
 MODEL = "shapes-qwen2vl"
 CONTEXT = 1024
@@ -193,6 +193,7 @@ def test_a_key_over_its_tokens_per_minute_gets_429(server: str, tok: FastTokeniz
     assert limited, [s[0] for s in statuses]
     assert "tokens per minute" in limited[0][1]["error"]["message"] and int(limited[0][2]["Retry-After"]) >= 1
     assert post(server, chat("Hi"), key="dave")[0] == 200  # another key is not held back
+    assert counter(server, "quota_rejected_total") >= len(limited)
     completion = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 8}).encode()
     headers = {"Authorization": "Bearer carol"}
     assert http("POST", server + "/v1/completions", completion, headers=headers)[0] == 429  # the same share

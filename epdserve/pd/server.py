@@ -243,6 +243,8 @@ class ChatService:
         m.counts("ec_failures_total", "media items whose embeddings could not be fetched, by cause", "cause", failures)
         m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", stat("encoder_cache_bytes"))
         m.gauge("kv_live_handles", "KV leases handed out and not yet released or expired", stat("kv_live_handles"))
+        m.gauge("quota_rejected_total", "requests answered 429 for their key's share", lambda: self.quotas.rejected,
+                monotonic=True)  # fmt: skip
         m.inc("prompt_tokens_total", 0, help_text="prompt tokens")
         m.inc("generation_tokens_total", 0, help_text="generated tokens")
         answered = m.counter("requests_total", "chat requests answered, by kind and HTTP status", ("kind", "status"))
