@@ -46,6 +46,9 @@ AUTH = "epdserve.api.auth:AuthConfig"
 STORE = "epdserve.store.config:StoreConfig"
 REGISTRATION = "epdserve.api.registration:RegistrationConfig"
 REGISTRATION_FLAGS = ("advertise_host", "register_with", "heartbeat_s")
+QUOTA = "epdserve.api.quota:QuotaConfig"
+QUOTA_FLAGS = ("max_inflight_per_key", "max_tokens_per_minute_per_key", "max_tokens_limit")
+EXPOSURE = "epdserve.api.exposure:ExposureConfig"
 
 MODEL = Flag("model", default=None, default_help="the embedded model")
 STATS_INTERVAL = Flag("log_stats_interval_s", "--log-stats-interval")
@@ -162,6 +165,8 @@ UP_FORWARDED = (
     (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries", "dispatch_interference"), "router"),
     (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s", "text_ttft_target_ms"), "router"),
     (SERVER, PUBLIC_FLAGS, "public"),
+    (QUOTA, QUOTA_FLAGS, "public"),
+    (EXPOSURE, ("public_metrics",), "public"),
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("kernels", "threads", "device", "dtype"), "models"),
     (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
@@ -337,6 +342,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
             ),
             auth=AuthConfig(api_key=api_key_from(args.api_key), cluster=cluster, internal_only=args.internal_only),
             registration=registration,
+            **public_limits(args),
         )
     )
     _checked(lambda: check_device(config.engine.device))
@@ -395,8 +401,20 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             limits=media_limits(args),
             frontend=FrontendDecodeConfig(**values(args, FRONTEND_FLAGS, FRONTEND_PREFIX)),
             auth=auth,
+            **public_limits(args),
         )
     )
+
+
+def public_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The public endpoint's per-key limits and exposure (``quota``, ``exposure``) of its flags."""
+    from epdserve.api.exposure import ExposureConfig
+    from epdserve.api.quota import QuotaConfig
+
+    return {
+        "quota": _checked(lambda: QuotaConfig(**values(args, QUOTA_FLAGS))),
+        "exposure": ExposureConfig(**values(args, ["public_metrics"])),
+    }
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -493,6 +511,7 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, "internal_only"])
     add_cluster_args(credentials)
+    add_public_limit_args(s)
     add_registration_args(s)
     add_media_args(s)
     add_log_args(s)
@@ -516,8 +535,16 @@ def add_router_args(s: argparse.ArgumentParser) -> None:
     credentials = s.add_argument_group("credentials")
     add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY])
     add_cluster_args(credentials)
+    add_public_limit_args(s)
     add_media_args(s)
     add_log_args(s)
+
+
+def add_public_limit_args(s: argparse.ArgumentParser) -> None:
+    """Per-key limits and what /metrics shows without credentials (the public endpoint's)."""
+    group = s.add_argument_group("per-key limits (429 with Retry-After) and exposure")
+    add_flags(group, QUOTA, QUOTA_FLAGS)
+    add_flags(group, EXPOSURE, ["public_metrics"])
 
 
 def add_cluster_args(s: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

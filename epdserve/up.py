@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -162,6 +163,22 @@ def http_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def open_api_warning(host: str, api_key: str) -> str | None:
+    """The warning for a public API anyone on the network may use: ``host`` is not loopback and
+    no API key is set (None: nothing to warn about)."""
+    if api_key or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any interface
+    return (
+        f"WARNING: the API on {host} is open to anyone who can reach it (no API key): set {API_KEY_ENV} "
+        "(or --api-key), or listen on --host 127.0.0.1"
+    )
 
 
 class Deployment:
@@ -428,6 +445,9 @@ def run_up(deployment: Deployment) -> int:
             deployment.request_stop(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    warning = open_api_warning(deployment.host, deployment.api_key)
+    if warning is not None:
+        print(f"epdserve up: {warning}", file=sys.stderr, flush=True)
     try:
         try:
             deployment.start()

@@ -258,7 +258,7 @@ def chat(url: str, parts: list[dict], timing: bool = False) -> tuple[int, dict, 
     req = urllib.request.Request(
         url + "/v1/chat/completions",
         data=msgspec.json.encode(body),
-        headers={"Content-Type": "application/json", **({"X-EPD-Timing": "1"} if timing else {})},
+        headers={"Content-Type": "application/json", **({"X-EPD-Timing": "1", **internal_headers()} if timing else {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:

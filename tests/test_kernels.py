@@ -4,6 +4,7 @@ machine, never loaded from a directory others may write, and PyTorch ops when it
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -184,3 +185,52 @@ def test_without_a_compiler_the_engine_runs_the_torch_ops(monkeypatch: pytest.Mo
     assert type(select_ops("auto", torch.float32, CPU)) is TorchOps
     assert type(select_ops("torch", torch.float32, CPU)) is TorchOps
     assert type(select_ops("auto", torch.float16, CPU)) is TorchOps  # no float16 kernels
+
+
+@needs_compiler
+def test_a_corrupt_cached_library_is_rebuilt_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "cache"
+    path = build.library_path(cache)
+    path.write_bytes(b"\x7fELF truncated")  # a half-written or foreign file under the cached name
+    with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
+        assert load_library(cache).epd_kernels_abi() == build.ABI
+    assert "rebuilding" in caplog.text
+    assert path.stat().st_size > 1000 and len(list(cache.glob("*.so"))) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
+        assert load_library(cache).epd_kernels_abi() == build.ABI  # and then used, without a word
+    assert not caplog.text
+
+
+@needs_compiler
+@pytest.mark.parametrize("layout", ["symlinked leaf", "world-writable parent", "symlinked library"])
+def test_an_unsafe_cache_is_not_used_and_says_how_to_fix_it(
+    tmp_path: Path, layout: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    cache = real
+    if layout == "symlinked leaf":
+        cache = tmp_path / "link"
+        cache.symlink_to(real)
+    elif layout == "world-writable parent":
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)  # anyone could rename the private directory below away and plant another
+        cache = shared / "cache"
+        cache.mkdir(mode=0o700)
+    else:
+        other = tmp_path / "other.so"
+        other.write_bytes(b"not ours to load")
+        built = build.library_path(real)
+        built.unlink()
+        built.symlink_to(other)
+    with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
+        path = build.library_path(cache)
+    if layout == "symlinked library":
+        assert path.parent == real and not path.is_symlink() and "rebuilding" in caplog.text
+        assert other.read_bytes() == b"not ours to load"
+        return
+    assert path.parent != cache and not list(cache.iterdir())
+    assert "chmod 700" in caplog.text and build.CACHE_ENV in caplog.text
+    shutil.rmtree(path.parent)

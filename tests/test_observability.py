@@ -32,10 +32,11 @@ def deployment() -> Iterator[Deployment]:
         d.stop()
 
 
-def chat(url: str, req: dict, stream: bool, timing: bool) -> tuple[int, dict[str, str], bytes]:
+def chat(url: str, req: dict, stream: bool, timing: bool, operator: bool = True) -> tuple[int, dict[str, str], bytes]:
+    """``operator``: with the cluster credential (only the operator sees how media was obtained)."""
     body = {"model": "shapes-qwen2vl", "max_tokens": 8, **{k: v for k, v in req.items() if k != "stream"}}
     body["stream"] = stream
-    headers = {"X-EPD-Timing": "1"} if timing else {}
+    headers = {"X-EPD-Timing": "1", **(internal_headers() if operator else {})} if timing else {}
     import urllib.request
 
     r = urllib.request.Request(
@@ -83,6 +84,20 @@ def test_stage_timing_is_returned_only_when_asked(deployment: Deployment) -> Non
     stages = parse_server_timing(headers["Server-Timing"])
     assert "pd_prefill" in stages and "pd_decode" not in stages and body.endswith(b"data: [DONE]\n\n")
     assert 'media;desc="4 cache_hit"' in headers["Server-Timing"]
+
+
+def test_stage_details_that_reveal_other_users_are_for_the_operator_only(deployment: Deployment) -> None:
+    """Whether an image came from a cache, the router's directory, or was computed tells who
+    sent it before: a public caller gets its request's language-model stages, nothing of media."""
+    req = request_set()[1]
+    chat(deployment.url, req, stream=False, timing=True)  # cached from now on
+    _, headers, _ = chat(deployment.url, req, stream=False, timing=True, operator=False)
+    value = headers["Server-Timing"]
+    stages = parse_server_timing(value)
+    assert "pd_prefill" in stages and "media" not in value, value
+    assert not any(s.startswith(("router_", "encoder_")) for s in stages), value
+    _, headers, _ = chat(deployment.url, req, stream=False, timing=True)  # the operator sees them
+    assert "media;desc=" in headers["Server-Timing"] and "router_encode" in headers["Server-Timing"]
 
 
 def test_the_router_is_one_scrape_target_for_the_deployment(deployment: Deployment) -> None:

@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 
 from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, parse_server_timing
+from epdserve.security.credentials import ClusterCredential, CredentialError
 
 # every request asks for its stage timing (Server-Timing): a header's worth of cost
 _JSON_HEADERS = {"Content-Type": "application/json", TIMING_HEADER: "1"}
@@ -51,6 +52,17 @@ def encode_request(payload: dict) -> bytes:
     return json.dumps(dict(payload, stream=True, stream_options={"include_usage": True})).encode()
 
 
+def _headers() -> dict[str, str]:
+    """A request's headers: the stage timing asked for, and the deployment's cluster credential
+    when this process holds it (``EPD_CLUSTER_SECRET``): only the operator is told the router's and
+    encoders' stages (``api.exposure``)."""
+    try:
+        cred = ClusterCredential.load()
+    except CredentialError:
+        cred = None
+    return {**_JSON_HEADERS, **(cred.headers() if cred is not None else {})}
+
+
 async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict | bytes, kind: str = "") -> RequestResult:
     """Send one chat request and time its stream; ``payload`` bytes come from ``encode_request``."""
     body = payload if isinstance(payload, bytes) else encode_request(payload)
@@ -59,7 +71,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict | 
     parts: list[str] = []
     t0 = res.start = time.perf_counter()
     try:
-        async with session.post(url + "/v1/chat/completions", data=body, headers=_JSON_HEADERS) as resp:
+        async with session.post(url + "/v1/chat/completions", data=body, headers=_headers()) as resp:
             res.status = resp.status
             if resp.status != 200:
                 res.error = (await resp.text())[:300]

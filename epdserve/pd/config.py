@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 from epdserve.api.auth import AuthConfig
+from epdserve.api.exposure import ExposureConfig
 from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
+from epdserve.api.quota import QuotaConfig
 from epdserve.api.registration import RegistrationConfig
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.media.limits import MediaLimits
@@ -44,6 +46,8 @@ class ServerConfig:
     role: PDRole = "both"  # both: whole requests; prefill: prompts, KV handed on; decode: continues from KV
     kv: ECConfig | None = None  # KV connector (transfer.kv.kv_config): a prefill's producer, a decode's consumer
     registration: RegistrationConfig = field(default_factory=RegistrationConfig)  # advertised host, router
+    quota: QuotaConfig = field(default_factory=QuotaConfig)  # per-key limits when this is the public endpoint
+    exposure: ExposureConfig = field(default_factory=ExposureConfig)  # what /metrics shows without credentials
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

@@ -28,14 +28,14 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api import logs
-from epdserve.api.auth import is_internal
-from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable
+from epdserve.api.auth import is_internal, is_operator
+from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable, context_too_long
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.load import CostRate, LoadReport, worker_ratio
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
-from epdserve.api.metrics import CONTENT_TYPE, Metrics
+from epdserve.api.metrics import CONTENT_TYPE, Metrics, public_metrics
 from epdserve.api.protocol import (
     SSE_DONE,
     ChatCompletion,
@@ -67,6 +67,7 @@ from epdserve.api.protocol import (
     sse_event,
     to_sampling_params,
 )
+from epdserve.api.quota import Quotas, check_max_tokens
 from epdserve.api.registration import Registrar
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.api.tracing import Tracing, wall_ns
@@ -88,7 +89,7 @@ from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.pd.launch import launch_core
 from epdserve.pd.logprobs import TokenTexts
 from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer
+from epdserve.pd.tokenizer import FastTokenizer, TooManyTokens
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class ChatService:
         self.vision_rate = CostRate()  # seconds per patch of raw media encoded here
         self.fetch_rate = CostRate()  # seconds per embedding byte fetched from encoders
         self.metrics = Metrics()
+        self.quotas = Quotas(config.quota)  # per-key limits, when clients call this instance directly
         self._init_metrics()
         role = {"both": "pd", "prefill": "prefill", "decode": "decode"}[config.role]
         self.tracing = Tracing(f"epdserve-{role}", config.otlp_traces_endpoint)
@@ -241,6 +243,8 @@ class ChatService:
         m.counts("ec_failures_total", "media items whose embeddings could not be fetched, by cause", "cause", failures)
         m.gauge("encoder_cache_bytes", "bytes held by the local vision-embedding cache", stat("encoder_cache_bytes"))
         m.gauge("kv_live_handles", "KV leases handed out and not yet released or expired", stat("kv_live_handles"))
+        m.gauge("quota_rejected_total", "requests answered 429 for their key's share", lambda: self.quotas.rejected,
+                monotonic=True)  # fmt: skip
         m.inc("prompt_tokens_total", 0, help_text="prompt tokens")
         m.inc("generation_tokens_total", 0, help_text="generated tokens")
         answered = m.counter("requests_total", "chat requests answered, by kind and HTTP status", ("kind", "status"))
@@ -314,6 +318,7 @@ class ChatService:
         if req.model and req.model != cfg.model_name:  # optional, as in vLLM
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
+        check_max_tokens(req, cfg.quota.max_tokens_limit)
         kv = self._kv_transfer(req)
         t0 = time.perf_counter()
         assert self.resolver is not None
@@ -325,18 +330,22 @@ class ChatService:
         if not self.core.vision and any(isinstance(p, RawMediaPart) for p in parts):
             raise BadRequest("This instance has no media encoder: send media through the router (metadata-only items).")
         messages, kwargs = template_messages(req), req.chat_template_kwargs
+        limit = cfg.engine.max_model_len
+        explicit = req.max_completion_tokens is not None or req.max_tokens is not None
+        # a prompt over this many tokens is refused for the cost of counting that many
+        budget = limit - params.max_tokens if explicit else limit - 1
         try:
             prompt = await self.resolver.resolve_then(
-                parts, lambda media: self.builder.build(messages, media, kwargs), self.template_executor
+                parts, lambda media: self.builder.build(messages, media, kwargs, budget), self.template_executor
             )
+        except TooManyTokens as e:
+            raise context_too_long(limit, e.at_least, params.max_tokens if explicit else 0) from None
         except PromptError as e:
             raise BadRequest(str(e)) from None
         self.prep.observe(time.perf_counter() - t0)
         n = len(prompt.token_ids)
-        limit = cfg.engine.max_model_len
         if n >= limit:
-            raise BadRequest(f"The prompt is {n} tokens long; this model's maximum context length is {limit} tokens.")
-        explicit = req.max_completion_tokens is not None or req.max_tokens is not None
+            raise context_too_long(limit, n, 0, exact=True)
         if n + params.max_tokens > limit:
             if explicit:
                 raise BadRequest(
@@ -532,12 +541,21 @@ class ChatHandlers:
         body = await read_body(request, s.config.max_request_bytes)
         kind = "unknown"  # until the body parses
         rid = request_id(request.headers)
+        ticket = None
         try:
+            if not is_internal(request):  # a client's share (api.quota); the router counted its calls
+                ticket = s.quotas.admit(Quotas.client(request))
             req, add = await s.prepare(body, is_internal(request))
             t_prepared = time.perf_counter()
             kind = request_kind(req)
+            if ticket is not None:
+                ticket.reserve(len(add.prompt_token_ids) + add.params.max_tokens)
             gen, first = await Generation.started(s, add)
-        except ApiError as e:
+        except BaseException as e:
+            if ticket is not None:
+                ticket.failed()
+            if not isinstance(e, ApiError):
+                raise
             s.count(kind, e.status)
             Tracing.set(span, **{"epd.request_id": rid, "http.status_code": e.status})
             logs.access(id=rid, status=e.status, kind=kind, e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
@@ -556,6 +574,8 @@ class ChatHandlers:
                     return await self._stream(request, req, add, gen, first, rest, timing)
                 return await self._complete(req, add, first, rest, timing)
         finally:
+            if ticket is not None:
+                ticket.done(timing.prompt_tokens + timing.completion_tokens if timing.e2e else None)
             Tracing.set(span, **{"epd.request_id": rid, "epd.kind": kind, "http.status_code": 200})
             if timing.e2e:
                 s.tracing.stages(wall_ns(t0 + ttft), {"decode": timing.e2e - ttft})
@@ -703,6 +723,9 @@ class ChatHandlers:
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.s.refresh_stats()
+        cfg = self.s.config
+        if not is_operator(request, cfg.auth):
+            return public_metrics(self.s.metrics, cfg.exposure.metrics_level(cfg.auth.api_key))
         return web.Response(body=self.s.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

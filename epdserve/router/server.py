@@ -51,11 +51,12 @@ from epdserve.api.errors import (
     Unavailable,
     WorkerFailed,
 )
+from epdserve.api.exposure import ExposureConfig
 from epdserve.api.http import Route, json_response, role_app, run_app
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
 from epdserve.api.load import MAX_LOAD_REPORT_BYTES, decode_load_report, recommended_replicas
 from epdserve.api.logs import REQUEST_ID_HEADER, request_id
-from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate
+from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate, public_metrics
 from epdserve.api.protocol import (
     DEFAULT_MAX_PROMPT_CHARS,
     SSE_DONE,
@@ -65,10 +66,12 @@ from epdserve.api.protocol import (
     check_embeds_trust,
     check_kv_trust,
     decode_chat_request,
+    prompt_chars,
     request_kind,
     sse_error,
     to_sampling_params,
 )
+from epdserve.api.quota import QuotaConfig, Quotas, check_max_tokens, requested_max_tokens
 from epdserve.api.registration import HEARTBEATS_PER_LEASE
 from epdserve.api.timing import SERVER_TIMING, wanted
 from epdserve.api.tracing import Tracing
@@ -84,6 +87,7 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig
+from epdserve.pd.config import ServerConfig
 from epdserve.router.admission import AutoLimit, Gate
 from epdserve.router.directory import MediaDirectory, content_key
 from epdserve.router.discovery import MAX_HEARTBEAT_S, DnsSource, Leases, is_worker_url, split_sources
@@ -107,6 +111,8 @@ _TAIL = len(SSE_DONE)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MAX_SCRAPE_BYTES = 4 << 20  # one worker's /metrics
+CHARS_PER_TOKEN = 4  # a prompt's tokens as the router estimates them for its client's share (settled by usage)
+DEFAULT_MAX_TOKENS = ServerConfig.default_max_tokens  # what the workers generate when a request sets no max_tokens
 
 
 Workers = tuple[str, ...]
@@ -145,6 +151,8 @@ class RouterConfig:
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
     dns_interval_s: float = 5.0  # how often dns+http:// worker sources are resolved again
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
+    quota: QuotaConfig = field(default_factory=QuotaConfig)  # per-key limits: requests in flight, tokens per minute
+    exposure: ExposureConfig = field(default_factory=ExposureConfig)  # what /metrics shows without credentials
 
     def __post_init__(self) -> None:
         for entries in (self.encoders, self.pds, self.prefills, self.decodes):
@@ -199,6 +207,9 @@ class Router:
         self.decodes = pool("decode", config.decodes, policy)
         self.split = SplitChat(self)
         self.metrics = Metrics()
+        self.quotas = Quotas(config.quota)
+        self.metrics.gauge("router_quota_rejected_total", "requests answered 429 for their key's share",
+                           lambda: self.quotas.rejected, monotonic=True)  # fmt: skip
         self.tracing = Tracing("epdserve-router", config.otlp_traces_endpoint)
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
@@ -362,6 +373,8 @@ class Router:
             await self.session.close()
         if self.frontend is not None:
             await self.frontend.close()
+        if self.prompt_blocks is not None:
+            self.prompt_blocks.executor.shutdown(wait=False, cancel_futures=True)
         self.tracing.shutdown()
 
     async def _probe_loop(self) -> None:
@@ -470,7 +483,9 @@ class Router:
         media = [(r.modality, r.result or self._known(r)) for r in refs]
         try:
             # rendering and tokenizing a prompt is CPU work: not on the event loop
-            named = await asyncio.to_thread(prompt_blocks.blocks, req, media, index.block_size)
+            named = await asyncio.get_running_loop().run_in_executor(
+                prompt_blocks.executor, prompt_blocks.blocks, req, media, index.block_size, self._context_len()
+            )
         except Exception:  # the router cannot name the blocks (e.g. a template error): balance load
             log.exception("could not compute the prompt's KV blocks")
             return pool.pick(exclude=exclude), None
@@ -600,13 +615,19 @@ class Router:
 
         async def note() -> None:
             try:
-                full = await asyncio.to_thread(prompt_blocks.blocks, req, media, block_size)
+                full = await asyncio.get_running_loop().run_in_executor(
+                    prompt_blocks.executor, prompt_blocks.blocks, req, media, block_size, self._context_len()
+                )
             except Exception:
                 log.exception("could not compute the prompt's KV blocks")
                 return
             index.note(worker.url, full.hashes)
 
         self.spawn(note())
+
+    def _context_len(self) -> int | None:
+        """The workers' context length, once learnt: no prompt is tokenized past it."""
+        return self._model[1] if self._model is not None and self._model[1] else None
 
     def _directory_keys(self, refs: list[MediaRef]) -> None:
         """Key the refs in the directory, once it can help: encoders hand out store handles, or
@@ -677,6 +698,7 @@ class Router:
         if req.model != name:
             raise NotFound.model(req.model)
         to_sampling_params(req, 1, max_model_len or 1 << 30)
+        check_max_tokens(req, self.config.quota.max_tokens_limit)
 
     # ---- encode ------------------------------------------------------------------------------
     async def encode(self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
@@ -915,27 +937,41 @@ class Router:
 
     async def _chat_logged(self, request: web.Request, span: Any) -> web.StreamResponse:
         raw = await request.read()
-        trail = Trail(wanted(request.headers), request_id(request.headers))
+        trail = Trail(
+            wanted(request.headers), request_id(request.headers), details=is_operator(request, self.config.auth)
+        )
         with self._answered(trail, span) as answer:
             req = await self.validate(raw)
             answer.kind = trail.kind = request_kind(req)
-            async with self.gates["text" if answer.kind == "text" else "media"].admit():
-                resp = await self._chat(request, req, raw, trail)
+            with self.quotas.share(request, self._reserve(prompt_chars(req), requested_max_tokens(req))) as settle:
+                async with self.gates["text" if answer.kind == "text" else "media"].admit():
+                    resp = await self._chat(request, req, raw, trail)
+                settle(resp)
             answer.status = resp.status
             return resp
+
+    def _reserve(self, chars: int, max_tokens: int | None) -> int:
+        """The tokens a request reserves of its client's share (``api.quota``): its prompt as
+        estimated from its characters, plus ``max_tokens``; settled by the answer's usage."""
+        return -(-chars // CHARS_PER_TOKEN) + (max_tokens or DEFAULT_MAX_TOKENS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
         worker (a prefill+decode one, else a decode one), retried once on another before its first byte."""
         with self.tracing.server_span("POST /v1/completions", request.headers) as span:
             raw = await request.read()
-            trail = Trail(wanted(request.headers), request_id(request.headers))
+            trail = Trail(
+                wanted(request.headers), request_id(request.headers), details=is_operator(request, self.config.auth)
+            )
             with self._answered(trail, span, "completions") as answer:
                 answer.kind = trail.kind = "text"
                 req = decode_completion_request(raw, self.config.max_prompt_chars)
                 await self._check_sampling(req)
-                async with self.gates["text"].admit():
-                    resp = await self._complete_text(request, req, raw, trail)
+                chars = len(req.prompt) * (1 if isinstance(req.prompt, str) else CHARS_PER_TOKEN)
+                with self.quotas.share(request, self._reserve(chars, requested_max_tokens(req))) as settle:
+                    async with self.gates["text"].admit():
+                        resp = await self._complete_text(request, req, raw, trail)
+                    settle(resp)
                 answer.status = resp.status
                 return resp
 
@@ -1197,7 +1233,7 @@ class Router:
         ``instance`` labels added: one scrape target for the whole deployment."""
         assert self.session is not None
         if not is_operator(request, self.config.auth):
-            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+            return public_metrics(self.metrics, self.config.exposure.metrics_level(self.config.auth.api_key))
         workers = [(pool.role, w) for pool in self.pools for w in pool.workers.values()]
         texts = await asyncio.gather(*(self._scrape(w) for _, w in workers))
         federated = federate([(role, w.url, text) for (role, w), text in zip(workers, texts, strict=True) if text])

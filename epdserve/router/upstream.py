@@ -7,7 +7,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from epdserve.api.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Timeout
+from epdserve.api.errors import RETRY_AFTER_S, ApiError, BadRequest, NotFound, PayloadTooLarge, Timeout
 from epdserve.media.errors import MEDIA_CODES
 
 
@@ -41,6 +41,8 @@ def error_response(upstream: aiohttp.ClientResponse, raw: bytes) -> web.Response
     for h in ("Content-Type", "Retry-After"):
         if h in upstream.headers:
             resp.headers[h] = upstream.headers[h]
+    if upstream.status in (429, 503):  # every 429 and 503 says when to retry
+        resp.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
     return resp
 
 
