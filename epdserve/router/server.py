@@ -104,6 +104,7 @@ from epdserve.transfer.config import HANDLE_PURPOSE
 log = logging.getLogger(__name__)
 
 FAST_PROBE_S = 0.1  # probe period while no worker is healthy, or at start-up until all have been
+MAX_REFUSED = 4096  # refused workers remembered (to log each once)
 STARTUP_PROBE_S = 60.0  # how long start-up's fast probing waits for workers named but not yet up
 
 _TAIL = len(SSE_DONE)
@@ -183,6 +184,7 @@ class Router:
         assert config.auth.cluster is not None  # checked by RouterConfig
         self.cluster = config.auth.cluster
         self.networks = WorkerNetworks.of(config.worker_networks, config.host)  # where workers may join from
+        self._refused: set[tuple[str, str]] = set()  # (role, url) refused admission, not yet admitted
         # kv_aware chooses by cached prefix itself; the pools balance load when no prefix is known
         policy: Policy = "least_outstanding" if config.policy == "kv_aware" else config.policy
         self.dns: list[tuple[WorkerPool, DnsSource]] = []  # names resolved again every dns_interval_s
@@ -407,10 +409,10 @@ class Router:
         found = await asyncio.gather(*(src.resolve() for _, src in self.dns))
         for (pool, src), urls in zip(self.dns, found, strict=True):
             before = self._dns_urls.get((pool.role, src), set())
+            new = [url for url in urls - before if url not in pool.workers]
+            refused = await asyncio.gather(*(self._admit(pool.role, url, f"found by {src}") for url in new))
+            urls = urls - {url for url, why in zip(new, refused, strict=True) if why}  # asked again next time
             for url in urls - before:
-                if url not in pool.workers and await self._admit(pool.role, url, f"found by {src}") is not None:
-                    urls = urls - {url}  # asked again at the next resolution
-                    continue
                 pool.add(url)
                 log.info("%s %s found by %s", pool.role, url, src)
             for url in before - urls:
@@ -432,8 +434,14 @@ class Router:
             refused = await prove(self.session, self.cluster, url)
         except NotAllowed as e:
             refused = str(e)
-        if refused is not None:
-            log.warning("%s %s (%s) kept out of the pool: %s", role, url, why, refused)
+        if refused is not None:  # said once per worker; a DNS name asks again every round
+            level = logging.DEBUG if (role, url) in self._refused else logging.WARNING
+            log.log(level, "%s %s (%s) kept out of the pool: %s", role, url, why, refused)
+            if len(self._refused) >= MAX_REFUSED:
+                self._refused.clear()  # a bound on what registrations can make the router hold
+            self._refused.add((role, url))
+        else:
+            self._refused.discard((role, url))
         return refused
 
     async def _get_internal(self, w: Worker, path: str, limit: int, timeout_s: float) -> bytes | None:
