@@ -287,3 +287,57 @@ def test_a_kv_handle_continues_only_its_own_prompt(deployment: Deployment) -> No
     status, out = decode(a, prefill(a)[0])  # its own prompt: continued
     assert status == 200, out
     assert out["choices"][0]["message"]["content"] is not None
+
+
+# ---------------------------------------------------------------------------- the scheme itself
+
+
+def test_a_proof_verifies_only_for_its_target_request_and_time() -> None:
+    cluster = ClusterCredential.generate()
+    v = peers.PeerVerifier(cluster, names=("worker-0.ns",))
+    sock = ("10.0.0.5", 8001)
+    body = b'{"x": 1}'
+
+    def check(url: str, method: str = "POST", path: str = "/v1/encode", data: bytes = body, **kw: float) -> None:
+        header = peers.sign(cluster, "POST", url, body, **kw)[peers.PEER_HEADER]
+        v.verify(header, method, path, data, sock)
+
+    check("http://10.0.0.5:8001/v1/encode")
+    check("http://Worker-0.NS:8001/v1/encode")  # its advertised name, on its port
+    for url in ("http://10.0.0.6:8001/v1/encode", "http://10.0.0.5:8002/v1/encode", "http://evil:8001/v1/encode"):
+        with pytest.raises(peers.WrongPeer):
+            check(url)
+    with pytest.raises(peers.PeerAuthError, match="does not verify"):
+        check("http://10.0.0.5:8001/v1/encode", path="/v1/release")
+    with pytest.raises(peers.PeerAuthError, match="does not verify"):
+        check("http://10.0.0.5:8001/v1/encode", method="GET")
+    with pytest.raises(peers.PeerAuthError, match="does not verify"):
+        check("http://10.0.0.5:8001/v1/encode", data=b'{"x": 2}')
+    with pytest.raises(peers.PeerAuthError, match="expired"):
+        check("http://10.0.0.5:8001/v1/encode", now=time.time() - peers.WINDOW_S - 5)
+    other = peers.sign(ClusterCredential.generate(), "POST", "http://10.0.0.5:8001/v1/encode", body)
+    with pytest.raises(peers.PeerAuthError, match="does not verify"):
+        v.verify(other[peers.PEER_HEADER], "POST", "/v1/encode", body, sock)
+    for garbage in ("", "v2 x", "v1 target=a ts=1", "v1 target=a ts=x nonce=00 mac=00", "v1 " + "a" * 600):
+        with pytest.raises(peers.PeerAuthError):
+            v.verify(garbage, "POST", "/v1/encode", body, sock)
+
+
+def test_the_replay_cache_is_bounded_and_forgets_only_expired_nonces() -> None:
+    cache = peers.ReplayCache(capacity=3)
+    assert all(cache.first_use(n, until=100.0, now=0.0) for n in "abc")
+    assert not cache.first_use("a", until=100.0, now=1.0)  # a replay
+    assert not cache.first_use("d", until=100.0, now=1.0)  # full of live nonces: refused, not evicted
+    assert not cache.first_use("b", until=100.0, now=2.0)
+    assert cache.first_use("d", until=300.0, now=101.0)  # a, b, c expired with their window
+    assert not cache.first_use("d", until=300.0, now=102.0)
+
+
+def test_the_prompt_digest_tells_prompts_and_media_apart() -> None:
+    from epdserve.transfer.kv import prompt_digest
+
+    base = prompt_digest([1, 2, 3, 4], [("img-a", 1, 2)])
+    assert base == prompt_digest([1, 2, 3, 4], [("img-a", 1, 2)])
+    assert base != prompt_digest([1, 2, 3, 5], [("img-a", 1, 2)])
+    assert base != prompt_digest([1, 2, 3, 4], [("img-b", 1, 2)])  # same placeholders, another image
+    assert base != prompt_digest([1, 2, 3, 4], [("img-a", 0, 2)])

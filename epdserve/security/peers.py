@@ -56,6 +56,8 @@ def authority(host: str, port: int) -> str:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return f"{host.rstrip('.')}:{port}"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack socket's view
+        ip = ip.ipv4_mapped
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
