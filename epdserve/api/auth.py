@@ -128,7 +128,7 @@ def attest_route(verifier: PeerVerifier | None) -> Handler:
         try:
             info = msgspec.json.decode(await request.read())
             nonce, target = info["nonce"], info["target"]
-            if not isinstance(nonce, str) or not isinstance(target, str) or not 16 <= len(nonce) <= 128:
+            if not isinstance(target, str) or not isinstance(nonce, str) or not 16 <= len(bytes.fromhex(nonce)) <= 64:
                 raise ValueError
         except (msgspec.DecodeError, KeyError, TypeError, ValueError):
             raise BadRequest('the body must be {"nonce": <hex>, "target": "host:port"}') from None
