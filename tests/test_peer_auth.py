@@ -247,6 +247,28 @@ def test_a_process_without_the_secret_gets_nothing(deployment: Deployment) -> No
             assert not {k.lower() for k in seen.headers} & {peers.PEER_HEADER.lower(), "authorization"}
 
 
+def test_a_dns_record_pointing_at_a_process_without_the_secret_brings_it_nothing() -> None:
+    with spying(None) as spy:
+        port = free_port()
+        router_url = f"http://127.0.0.1:{port}"
+        args = ["router", "--port", str(port), "--pds", f"dns+http://localhost:{spy.url.rsplit(':', 1)[1]}"]
+        router = start_role(
+            [*args, "--dns-interval-s", "0.2", "--probe-interval", "0.2"], env={"EPD_ADMIN_KEY": ADMIN_KEY}
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while sum(s.path == "/v1/attest" for s in spy.seen) < 3:  # asked again at every resolution
+                assert time.monotonic() < deadline, [s.path for s in spy.seen]
+                time.sleep(0.1)
+            status, raw = http("GET", router_url + "/v1/workers", headers=ADMIN)
+            assert status == 200 and json.loads(raw)["pds"] == []
+            assert http("GET", router_url + "/health")[0] == 503
+        finally:
+            stop(router)
+        assert {s.path for s in spy.seen} == {"/v1/attest"}
+        assert not any({k.lower() for k in s.headers} & {peers.PEER_HEADER.lower(), "authorization"} for s in spy.seen)
+
+
 def test_a_challenge_relayed_to_a_real_worker_is_not_answered(deployment: Deployment) -> None:
     """A process without the secret cannot borrow a real worker's answer for its own address."""
     body = json.dumps({"nonce": peers.challenge(), "target": "127.0.0.1:9"}).encode()
