@@ -132,6 +132,7 @@ ROUTER_FLAGS = (
     "encoder_policy",
     Flag("probe_interval_s", "--probe-interval"),
     "dns_interval_s",
+    "worker_networks",
     "dispatch",
     "dispatch_interference",
     "directory_entries",
@@ -340,7 +341,12 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                 secret=secret,
                 store=StoreConfig(**values(args, STORE_CONSUMER_FLAGS, STORE_PREFIX)),
             ),
-            auth=AuthConfig(api_key=api_key_from(args.api_key), cluster=cluster, internal_only=args.internal_only),
+            auth=AuthConfig(
+                api_key=api_key_from(args.api_key),
+                cluster=cluster,
+                internal_only=args.internal_only,
+                names=_names(registration),
+            ),
             registration=registration,
             **public_limits(args),
         )
@@ -373,7 +379,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
             ec=ECConfig(
                 **ec, secret=cluster.secret.decode(), store=StoreConfig(**values(args, STORE_FLAGS, STORE_PREFIX))
             ),
-            auth=AuthConfig(cluster=cluster),
+            auth=AuthConfig(cluster=cluster, names=_names(registration)),
             registration=registration,
         )
     )
@@ -578,6 +584,12 @@ def registration_config(args: argparse.Namespace, connector: str | None) -> Regi
     if connector == "tcp" and is_wildcard(reg.advertise_host or args.host):
         _usage_error(f"listening on {args.host}: set --advertise-host, the address peers dial for tcp transfers")
     return reg
+
+
+def _names(registration: RegistrationConfig) -> tuple[str, ...]:
+    """Hosts peers may address this role by besides its socket's address (internal requests'
+    proofs name the host they were sent to)."""
+    return (registration.advertise_host,) if registration.advertise_host else ()
 
 
 def add_log_args(s: argparse.ArgumentParser, default: str | None = "text") -> None:

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from epdserve.api.auth import Access, AuthConfig, guard
+from epdserve.api.auth import Access, AuthConfig, attest_route, guard
 from epdserve.api.errors import ApiError, PayloadTooLarge, from_media_error
 from epdserve.media.errors import MediaError
 
@@ -66,8 +66,10 @@ def role_app(
     """The aiohttp app of one role: its routes (and ``GET /version``, as vLLM serves it) behind
     the error middleware and their access checks, with lifecycle hooks."""
     app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
-    for method, path, handler, access in [*routes, ("GET", "/version", version, "open")]:
-        app.router.add_route(method, path, guard(handler, access, auth))
+    verifier = auth.verifier()  # one replay cache per app
+    extra: list[Route] = [("GET", "/version", version, "open"), ("POST", "/v1/attest", attest_route(verifier), "open")]
+    for method, path, handler, access in [*routes, *extra]:
+        app.router.add_route(method, path, guard(handler, access, auth, verifier))
 
     async def on_startup(app: web.Application) -> None:
         await start()

@@ -45,6 +45,7 @@ from epdserve.api.errors import (
     EMBEDS_UNAVAILABLE,
     ApiError,
     BadRequest,
+    Forbidden,
     NotFound,
     Overloaded,
     Timeout,
@@ -94,17 +95,20 @@ from epdserve.router.discovery import MAX_HEARTBEAT_S, DnsSource, Leases, is_wor
 from epdserve.router.dispatch import Dispatch, DispatchModel, Side
 from epdserve.router.frontend_decode import FrontendDecodeConfig, FrontendDecoder
 from epdserve.router.kv_routing import Blocks, KVIndex, PromptBlocks
+from epdserve.router.membership import NotAllowed, WorkerNetworks, prove
 from epdserve.router.pool import NoWorker, PDPolicy, Policy, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.split import SplitChat
 from epdserve.router.trail import ROUTER_STAGES, Trail
 from epdserve.router.upstream import RetryableWorker, about_media, error_code, error_response, passthrough_error
+from epdserve.security.peers import sign
 from epdserve.transfer.cached import cached_handle
 from epdserve.transfer.config import HANDLE_PURPOSE
 
 log = logging.getLogger(__name__)
 
 FAST_PROBE_S = 0.1  # probe period while no worker is healthy, or at start-up until all have been
+MAX_REFUSED = 4096  # refused workers remembered (to log each once)
 STARTUP_PROBE_S = 60.0  # how long start-up's fast probing waits for workers named but not yet up
 
 _TAIL = len(SSE_DONE)
@@ -150,6 +154,7 @@ class RouterConfig:
     log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
     directory_entries: int = 65536  # media held in the shared store the router remembers, to skip their encode
     dns_interval_s: float = 5.0  # how often dns+http:// worker sources are resolved again
+    worker_networks: tuple[str, ...] = ()  # CIDRs registered or DNS-found workers may be in (default: the router's own)
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, admin key, cluster credential
     quota: QuotaConfig = field(default_factory=QuotaConfig)  # per-key limits: requests in flight, tokens per minute
     exposure: ExposureConfig = field(default_factory=ExposureConfig)  # what /metrics shows without credentials
@@ -167,6 +172,7 @@ class RouterConfig:
             raise ValueError(f"unknown encoder policy {self.encoder_policy!r}; choose from {get_args(Policy)}")
         if bool(self.prefills) != bool(self.decodes):
             raise ValueError("P/D disaggregation needs both prefill and decode workers")
+        WorkerNetworks.of(self.worker_networks, self.host)  # a malformed CIDR is a configuration error
         if self.auth.cluster is None:
             raise ValueError(
                 "the router needs the cluster credential to call its workers: set EPD_CLUSTER_SECRET "
@@ -185,7 +191,9 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         assert config.auth.cluster is not None  # checked by RouterConfig
-        self.internal_headers = config.auth.cluster.headers()
+        self.cluster = config.auth.cluster
+        self.networks = WorkerNetworks.of(config.worker_networks, config.host)  # where workers may join from
+        self._refused: set[tuple[str, str]] = set()  # (role, url) refused admission, not yet admitted
         # kv_aware chooses by cached prefix itself; the pools balance load when no prefix is known
         policy: Policy = "least_outstanding" if config.policy == "kv_aware" else config.policy
         self.dns: list[tuple[WorkerPool, DnsSource]] = []  # names resolved again every dns_interval_s
@@ -415,6 +423,9 @@ class Router:
         found = await asyncio.gather(*(src.resolve() for _, src in self.dns))
         for (pool, src), urls in zip(self.dns, found, strict=True):
             before = self._dns_urls.get((pool.role, src), set())
+            new = [url for url in urls - before if url not in pool.workers]
+            refused = await asyncio.gather(*(self._admit(pool.role, url, f"found by {src}") for url in new))
+            urls = urls - {url for url, why in zip(new, refused, strict=True) if why}  # asked again next time
             for url in urls - before:
                 pool.add(url)
                 log.info("%s %s found by %s", pool.role, url, src)
@@ -424,12 +435,35 @@ class Router:
                     log.info("%s %s gone from %s", pool.role, url, src)
             self._dns_urls[(pool.role, src)] = urls
 
+    def signed(self, method: str, url: str, body: bytes = b"") -> dict[str, str]:
+        """The proof of the cluster credential for one internal request (``security.peers``)."""
+        return sign(self.cluster, method, url, body)
+
+    async def _admit(self, role: str, url: str, why: str) -> str | None:
+        """None when a worker not on the command line may join: its address is in the worker
+        networks and it proves it holds the cluster credential; else the reason (logged)."""
+        assert self.session is not None
+        try:
+            await self.networks.check(url)
+            refused = await prove(self.session, self.cluster, url)
+        except NotAllowed as e:
+            refused = str(e)
+        if refused is not None:  # said once per worker; a DNS name asks again every round
+            level = logging.DEBUG if (role, url) in self._refused else logging.WARNING
+            log.log(level, "%s %s (%s) kept out of the pool: %s", role, url, why, refused)
+            if len(self._refused) >= MAX_REFUSED:
+                self._refused.clear()  # a bound on what registrations can make the router hold
+            self._refused.add((role, url))
+        else:
+            self._refused.discard((role, url))
+        return refused
+
     async def _get_internal(self, w: Worker, path: str, limit: int, timeout_s: float) -> bytes | None:
         """The body (at most ``limit`` bytes) of a worker's internal ``GET path``, None unless it
         answers 200; a worker that cannot be reached raises (aiohttp, timeout, OS errors)."""
         assert self.session is not None
         async with self.session.get(
-            w.url + path, headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            w.url + path, headers=self.signed("GET", w.url + path), timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as r:
             return await r.content.read(limit) if r.status == 200 else None
 
@@ -658,7 +692,9 @@ class Router:
         for pd in self.lm_workers:
             try:
                 async with self.session.get(
-                    pd.url + "/v1/models", headers=self.internal_headers, timeout=aiohttp.ClientTimeout(total=5)
+                    pd.url + "/v1/models",
+                    headers=self.signed("GET", pd.url + "/v1/models"),
+                    timeout=aiohttp.ClientTimeout(total=5),
                 ) as r:
                     return r.status, await r.read()
             except (aiohttp.ClientError, TimeoutError, OSError):
@@ -814,7 +850,7 @@ class Router:
                     data=body,
                     headers={
                         "Content-Type": "application/json",
-                        **self.internal_headers,
+                        **self.signed("POST", w.url + "/v1/encode", body),
                         **({REQUEST_ID_HEADER: rid} if rid else {}),
                         **trace,
                     },
@@ -890,11 +926,12 @@ class Router:
 
     async def _release_on(self, url: str, handles: list[dict]) -> None:
         assert self.session is not None
+        body = encode_release(ReleaseRequest(handles=handles))
         try:
             async with self.session.post(
                 url + "/v1/release",
-                data=encode_release(ReleaseRequest(handles=handles)),
-                headers={"Content-Type": "application/json", **self.internal_headers},
+                data=body,
+                headers={"Content-Type": "application/json", **self.signed("POST", url + "/v1/release", body)},
                 timeout=aiohttp.ClientTimeout(total=10),
             ) as r:
                 await r.read()
@@ -1112,7 +1149,12 @@ class Router:
             return await self.session.post(
                 worker.url + path,
                 data=body,
-                headers={"Content-Type": "application/json", **self.internal_headers, **trail.ask(), **(trace or {})},
+                headers={
+                    "Content-Type": "application/json",
+                    **self.signed("POST", worker.url + path, body),
+                    **trail.ask(),
+                    **(trace or {}),
+                },
                 timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
             )
         except TimeoutError:
@@ -1187,6 +1229,10 @@ class Router:
                 return web.json_response({"removed": False})  # a worker leaving: the command line's entry stays
             self.static.discard((pool.role, url))  # the admin's removal: whatever listed it
             return web.json_response({"removed": pool.remove(url)})
+        if url not in pool.workers:
+            refused = await self._admit(pool.role, url, "registering")
+            if refused is not None:
+                raise Forbidden(f"The worker was not registered: {refused}.")
         if heartbeat is not None and (pool.role, url) not in self.static:
             self.leases.renew(pool.role, url, HEARTBEATS_PER_LEASE * heartbeat)
         elif heartbeat is None:

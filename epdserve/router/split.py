@@ -276,11 +276,12 @@ class SplitChat:
         r = self.r
         if handle is None or r.session is None:
             return
+        body = msgspec.json.encode({"handles": [handle]})
         try:
             async with r.session.post(
                 prefill.url + "/v1/kv/release",
-                data=msgspec.json.encode({"handles": [handle]}),
-                headers={"Content-Type": "application/json", **r.internal_headers},
+                data=body,
+                headers={"Content-Type": "application/json", **r.signed("POST", prefill.url + "/v1/kv/release", body)},
                 timeout=aiohttp.ClientTimeout(total=10),
             ) as resp:
                 await resp.read()
