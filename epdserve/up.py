@@ -38,8 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdserve.launcher import ENGINE_CORE_DIED_EXIT, Cancelled, free_port, is_healthy, port_available
-from epdserve.models.config import ModelConfig
+from epdserve.launcher import (
+    ENGINE_CORE_DIED_EXIT,
+    PORT_IN_USE_EXIT,
+    Cancelled,
+    free_port,
+    is_healthy,
+    port_available,
+)
+from epdserve.models.config import ModelConfig, check_model_dir
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor, exit_reason
@@ -270,6 +277,8 @@ class Deployment:
                 raise Cancelled("start-up")
             for r in loading:
                 code = r.proc.poll()
+                if code == PORT_IN_USE_EXIT and r.url == self.url:  # another ``up`` took the port after our check
+                    raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
                 if code is not None and code != ENGINE_CORE_DIED_EXIT and r.restart_at is None:
                     where = f"its log: {r.log}" if r.log else "its output is above"
                     raise StartupError(f"{r.name} exited with {exit_reason(code)} during start-up ({where})")
@@ -298,6 +307,7 @@ class Deployment:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.model_args:  # a model no role can serve fails here, once, before any role starts
             ModelConfig.from_pretrained(self.model_args[1])
+            check_model_dir(self.model_args[1], tokenizer=True)
         topo = self.topology
         try:
             if topo.aggregated:

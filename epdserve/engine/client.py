@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +40,7 @@ from epdserve.engine.messages import (
     frame,
     frame_length,
 )
+from epdserve.launcher import python_module
 
 if TYPE_CHECKING:
     from epdserve.engine.core import EngineCore
@@ -219,7 +219,7 @@ class MPClient:
         if self._proc is not None:
             return
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "epdserve.engine.core_proc", str(theirs.fileno()), str(os.getpid())]
+        cmd = python_module("epdserve.engine.core_proc", str(theirs.fileno()), str(os.getpid()))
         self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.pid = self._proc.pid

@@ -17,6 +17,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from epdserve.models.config import check_model_dir
+
 
 class TemplateError(ValueError):
     """The chat template refused the messages (its ``raise_exception``) or could not render."""
@@ -25,6 +27,7 @@ class TemplateError(ValueError):
 class FastTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
+        check_model_dir(d, tokenizer=True)
         self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
         cfg_path = d / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
