@@ -138,6 +138,7 @@ ROUTER_FLAGS = (
     "max_inflight_media",
     "admission_wait_s",
     "text_ttft_target_ms",
+    "encoder_wait_s",
     STATS_INTERVAL,
     OTLP,
     Flag("model", default_help="the embedded model"),

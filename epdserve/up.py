@@ -265,7 +265,7 @@ class Deployment:
 
     def _wait(self, roles: list[Role], router: Role | None = None, counts: dict[str, int] | None = None) -> None:
         """Until every role has answered /health and, given a router, the router has found each kind
-        of role healthy (``counts``: its /health counts). All are watched together, so a role that is
+        of role healthy (``counts``: its /ready counts). All are watched together, so a role that is
         healthy cannot die unnoticed behind one still loading. A role that exits before it was ever
         healthy stops the start; one that was (its own /health answered, or it exited because its
         engine core died, which only a started role can) is restarted, as after start-up."""
@@ -293,7 +293,7 @@ class Deployment:
     @staticmethod
     def _router_found(router: Role, counts: dict[str, int]) -> bool:
         try:
-            with urllib.request.urlopen(router.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(router.url + "/ready", timeout=1) as r:
                 seen = json.loads(r.read())
         except (OSError, ValueError):
             return False
