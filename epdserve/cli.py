@@ -112,7 +112,7 @@ STORE_FLAGS = (
 STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host", "protocol", "device")
 KV_PREFIX = "--kv-"
 KV_FLAGS = (
-    "connector",
+    Flag("connector", help="how a prefill instance hands a prompt's KV to decode instances: shm (same host) or tcp"),
     "shm_bytes",
     "shm_dir",
     "tcp_host",
@@ -158,6 +158,7 @@ MEDIA_FLAGS = (
 UP_FORWARDED = (
     (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries", "dispatch_interference"), "router"),
     (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s", "text_ttft_target_ms"), "router"),
+    (ROUTER, ("encoder_wait_s",), "router"),
     (SERVER, PUBLIC_FLAGS, "public"),
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("kernels", "threads", "device", "dtype"), "models"),
@@ -628,7 +629,7 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     without importing them: the supervisor stays free of torch)."""
     from epdserve.up import TOPOLOGIES_HELP, topology_arg
 
-    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default 1e+1pd)")
+    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default: 1e+1pd)")
     add_flags(s, SERVER, [MODEL], defaults=False)
     s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
