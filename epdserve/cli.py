@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from epdserve.allocator import keep_freed_memory
 from epdserve.assets import default_model_dir
-from epdserve.config_flags import Flag, add_flags, to_argv, values
+from epdserve.config_flags import Flag, add_flags, declared_default, to_argv, values
 from epdserve.launcher import PORT_IN_USE_EXIT, port_available
 from epdserve.models.config import ConfigError
 from epdserve.models.registry import UnknownArchitectureError
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from epdserve.pd.config import ServerConfig
     from epdserve.router.server import RouterConfig
     from epdserve.security.credentials import ClusterCredential
+    from epdserve.sizing import Caches
     from epdserve.up import Deployment
 
 T = TypeVar("T")
@@ -501,6 +502,24 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         verbose=True,
         mooncake_master=args.mooncake_master,
         **({"dispatch": args.dispatch} if args.dispatch else {}),
+        caches=None if args.force else up_caches(args),
+    )
+
+
+def up_caches(args: argparse.Namespace) -> Caches:
+    """What sizes ``up``'s roles: the flags given, else each role's default as its config declares it."""
+    from epdserve.sizing import Caches
+
+    def given(name: str, config: str, field: str | None = None) -> str:
+        value = getattr(args, name, None)
+        return str(value) if value is not None else str(declared_default(config, field or name))
+
+    return Caches(
+        dtype=given("dtype", ENGINE),
+        num_kv_blocks=int(given("num_kv_blocks", ENGINE)),
+        block_size=int(given("block_size", ENGINE)),
+        encoder_cache_bytes=int(given("encoder_cache_bytes", ENCODER)),
+        engine_cache_bytes=int(declared_default(ENGINE, "encoder_cache_bytes") or 0),
     )
 
 
@@ -634,6 +653,11 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
     s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the topology's estimated memory or process count exceeds this machine",
+    )
     add_flags(s, EC, ["connector"], EC_PREFIX)
     s.add_argument(
         "--kv-connector",

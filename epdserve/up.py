@@ -16,7 +16,8 @@ tower). Every role is its own process (its own process group), optionally pinned
   dies, and SIGINT/SIGTERM/SIGHUP stop everything at any time (a second one kills at once).
 
 Exit codes of ``run_up``: 0 after a stop asked for by a signal, 1 when a role failed to start,
-2 when the public port is taken (argparse also exits 2 on bad flags).
+2 when the public port is taken or the topology does not fit the machine (argparse also exits 2
+on bad flags).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from epdserve.launcher import (
 )
 from epdserve.models.config import ModelConfig, check_model_dir
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
+from epdserve.sizing import Caches, TooLargeError
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor, exit_reason
 from epdserve.transfer.config import Connector
@@ -197,6 +199,7 @@ class Deployment:
         verbose: bool = False,
         mooncake_master: bool = False,
         dispatch: Dispatch = "always",
+        caches: Caches | None = None,
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -221,6 +224,7 @@ class Deployment:
         self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
         self.master: MooncakeMaster | None = None
         self.dispatch = dispatch  # behind encoders: where the router has media encoded
+        self.caches = caches  # what sizes the roles' memory; None: no size check (``up --force``)
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
         self.startup_s = 0.0
@@ -308,6 +312,8 @@ class Deployment:
         if self.model_args:  # a model no role can serve fails here, once, before any role starts
             ModelConfig.from_pretrained(self.model_args[1])
             check_model_dir(self.model_args[1], tokenizer=True)
+        if self.caches is not None:
+            self._check_fit(self.caches)
         topo = self.topology
         try:
             if topo.aggregated:
@@ -319,6 +325,20 @@ class Deployment:
             self.stop()
             raise
         self.startup_s = time.time() - t0
+
+    def _check_fit(self, caches: Caches) -> None:
+        """The topology against this machine's memory and cores (``TooLargeError`` with the numbers)."""
+        from epdserve.assets import default_model_dir
+        from epdserve.sizing import check_fit, gib
+
+        topo = self.topology
+        model = Path(self.model_args[1]) if self.model_args else default_model_dir()
+        encode = topo.aggregated or not topo.encoders or self.dispatch != "always"  # workers hold the tower
+        fit = check_fit(model, topo.encoders, len(topo.workers), encode, caches, router=not topo.aggregated)
+        self._say(
+            f"fits: about {gib(fit.need_bytes)} of {gib(fit.available_bytes)} available memory, "
+            f"{fit.processes} model process(es) on {fit.cores} core(s)"
+        )
 
     def _start_disaggregated(self, topo: Topology) -> None:
         plan = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else CorePlan({}, {})
@@ -443,8 +463,8 @@ def run_up(deployment: Deployment) -> int:
             deployment.start()
         except Cancelled:
             return 0
-        except PortInUseError as e:
-            print(f"epdserve up: {e}", file=sys.stderr, flush=True)
+        except (PortInUseError, TooLargeError) as e:
+            print(f"epdserve up: error: {e}", file=sys.stderr, flush=True)
             return 2
         except StartupError as e:
             print(f"epdserve up: {e}; stopped everything", file=sys.stderr, flush=True)

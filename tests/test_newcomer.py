@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,14 @@ class Up:
         return self.proc.returncode
 
 
+def status(url: str) -> int:
+    """The HTTP status of a GET, 0 while nothing listens."""
+    try:
+        return http("GET", url, timeout=5)[0]
+    except OSError:
+        return 0
+
+
 def image_chat(url: str, timeout: float = 120.0) -> tuple[int, bytes]:
     img = image_data_url(ShapesWorld(3).scene().render())
     body = {
@@ -200,19 +209,24 @@ def test_an_image_request_waits_for_an_encoder_that_restarts(deployment: Up) -> 
 
 
 def test_not_ready_answers_carry_retry_after() -> None:
-    """A router whose workers are not up: /ready is 503 with Retry-After, /health too."""
-    from tests.server_utils import running
+    """A router whose workers are not up: /ready and /health are 503 with Retry-After."""
+    from epdserve.launcher import start_role, stop
 
-    dead = f"http://127.0.0.1:{free_port()}"
-    with running(["router", "--encoders", dead, "--pds", dead]) as url:
+    dead, port = f"http://127.0.0.1:{free_port()}", free_port()
+    router = start_role(["router", "--encoders", dead, "--pds", dead, "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while status(url + "/version") != 200:  # it listens
+            assert router.poll() is None and time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.1)
         for path in ("/ready", "/health"):
-            req = urllib.request.Request(url + path)
-            try:
-                urllib.request.urlopen(req, timeout=10)
-                raise AssertionError(f"{path} answered 200 with no worker up")
-            except urllib.error.HTTPError as e:
-                assert e.code == 503
-                assert e.headers["Retry-After"], path
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(url + path, timeout=10)
+            assert answer.value.code == 503, path
+            assert int(answer.value.headers["Retry-After"]) >= 1, path
+    finally:
+        stop(router)
 
 
 # ---- one URL form ------------------------------------------------------------------------------------
@@ -351,3 +365,29 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     after = run(tmp_path, "up", "--model", str(model), "--debug")
     assert "Traceback" not in quiet.stderr
     assert "Traceback" in loud.stderr and "Traceback" in after.stderr, loud.stderr
+
+
+# ---- size check --------------------------------------------------------------------------------------
+
+
+def test_a_topology_too_large_for_the_machine_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    done = run(tmp_path, "up", "--topology", "100e+1pd", "--port", str(free_port()))
+    line = one_line_error(done, "100 encoder", "GiB", "available", "--force")
+    assert done.returncode == 2
+    assert "core" in line
+    assert "pid" not in done.stderr  # nothing was started
+
+
+def test_the_estimate_grows_with_the_caches_and_the_roles() -> None:
+    from epdserve.sizing import Caches, TooLargeError, available_memory, check_fit, estimate
+
+    model = default_model_dir()
+    small = Caches("float32", 64, 16, 1 << 20, 1 << 20)
+    fit = check_fit(model, 1, 1, False, small, router=True)
+    assert 0 < fit.need_bytes < fit.available_bytes
+    big_kv = Caches("float32", 1 << 24, 16, 1 << 20, 1 << 20)
+    worker = {r.kind: r.bytes_each for r in estimate(model, 1, 1, False, big_kv, True)}["language-model worker"]
+    assert worker > {r.kind: r.bytes_each for r in fit.roles}["language-model worker"]
+    huge = Caches("float32", 64, 16, available_memory(), 1 << 20)  # one encoder's cache alone fills the memory
+    with pytest.raises(TooLargeError, match="--force"):
+        check_fit(model, 1, 1, False, huge, router=True)
