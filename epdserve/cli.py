@@ -503,6 +503,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         mooncake_master=args.mooncake_master,
         **({"dispatch": args.dispatch} if args.dispatch else {}),
         caches=None if args.force else up_caches(args),
+        log_json=args.log_format == "json",
     )
 
 

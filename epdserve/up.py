@@ -37,7 +37,7 @@ import urllib.request
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from epdserve.launcher import (
     ENGINE_CORE_DIED_EXIT,
@@ -200,6 +200,7 @@ class Deployment:
         mooncake_master: bool = False,
         dispatch: Dispatch = "always",
         caches: Caches | None = None,
+        log_json: bool = False,
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -225,6 +226,7 @@ class Deployment:
         self.master: MooncakeMaster | None = None
         self.dispatch = dispatch  # behind encoders: where the router has media encoded
         self.caches = caches  # what sizes the roles' memory; None: no size check (``up --force``)
+        self.log_json = log_json  # up's own lines as JSON objects (``--log-format json``)
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
         self.startup_s = 0.0
@@ -241,7 +243,18 @@ class Deployment:
 
     def _say(self, text: str) -> None:
         if self.verbose:
-            print(f"epdserve up: {text}", file=sys.stderr, flush=True)
+            self.line(text)
+
+    def line(self, text: str, level: str = "INFO", out: TextIO | None = None, **fields: object) -> None:
+        """One of ``up``'s own lines (stderr unless ``out``): text, or with ``log_json`` one JSON
+        object as the roles write them (``fields`` added as keys)."""
+        if self.log_json:
+            now = time.time()
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+            record = {"time": stamp, "level": level, "logger": "epdserve.up", "message": text, **fields}
+            print(json.dumps(record), file=out or sys.stderr, flush=True)
+        else:
+            print(f"epdserve up: {'error: ' if level == 'ERROR' else ''}{text}", file=out or sys.stderr, flush=True)
 
     def _env(self, public: bool, router: bool) -> dict[str, str | None]:
         return {
@@ -279,10 +292,11 @@ class Deployment:
         while time.monotonic() < deadline:
             if self.stop_signal:
                 raise Cancelled("start-up")
+            # another ``up`` took the public port after our check: then the health of its server,
+            # at the same address, is no sign of ours
+            self._check_public_port()
             for r in loading:
                 code = r.proc.poll()
-                if code == PORT_IN_USE_EXIT and r.url == self.url:  # another ``up`` took the port after our check
-                    raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
                 if code is not None and code != ENGINE_CORE_DIED_EXIT and r.restart_at is None:
                     where = f"its log: {r.log}" if r.log else "its output is above"
                     raise StartupError(f"{r.name} exited with {exit_reason(code)} during start-up ({where})")
@@ -293,6 +307,10 @@ class Deployment:
             time.sleep(STARTUP_POLL_S)
         waiting = ", ".join(r.name for r in loading) or "the router's view of every role"
         raise StartupError(f"not healthy after {self.startup_timeout_s:.0f}s: {waiting}")
+
+    def _check_public_port(self) -> None:
+        if any(r.url == self.url and r.proc.poll() == PORT_IN_USE_EXIT for r in self.roles):
+            raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
 
     @staticmethod
     def _router_found(router: Role, counts: dict[str, int]) -> bool:
@@ -399,6 +417,7 @@ class Deployment:
         """Restart roles that die, until ``request_stop``."""
         supervisor = Supervisor(self.roles, self.restart, self._say)
         while not self.stop_signal:
+            self._check_public_port()  # lost to a racing ``up`` whose server answered in our place
             supervisor.check()
             time.sleep(self.restart.poll_s)
 
@@ -464,17 +483,22 @@ def run_up(deployment: Deployment) -> int:
         except Cancelled:
             return 0
         except (PortInUseError, TooLargeError) as e:
-            print(f"epdserve up: error: {e}", file=sys.stderr, flush=True)
+            deployment.line(str(e), "ERROR")
             return 2
         except StartupError as e:
-            print(f"epdserve up: {e}; stopped everything", file=sys.stderr, flush=True)
+            deployment.line(f"{e}; stopped everything", "ERROR")
             return 1
-        print(
-            f"epdserve up: {describe(deployment.topology)} ready in {deployment.startup_s:.1f}s at "
-            f"{deployment.url}/v1  (Ctrl-C to stop)",
-            flush=True,
+        deployment.line(
+            f"{describe(deployment.topology)} ready in {deployment.startup_s:.1f}s at {deployment.url}/v1  (Ctrl-C to stop)",
+            out=sys.stdout,
+            event="ready",
+            url=deployment.url + "/v1",
         )
-        deployment.supervise()
+        try:
+            deployment.supervise()
+        except PortInUseError as e:
+            deployment.line(str(e), "ERROR")
+            return 2
         return 0
     finally:
         deployment.stop()

@@ -143,10 +143,10 @@ def test_up_from_the_parent_of_a_clone_serves_and_demo_takes_its_url_and_key(par
     """The roles (and the engine core each language-model role starts) import the installed
     package, not the folder in the working directory; the URL ``up`` prints works in ``demo``
     as printed (with /v1), with the key given by flag; a wrong or missing key is one line."""
-    u = Up(parent_of_clone, "--topology", "aggregated", "--api-key", "sesame", *SMALL)
+    u = Up(parent_of_clone, "--topology", "aggregated", "--api-key", "sesame", "--log-format", "json", *SMALL)
     try:
         u.wait_ready()
-        printed = next(w for w in u.out.read_text().split() if w.startswith("http://"))
+        printed = json.loads(u.out.read_text().splitlines()[-1])["url"]
         assert printed == u.url + "/v1"
         done = run(parent_of_clone, "demo", "--url", printed, "--api-key", "sesame", "-n", "2", timeout=300)
         assert done.returncode == 0, done.stderr
@@ -159,6 +159,16 @@ def test_up_from_the_parent_of_a_clone_serves_and_demo_takes_its_url_and_key(par
         code = u.stop()
     assert code == 0, u.output()
     assert "shadowed" not in u.output()
+    # with --log-format json every line is JSON: up's own and the role's, its start-up line among them
+    lines = [json.loads(line) for line in (u.out.read_text() + u.err.read_text()).splitlines() if line]
+    assert {line["logger"] for line in lines} == {"epdserve.up"}
+    records = [json.loads(line) for line in (u.logs / "serve.log").read_text().splitlines() if line.startswith("{")]
+    (started,) = [r for r in records if r.get("event") == "started"]
+    assert started["model"] == "shapes-qwen2vl" and started["family"] == "Qwen2VLForConditionalGeneration"
+    assert (started["dtype"], started["device"], started["auth"]) == ("float32", "cpu", "api key")
+    assert started["kernels"].startswith(("fused", "torch (")), started
+    assert started["kv_blocks"] == 64 and started["kv_bytes"].endswith("GiB")
+    assert started["listen"] == f"http://127.0.0.1:{u.port}"
 
 
 def test_demo_against_a_server_that_is_down_says_so_in_one_line(tmp_path: Path) -> None:
@@ -190,6 +200,16 @@ def test_ready_means_every_role_and_start_up_warns_of_nothing(deployment: Up) ->
     assert status == 200
     router_log = (deployment.logs / "router.log").read_text()
     assert "failed its health probe" not in router_log, router_log
+    # each role says once what it runs, how and where
+    for role, says in {
+        "encoder0": ("model=shapes-qwen2vl", "dtype=float32", "kernels=", "ec_connector=shm", 'auth="cluster only"'),
+        "pd0": ("family=Qwen2VLForConditionalGeneration", "kv_blocks=64", "kv_bytes=", 'auth="cluster only"'),
+        "router": ("encoders=1", "pds=1", "auth=off", f"listen=http://127.0.0.1:{deployment.port}"),
+    }.items():
+        started = [line for line in (deployment.logs / f"{role}.log").read_text().splitlines() if " started: " in line]
+        assert len(started) == 1, (role, started)
+        for word in says:
+            assert word in started[0], (role, started[0])
 
 
 def test_an_image_request_waits_for_an_encoder_that_restarts(deployment: Up) -> None:

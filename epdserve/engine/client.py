@@ -132,6 +132,8 @@ class InprocClient:
         from epdserve.engine.loop import StepLoop
 
         self.core = core
+        runner = core.runner
+        self.ready = CoreReady(os.getpid(), core.vision, runner.config.num_kv_blocks, runner.kernels, runner.kv_bytes)
         self._streams = _Streams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._steps = StepLoop(core, self._deliver)
@@ -201,6 +203,7 @@ class MPClient:
         self._task: asyncio.Task | None = None
         self._healthy = False
         self._vision = False
+        self.ready: CoreReady | None = None  # the core's ready message, once it came
         self._closing = False
         self._sock: socket.socket | None = None
         self.pid = 0
@@ -245,6 +248,7 @@ class MPClient:
             await self._kill()
             raise CoreStartError(f"the engine core answered {type(msg).__name__} instead of ready")
         self._vision = msg.vision
+        self.ready = msg  # what the core runs, for the role's start-up line
         self._healthy = True
         self._task = asyncio.create_task(self._read_loop(), name="epd-core-reader")
 

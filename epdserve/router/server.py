@@ -331,16 +331,17 @@ class Router:
             await self.frontend.start()
         self.stats_line.start()
         cfg = self.config
-        log.info(
-            "router on http://%s:%d: encoders %s; prefill+decode workers %s; prefill workers %s; decode "
-            "workers %s; PD policy %s",
-            cfg.host,
-            cfg.port,
-            list(cfg.encoders) or "none",
-            list(cfg.pds) or "none",
-            list(cfg.prefills) or "none",
-            list(cfg.decodes) or "none",
-            cfg.policy,
+        logs.banner(
+            log,
+            "router",
+            encoders=len(cfg.encoders),
+            pds=len(cfg.pds),
+            prefills=len(cfg.prefills),
+            decodes=len(cfg.decodes),
+            policy=cfg.policy,
+            dispatch=cfg.dispatch,
+            listen=f"http://{cfg.host}:{cfg.port}",
+            auth=logs.auth_mode(cfg.auth),
         )
 
     def _stats_fields(self, seconds: float) -> dict[str, object]:
