@@ -817,7 +817,7 @@ COMMANDS = {
         _plan,
         add_plan_args,
     ),
-    "train-shapes": Command("train the shapes-world model (see docs/model.md)", _train_shapes, add_train_args),
+    "train-shapes": Command("train the shapes-world model (see docs/embedded-model.md)", _train_shapes, add_train_args),
 }
 
 
