@@ -411,3 +411,39 @@ def test_the_estimate_grows_with_the_caches_and_the_roles() -> None:
     huge = Caches("float32", 64, 16, available_memory(), 1 << 20)  # one encoder's cache alone fills the memory
     with pytest.raises(TooLargeError, match="--force"):
         check_fit(model, 1, 1, False, huge, router=True)
+
+
+# ---- optional parts ----------------------------------------------------------------------------------
+
+
+def test_sweep_runs_without_matplotlib(tmp_path: Path) -> None:
+    """The heatmaps are optional: without matplotlib the sweep runs, says so, writes its tables."""
+    site = tmp_path / "site"
+    site.mkdir()
+    # an install without the plot extra: importing matplotlib fails
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    out = tmp_path / "out"
+    done = run(
+        tmp_path,
+        "sweep",
+        "--out",
+        str(out),
+        "--topologies",
+        "aggregated",
+        "--images",
+        "1",
+        "--output-lens",
+        "4",
+        "--requests",
+        "1",
+        "--warmup",
+        "0",
+        "--no-progress",
+        timeout=600,
+        env=clean_env(PYTHONPATH=path),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no heatmaps" in done.stderr and "epdserve[plot]" in done.stderr
+    assert (out / "report.md").is_file() and (out / "sweep.json").is_file()
+    assert not list(out.glob("*.png"))

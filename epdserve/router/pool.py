@@ -111,7 +111,9 @@ class WorkerPool:
                     ok = r.status == 200
             except (aiohttp.ClientError, TimeoutError, OSError):
                 ok = False
-            if ok and not w.healthy:
+            if ok and not w.seen:
+                log.info("%s %s is up", self.role, w.url)
+            elif ok and not w.healthy:
                 log.info("%s %s is healthy again", self.role, w.url)
             if not ok and w.healthy and w.seen:  # one still starting has not failed anything
                 log.warning("%s %s failed its health probe", self.role, w.url)
