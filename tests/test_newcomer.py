@@ -447,3 +447,29 @@ def test_sweep_runs_without_matplotlib(tmp_path: Path) -> None:
     assert "no heatmaps" in done.stderr and "epdserve[plot]" in done.stderr
     assert (out / "report.md").is_file() and (out / "sweep.json").is_file()
     assert not list(out.glob("*.png"))
+
+
+# ---- the README ----------------------------------------------------------------------------------
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = readme.split("```bash\n")[1:]
+    commands = {b.split("```")[0].strip() for b in blocks if "scripts/test.sh" in b}
+    assert commands == {"bash scripts/test.sh"}, commands
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert [line for line in ci if "scripts/test.sh" in line] == ["exec bash scripts/test.sh"]
+
+
+def test_every_link_in_the_readme_and_docs_resolves() -> None:
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
