@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -473,3 +474,24 @@ def test_every_link_in_the_readme_and_docs_resolves() -> None:
             if target.startswith(("http://", "https://", "mailto:")):
                 continue
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+# ---- help ----------------------------------------------------------------------------------------
+
+
+def help_of(tmp_path: Path, command: str) -> str:
+    done = run(tmp_path, command, "--help")
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.split())  # argparse wraps lines: compare words
+
+
+def test_help_states_defaults_in_words_a_user_knows(tmp_path: Path) -> None:
+    up = help_of(tmp_path, "up")
+    for flag, default in (("--policy", "least_outstanding"), ("--dtype", "float32"), ("--max-model-len", "4096")):
+        assert re.search(rf"{flag} \S+ .*?\(default: {default}\)", up), flag
+    assert "(default: 1e+1pd)" in up and "--force" in up
+    sweep = help_of(tmp_path, "sweep")
+    assert "``" not in sweep and "plan_cores" not in sweep and "None" not in sweep
+    serve = help_of(tmp_path, "serve")
+    assert re.search(r"--kv-connector \{[^}]*\} how a prefill instance hands a prompt's KV", serve)
+    assert re.search(r"--url URL .*?\(default: http://127\.0\.0\.1:8000\)", help_of(tmp_path, "bench"))
