@@ -257,7 +257,11 @@ def test_not_ready_answers_carry_retry_after() -> None:
     "typed", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/", " http://h:8000/v1 "]
 )
 def test_every_form_of_a_url_is_the_same_server(typed: str) -> None:
+    from epdserve.bench.loadgen import BenchConfig
+
     assert server_url(typed) == "http://h:8000"
+    # what bench, sweep and plan --calibrate send their requests with
+    assert BenchConfig(url=typed).url == "http://h:8000"
 
 
 def test_bench_takes_the_url_up_prints(deployment: Up, tmp_path: Path) -> None:
