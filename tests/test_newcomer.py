@@ -218,6 +218,24 @@ def test_ready_means_every_role_and_start_up_warns_of_nothing(deployment: Up) ->
             assert word in started[0], (role, started[0])
 
 
+def test_image_requests_sent_when_health_first_answers_are_served(tmp_path: Path) -> None:
+    """A client that waits for /health and then sends images gets answers, not 503s: the router
+    answers /health once a worker is up, and media waits for an encoder still loading."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    u = Up(tmp_path, "--topology", "1e+1pd", *SMALL)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while status(u.url + "/health") != 200:
+            assert u.proc.poll() is None and time.monotonic() < deadline, u.output()
+            time.sleep(0.02)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: image_chat(u.url)[0], range(16)))
+        assert answers == [200] * 16, answers
+    finally:
+        assert u.stop() == 0, u.output()
+
+
 def test_an_image_request_waits_for_an_encoder_that_restarts(deployment: Up) -> None:
     """Kill the only encoder: a request sent while it restarts waits for it instead of a 503."""
     started = [line for line in deployment.err.read_text().splitlines() if "encoder0" in line and " pid " in line]
