@@ -10,6 +10,7 @@ modules, torch among them.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from epdserve.allocator import keep_freed_memory
 from epdserve.assets import default_model_dir
-from epdserve.config_flags import Flag, add_flags, to_argv, values
+from epdserve.config_flags import Flag, add_flags, declared_default, to_argv, values
+from epdserve.launcher import PORT_IN_USE_EXIT, port_available
 from epdserve.models.config import ConfigError
 from epdserve.models.registry import UnknownArchitectureError
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from epdserve.pd.config import ServerConfig
     from epdserve.router.server import RouterConfig
     from epdserve.security.credentials import ClusterCredential
+    from epdserve.sizing import Caches
     from epdserve.up import Deployment
 
 T = TypeVar("T")
@@ -113,7 +116,7 @@ STORE_FLAGS = (
 STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host", "protocol", "device")
 KV_PREFIX = "--kv-"
 KV_FLAGS = (
-    "connector",
+    Flag("connector", help="how a prefill instance hands a prompt's KV to decode instances: shm (same host) or tcp"),
     "shm_bytes",
     "shm_dir",
     "tcp_host",
@@ -140,6 +143,7 @@ ROUTER_FLAGS = (
     "max_inflight_media",
     "admission_wait_s",
     "text_ttft_target_ms",
+    "encoder_wait_s",
     STATS_INTERVAL,
     OTLP,
     Flag("model", default_help="the embedded model"),
@@ -165,6 +169,7 @@ MEDIA_FLAGS = (
 UP_FORWARDED = (
     (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries", "dispatch_interference"), "router"),
     (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s", "text_ttft_target_ms"), "router"),
+    (ROUTER, ("encoder_wait_s",), "router"),
     (SERVER, PUBLIC_FLAGS, "public"),
     (QUOTA, QUOTA_FLAGS, "public"),
     (EXPOSURE, ("public_metrics",), "public"),
@@ -215,11 +220,34 @@ def _model_path(args: argparse.Namespace) -> int:
     return 0
 
 
+class CommandError(Exception):
+    """What went wrong and what to do, as one line: the command's error, without a traceback."""
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if not args.url:
+        return _ask_shapes(args, _local_asker(args.model))
+    import openai
+
+    url = args.url
+    try:
+        return _ask_shapes(args, _server_asker(url, args.api_key))
+    except openai.APIConnectionError:
+        raise CommandError(f"no server answers at {url}: start one with 'epdserve up', or check --url") from None
+    except openai.AuthenticationError:
+        raise CommandError(
+            f"the server at {url} refused the API key: pass its key with --api-key KEY (or set {API_KEY_ENV})"
+        ) from None
+    except openai.NotFoundError:
+        raise CommandError(f"{url} serves no OpenAI API under /v1: --url takes the server's address") from None
+    except openai.APIStatusError as e:
+        raise CommandError(f"the server at {url} answered {e.status_code}: {e.message}") from None
+
+
+def _ask_shapes(args: argparse.Namespace, ask: Callable[[str, list, list], str]) -> int:
     from epdserve.shapes import ShapesWorld, render_images
 
     world = ShapesWorld(args.seed)
-    ask = _server_asker(args.url) if args.url else _local_asker(args.model)
     right = 0
     for _ in range(args.n):
         sample = world.sample()
@@ -239,14 +267,15 @@ def _local_asker(model: str | None):
     return lambda q, images, frames: ref.answer(q, images=images or None, video=frames or None)
 
 
-def _server_asker(url: str):
+def _server_asker(url: str, api_key: str | None = None):
     import openai
 
+    from epdserve.bench.client import server_url
     from epdserve.bench.workload import gif_data_url, image_data_url
     from epdserve.security.credentials import api_key_from
 
-    # the server's API key from the environment, as every client of the deployment reads it
-    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key_from(None) or "none")
+    # the server's API key: the flag, else the environment's, as every client of the deployment reads it
+    client = openai.OpenAI(base_url=server_url(url) + "/v1", api_key=api_key_from(api_key) or "none", max_retries=0)
     model = client.models.list().data[0].id
 
     def ask(q: str, images: list, frames: list) -> str:
@@ -427,6 +456,7 @@ def _serve(args: argparse.Namespace) -> int:
     from epdserve.pd.launch import launch_core
 
     config = serve_config(args)
+    _check_port(config.host, config.port)
     _log_to_stderr(args)
     core = launch_core(config)  # loads the model while the front end imports (nothing heavy so far)
     from epdserve.pd.server import serve
@@ -439,6 +469,7 @@ def _encoder(args: argparse.Namespace) -> int:
     from epdserve.encoder.server import serve
 
     config = encoder_config(args)
+    _check_port(config.host, config.port)
     _log_to_stderr(args)
     serve(config)
     return 0
@@ -448,9 +479,16 @@ def _router(args: argparse.Namespace) -> int:
     from epdserve.router.server import serve_router
 
     config = router_config(args)
+    _check_port(config.host, config.port)
     _log_to_stderr(args)
     serve_router(config)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """A role's port, checked before it loads anything (a racer can still take it: bind says so then)."""
+    if not port_available(host, port):
+        raise OSError(errno.EADDRINUSE, f"port {port} on {host} is in use (another epdserve?)")
 
 
 def up_deployment(args: argparse.Namespace) -> Deployment:
@@ -494,6 +532,25 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
         verbose=True,
         mooncake_master=args.mooncake_master,
         **({"dispatch": args.dispatch} if args.dispatch else {}),
+        caches=None if args.force else up_caches(args),
+        log_json=args.log_format == "json",
+    )
+
+
+def up_caches(args: argparse.Namespace) -> Caches:
+    """What sizes ``up``'s roles: the flags given, else each role's default as its config declares it."""
+    from epdserve.sizing import Caches
+
+    def given(name: str, config: str, field: str | None = None) -> str:
+        value = getattr(args, name, None)
+        return str(value) if value is not None else str(declared_default(config, field or name))
+
+    return Caches(
+        dtype=given("dtype", ENGINE),
+        num_kv_blocks=int(given("num_kv_blocks", ENGINE)),
+        block_size=int(given("block_size", ENGINE)),
+        encoder_cache_bytes=int(given("encoder_cache_bytes", ENCODER)),
+        engine_cache_bytes=int(declared_default(ENGINE, "encoder_cache_bytes") or 0),
     )
 
 
@@ -637,11 +694,16 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     without importing them: the supervisor stays free of torch)."""
     from epdserve.up import TOPOLOGIES_HELP, topology_arg
 
-    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default 1e+1pd)")
+    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default: 1e+1pd)")
     add_flags(s, SERVER, [MODEL], defaults=False)
     s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
     s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the topology's estimated memory or process count exceeds this machine",
+    )
     add_flags(s, EC, ["connector"], EC_PREFIX)
     s.add_argument(
         "--kv-connector",
@@ -722,7 +784,10 @@ def add_demo_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="model directory (default: embedded)")
     s.add_argument("--seed", type=int, default=7, help="seed of the generated images and questions")
     s.add_argument("-n", type=int, default=5, help="number of questions")
-    s.add_argument("--url", default=None, help="ask a running server (e.g. http://127.0.0.1:8000) instead")
+    s.add_argument(
+        "--url", default=None, help="ask a running server instead (e.g. http://127.0.0.1:8000, with or without /v1)"
+    )
+    s.add_argument("--api-key", default=None, help=f"the server's API key with --url (default: ${API_KEY_ENV})")
 
 
 def add_eval_args(s: argparse.ArgumentParser) -> None:
@@ -797,7 +862,7 @@ COMMANDS = {
         _plan,
         add_plan_args,
     ),
-    "train-shapes": Command("train the shapes-world model (see docs/model.md)", _train_shapes, add_train_args),
+    "train-shapes": Command("train the shapes-world model (see docs/embedded-model.md)", _train_shapes, add_train_args),
 }
 
 
@@ -826,19 +891,32 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "their own. Start with 'epdserve up'; 'epdserve <command> --help' shows a command's options.",
     )
     p.add_argument("--version", action="version", version=f"epdserve {__version__}")
+    debug_help = "show an error's traceback (default: one line saying what happened and what to do)"
+    p.add_argument("--debug", action="store_true", help=debug_help)
     sub = p.add_subparsers(dest="cmd", metavar="command")
     for name, command in COMMANDS.items():
         s = sub.add_parser(
             name, help=command.help, description=command.description or command.help, formatter_class=DefaultsShown
         )
+        # after the command too; SUPPRESS: absent there, it leaves the one before the command alone
+        s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if command.add_args is not None and only in (None, name):
             command.add_args(s)
     return p
 
 
+def _error_line(e: BaseException) -> tuple[str, int]:
+    """An error as one line saying what happened and what to do, and the exit code that goes with it."""
+    if isinstance(e, (CommandError, ConfigError, UnknownArchitectureError)):  # the user's to fix
+        return str(e), 2
+    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:  # a port taken after the check, by a racer
+        return f"{e.strerror}: stop what holds the port or choose another with --port", PORT_IN_USE_EXIT
+    return f"{type(e).__name__}: {e} (run with --debug for the traceback)", 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(only=argv[0] if argv else "")
+    parser = build_parser(only=next((a for a in argv if not a.startswith("-")), ""))
     args = parser.parse_args(argv)
     if args.cmd is None:  # a bare ``epdserve``: what it can do
         parser.print_help()
@@ -846,9 +924,14 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before the command allocates anything large
     try:
         return COMMANDS[args.cmd].run(args)
-    except (ConfigError, UnknownArchitectureError) as e:  # a checkpoint no role can serve: one line, not a traceback
-        print(f"epdserve {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        line, code = _error_line(e)
+        print(f"epdserve {args.cmd}: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

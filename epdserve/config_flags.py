@@ -23,8 +23,9 @@ import ast
 import dataclasses
 import importlib.util
 import io
+import operator
 import tokenize
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -53,6 +54,7 @@ class Flag:
     default: Any = _FROM_FIELD  # the flag's default when it is not the field's (None: the command decides)
     default_help: str = ""  # what a None default stands for, shown as "(default: ...)"
     aliases: tuple[str, ...] = ()  # other option strings, e.g. ("-n",)
+    help: str = ""  # its help where the field's comment speaks of another use of the config ("": the comment)
 
     def option(self, prefix: str) -> str:
         return self.name or prefix + self.field.replace("_", "-")
@@ -84,11 +86,15 @@ def add_flags(
         f = field_info(config, flag.field)
         default = field_defaults.get(flag.field) if flag.default is _FROM_FIELD else flag.default
         kwargs: dict[str, Any] = {"dest": flag.dest(prefix), "default": default}
-        help_text = f.doc.replace("%", "%%")
+        help_text = (flag.help or f.doc).replace("%", "%%")
+        # a flag handed on only when given still shows what the role does without it
+        declared = None if defaults or flag.default is not _FROM_FIELD else declared_default(config, flag.field)
         if flag.default_help:
             help_text += f" (default: {flag.default_help})"
         elif default not in (None, "", ()):
             help_text += " (default: %(default)s)"
+        elif declared not in (None, "", "()"):
+            help_text += f" (default: {declared})".replace("%", "%%")
         if f.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.kind is tuple:
@@ -156,6 +162,48 @@ def field_info(config: type | str, name: str) -> FieldInfo:
     module, _ = _ref(config).split(":")
     kind, choices = _kind(_declared_field(config, name)[0], module)
     return FieldInfo(name, field_doc(config, name), kind, choices)
+
+
+def declared_default(config: type | str, name: str) -> str | None:
+    """The default of field ``name`` as its source states it, read without importing the class
+    (None where it is not a plain value: a factory, a name)."""
+    module, qualname = _ref(config).split(":")
+    tree, _ = _module_source(module)
+    body: Sequence[ast.stmt] = tree.body
+    for part in qualname.split("."):
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part), [])
+    node = next(
+        (
+            n.value
+            for n in body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == name
+        ),
+        None,
+    )
+    try:
+        value = _constant(node) if node is not None else None
+    except ValueError:
+        return None
+    return None if value is None else str(value)
+
+
+def _constant(node: ast.expr) -> object:
+    """A default written as a constant or arithmetic on constants (``512 << 20``)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Tuple):
+        return tuple(_constant(e) for e in node.elts)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_constant(node.left), _constant(node.right))
+    raise ValueError(ast.unparse(node))
+
+
+_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.LShift: operator.lshift,
+    ast.Mult: operator.mul,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+}
 
 
 def field_doc(config: type | str, name: str) -> str:

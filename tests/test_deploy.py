@@ -279,7 +279,9 @@ def test_every_container_has_requests_probes_and_runs_as_non_root(
         assert "memory" in c["resources"].get("limits", {}), f"{name}: no memory limit"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         ready = c["readinessProbe"]["httpGet"]
-        assert ready["path"] == "/health" and ready["port"] in ports, name
+        # the router is ready when every role behind it is (/ready); a worker when it is healthy
+        assert ready["path"] == ("/ready" if component(template) == "router" else "/health"), name
+        assert ready["port"] in ports, name
         alive = c["livenessProbe"]["httpGet"]
         assert alive["port"] in ports, name
         # a worker's /health fails when its engine or vision thread died: a restart cures that. The

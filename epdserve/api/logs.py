@@ -15,7 +15,10 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from epdserve.api.auth import AuthConfig
 
 LogFormat = Literal["text", "json"]
 LOG_FORMAT_ENV = "EPD_LOG_FORMAT"  # how a role's engine core process logs (set by the role)
@@ -69,6 +72,24 @@ def _value(v: Any) -> str:
         return f"{v:.1f}"
     text = str(v)
     return f'"{text}"' if " " in text else text
+
+
+def banner(logger: logging.Logger, role: str, **fields: Any) -> None:
+    """A role's one start-up line, once it serves: what it runs, how and where (``fields`` in
+    order as ``key=value``, or as JSON keys with ``event: started``)."""
+    logger.info("%s started: %s", role, _text(fields), extra={"fields": {"event": "started", "role": role, **fields}})
+
+
+def auth_mode(auth: AuthConfig) -> str:
+    """Who a role's public routes take, for its start-up line."""
+    if auth.internal_only:
+        return "cluster only"
+    return "api key" if auth.api_key else "off"
+
+
+def gib(n: int) -> str:
+    """Bytes for a start-up line."""
+    return f"{n / (1 << 30):.2f}GiB"
 
 
 def access(**fields: Any) -> None:

@@ -18,6 +18,14 @@ from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, parse_server_timin
 from epdserve.security.credentials import ClusterCredential, CredentialError
 from epdserve.security.peers import sign
 
+
+def server_url(url: str) -> str:
+    """The server's base URL as every client-side command uses it (``/v1`` added per request), from
+    what a user types: with or without ``/v1``, with or without a trailing slash."""
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 # every request asks for its stage timing (Server-Timing): a header's worth of cost
 _JSON_HEADERS = {"Content-Type": "application/json", TIMING_HEADER: "1"}
 

@@ -26,7 +26,7 @@ from typing import Protocol, TextIO
 import aiohttp
 from aiohttp import web
 
-from epdserve.bench.client import RequestResult, stream_chat
+from epdserve.bench.client import RequestResult, server_url, stream_chat
 from epdserve.bench.plots import PlottingUnavailable, check_plotting
 from epdserve.bench.report import (
     SLO,
@@ -50,7 +50,7 @@ __all__ = ["BenchConfig", "BenchResult", "SelfTestResult", "TrivialServer", "run
 class BenchConfig:
     """Every knob of one benchmark run; ``run_bench`` needs nothing else."""
 
-    url: str = "http://127.0.0.1:8000"  # base URL of the server (without /v1)
+    url: str = "http://127.0.0.1:8000"  # base URL of the server (with or without /v1)
     model: str = ""  # model name sent in requests; "" takes the first id of the server's /v1/models
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # what each request looks like
     num_requests: int = 100  # measured requests
@@ -62,6 +62,7 @@ class BenchConfig:
     timeout_s: float = 600.0  # total time allowed per request
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "url", server_url(self.url))  # one form, whatever was typed
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         if self.num_requests < 1:
@@ -340,7 +341,7 @@ WORKLOAD_FLAGS = (
     Flag("pool_size", "--image-pool"),
 )
 BENCH_FLAGS = (
-    Flag("url", default=None),
+    "url",
     "model",
     Flag("num_requests", aliases=("-n",)),
     "warmup",
@@ -374,17 +375,12 @@ def add_cli_flags(s: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The ``BenchConfig`` of ``epdserve bench`` flags (``add_cli_flags``)."""
     given = values(args, BENCH_FLAGS)
-    if "url" in given:
-        given["url"] = given["url"].rstrip("/")
     workload = WorkloadConfig(**values(args, WORKLOAD_FLAGS))
     return BenchConfig(**given, workload=workload, slo=SLO.parse(args.slo or ""))
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """``epdserve bench``: run, print the report, write JSON and plots when asked."""
-    if not args.self_test and not args.url:
-        print("error: --url is required (or --self-test)", file=sys.stderr)
-        return 2
     try:
         config = config_from_args(args)
         if args.plots:

@@ -114,7 +114,7 @@ class Cell:
 class SweepConfig:
     """Every knob of one sweep; ``run_sweep`` needs nothing else."""
 
-    topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES  # started in turn; names as ``Topology.parse`` reads them
+    topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES  # started in turn, each as 'epdserve up --topology' takes it
     images: tuple[int, ...] = (1, 4, 10)  # images per request: the grid's rows
     output_lens: tuple[int, ...] = (16, 64, 256)  # output tokens per request: the grid's columns
     image_size: int = 0  # side of every image in px (0: the generated shapes images' own sizes, 84 to 168 px)
@@ -126,8 +126,8 @@ class SweepConfig:
     seed: int = 0  # fixes payloads and arrival times (the same in every topology)
     slo: SLO = field(default_factory=SLO)  # bounds for goodput; none set: no goodput
     mixed: bool = False  # also run 50:50 text/image cells, one per images value at the shortest output length
-    model: str | None = None  # checkpoint directory; None: the embedded model
-    pin_cores: bool = False  # pin roles to cores as ``epdserve up --pin-cores`` does (``up.plan_cores``)
+    model: str | None = None  # checkpoint directory (unset: the embedded model)
+    pin_cores: bool = False  # pin roles to cores as 'epdserve up --pin-cores' does
     ec_connector: Connector = "shm"  # how embeddings travel from encoders to PD workers
     pd_args: tuple[str, ...] = ()  # extra flags of every PD worker and of the aggregated server
     timeout_s: float = 600.0  # time allowed per request
@@ -441,10 +441,15 @@ def run_cli(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        check_plotting()  # the report's heatmaps: now, not after the sweep
-    except (ValueError, PlottingUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"epdserve sweep: error: {e}", file=sys.stderr)
         return 2
+    try:
+        check_plotting()  # the report's heatmaps are optional: said now, not after the sweep
+        plots = True
+    except PlottingUnavailable as e:
+        print(f"epdserve sweep: the report will have tables and no heatmaps ({e})", file=sys.stderr)
+        plots = False
     n = len(config.cells)
     print(
         f"epdserve sweep: {len(config.topologies)} topologies × {n} cells × {config.requests} requests "
@@ -453,7 +458,7 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     signal.signal(signal.SIGTERM, _interrupt)
     result = run_sweep(config, None if args.no_progress else sys.stderr)
-    paths = write_report(result, Path(args.out))
+    paths = write_report(result, Path(args.out), plots)
     print(f"wrote {paths[0]}" + (f" (+{len(paths) - 1} files)" if len(paths) > 1 else ""))
     if result.interrupted:
         return 130

@@ -73,7 +73,7 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.engine.inputs import MediaInput
 from epdserve.kernels import KernelChoice
-from epdserve.kernels.ops import select_ops
+from epdserve.kernels.ops import kernels_in_use, select_ops
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
 from epdserve.media.budget import run_decode
@@ -210,8 +210,11 @@ class EncoderService:
         if not isinstance(visual, torch.nn.Module):
             raise ValueError(f"{config.model}: the model has no media encoder")
         tower: Any = visual  # a vision tower runs its rotary and activation with these ops (an audio tower has none)
+        self.kernels = "torch (the tower has no fused ops)"
         if hasattr(tower, "ops"):
-            tower.ops = select_ops(config.kernels, config.torch_dtype, torch.device(config.device))
+            device = torch.device(config.device)
+            tower.ops = select_ops(config.kernels, config.torch_dtype, device)
+            self.kernels = kernels_in_use(tower.ops, config.kernels, config.torch_dtype, device)
         self.checkpoint_tensors = len(checkpoint_files(config.model))
         log.info(
             "encoder loaded %d of %d checkpoint tensors (vision tower only) in %.2f s",
@@ -219,7 +222,7 @@ class EncoderService:
             self.checkpoint_tensors,
             self.load_report.seconds,
         )
-        model_config = ModelConfig.from_pretrained(config.model)
+        model_config = self.model_config = ModelConfig.from_pretrained(config.model)
         self.feature_levels = model_config.feature_levels  # written into every EC header it produces
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model), load_resampler())
         self.audio = AudioProcessor(AudioProcessorConfig.from_pretrained(config.model)) if model_config.audio else None
@@ -280,6 +283,20 @@ class EncoderService:
         self.stats_line.start()
         self.registrar = Registrar.of(self.config.registration, "encoder", self.config.host, self.config.port)
         self.registrar.start()
+        logs.banner(
+            log,
+            "encoder",
+            model=cfg.model_name,
+            family=self.model_config.architecture,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            kernels=self.kernels,
+            cache_bytes=logs.gib(cfg.encoder_cache_bytes),
+            ec_connector=cfg.ec.connector,
+            store=cfg.ec.store.url.split(":", 1)[0] or None,  # its kind: the address stays out of logs
+            listen=f"http://{cfg.host}:{cfg.port}",
+            auth="cluster only",
+        )
 
     def _stats_fields(self, seconds: float) -> dict[str, object]:
         w, self.window = self.window, Counter()
@@ -717,5 +734,4 @@ def build_app(service: EncoderService) -> web.Application:
 def serve(config: EncoderConfig) -> None:
     """Run the encoder until SIGINT/SIGTERM."""
     service = EncoderService(config)
-    log.info("epdserve encoder for %s on http://%s:%d", config.model_name, config.host, config.port)
     run_app(build_app(service), config.host, config.port)

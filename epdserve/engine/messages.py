@@ -172,6 +172,8 @@ class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
     pid: int
     vision: bool  # the vision tower is loaded
     num_kv_blocks: int
+    kernels: str = ""  # the layer ops in use and why (kernels_in_use)
+    kv_bytes: int = 0  # bytes of the KV cache
     version: int = ENGINE_PROTOCOL_VERSION
 
 

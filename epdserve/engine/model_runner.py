@@ -29,7 +29,7 @@ from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.kernels.fused import FusedDecoder
-from epdserve.kernels.ops import CpuKernelOps, select_ops
+from epdserve.kernels.ops import CpuKernelOps, kernels_in_use, select_ops
 from epdserve.models.base import DeepStack
 from epdserve.models.cpu_linear import row_bucket
 from epdserve.models.precision import torch_dtype
@@ -63,6 +63,7 @@ class ModelRunner:
         tc = lm.config
         # the layer's elementwise ops and decode attention: fused kernels where they build
         ops = lm.ops = select_ops(config.kernels, self.dtype, self.device)
+        self.kernels = kernels_in_use(ops, config.kernels, self.dtype, self.device)
         if getattr(model, "visual", None) is not None:  # the vision tower rotates through them too
             model.visual.ops = ops
         self.attention_kernels = ops if isinstance(ops, CpuKernelOps) and ops.attends(tc.head_dim) else None
@@ -102,6 +103,11 @@ class ModelRunner:
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache (on a CPU resident only as blocks are used)."""
+        return sum(t.nbytes for t in (*self.kv.k, *self.kv.v))
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(len(self.kv.k), self.kv.k[0].shape[2], self.kv.k[0].shape[3], self.config.dtype)

@@ -175,6 +175,24 @@ class ChatService:
         pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
         self.registrar = Registrar.of(cfg.registration, pool, cfg.host, cfg.port)
         self.registrar.start()
+        ready = getattr(self.core, "ready", None)
+        kv = cfg.kv.connector if cfg.kv is not None else None
+        logs.banner(
+            log,
+            {"both": "prefill+decode worker", "prefill": "prefill worker", "decode": "decode worker"}[cfg.role],
+            model=cfg.model_name,
+            family=self.model_config.architecture,
+            dtype=cfg.engine.dtype,
+            device=cfg.engine.device,
+            kernels=ready.kernels if ready else None,
+            kv_blocks=cfg.engine.num_kv_blocks,
+            kv_bytes=logs.gib(ready.kv_bytes) if ready else None,
+            vision_tower="loaded" if cfg.vision else "not loaded",
+            ec_connector=cfg.ec.connector,
+            kv_connector=kv,
+            listen=f"http://{cfg.host}:{cfg.port}",
+            auth=logs.auth_mode(cfg.auth),
+        )
 
     async def _stats_fields(self, seconds: float) -> dict[str, object]:
         await self.refresh_stats()

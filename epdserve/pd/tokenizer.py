@@ -17,6 +17,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from epdserve.models.config import check_model_dir
+
 CHUNK_CHARS = 1 << 14  # text per tokenizer call while a long prompt is counted (each call holds the GIL)
 CUT_MARGIN = 8  # tokens one cut between chunks may add to their sum over the whole text's count
 # normalizers that can shorten text, and by at most what factor in UTF-8 bytes (composition merges a
@@ -39,6 +41,7 @@ class TooManyTokens(ValueError):
 class FastTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
+        check_model_dir(d, tokenizer=True)
         self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
         cfg_path = d / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}

@@ -146,6 +146,7 @@ class RouterConfig:
     max_items_per_encode: int = 32  # items per /v1/encode call (larger groups are split into calls)
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     retry_after_s: int = 1  # Retry-After of a 429 when every encoder is busy
+    encoder_wait_s: float = 5.0  # while no encoder is healthy (starting, restarting), how long media waits for one
     max_inflight_text: int = 0  # text-only requests served at once (0: no limit); more wait in their own queue
     max_inflight_media: int = 0  # requests with images or video served at once (0: no limit); more wait apart
     admission_wait_s: float = 10.0  # longest a request waits for admission; then 429 with Retry-After
@@ -350,16 +351,17 @@ class Router:
             await self.frontend.start()
         self.stats_line.start()
         cfg = self.config
-        log.info(
-            "router on http://%s:%d: encoders %s; prefill+decode workers %s; prefill workers %s; decode "
-            "workers %s; PD policy %s",
-            cfg.host,
-            cfg.port,
-            list(cfg.encoders) or "none",
-            list(cfg.pds) or "none",
-            list(cfg.prefills) or "none",
-            list(cfg.decodes) or "none",
-            cfg.policy,
+        logs.banner(
+            log,
+            "router",
+            encoders=",".join(cfg.encoders) or "none",
+            pds=",".join(cfg.pds) or "none",
+            prefills=",".join(cfg.prefills) or "none",
+            decodes=",".join(cfg.decodes) or "none",
+            policy=cfg.policy,
+            dispatch=cfg.dispatch,
+            listen=f"http://{cfg.host}:{cfg.port}",
+            auth=logs.auth_mode(cfg.auth),
         )
 
     def _stats_fields(self, seconds: float) -> dict[str, object]:
@@ -406,7 +408,9 @@ class Router:
                 self._all_seen = all(len(pool.healthy) == len(pool.workers) for pool in self.pools)
             else:
                 self._all_seen = True
-            fast = not (self.pds.healthy or self.splits) or not self._all_seen
+            # and while a role has no healthy worker, so media waiting for an encoder gets one soon
+            fast = not self._all_seen or any(pool.workers and not pool.healthy for pool in self.pools)
+            fast = fast or not (self.pds.healthy or self.splits)
             await asyncio.sleep(
                 min(FAST_PROBE_S, self.config.probe_interval_s) if fast else self.config.probe_interval_s
             )
@@ -802,6 +806,16 @@ class Router:
             if self.frontend is not None:  # every call that carried them is over
                 self.frontend.release(refs)
 
+    async def _await_encoder(self) -> bool:
+        """With no encoder healthy (all starting or restarting), wait up to ``encoder_wait_s`` for
+        one, rather than refuse media a moment before an encoder is back: whether one is."""
+        deadline = time.monotonic() + self.config.encoder_wait_s
+        while not self.encoders.healthy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(FAST_PROBE_S)
+        return True
+
     async def _encode_groups(self, model: str, refs: list[MediaRef], leases: int, rid: str) -> None:
         """Items grouped per encoder, one call per group, failed groups retried elsewhere."""
         pending = list(refs)
@@ -819,9 +833,13 @@ class Router:
                     raise Overloaded(
                         "Every encoder is busy; retry shortly.", retry_after_s=self.config.retry_after_s
                     ) from None
+                if not tried and await self._await_encoder():
+                    continue
                 if errors:
                     raise WorkerFailed("The encoders failed on this request.") from None
-                raise Unavailable("No healthy encoder worker is available.") from None
+                raise Unavailable(
+                    "No healthy encoder worker is available.", retry_after_s=self.config.retry_after_s
+                ) from None
             n = self.config.max_items_per_encode
             calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
             results = await asyncio.gather(*(self._encode_on(model, w, rs, leases, rid) for w, rs in calls))
@@ -1268,10 +1286,25 @@ class Router:
         return json_response(answer[1], answer[0])
 
     async def health(self, request: web.Request) -> web.Response:
+        """Some requests can be served: a language-model path is healthy (encoders may be down)."""
         if not self.pds.healthy and not self.splits:
-            raise Unavailable("no healthy prefill/decode worker")
+            raise Unavailable("no healthy prefill/decode worker", retry_after_s=self.config.retry_after_s)
         counts = {f"{pool.role}s": len(pool.healthy) for pool in self.pools}
         return web.json_response({"status": "ok", **counts})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Every request can be served: each role the router was given has a worker that answered
+        its health probe. ``up`` and a readiness probe wait for this; the counts say who is up."""
+        counts = {f"{pool.role}s": len(pool.ready) for pool in self.pools}
+        missing = [pool.role for pool in self.pools if pool.workers and not pool.ready]
+        if not (self.pds.workers or self.prefills.workers):  # none named or registered yet
+            missing.append("language-model")
+        if missing:
+            raise Unavailable(
+                "not ready: no healthy " + ", ".join(missing) + " worker yet",
+                retry_after_s=self.config.retry_after_s,
+            )
+        return web.json_response({"status": "ready", **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         """The router's own metrics, then, for the operator (the admin key or the cluster
@@ -1321,6 +1354,7 @@ def build_app(router: Router) -> web.Application:
         ("POST", "/v1/completions", router.completions, "public"),
         ("GET", "/v1/models", router.models, "public"),
         ("GET", "/health", router.health, "open"),
+        ("GET", "/ready", router.ready, "open"),
         ("GET", "/metrics", router.metrics_text, "open"),
         ("GET", "/v1/workers", router.workers, "admin"),
         ("POST", "/v1/workers", router.register, "admin"),
