@@ -31,7 +31,7 @@ from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.kernels.fused import FusedDecoder
 from epdserve.kernels.ops import CpuKernelOps, select_ops
 from epdserve.models.base import DeepStack
-from epdserve.models.cpu_linear import row_bucket
+from epdserve.kernels.cpu_linear import row_bucket
 from epdserve.models.precision import torch_dtype
 from epdserve.transfer.kv import KVLayout
 
