@@ -290,7 +290,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     """The ``ServerConfig`` of ``epdserve serve``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.engine.config import EngineConfig
-    from epdserve.models.precision import check_device
+    from epdserve.common.dtypes import check_device
     from epdserve.pd.config import ServerConfig
     from epdserve.security.credentials import api_key_from
     from epdserve.store.config import StoreConfig
@@ -341,7 +341,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     """The ``EncoderConfig`` of ``epdserve encoder``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.encoder.server import EncoderConfig
-    from epdserve.models.precision import check_device
+    from epdserve.common.dtypes import check_device
     from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 

@@ -49,7 +49,7 @@ def run_hf(
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from epdserve.hf_reference import HFReference
-    from epdserve.models.precision import torch_dtype
+    from epdserve.common.dtypes import torch_dtype
 
     ref = HFReference(model_dir)
     ref.model.to(device=device, dtype=torch_dtype(dtype))

@@ -83,7 +83,7 @@ from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcess
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
-from epdserve.models.precision import DType, torch_dtype
+from epdserve.common.dtypes import DType, torch_dtype
 from epdserve.models.registry import prompt_layout
 from epdserve.store.base import EmbeddingStore
 from epdserve.store.factory import open_store

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from epdserve.kernels import KernelChoice
-from epdserve.models.precision import DType, check_dtype
+from epdserve.common.dtypes import DType, check_dtype
 
 PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a request (P/D disaggregation)
 

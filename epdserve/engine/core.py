@@ -79,7 +79,7 @@ class EngineCore:
         kv: ECConfig | None = None,
     ) -> EngineCore:
         from epdserve.models.loader import load_model
-        from epdserve.models.precision import torch_dtype
+        from epdserve.common.dtypes import torch_dtype
 
         parts = frozenset({"vision", "language"} if vision else {"language"})
         model, _ = load_model(

@@ -32,7 +32,7 @@ from epdserve.kernels.fused import FusedDecoder
 from epdserve.kernels.ops import CpuKernelOps, select_ops
 from epdserve.models.base import DeepStack
 from epdserve.kernels.cpu_linear import row_bucket
-from epdserve.models.precision import torch_dtype
+from epdserve.common.dtypes import torch_dtype
 from epdserve.transfer.kv import KVLayout
 
 log = logging.getLogger(__name__)
