@@ -48,15 +48,14 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
 
 
 @pytest.mark.parametrize(
-    ("kernels", "contiguous", "chunk_budget"),
-    [("auto", True, None), ("auto", True, 0), ("torch", True, None), ("torch", False, None)],
-    ids=["fused-kernels", "fused-kernels-sdpa-prefill", "torch-mirrored-decode-kv", "torch-gathered-decode-kv"],
+    ("kernels", "chunk_budget"),
+    [("auto", None), ("auto", 0), ("torch", None)],
+    ids=["fused-kernels", "fused-kernels-sdpa-prefill", "torch-mirrored-decode-kv"],
 )
 def test_greedy_tokens_match_transformers_alone_and_batched(
     model_dir: Path,
     ref: HFReference,
     kernels: KernelChoice,
-    contiguous: bool,
     chunk_budget: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -70,7 +69,6 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
             device=TEST_DEVICE,
             max_num_batched_tokens=64,
             num_kv_blocks=256,
-            contiguous_decode_kv=contiguous,
             kernels=kernels,
         ),
     )

@@ -48,8 +48,8 @@ def run_hf(
 ) -> tuple[list[RequestResult], float]:
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from epdserve.hf_reference import HFReference
     from epdserve.common.dtypes import torch_dtype
+    from epdserve.hf_reference import HFReference
 
     ref = HFReference(model_dir)
     ref.model.to(device=device, dtype=torch_dtype(dtype))
