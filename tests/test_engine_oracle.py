@@ -157,10 +157,11 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(model_dir: Path, ref: 
 
 
 def test_a_step_encodes_each_image_once_and_a_bad_item_fails_only_its_request(
-    model_dir: Path, ref: HFReference
+    model_dir: Path, ref: HFReference, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every image of a step goes through the vision tower in one forward, an image two requests
-    share once; an item the tower refuses fails its own request and the others run as alone."""
+    share once; an item the tower refuses fails its own request and the others run as alone (the
+    failed batched forward is logged, not swallowed)."""
     cfg = ModelConfig.from_pretrained(model_dir)
     proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
     builder = InputBuilder(ref.tok, cfg)
@@ -201,3 +202,5 @@ def test_a_step_encodes_each_image_once_and_a_bad_item_fails_only_its_request(
             outs.setdefault(o.request_id, []).extend(o.token_ids)
     assert set(errors) == {"bad"} and "vision encoding failed" in errors["bad"]
     assert outs["a"] == alone["a"] and outs["b"] == alone["b"]
+    batched = [r for r in caplog.records if r.name == "epdserve.engine.model_runner" and "one batch" in r.message]
+    assert len(batched) == 1 and batched[0].levelname == "WARNING" and "patches" in batched[0].message
