@@ -72,6 +72,8 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
             kernels=kernels,
         ),
     )
+    if kernels == "torch":  # the one path without the kernels
+        assert eng.runner.decode.name == "torch" and eng.runner.decode.mirror is not None
     builder = InputBuilder(ref.tok, cfg)
     eos = frozenset(ref.model.generation_config.eos_token_id)
     expected = {}

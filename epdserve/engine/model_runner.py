@@ -1,4 +1,6 @@
-"""Executes one scheduled step: vision encoding where needed, the language model, sampling.
+"""Executes one scheduled step, in the order ``execute`` lists its steps::
+
+    encode media ─► lay out the step ─► load remote KV ─► merge embeddings ─► forward ─► sample
 
 Inputs of the step are flattened: all scheduled tokens of all requests in one row batch, with
 their M-RoPE positions and KV slots. Vision embeddings replace the token embeddings at the
@@ -173,6 +175,8 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Run ``plan``: a token for every request whose chunk reached its end; a request whose
+        media failed is reported in ``failed`` and left out of the step."""
         scheduled, failed = self._encode_media(plan.scheduled)
         if not scheduled:
             return StepResult({}, failed)
