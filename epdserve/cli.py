@@ -66,7 +66,6 @@ ENGINE_FLAGS = (
     "num_kv_blocks",
     "enable_prefix_caching",
     "media_max_wait_s",
-    "contiguous_decode_kv",
     "kernels",
     Flag("cpus", "--engine-cpus"),
     "threads",
@@ -330,8 +329,8 @@ def media_limits(args: argparse.Namespace) -> MediaLimits:
 def serve_config(args: argparse.Namespace) -> ServerConfig:
     """The ``ServerConfig`` of ``epdserve serve``'s flags."""
     from epdserve.api.auth import AuthConfig
+    from epdserve.common.dtypes import check_device
     from epdserve.engine.config import EngineConfig
-    from epdserve.models.precision import check_device
     from epdserve.pd.config import ServerConfig
     from epdserve.security.credentials import api_key_from
     from epdserve.store.config import StoreConfig
@@ -387,8 +386,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     """The ``EncoderConfig`` of ``epdserve encoder``'s flags."""
     from epdserve.api.auth import AuthConfig
+    from epdserve.common.dtypes import check_device
     from epdserve.encoder.server import EncoderConfig
-    from epdserve.models.precision import check_device
     from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 

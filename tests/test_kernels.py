@@ -4,6 +4,7 @@ machine, never loaded from a directory others may write, and PyTorch ops when it
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -154,6 +155,34 @@ def test_the_library_is_built_once_per_machine_and_reused(tmp_path: Path) -> Non
     assert build.library_path(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert load_library(tmp_path).epd_kernels_abi() == build.ABI
     assert not list(tmp_path.glob("*.tmp"))  # nothing half-written left behind
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("exports", "says"),
+    [
+        (
+            f"int epd_kernels_abi() {{ return {build.ABI + 1}; }} int epd_layer_pointers() {{ return {build.POINTERS_PER_LAYER}; }}",
+            "ABI",
+        ),
+        (
+            f"int epd_kernels_abi() {{ return {build.ABI}; }} int epd_layer_pointers() {{ return {build.POINTERS_PER_LAYER + 1}; }}",
+            "pointers per layer",
+        ),
+        (f"int epd_kernels_abi() {{ return {build.ABI}; }}", "not a build of this kernel source"),
+    ],
+)
+def test_a_library_that_disagrees_on_the_abi_is_refused(tmp_path: Path, exports: str, says: str) -> None:
+    """The C++ source and Python each define the ABI and the stack's pointers per layer once; a
+    library whose numbers differ from Python's is refused before any call (the real build agrees)."""
+    real = load_library(tmp_path)
+    assert (real.epd_kernels_abi(), real.epd_layer_pointers()) == (build.ABI, build.POINTERS_PER_LAYER)
+    source = tmp_path / "other.cpp"
+    source.write_text(f'extern "C" {{ {exports} }}')
+    lib_path = tmp_path / "other.so"
+    subprocess.run([COMPILER, "-shared", "-fPIC", "-o", str(lib_path), str(source)], check=True, timeout=120)
+    with pytest.raises(KernelBuildError, match=says):
+        build.check_abi(ctypes.CDLL(str(lib_path)), lib_path)
 
 
 @needs_compiler

@@ -60,6 +60,7 @@ from epdserve.api.protocol import ModelCard, ModelList, encode_json
 from epdserve.api.registration import Registrar, RegistrationConfig
 from epdserve.api.tracing import Tracing
 from epdserve.cache.embedding_cache import EmbeddingCache
+from epdserve.common.dtypes import DType, torch_dtype
 from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, BatchReport, EncodeBatcher, EncodeError, QueueFull
 from epdserve.encoder.protocol import (
     EncodedItem,
@@ -85,7 +86,6 @@ from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcess
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
-from epdserve.models.precision import DType, torch_dtype
 from epdserve.models.registry import prompt_layout
 from epdserve.store.base import EmbeddingStore
 from epdserve.store.factory import open_store

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from epdserve.common.dtypes import DType, check_dtype
 from epdserve.kernels import KernelChoice
-from epdserve.models.precision import DType, check_dtype
 
 PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a request (P/D disaggregation)
 
@@ -21,7 +21,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
-    contiguous_decode_kv: bool = True  # with PyTorch ops: decoding requests' KV also in one contiguous copy (faster)
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models

@@ -78,8 +78,8 @@ class EngineCore:
         role: PDRole = "both",
         kv: ECConfig | None = None,
     ) -> EngineCore:
+        from epdserve.common.dtypes import torch_dtype
         from epdserve.models.loader import load_model
-        from epdserve.models.precision import torch_dtype
 
         parts = frozenset({"vision", "language"} if vision else {"language"})
         model, _ = load_model(

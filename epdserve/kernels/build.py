@@ -28,7 +28,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI = 8  # epd_kernels_abi() of the source this module's ctypes signatures describe
+# The two numbers Python and the C++ source must agree on, defined once on each side and checked
+# at load (``load_library``): the ABI of the signatures below (epd_kernels_abi()) and the length
+# of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
+ABI = 9
+POINTERS_PER_LAYER = 9
 FLAGS = (
     "-O3",
     "-march=native",
@@ -160,18 +164,30 @@ def library_path(cache_dir: Path | None = None, rebuild: bool = False) -> Path:
     return path
 
 
+def check_abi(lib: ctypes.CDLL, path: Path) -> None:
+    """KernelBuildError unless ``lib`` was built from a source that agrees with ``ABI`` and
+    ``POINTERS_PER_LAYER`` (a build from another version of the source is never called)."""
+    try:
+        abi, pointers = lib.epd_kernels_abi(), lib.epd_layer_pointers()
+    except AttributeError as e:  # a library from before these exports
+        raise KernelBuildError(f"{path} is not a build of this kernel source: {e}") from None
+    if (abi, pointers) != (ABI, POINTERS_PER_LAYER):
+        raise KernelBuildError(
+            f"{path} has ABI {abi} with {pointers} pointers per layer; this epdserve expects ABI {ABI} "
+            f"with {POINTERS_PER_LAYER} (rebuild: remove the file, or change the source and bump both sides)"
+        )
+
+
 def _open(path: Path, name: str) -> ctypes.CDLL:
     """The library at ``path`` (loaded as ``name``), checked to be of this module's ABI."""
     try:
         lib = ctypes.CDLL(name)
-        abi = lib.epd_kernels_abi()
-    except (OSError, AttributeError) as e:
+    except OSError as e:
         raise KernelBuildError(f"cannot load {path}: {e}") from None
     finally:
         if path.parent.name.startswith(_TEMP_PREFIX):  # a one-off build: loaded (or not), it can go
             shutil.rmtree(path.parent, ignore_errors=True)
-    if abi != ABI:
-        raise KernelBuildError(f"{path} has ABI {abi}, expected {ABI}")
+    check_abi(lib, path)
     return lib
 
 

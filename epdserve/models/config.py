@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epdserve.models.registry import check_architecture
+from epdserve.models.architectures import check_architecture
 
 # which halves of the model a process loads: the encoder role needs only "vision", a
 # metadata-only prefill/decode role only "language", an aggregated server both

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from epdserve.models import precision
+from epdserve.common import dtypes as precision
 from epdserve.transfer.base import PROTOCOL_VERSION, Handle, InvalidHandle, TransferError
 
 if TYPE_CHECKING:
