@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from epdserve.bench.workload import image_data_url as data_url
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.transfer.shm import SLAB_RE
 from epdserve.up import Deployment, Topology
+from tests.optional import unavailable
 from tests.server_utils import http, internal_headers
 
 MODEL = "shapes-qwen2vl"
@@ -111,7 +111,7 @@ def aggregated() -> Iterator[tuple[Deployment, list[str], list[str]]]:
         d.stop()
 
 
-HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+HAVE_MOONCAKE = unavailable("mooncake.store") is None  # installed, and its native libraries load
 MOONCAKE = pytest.param(
     "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
 )
