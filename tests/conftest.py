@@ -98,18 +98,36 @@ class ProcessStarted(AssertionError):
     """A test of the unit tier started a process: it belongs to another tier (tests/tiers.py)."""
 
 
+# what a unit test may not start: an interpreter (a role, an engine core, a worker) or a server;
+# tools it runs and waits for (a compiler, ldconfig, git) are part of the code under test
+SERVERS = ("python", "epdserve", "redis-server", "mooncake_master", "taskset")
+
+
+def _program(args: object) -> str:
+    first = args if isinstance(args, (str, bytes, os.PathLike)) else next(iter(args), "")  # type: ignore[call-overload]
+    return os.path.basename(os.fsdecode(first)).split()[0] if first else ""
+
+
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Keeps the unit tier honest: a unit test that starts a process fails, naming the table."""
+    """Keeps the unit tier honest: a unit test that starts a role, an interpreter or a server fails."""
     if request.node.get_closest_marker("unit") is None:
         yield
         return
     where = f"{request.node.path.name}::{getattr(request.node, 'originalname', request.node.name)}"
+    popen_init = subprocess.Popen.__init__
 
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise ProcessStarted(f"{where} is a unit test but starts a process: give it a tier in tests/tiers.py")
+    def refuse(what: str) -> ProcessStarted:
+        return ProcessStarted(f"{where} is a unit test but starts {what}: give it a tier in tests/tiers.py")
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-    monkeypatch.setattr(os, "fork", refuse)
+    def checked_popen(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if _program(args).startswith(SERVERS):
+            raise refuse(_program(args))
+        popen_init(self, args, *rest, **kwargs)
+
+    def no_start(self: multiprocessing.process.BaseProcess) -> None:
+        raise refuse("a multiprocessing process")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_start)
     yield
