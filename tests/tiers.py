@@ -38,6 +38,7 @@ TIERS: dict[str, str] = {
     "test_sampler.py": "unit",
     "test_shapes.py": "unit",
     "test_tokenizer.py": "unit",
+    "test_tiers.py": "unit",
     "test_transfer_security.py": "unit",
     # files of unit tests with a few that start processes
     "test_admission.py": "unit",
