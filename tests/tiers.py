@@ -115,9 +115,10 @@ TIERS: dict[str, str] = {
 }
 
 # quick tests beyond the unit tier that, with it, reach every subsystem: a role of each kind on its
-# own (serve, encoder, router), the engine core as a process, each connector across processes, a
-# store, and one small disaggregated deployment
+# own (serve, encoder, router), the engine core as a process, each connector across processes, the
+# shared store on Redis, and one small disaggregated deployment
 SMOKE: set[str] = {
+    "test_store.py::test_an_entry_round_trips_and_only_for_its_model",
     "test_logprobs.py::test_without_logprobs_none_are_sent_and_bad_values_are_refused",
     "test_encoder.py::test_models_and_health",
     "test_router.py::test_registration_is_off_without_an_admin_key",
