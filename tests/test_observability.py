@@ -220,7 +220,7 @@ def test_one_trace_across_the_roles(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--otlp-traces-endpoint``: router, encoder and worker export to a real OTLP/HTTP receiver;
     a request is one trace under the client's own span, each role's server span under the
     router's client span that called it, the worker's stages under its server span."""
-    pytest.importorskip("opentelemetry.sdk", reason="pip install 'epdserve[tracing]'")
+    pytest.importorskip("opentelemetry.sdk", reason="pip install 'epdserve[tracing]'", exc_type=ImportError)
     import time
     import urllib.request
 

@@ -3,7 +3,6 @@ the placeholder count, partial loading, and the engine's greedy tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from epdserve.models.registry import prompt_layout
 from tests.checkpoints import build
 from tests.engine_utils import drain
 from tests.numerics import assert_close_rel
+from tests.optional import unavailable
 
 torch.set_num_threads(1)
 
@@ -428,7 +428,7 @@ def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[
             "mooncake",
             {},
             marks=pytest.mark.skipif(
-                importlib.util.find_spec("mooncake") is None, reason="pip install 'epdserve[mooncake]'"
+                unavailable("mooncake.store") is not None, reason="pip install 'epdserve[mooncake]'"
             ),
         ),
         ("1e+1p+1d", "shm", {}),
