@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epdserve.api.timing import parse_server_timing, server_timing
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http, internal_headers
+from tests.server_utils import http, internal_headers, signed_headers
 from tests.test_topologies import request_set
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "epdserve.json"
@@ -36,14 +36,12 @@ def chat(url: str, req: dict, stream: bool, timing: bool, operator: bool = True)
     """``operator``: with the cluster credential (only the operator sees how media was obtained)."""
     body = {"model": "shapes-qwen2vl", "max_tokens": 8, **{k: v for k, v in req.items() if k != "stream"}}
     body["stream"] = stream
-    headers = {"X-EPD-Timing": "1", **(internal_headers() if operator else {})} if timing else {}
+    data = json.dumps(body).encode()
+    target = url + "/v1/chat/completions"
+    headers = {"X-EPD-Timing": "1", **(signed_headers("POST", target, data) if operator else {})} if timing else {}
     import urllib.request
 
-    r = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
+    r = urllib.request.Request(target, data=data, headers={"Content-Type": "application/json", **headers})
     with urllib.request.urlopen(r, timeout=120) as resp:
         return resp.status, dict(resp.headers), resp.read()
 
