@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from epdserve.encoder.server import EncoderConfig
     from epdserve.media.limits import MediaLimits
     from epdserve.pd.config import ServerConfig
-    from epdserve.router.server import RouterConfig
+    from epdserve.router.config import RouterConfig
     from epdserve.security.credentials import ClusterCredential
     from epdserve.up import Deployment
 
@@ -38,7 +38,7 @@ T = TypeVar("T")
 SERVER = "epdserve.pd.config:ServerConfig"
 ENGINE = "epdserve.engine.config:EngineConfig"
 ENCODER = "epdserve.encoder.server:EncoderConfig"
-ROUTER = "epdserve.router.server:RouterConfig"
+ROUTER = "epdserve.router.config:RouterConfig"
 FRONTEND = "epdserve.router.frontend_decode:FrontendDecodeConfig"
 EC = "epdserve.transfer.config:ECConfig"
 MEDIA = "epdserve.media.limits:MediaLimits"
@@ -372,8 +372,8 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The ``RouterConfig`` of ``epdserve router``'s flags."""
     from epdserve.api.auth import AuthConfig
+    from epdserve.router.config import RouterConfig
     from epdserve.router.frontend_decode import FrontendDecodeConfig
-    from epdserve.router.server import RouterConfig
     from epdserve.security.credentials import api_key_from
 
     cluster = _cluster_credential(args)
@@ -415,7 +415,7 @@ def _encoder(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from epdserve.router.server import serve_router
+    from epdserve.router.app import serve_router
 
     config = router_config(args)
     _log_to_stderr(args)
