@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -26,9 +25,8 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.engine.messages import AddRequest
-
-if TYPE_CHECKING:
-    from epdserve.pd.server import ChatService, Piece
+from epdserve.pd.generation import Generation, Piece, WorkerFailedMidStream
+from epdserve.pd.service import ChatService
 
 
 class CompletionHandlers:
@@ -64,8 +62,6 @@ class CompletionHandlers:
         return req, add
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        from epdserve.pd.server import Generation
-
         s = self.s
         t0 = time.perf_counter()
         rid = request_id(request.headers)
@@ -110,8 +106,6 @@ class CompletionHandlers:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        from epdserve.pd.server import WorkerFailedMidStream
-
         with contextlib.suppress(ConnectionResetError):
             last = first
             try:
