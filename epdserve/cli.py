@@ -34,7 +34,7 @@ from epdserve.transfer.flags import EC, EC_CONSUMER_FLAGS, EC_PREFIX, EC_PRODUCE
 
 if TYPE_CHECKING:
     from epdserve.api.registration import RegistrationConfig
-    from epdserve.encoder.server import EncoderConfig
+    from epdserve.encoder.config import EncoderConfig
     from epdserve.media.limits import MediaLimits
     from epdserve.pd.config import ServerConfig
     from epdserve.router.config import RouterConfig
@@ -233,7 +233,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
 def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     """The ``EncoderConfig`` of ``epdserve encoder``'s flags."""
     from epdserve.api.auth import AuthConfig
-    from epdserve.encoder.server import EncoderConfig
+    from epdserve.encoder.config import EncoderConfig
     from epdserve.models.precision import check_device
     from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig

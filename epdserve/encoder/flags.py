@@ -5,7 +5,7 @@ from __future__ import annotations
 from epdserve.api.flags import OTLP, STATS_INTERVAL
 from epdserve.config_flags import Flag
 
-ENCODER = "epdserve.encoder.server:EncoderConfig"
+ENCODER = "epdserve.encoder.config:EncoderConfig"
 ENCODER_FLAGS = (
     "served_model_name",
     "host",

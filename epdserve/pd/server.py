@@ -22,10 +22,9 @@ from aiohttp import web
 from epdserve.api import logs
 from epdserve.api.auth import is_internal
 from epdserve.api.errors import ApiError, BadRequest, Unavailable
-from epdserve.api.http import Route, json_response, read_body, role_app, run_app
+from epdserve.api.http import json_response, read_body
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.logs import request_id
-from epdserve.api.metrics import CONTENT_TYPE
 from epdserve.api.protocol import (
     SSE_DONE,
     ChatCompletion,
@@ -46,6 +45,7 @@ from epdserve.api.protocol import (
     sse_error,
     sse_event,
 )
+from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.api.tracing import Tracing, wall_ns
 from epdserve.engine.client import CoreStartError, MPClient
@@ -269,7 +269,7 @@ class ChatHandlers:
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.s.refresh_stats()
-        return web.Response(body=self.s.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return self.s.role.metrics_response()
 
 
 def _completion_id(req: ChatRequest, add: AddRequest) -> str:

@@ -10,17 +10,14 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import get_args
 
-from epdserve.api import logs
 from epdserve.api.errors import BadRequest, NotFound
 from epdserve.api.load import CostRate, LoadReport, worker_ratio
 from epdserve.api.media import MediaResolver
-from epdserve.api.metrics import Metrics
 from epdserve.api.protocol import (
     ChatRequest,
     EmbedsPart,
@@ -33,8 +30,7 @@ from epdserve.api.protocol import (
     part_modality,
     to_sampling_params,
 )
-from epdserve.api.registration import Registrar
-from epdserve.api.tracing import Tracing
+from epdserve.api.role_app import RoleBasics
 from epdserve.engine.client import EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.config import cpu_list
 from epdserve.engine.inputs import InputBuilder, PromptError
@@ -90,21 +86,23 @@ class ChatService:
         )
         self.tokens = TokenTexts(self.tokenizer)
         self.resolver: MediaResolver | None = None
-        self.registrar: Registrar | None = None  # with --register-with: keeps this worker registered
         self.eos = sorted(_eos_ids(config.model, self.tokenizer))
         self.core_died: str | None = None
         self.stats = EngineStats()
         self.vision_rate = CostRate()  # seconds per patch of raw media encoded here
         self.fetch_rate = CostRate()  # seconds per embedding byte fetched from encoders
-        self.metrics = Metrics()
-        self._init_metrics()
         role = {"both": "pd", "prefill": "prefill", "decode": "decode"}[config.role]
-        self.tracing = Tracing(f"epdserve-{role}", config.otlp_traces_endpoint)
-        self.window = Counter[str]()  # requests and tokens since the last stats line
-        self._prefix_seen = (0, 0)  # prefix-cache (hits, queries) at the last stats line
-        self.stats_line = logs.StatsLine(
-            lambda: bool(self.window or self.stats.running), self._stats_fields, config.log_stats_interval_s
+        self.role = RoleBasics(
+            f"epdserve-{role}",
+            config.otlp_traces_endpoint,
+            self._stats_fields,
+            config.log_stats_interval_s,
+            lambda: bool(self.window or self.stats.running),
         )
+        self.metrics, self.tracing = self.role.metrics, self.role.tracing
+        self.window = self.role.window  # requests and tokens since the last stats line
+        self._init_metrics()
+        self._prefix_seen = (0, 0)  # prefix-cache (hits, queries) at the last stats line
 
     def _make_core(self, launched: MPClient | None) -> EngineCoreClient:
         cfg = self.config
@@ -129,19 +127,17 @@ class ChatService:
 
     async def start(self) -> None:
         await self.core.start()
-        self.stats_line.start()
         session = media_session(self.config.limits)
         self.resolver = MediaResolver(
             self.config.model_name, self.processor, self.config.limits, self.executor, session, self.embeds, self.audio
         )
         cfg = self.config
         pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
-        self.registrar = Registrar.of(cfg.registration, pool, cfg.host, cfg.port)
-        self.registrar.start()
+        self.role.start(cfg.registration, pool, cfg.host, cfg.port)
 
     async def _stats_fields(self, seconds: float) -> dict[str, object]:
         await self.refresh_stats()
-        w, self.window = self.window, Counter()
+        w = self.role.take_window()
         st = self.stats
         hits = st.prefix_cache_hit_tokens - self._prefix_seen[0]
         queries = st.prefix_cache_query_tokens - self._prefix_seen[1]
@@ -159,10 +155,7 @@ class ChatService:
     async def close(self) -> None:
         role = "prefill+decode" if self.config.role == "both" else self.config.role
         log.info("%s worker on http://%s:%d stopping", role, self.config.host, self.config.port)
-        if self.registrar is not None:
-            await self.registrar.close()
-        await self.stats_line.stop()
-        self.tracing.shutdown()
+        await self.role.close()
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         await self.core.close()

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from epdserve.api import logs
 from epdserve.api.auth import is_operator
 from epdserve.api.completions import CompletionRequest, decode_completion_request
 from epdserve.api.errors import ApiError, NotFound, Unavailable, WorkerFailed
-from epdserve.api.http import Route, json_response, role_app, run_app
+from epdserve.api.http import json_response
 from epdserve.api.logs import request_id
 from epdserve.api.metrics import CONTENT_TYPE, federate
 from epdserve.api.protocol import (
@@ -38,6 +37,7 @@ from epdserve.api.protocol import (
     request_kind,
     to_sampling_params,
 )
+from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import wanted
 from epdserve.api.tracing import Tracing
 from epdserve.router.config import RouterConfig
@@ -67,14 +67,10 @@ class Handlers:
         self.forwarder = router.forwarder
         self.split = router.split
         self.gates = router.gates
-        self.window = Counter[str]()  # requests since the last stats line
-        self.stats_line = logs.StatsLine(
-            lambda: bool(self.window), self._stats_fields, self.config.log_stats_interval_s
-        )
+        self.window = router.role.window  # requests since the last stats line
 
     async def start(self) -> None:
         await self.router.start()
-        self.stats_line.start()
         cfg = self.config
         log.info(
             "router on http://%s:%d: encoders %s; prefill+decode workers %s; prefill workers %s; decode "
@@ -90,16 +86,7 @@ class Handlers:
 
     async def close(self) -> None:
         log.info("router on http://%s:%d stopping", self.config.host, self.config.port)
-        await self.stats_line.stop()
         await self.router.close()
-
-    def _stats_fields(self, seconds: float) -> dict[str, object]:
-        w, self.window = self.window, Counter()
-        return {
-            "req_per_s": w["requests"] / seconds,
-            "in_flight": sum(wk.outstanding for wk in self.worker_pools.lm_workers),
-            **{f"{pool.role}s_healthy": len(pool.healthy) for pool in self.worker_pools.pools if pool.workers},
-        }
 
     async def validate(self, raw: bytes) -> ChatRequest:
         """Everything a PD worker would refuse without running the model, checked here so that no
@@ -268,7 +255,7 @@ class Handlers:
         ``instance`` labels added: one scrape target for the whole deployment."""
         assert self.worker_pools.session is not None
         if not is_operator(request, self.config.auth):
-            return web.Response(body=self.metrics.registry.render(), headers={"Content-Type": CONTENT_TYPE})
+            return self.router.role.metrics_response()
         workers = [(pool.role, w) for pool in self.worker_pools.pools for w in pool.workers.values()]
         texts = await asyncio.gather(*(self._scrape(w) for _, w in workers))
         federated = federate([(role, w.url, text) for (role, w), text in zip(workers, texts, strict=True) if text])

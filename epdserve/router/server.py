@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import logging
 
-from epdserve.api.metrics import Metrics
-from epdserve.api.tracing import Tracing
+from epdserve.api.role_app import RoleBasics
 from epdserve.router.admission import AutoLimit, Gate
 from epdserve.router.config import RouterConfig
 from epdserve.router.encode import Encodes
@@ -59,8 +58,11 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.metrics = RouterMetrics.create(Metrics())
-        self.tracing = Tracing("epdserve-router", config.otlp_traces_endpoint)
+        self.role = RoleBasics(
+            "epdserve-router", config.otlp_traces_endpoint, self._stats_fields, config.log_stats_interval_s
+        )
+        self.metrics = RouterMetrics.create(self.role.metrics)
+        self.tracing = self.role.tracing
         self.gates = {
             "text": Gate("text-only", config.max_inflight_text, config.admission_wait_s, config.retry_after_s),
             "media": Gate("image and video", config.max_inflight_media, config.admission_wait_s, config.retry_after_s),
@@ -90,8 +92,19 @@ class Router:
     async def start(self) -> None:
         await self.workers.start()
         await self.encodes.start()
+        self.role.start()  # no registration: workers register with the router
+
+    def _stats_fields(self, seconds: float) -> dict[str, object]:
+        w = self.role.take_window()
+        return {
+            "req_per_s": w["requests"] / seconds,
+            "in_flight": sum(wk.outstanding for wk in self.workers.lm_workers),
+            **{f"{pool.role}s_healthy": len(pool.healthy) for pool in self.workers.pools if pool.workers},
+        }
 
     async def close(self) -> None:
+        # the RoleBasics steps split around the parts: the tracer goes last, after the last calls
+        await self.role.stats_line.stop()
         self.workers.stop_probing()
         await self.encodes.drain()  # lease releases still running need the session
         await self.workers.close()
