@@ -1,8 +1,9 @@
 """The ``epdserve`` command line: one subcommand per role or tool.
 
 A role's flags are fields of its config dataclasses (``epdserve.config_flags``): default, help
-and choices are read from the dataclass; the tables below only say which fields a command offers,
-and under which name where the flag is older than the field. ``main`` builds the flags of the
+and choices are read from the dataclass; each role's ``flags`` module, beside its config, says
+which fields its command offers, and under which name where the flag is older than the field;
+this module only assembles the subcommands. ``main`` builds the flags of the
 chosen command alone, so a light command (``up``, ``bench``, ``--help``) never imports a role's
 modules, torch among them.
 """
@@ -18,151 +19,45 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from epdserve.allocator import keep_freed_memory
+from epdserve.api.flags import (
+    ADMIN_KEY,
+    API_KEY,
+    AUTH,
+    EXPOSURE,
+    MODEL,
+    OTLP,
+    QUOTA,
+    QUOTA_FLAGS,
+    REGISTRATION,
+    REGISTRATION_FLAGS,
+    STATS_INTERVAL,
+)
 from epdserve.assets import default_model_dir
 from epdserve.config_flags import Flag, add_flags, declared_default, to_argv, values
+from epdserve.encoder.flags import ENCODER, ENCODER_FLAGS
+from epdserve.engine.flags import ENGINE, ENGINE_FLAGS
 from epdserve.launcher import PORT_IN_USE_EXIT, port_available
+from epdserve.media.flags import MEDIA, MEDIA_FLAGS
 from epdserve.models.config import ConfigError
 from epdserve.models.registry import UnknownArchitectureError
+from epdserve.pd.flags import PUBLIC_FLAGS, SERVER, SERVER_FLAGS
+from epdserve.router.flags import FRONTEND, FRONTEND_FLAGS, FRONTEND_PREFIX, ROUTER, ROUTER_FLAGS
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV
+from epdserve.store.flags import STORE, STORE_CONSUMER_FLAGS, STORE_FLAGS, STORE_PREFIX
+from epdserve.transfer.flags import EC, EC_CONSUMER_FLAGS, EC_PREFIX, EC_PRODUCER_FLAGS, KV_FLAGS, KV_PREFIX
 
 if TYPE_CHECKING:
     from epdserve.api.registration import RegistrationConfig
-    from epdserve.encoder.server import EncoderConfig
+    from epdserve.encoder.config import EncoderConfig
     from epdserve.media.limits import MediaLimits
     from epdserve.pd.config import ServerConfig
-    from epdserve.router.server import RouterConfig
+    from epdserve.router.config import RouterConfig
     from epdserve.security.credentials import ClusterCredential
     from epdserve.sizing import Caches
     from epdserve.up import Deployment
 
 T = TypeVar("T")
 
-# the config classes, named rather than imported: building a command's flags imports only its own
-SERVER = "epdserve.pd.config:ServerConfig"
-ENGINE = "epdserve.engine.config:EngineConfig"
-ENCODER = "epdserve.encoder.server:EncoderConfig"
-ROUTER = "epdserve.router.server:RouterConfig"
-FRONTEND = "epdserve.router.frontend_decode:FrontendDecodeConfig"
-EC = "epdserve.transfer.config:ECConfig"
-MEDIA = "epdserve.media.limits:MediaLimits"
-AUTH = "epdserve.api.auth:AuthConfig"
-STORE = "epdserve.store.config:StoreConfig"
-REGISTRATION = "epdserve.api.registration:RegistrationConfig"
-REGISTRATION_FLAGS = ("advertise_host", "register_with", "heartbeat_s")
-QUOTA = "epdserve.api.quota:QuotaConfig"
-QUOTA_FLAGS = ("max_inflight_per_key", "max_tokens_per_minute_per_key", "max_tokens_limit")
-EXPOSURE = "epdserve.api.exposure:ExposureConfig"
-
-MODEL = Flag("model", default=None, default_help="the embedded model")
-STATS_INTERVAL = Flag("log_stats_interval_s", "--log-stats-interval")
-OTLP = "otlp_traces_endpoint"
-SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role", STATS_INTERVAL, OTLP)
-PUBLIC_FLAGS = ("max_prompt_chars", "enable_mm_embeds")  # of ServerConfig and RouterConfig alike
-ENGINE_FLAGS = (
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "num_kv_blocks",
-    "enable_prefix_caching",
-    "media_max_wait_s",
-    "kernels",
-    Flag("cpus", "--engine-cpus"),
-    "threads",
-    "device",
-    "dtype",
-)
-ENCODER_FLAGS = (
-    "served_model_name",
-    "host",
-    "port",
-    "encode_token_budget",
-    Flag("batch_wait_ms", "--encode-batch-wait-ms"),
-    "encoder_cache_bytes",
-    "kernels",
-    "threads",
-    "device",
-    "dtype",
-    STATS_INTERVAL,
-    OTLP,
-)
-EC_PREFIX = "--ec-"
-EC_PRODUCER_FLAGS = (
-    "connector",
-    "shm_bytes",
-    "fs_dir",
-    "tcp_port",
-    "mooncake_protocol",
-    "mooncake_device",
-    Flag("instance", default=None, default_help="encoder-<port>"),
-)
-EC_CONSUMER_FLAGS = ("fs_dir", "mooncake_protocol", "mooncake_device")
-STORE_PREFIX = "--store-"
-STORE_FLAGS = (
-    "url",
-    "username",
-    "ttl_s",
-    "max_item_bytes",
-    "timeout_s",
-    "down_s",
-    "claim_ttl_s",
-    "wait_s",
-    "local_host",
-    "segment_bytes",
-    "protocol",
-    "device",
-)
-STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host", "protocol", "device")
-KV_PREFIX = "--kv-"
-KV_FLAGS = (
-    Flag("connector", help="how a prefill instance hands a prompt's KV to decode instances: shm (same host) or tcp"),
-    "shm_bytes",
-    "shm_dir",
-    "tcp_host",
-    "tcp_port",
-    Flag("instance", default=None, default_help="<role>-<port>"),
-)
-ROUTER_FLAGS = (
-    "host",
-    "port",
-    "encoders",
-    "pds",
-    "prefills",
-    "decodes",
-    "policy",
-    "kv_load_tokens",
-    "encoder_policy",
-    Flag("probe_interval_s", "--probe-interval"),
-    "dns_interval_s",
-    "worker_networks",
-    "dispatch",
-    "dispatch_interference",
-    "directory_entries",
-    "max_inflight_text",
-    "max_inflight_media",
-    "admission_wait_s",
-    "text_ttft_target_ms",
-    "encoder_wait_s",
-    STATS_INTERVAL,
-    OTLP,
-    Flag("model", default_help="the embedded model"),
-)
-FRONTEND_PREFIX = "--frontend-decode-"
-FRONTEND_FLAGS = (Flag("enabled", "--frontend-decode"), "workers", "max_queued", "shm_bytes")
-API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
-ADMIN_KEY = Flag("admin_key", default=None, default_help=f"${ADMIN_KEY_ENV}; unset: registration is off")
-MEDIA_FLAGS = (
-    "allowed_media_domains",
-    Flag("allow_private_addresses", "--allow-private-media"),
-    Flag("fetch_timeout_s", "--media-fetch-timeout"),
-    "max_audio_seconds",
-    Flag("decode_timeout_s", "--media-decode-timeout"),
-    "max_decode_pixels",
-    "max_video_seconds",
-    "image_formats",
-    "video_formats",
-    "audio_formats",
-)
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
 # flags, which roles get them)
 UP_FORWARDED = (
@@ -387,7 +282,7 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     """The ``EncoderConfig`` of ``epdserve encoder``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.common.dtypes import check_device
-    from epdserve.encoder.server import EncoderConfig
+    from epdserve.encoder.config import EncoderConfig
     from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
@@ -418,8 +313,8 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The ``RouterConfig`` of ``epdserve router``'s flags."""
     from epdserve.api.auth import AuthConfig
+    from epdserve.router.config import RouterConfig
     from epdserve.router.frontend_decode import FrontendDecodeConfig
-    from epdserve.router.server import RouterConfig
     from epdserve.security.credentials import api_key_from
 
     cluster = _cluster_credential(args)
@@ -475,7 +370,7 @@ def _encoder(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from epdserve.router.server import serve_router
+    from epdserve.router.app import serve_router
 
     config = router_config(args)
     _check_port(config.host, config.port)
