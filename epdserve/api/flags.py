@@ -3,6 +3,8 @@ registration (``epdserve.config_flags`` reads each field's default and help from
 
 from __future__ import annotations
 
+import argparse
+
 from epdserve.config_flags import Flag
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV
 
@@ -18,3 +20,12 @@ STATS_INTERVAL = Flag("log_stats_interval_s", "--log-stats-interval")
 OTLP = "otlp_traces_endpoint"
 API_KEY = Flag("api_key", default=None, default_help=f"${API_KEY_ENV}; unset: no key needed")
 ADMIN_KEY = Flag("admin_key", default=None, default_help=f"${ADMIN_KEY_ENV}; unset: registration is off")
+
+
+def add_log_args(s: argparse.ArgumentParser, default: str | None = "text") -> None:
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=default,
+        help="log lines as text or as one JSON object each (default: text)",
+    )

@@ -3,6 +3,8 @@ needs for the language-model instances."""
 
 from __future__ import annotations
 
+import argparse
+
 STORE = "epdserve.store.config:StoreConfig"
 STORE_PREFIX = "--store-"
 STORE_FLAGS = (
@@ -20,3 +22,11 @@ STORE_FLAGS = (
     "device",
 )
 STORE_CONSUMER_FLAGS = ("url", "username", "timeout_s", "local_host", "protocol", "device")
+
+
+def store_group(s: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    return s.add_argument_group(
+        "shared embedding store",
+        "Encoders share what they compute through Redis (pip install 'epdserve[store]'; its password "
+        "is read from EPD_STORE_PASSWORD) or Mooncake Store (pip install 'epdserve[mooncake]').",
+    )
