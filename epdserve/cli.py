@@ -255,7 +255,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _encoder(args: argparse.Namespace) -> int:
-    from epdserve.encoder.server import serve
+    from epdserve.encoder.app import serve
 
     config = encoder_config(args)
     _check_port(config.host, config.port)
