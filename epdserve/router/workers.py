@@ -1,8 +1,10 @@
 """The router's worker pools: encoders, prefill+decode, prefill and decode workers; how they
-join (the command line, DNS names resolved again and again, registrations with heartbeats) and
-leave (eviction when a registration lapses or a name no longer resolves); the probe loop that
-keeps their health, load reports, KV digests and the served model current; and the HTTP session
-every internal call goes through."""
+join (the command line, DNS names resolved again and again, registrations with heartbeats; a
+worker not on the command line only from the worker networks and with proof of the cluster
+credential, ``router.membership``) and leave (eviction when a registration lapses or a name no
+longer resolves); the probe loop that keeps their health, load reports, KV digests and the served
+model current; and the HTTP session every internal call goes through, each one signed
+(``signed``: ``security.peers``)."""
 
 from __future__ import annotations
 
