@@ -24,12 +24,13 @@ import dataclasses
 import importlib.util
 import io
 import operator
+import sys
 import tokenize
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 _SCALARS: dict[str, type] = {"int": int, "float": float, "str": str, "Path": Path}
 _FROM_FIELD = object()  # Flag.default: the dataclass default
@@ -291,3 +292,8 @@ def _alias(name: str, module: str) -> tuple[ast.expr, str]:
                 if (alias.asname or alias.name) == name:
                     return _alias(alias.name, node.module)
     raise TypeError(f"no command-line flag for a field of type {name} ({module})")
+
+
+def usage_error(message: str) -> NoReturn:
+    print(f"epdserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -14,8 +14,9 @@ import torch
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig
+from epdserve.encoder.app import build_app
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
-from epdserve.encoder.server import EncoderConfig, EncoderService, build_app
+from epdserve.encoder.server import EncoderConfig, EncoderService
 from epdserve.launcher import free_port
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld

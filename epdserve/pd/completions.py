@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -28,10 +27,9 @@ from epdserve.api.protocol import (
 )
 from epdserve.api.quota import Quotas, check_max_tokens
 from epdserve.engine.messages import AddRequest
+from epdserve.pd.generation import Generation, Piece, WorkerFailedMidStream
+from epdserve.pd.service import ChatService
 from epdserve.pd.tokenizer import TooManyTokens
-
-if TYPE_CHECKING:
-    from epdserve.pd.server import ChatService, Piece
 
 
 class CompletionHandlers:
@@ -69,8 +67,6 @@ class CompletionHandlers:
         return req, add
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        from epdserve.pd.server import Generation
-
         s = self.s
         t0 = time.perf_counter()
         rid = request_id(request.headers)
@@ -128,8 +124,6 @@ class CompletionHandlers:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        from epdserve.pd.server import WorkerFailedMidStream
-
         with contextlib.suppress(ConnectionResetError):
             last = first
             try:
