@@ -195,7 +195,7 @@ def _log_to_stderr(args: argparse.Namespace) -> None:
     starts logs the same way (``EPD_LOG_FORMAT``, inherited)."""
     import os
 
-    from epdserve.api import logs
+    from epdserve.common import logs
 
     os.environ[logs.LOG_FORMAT_ENV] = args.log_format
     logs.setup(args.log_format)
