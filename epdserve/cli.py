@@ -46,7 +46,7 @@ FRONTEND = "epdserve.router.frontend_decode:FrontendDecodeConfig"
 EC = "epdserve.transfer.config:ECConfig"
 MEDIA = "epdserve.media.limits:MediaLimits"
 AUTH = "epdserve.api.auth:AuthConfig"
-STORE = "epdserve.store.config:StoreConfig"
+STORE = "epdserve.common.store_config:StoreConfig"
 REGISTRATION = "epdserve.api.registration:RegistrationConfig"
 REGISTRATION_FLAGS = ("advertise_host", "register_with", "heartbeat_s")
 QUOTA = "epdserve.api.quota:QuotaConfig"
@@ -330,10 +330,10 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     """The ``ServerConfig`` of ``epdserve serve``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.common.dtypes import check_device
+    from epdserve.common.store_config import StoreConfig
     from epdserve.engine.config import EngineConfig
     from epdserve.pd.config import ServerConfig
     from epdserve.security.credentials import api_key_from
-    from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)
@@ -387,8 +387,8 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     """The ``EncoderConfig`` of ``epdserve encoder``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.common.dtypes import check_device
+    from epdserve.common.store_config import StoreConfig
     from epdserve.encoder.server import EncoderConfig
-    from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)

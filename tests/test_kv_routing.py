@@ -17,12 +17,12 @@ import pytest
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import decode_chat_request
 from epdserve.bench.workload import image_data_url
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.launcher import free_port
 from epdserve.media.limits import MediaLimits
 from epdserve.models.config import ModelConfig

@@ -227,10 +227,10 @@ def hf_generate(hf_model, feature_extractor, tok, messages: list[dict], audios: 
 
 
 def engine_request(rid: str, builder, proc, messages: list[dict], audios: list[np.ndarray], eos: list[int]):
+    from epdserve.common.sampling_params import SamplingParams
     from epdserve.engine.core import request_from
     from epdserve.engine.inputs import MediaInput
     from epdserve.engine.messages import AddRequest
-    from epdserve.engine.sampling_params import SamplingParams
 
     media = []
     for i, a in enumerate(audios):
@@ -544,12 +544,12 @@ def test_the_kv_router_names_an_audio_prompts_blocks_as_the_block_manager_does(c
     import msgspec
 
     from epdserve.api.protocol import decode_chat_request
+    from epdserve.common.sampling_params import SamplingParams
     from epdserve.encoder.protocol import EncodedItem
     from epdserve.engine.block_manager import BlockManager
     from epdserve.engine.core import request_from
     from epdserve.engine.inputs import InputBuilder, MediaInput
     from epdserve.engine.messages import AddRequest
-    from epdserve.engine.sampling_params import SamplingParams
     from epdserve.media.limits import MediaLimits
     from epdserve.models.config import ModelConfig
     from epdserve.pd.messages import template_messages

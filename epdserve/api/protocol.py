@@ -23,7 +23,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 
 from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge
-from epdserve.engine.sampling_params import SamplingParams
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
