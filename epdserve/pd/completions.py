@@ -27,8 +27,8 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.api.quota import Quotas, check_max_tokens
+from epdserve.api.tokenizer import TooManyTokens
 from epdserve.engine.messages import AddRequest
-from epdserve.pd.tokenizer import TooManyTokens
 
 if TYPE_CHECKING:
     from epdserve.pd.server import ChatService, Piece

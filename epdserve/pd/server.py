@@ -29,6 +29,7 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.auth import is_internal, is_operator
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, NotFound, Unavailable, context_too_long
 from epdserve.api.http import Route, json_response, read_body, role_app, run_app
 from epdserve.api.kv_digest import KVDigest
@@ -70,6 +71,7 @@ from epdserve.api.protocol import (
 from epdserve.api.quota import Quotas, check_max_tokens
 from epdserve.api.registration import Registrar
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
+from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
 from epdserve.api.tracing import Tracing, wall_ns
 from epdserve.engine.client import CoreStartError, EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.config import cpu_list
@@ -88,8 +90,6 @@ from epdserve.pd.config import ServerConfig
 from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.pd.launch import launch_core
 from epdserve.pd.logprobs import TokenTexts
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer, TooManyTokens
 
 log = logging.getLogger(__name__)
 

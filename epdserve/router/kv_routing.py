@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import ChatRequest
+from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
 from epdserve.common.prefix_hash import MediaSpan, prefix_hashes
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.media.processor import ProcessorConfig
 from epdserve.models.config import ModelConfig
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer, TooManyTokens
 from epdserve.router.pool import Worker
 
 MAX_NOTED_BLOCKS = 1 << 18  # block hashes remembered per worker between digests
