@@ -754,7 +754,7 @@ def add_bench_args(s: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from epdserve.bench.sweep import run_cli
+    from epdserve.bench.sweep_cli import run_cli
 
     return run_cli(args)
 
