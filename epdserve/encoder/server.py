@@ -56,7 +56,7 @@ from epdserve.api.load import CostRate, EncoderLoad, LoadReport
 from epdserve.api.logs import request_id
 from epdserve.api.media import MediaResolver
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
-from epdserve.api.protocol import ModelCard, ModelList, encode_json
+from epdserve.api.protocol import DEFAULT_MAX_REQUEST_BYTES, ModelCard, ModelList, encode_json
 from epdserve.api.registration import Registrar, RegistrationConfig
 from epdserve.api.tracing import Tracing
 from epdserve.cache.embedding_cache import EmbeddingCache
@@ -118,7 +118,7 @@ class EncoderConfig:
     max_queued_items: int = 1024  # items waiting for a forward beyond which requests get 429
     encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
     max_items_per_request: int = 32  # media items one /v1/encode request may carry
-    max_request_bytes: int = 64 << 20  # largest request body
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest request body
     preprocess_threads: int = 0  # threads hashing, decoding and preprocessing media (0: one per core it may run on)
     kernels: KernelChoice = "auto"  # auto: the tower's rotary in the fused C++ kernels (CPU, float32/bfloat16); torch
     threads: int = 1  # torch intra-op threads for the vision forward (0: torch default); 1 suits small models

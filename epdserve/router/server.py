@@ -59,7 +59,11 @@ from epdserve.api.load import MAX_LOAD_REPORT_BYTES, decode_load_report, recomme
 from epdserve.api.logs import REQUEST_ID_HEADER, request_id
 from epdserve.api.metrics import CONTENT_TYPE, Metrics, federate, public_metrics
 from epdserve.api.protocol import (
+    DEFAULT_CHAT_MAX_TOKENS as DEFAULT_MAX_TOKENS,
+)
+from epdserve.api.protocol import (
     DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_REQUEST_BYTES,
     SSE_DONE,
     ChatRequest,
     RequestKind,
@@ -88,7 +92,6 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig
-from epdserve.pd.config import ServerConfig
 from epdserve.router.admission import AutoLimit, Gate
 from epdserve.router.directory import MediaDirectory, content_key
 from epdserve.router.discovery import MAX_HEARTBEAT_S, DnsSource, Leases, is_worker_url, split_sources
@@ -116,7 +119,6 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MAX_SCRAPE_BYTES = 4 << 20  # one worker's /metrics
 CHARS_PER_TOKEN = 4  # a prompt's tokens as the router estimates them for its client's share (settled by usage)
-DEFAULT_MAX_TOKENS = ServerConfig.default_max_tokens  # what the workers generate when a request sets no max_tokens
 
 
 Workers = tuple[str, ...]
@@ -137,7 +139,7 @@ class RouterConfig:
     probe_interval_s: float = 2.0  # health probe period
     encode_timeout_s: float = 120.0  # one /v1/encode call
     request_timeout_s: float = 600.0  # one forwarded chat request, end to end
-    max_request_bytes: int = 64 << 20  # largest request body
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest request body
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
     frontend: FrontendDecodeConfig = field(default_factory=FrontendDecodeConfig)  # decode media here
