@@ -173,7 +173,9 @@ def test_an_upward_or_sideways_import_is_named() -> None:
         "epdserve.engine.core:3 imports epdserve.api.logs: api is in a layer above engine"
     ]
     graph = {"epdserve.pd.x": {"epdserve.api.logs": 9}, "epdserve.api.logs": {}}
-    assert upward_imports(graph, layers) == ["epdserve.pd.x:9 imports epdserve.api.logs: api is in the same layer as pd"]
+    assert upward_imports(graph, layers) == [
+        "epdserve.pd.x:9 imports epdserve.api.logs: api is in the same layer as pd"
+    ]
 
 
 @pytest.fixture(scope="module")
