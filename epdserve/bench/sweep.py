@@ -31,8 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
-from epdserve.bench.report import SLO, Summary, summarize
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import SLO, BenchConfig, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, field_doc, values
 from epdserve.launcher import free_port
