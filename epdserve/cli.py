@@ -72,7 +72,7 @@ def _log_to_stderr(args: argparse.Namespace) -> None:
     starts logs the same way (``EPD_LOG_FORMAT``, inherited)."""
     import os
 
-    from epdserve.api import logs
+    from epdserve.common import logs
 
     os.environ[logs.LOG_FORMAT_ENV] = args.log_format
     logs.setup(args.log_format)
@@ -120,10 +120,10 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     """The ``ServerConfig`` of ``epdserve serve``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.common.dtypes import check_device
+    from epdserve.common.store_config import StoreConfig
     from epdserve.engine.config import EngineConfig
     from epdserve.pd.config import ServerConfig
     from epdserve.security.credentials import api_key_from
-    from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)
@@ -177,8 +177,8 @@ def encoder_config(args: argparse.Namespace) -> EncoderConfig:
     """The ``EncoderConfig`` of ``epdserve encoder``'s flags."""
     from epdserve.api.auth import AuthConfig
     from epdserve.common.dtypes import check_device
+    from epdserve.common.store_config import StoreConfig
     from epdserve.encoder.config import EncoderConfig
-    from epdserve.store.config import StoreConfig
     from epdserve.transfer.config import ECConfig
 
     cluster = _cluster_credential(args)
@@ -414,7 +414,7 @@ def add_bench_args(s: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from epdserve.bench.sweep import run_cli
+    from epdserve.bench.sweep_cli import run_cli
 
     return run_cli(args)
 

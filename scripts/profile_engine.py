@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from epdserve.assets import default_model_dir
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld

@@ -18,7 +18,7 @@ from epdserve import cli, shapes_cli
 from epdserve.api.auth import AuthConfig
 from epdserve.assets import default_model_dir
 from epdserve.bench import loadgen, sweep
-from epdserve.bench.loadgen import BenchConfig
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.sweep import SweepConfig
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, field_info, to_argv, values

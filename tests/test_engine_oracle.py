@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
 from epdserve.kernels import KernelChoice
 from epdserve.kernels import ops as kernel_ops

@@ -21,9 +21,9 @@ import pytest
 
 from epdserve.api.errors import Overloaded, Unavailable
 from epdserve.api.quota import QuotaConfig, Quotas
+from epdserve.api.tokenizer import CHUNK_CHARS, FastTokenizer, TooManyTokens
 from epdserve.assets import default_model_dir
 from epdserve.launcher import free_port, start_role, stop
-from epdserve.pd.tokenizer import CHUNK_CHARS, FastTokenizer, TooManyTokens
 from epdserve.up import Deployment, Topology, open_api_warning
 from tests.server_utils import counter, device_args, http, internal_headers, running
 

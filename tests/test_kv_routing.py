@@ -14,20 +14,20 @@ import msgspec
 import openai
 import pytest
 
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import decode_chat_request
+from epdserve.api.tokenizer import FastTokenizer
 from epdserve.bench.workload import image_data_url
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.launcher import free_port
 from epdserve.media.limits import MediaLimits
 from epdserve.models.config import ModelConfig
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer
 from epdserve.router.kv_routing import KVIndex, PromptBlocks
 from epdserve.router.pool import Worker
 from epdserve.router.refs import media_refs

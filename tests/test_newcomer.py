@@ -280,7 +280,7 @@ def test_not_ready_answers_carry_retry_after() -> None:
     "typed", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/", " http://h:8000/v1 "]
 )
 def test_every_form_of_a_url_is_the_same_server(typed: str) -> None:
-    from epdserve.bench.loadgen import BenchConfig
+    from epdserve.bench.report import BenchConfig
 
     assert server_url(typed) == "http://h:8000"
     # what bench, sweep and plan --calibrate send their requests with

@@ -227,10 +227,10 @@ def hf_generate(hf_model, feature_extractor, tok, messages: list[dict], audios: 
 
 
 def engine_request(rid: str, builder, proc, messages: list[dict], audios: list[np.ndarray], eos: list[int]):
+    from epdserve.common.sampling_params import SamplingParams
     from epdserve.engine.core import request_from
     from epdserve.engine.inputs import MediaInput
     from epdserve.engine.messages import AddRequest
-    from epdserve.engine.sampling_params import SamplingParams
 
     media = []
     for i, a in enumerate(audios):
@@ -543,17 +543,17 @@ def test_the_kv_router_names_an_audio_prompts_blocks_as_the_block_manager_does(c
     stand-in grid is one the layout accepts), after it every block, as the worker names them."""
     import msgspec
 
+    from epdserve.api.chat_messages import template_messages
     from epdserve.api.protocol import decode_chat_request
+    from epdserve.api.tokenizer import FastTokenizer
+    from epdserve.common.sampling_params import SamplingParams
     from epdserve.encoder.protocol import EncodedItem
     from epdserve.engine.block_manager import BlockManager
     from epdserve.engine.core import request_from
     from epdserve.engine.inputs import InputBuilder, MediaInput
     from epdserve.engine.messages import AddRequest
-    from epdserve.engine.sampling_params import SamplingParams
     from epdserve.media.limits import MediaLimits
     from epdserve.models.config import ModelConfig
-    from epdserve.pd.messages import template_messages
-    from epdserve.pd.tokenizer import FastTokenizer
     from epdserve.router.kv_routing import PromptBlocks
     from epdserve.router.refs import media_refs
 

@@ -66,6 +66,7 @@ TIERS: dict[str, str] = {
     "test_kv_routing.py::test_each_conversation_follows_its_kv": "e2e",
     "test_kv_routing.py::test_media_inside_the_workers_kv_are_not_encoded_and_a_lost_race_costs_an_encode": "e2e",
     "test_kv_routing.py::test_prefill_workers_are_chosen_by_kv_too": "e2e",
+    "test_layering.py": "unit",
     "test_load_signal.py": "unit",
     "test_load_signal.py::test_the_router_recommends_more_workers_under_load_and_one_when_idle": "e2e",
     "test_qwen2_audio.py": "unit",

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from epdserve.api.auth import AuthConfig
 
-LogFormat = Literal["text", "json"]
-LOG_FORMAT_ENV = "EPD_LOG_FORMAT"  # how a role's engine core process logs (set by the role)
 ACCESS = logging.getLogger("epdserve.access")
 STATS = logging.getLogger("epdserve.stats")
 STATS_INTERVAL_S = 10.0
@@ -35,32 +32,6 @@ def request_id(headers: Mapping[str, str]) -> str:
     """The request's id: the caller's ``X-Request-Id`` when it is a plain token, else a new one."""
     given = headers.get(REQUEST_ID_HEADER, "")
     return given if _ID.fullmatch(given) else uuid.uuid4().hex[:16]
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        out.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup(fmt: LogFormat = "text", prefix: str = "") -> None:
-    """Configure the process's logging (``prefix`` marks a sub-process, e.g. "[core] ")."""
-    handler = logging.StreamHandler()
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
 
 
 def _text(fields: dict[str, Any]) -> str:

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -32,9 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
-from epdserve.bench.plots import PlottingUnavailable, check_plotting
-from epdserve.bench.report import SLO, Summary, summarize
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import SLO, BenchConfig, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, field_doc, values
 from epdserve.launcher import free_port
@@ -428,41 +426,6 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         log_dir=out / "logs",
         command=command_line(sys.argv),
     )
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    # SIGTERM takes the Ctrl-C path so the running deployment is stopped and the report still written
-    raise KeyboardInterrupt
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """``epdserve sweep``: run the grid, write the report, print where it is."""
-    from epdserve.bench.sweep_report import write_report
-
-    try:
-        config = config_from_args(args)
-    except ValueError as e:
-        print(f"epdserve sweep: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        check_plotting()  # the report's heatmaps are optional: said now, not after the sweep
-        plots = True
-    except PlottingUnavailable as e:
-        print(f"epdserve sweep: the report will have tables and no heatmaps ({e})", file=sys.stderr)
-        plots = False
-    n = len(config.cells)
-    print(
-        f"epdserve sweep: {len(config.topologies)} topologies × {n} cells × {config.requests} requests "
-        f"({config.arrival}) -> {args.out}",
-        file=sys.stderr,
-    )
-    signal.signal(signal.SIGTERM, _interrupt)
-    result = run_sweep(config, None if args.no_progress else sys.stderr)
-    paths = write_report(result, Path(args.out), plots)
-    print(f"wrote {paths[0]}" + (f" (+{len(paths) - 1} files)" if len(paths) > 1 else ""))
-    if result.interrupted:
-        return 130
-    return 0 if result.cells and all(c.clean for c in result.cells) else 1
 
 
 __all__ = [

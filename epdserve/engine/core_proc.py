@@ -18,7 +18,7 @@ import sys
 import threading
 
 from epdserve.allocator import keep_freed_memory
-from epdserve.api import logs
+from epdserve.common import logs
 from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
 from epdserve.engine.loop import StepLoop

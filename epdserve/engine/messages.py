@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig, PDRole
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.transfer.config import ECConfig
 
 if TYPE_CHECKING:

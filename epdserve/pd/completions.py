@@ -26,10 +26,10 @@ from epdserve.api.protocol import (
     to_sampling_params,
 )
 from epdserve.api.quota import Quotas, check_max_tokens
+from epdserve.api.tokenizer import TooManyTokens
 from epdserve.engine.messages import AddRequest
 from epdserve.pd.generation import Generation, Piece, WorkerFailedMidStream
 from epdserve.pd.service import ChatService
-from epdserve.pd.tokenizer import TooManyTokens
 
 
 class CompletionHandlers:

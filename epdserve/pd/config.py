@@ -12,7 +12,7 @@ from typing import Literal
 
 from epdserve.api.auth import AuthConfig
 from epdserve.api.exposure import ExposureConfig
-from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
+from epdserve.api.protocol import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES
 from epdserve.api.quota import QuotaConfig
 from epdserve.api.registration import RegistrationConfig
 from epdserve.engine.config import EngineConfig, PDRole
@@ -28,8 +28,8 @@ class ServerConfig:
     served_model_name: str = ""  # name clients use; empty: the directory name
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0: any free port)
-    default_max_tokens: int = 256  # max_tokens when the request sets none
-    max_request_bytes: int = 64 << 20  # largest request body
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # max_tokens when the request sets none
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest request body
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     preprocess_threads: int = 0  # threads decoding and preprocessing media (0: media.workers.media_threads)
     template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import get_args
 
 from epdserve.api import logs
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.errors import BadRequest, NotFound, context_too_long
 from epdserve.api.load import CostRate, LoadReport, worker_ratio
 from epdserve.api.media import MediaResolver
@@ -33,6 +34,7 @@ from epdserve.api.protocol import (
 )
 from epdserve.api.quota import Quotas, check_max_tokens
 from epdserve.api.role_app import RoleBasics
+from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
 from epdserve.engine.client import EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.config import cpu_list
 from epdserve.engine.inputs import InputBuilder, PromptError
@@ -47,8 +49,6 @@ from epdserve.pd.config import ServerConfig
 from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.pd.launch import launch_core
 from epdserve.pd.logprobs import TokenTexts
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer, TooManyTokens
 
 log = logging.getLogger(__name__)
 

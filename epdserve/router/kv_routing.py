@@ -3,7 +3,7 @@
 ``PromptBlocks`` names a request's prompt blocks exactly as a worker's block manager will: the
 model's chat template, the placeholder runs its prompt layout gives each item's grid, the items'
 content uuids (from the encoders, or the router's directory before any encode), and the same block
-hash (``engine.prefix_hash``); torch-free. An item the router knows nothing of yet ends the named
+hash (``common.prefix_hash``); torch-free. An item the router knows nothing of yet ends the named
 prefix: the blocks before its placeholders do not depend on it, the ones after do.
 
 ``KVIndex`` knows what each worker holds: its last digest (``GET /v1/kv/digest``, polled with the
@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import ChatRequest
+from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
+from epdserve.common.prefix_hash import MediaSpan, prefix_hashes
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.inputs import InputBuilder, MediaInput
-from epdserve.engine.prefix_hash import MediaSpan, prefix_hashes
 from epdserve.media.processor import ProcessorConfig
 from epdserve.models.config import ModelConfig
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer, TooManyTokens
 from epdserve.router.pool import Worker
 
 MAX_NOTED_BLOCKS = 1 << 18  # block hashes remembered per worker between digests

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-STORE = "epdserve.store.config:StoreConfig"
+STORE = "epdserve.common.store_config:StoreConfig"
 STORE_PREFIX = "--store-"
 STORE_FLAGS = (
     "url",
