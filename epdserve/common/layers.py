@@ -35,5 +35,7 @@ LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     ("up", "training", "evaluate"),
     ("bench",),
     ("plan",),
+    # the command line: what each command assembles, then the entry point
+    ("up_cli", "shapes_cli"),
     ("cli",),
 )

@@ -29,6 +29,7 @@ from epdserve.api.http import json_response
 from epdserve.api.logs import request_id
 from epdserve.api.metrics import CONTENT_TYPE, federate, public_metrics
 from epdserve.api.protocol import (
+    DEFAULT_CHAT_MAX_TOKENS,
     ChatRequest,
     SamplingRequest,
     check_embeds_trust,
@@ -42,7 +43,6 @@ from epdserve.api.quota import check_max_tokens, requested_max_tokens
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import wanted
 from epdserve.api.tracing import Tracing
-from epdserve.pd.config import ServerConfig
 from epdserve.router.config import RouterConfig
 from epdserve.router.forward import COMPLETIONS_PATH
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 MAX_SCRAPE_BYTES = 4 << 20  # one worker's /metrics
 CHARS_PER_TOKEN = 4  # a prompt's tokens as the router estimates them for its client's share (settled by usage)
-DEFAULT_MAX_TOKENS = ServerConfig.default_max_tokens  # what the workers generate when a request sets no max_tokens
 
 
 class Handlers:
@@ -168,7 +167,7 @@ class Handlers:
     def _reserve(self, chars: int, max_tokens: int | None) -> int:
         """The tokens a request reserves of its client's share (``api.quota``): its prompt as
         estimated from its characters, plus ``max_tokens``; settled by the answer's usage."""
-        return -(-chars // CHARS_PER_TOKEN) + (max_tokens or DEFAULT_MAX_TOKENS)
+        return -(-chars // CHARS_PER_TOKEN) + (max_tokens or DEFAULT_CHAT_MAX_TOKENS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
