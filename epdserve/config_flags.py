@@ -8,6 +8,7 @@ default                   the dataclass default (``Flag.default`` where the comm
 ``bool``                  ``--flag`` / ``--no-flag``
 ``tuple[str, ...]``       any number of values (a tuple in ``values``)
 ``int float str Path``    that type; ``X | None`` as ``X``
+``ByteSize``              a byte count, also with a unit (``4GiB``, ``512MB``)
 ========================  ==========================================================================
 
 Help and types are read from the source with ``ast`` (aliases such as ``DType`` followed into the
@@ -219,6 +220,10 @@ def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | No
             return bool, None
         if node.id in _SCALARS:
             return _SCALARS[node.id], None
+        if node.id == "ByteSize":
+            from epdserve.plan.memory import ByteSize
+
+            return ByteSize, None
         return _kind(*_alias(node.id, module))
     if isinstance(node, ast.Subscript):
         generic = ast.unparse(node.value)

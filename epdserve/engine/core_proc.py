@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
         log.exception("engine core failed to start")
         channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return 1
-    channel.send(CoreReady(pid=os.getpid(), vision=core.vision, num_kv_blocks=start.engine.num_kv_blocks))
+    channel.send(CoreReady(pid=os.getpid(), vision=core.vision, num_kv_blocks=core.config.num_kv_blocks))
     try:
         CoreLoop(channel, core).run()
     except (ChannelClosed, OSError) as e:

@@ -1,11 +1,24 @@
-"""Tensors whose memory becomes resident only as it is used."""
+"""Tensors whose memory becomes resident only as it is used, and a language-model role's memory
+plan at start-up (the accounting itself: ``plan.memory``)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from epdserve.engine.config import EngineConfig, PDRole
+from epdserve.models.config import ModelConfig
+from epdserve.plan.memory import (
+    MemoryBudgetError,
+    RoleMemory,
+    available_memory,
+    engine_memory,
+    format_bytes,
+    max_item_patches,
+)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -16,3 +29,50 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool) -> RoleMemory:
+    """The memory account of a language-model role about to load ``model_dir`` (nothing loaded
+    yet: a configuration that cannot fit is refused before its weights are read), its KV blocks
+    sized by the config's budget; MemoryBudgetError when it does not fit the budget or the memory
+    free now."""
+    from epdserve.kernels.ops import CpuKernelOps, select_ops
+    from epdserve.media.processor import ProcessorConfig
+    from epdserve.models.precision import torch_dtype
+
+    model = ModelConfig.from_pretrained(model_dir)
+    patches = 0
+    if model.vision is not None:
+        proc = ProcessorConfig.from_pretrained(model_dir)
+        patches = max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
+    # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner)
+    ops = select_ops(config.kernels, torch_dtype(config.dtype), torch.device(config.device))
+    fused = isinstance(ops, CpuKernelOps) and ops.attends(model.text.head_dim)
+    free = available_memory(config.device)
+    name = "pd" if role == "both" else role
+    mem = engine_memory(
+        model,
+        role=name,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        encoder_cache_bytes=config.encoder_cache_bytes,
+        item_patches=patches,
+        vision=vision,
+        decode_mirror=config.contiguous_decode_kv and not fused,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        budget=int(config.memory_fraction * free),
+    )
+    check_free(mem, free)
+    return mem
+
+
+def check_free(mem: RoleMemory, free: int) -> None:
+    """MemoryBudgetError when ``mem`` needs more than the ``free`` bytes there are."""
+    if mem.total > free:
+        raise MemoryBudgetError(
+            f"{mem.role}: needs {format_bytes(mem.total)}, only {format_bytes(free)} free ({mem.line()})"
+        )

@@ -280,15 +280,23 @@ def build_published(family: str, out_dir: Path, seed: int = 0, layers: int = 0, 
     del model
     write_tokenizer(out_dir)
     write_json(out_dir / "preprocessor_config.json", processor)
-    video = {k: v for k, v in processor.items() if k != "image_processor_type"}
-    video |= {"video_processor_type": "Qwen2VLVideoProcessor", "fps": 2.0}
-    if family == "qwen3_vl":
-        video |= {"video_processor_type": "Qwen3VLVideoProcessor"}
-    write_json(out_dir / "video_preprocessor_config.json", video)
+    write_json(out_dir / "video_preprocessor_config.json", video_processor(family, processor))
     eos = [IDS["<|im_end|>"], IDS["<|endoftext|>"]]
     generation = {"bos_token_id": IDS["<|endoftext|>"], "eos_token_id": eos, "pad_token_id": IDS["<|endoftext|>"]}
     write_json(out_dir / "generation_config.json", {**generation, "do_sample": False})
     return out_dir
+
+
+def video_processor(family: str, processor: dict[str, Any]) -> dict[str, Any]:
+    """The video processor's settings: the image processor's, with the frame bounds of
+    transformers' video processor classes (``Qwen2VLVideoProcessor``: 128 to 768 merged tokens of
+    28 pixels a frame; ``Qwen3VLVideoProcessor``: of 32 pixels), at 2 frames per second."""
+    video = {k: v for k, v in processor.items() if k not in ("image_processor_type", "size")}
+    if family == "qwen3_vl":
+        bounds = {"size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}}
+        return video | bounds | {"video_processor_type": "Qwen3VLVideoProcessor", "fps": 2.0}
+    bounds = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28}
+    return video | bounds | {"video_processor_type": "Qwen2VLVideoProcessor", "fps": 2.0}
 
 
 def fill(model: torch.nn.Module, seed: int) -> None:
