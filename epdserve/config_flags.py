@@ -25,7 +25,7 @@ import dataclasses
 import importlib.util
 import io
 import tokenize
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -41,7 +41,7 @@ class FieldInfo:
 
     name: str
     doc: str  # its one-line comment
-    kind: type  # int, float, str, Path, bool or tuple (of str)
+    kind: Callable[[str], Any]  # int, float, str, Path, bool or tuple (of str); or a parser (ByteSize)
     choices: tuple[str, ...] | None = None  # the values of a Literal type
 
 
@@ -208,7 +208,7 @@ def _declared(module: str, qualname: str) -> dict[str, tuple[ast.expr, str]]:
     }
 
 
-def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | None]:
+def _kind(annotation: ast.expr, module: str) -> tuple[Callable[[str], Any], tuple[str, ...] | None]:
     """(kind, Literal choices) of an annotation in ``module``; TypeError for a type no flag can take."""
     node = annotation
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # X | None
@@ -220,10 +220,10 @@ def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | No
             return bool, None
         if node.id in _SCALARS:
             return _SCALARS[node.id], None
-        if node.id == "ByteSize":
-            from epdserve.plan.memory import ByteSize
+        if node.id == "ByteSize":  # an int whose flag also takes units
+            from epdserve.plan.memory import parse_bytes
 
-            return ByteSize, None
+            return parse_bytes, None
         return _kind(*_alias(node.id, module))
     if isinstance(node, ast.Subscript):
         generic = ast.unparse(node.value)

@@ -71,6 +71,7 @@ from epdserve.encoder.protocol import (
     encode_response,
 )
 from epdserve.engine.inputs import MediaInput
+from epdserve.engine.memory import MemoryBudgetError, plan_encoder
 from epdserve.kernels import KernelChoice
 from epdserve.kernels.ops import select_ops
 from epdserve.kernels.resample import load_resampler
@@ -194,6 +195,10 @@ class EncoderService:
         self.started = time.time()
         if config.threads > 0:
             torch.set_num_threads(config.threads)
+        memory = plan_encoder(
+            config.model, config.dtype, config.device, config.encode_token_budget, config.encoder_cache_bytes
+        )  # refuses before any weight is read
+        log.info("%s", memory.line())
         model, self.load_report = load_model(
             config.model,
             parts=frozenset({"vision"}),
@@ -710,6 +715,10 @@ def build_app(service: EncoderService) -> web.Application:
 
 def serve(config: EncoderConfig) -> None:
     """Run the encoder until SIGINT/SIGTERM."""
-    service = EncoderService(config)
+    try:
+        service = EncoderService(config)
+    except MemoryBudgetError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
     log.info("epdserve encoder for %s on http://%s:%d", config.model_name, config.host, config.port)
     run_app(build_app(service), config.host, config.port)

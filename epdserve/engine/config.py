@@ -16,12 +16,8 @@ PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a requ
 class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int = 2048  # KV-cache blocks (per layer) unless a memory budget sizes them
-    kv_cache_memory: ByteSize = ByteSize(
-        0
-    )  # bytes of KV cache, e.g. 4GiB (0: from --memory-fraction, else --num-kv-blocks)
-    memory_fraction: float = (
-        0.0  # share of the memory free at start this role may use; the KV cache gets what the rest leaves (0: off)
-    )
+    kv_cache_memory: ByteSize = 0  # KV-cache bytes, e.g. 4GiB (0: --memory-fraction, else --num-kv-blocks)
+    memory_fraction: float = 0.0  # share of the free memory this role may use; the KV cache gets the rest (0: off)
     max_num_seqs: int = 64  # most requests in the running batch
     max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + decodes)
     max_model_len: int = 4096  # prompt + output tokens per request

@@ -12,12 +12,15 @@ import torch
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.models.config import ModelConfig
 from epdserve.plan.memory import (
+    DTYPE_BYTES,
     MemoryBudgetError,
     RoleMemory,
     available_memory,
+    encoder_memory,
     engine_memory,
     format_bytes,
     max_item_patches,
+    parameter_count,
 )
 
 
@@ -67,6 +70,30 @@ def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, visio
         budget=int(config.memory_fraction * free),
     )
     check_free(mem, free)
+    return mem
+
+
+def plan_encoder(
+    model_dir: str | Path, dtype: str, device: str, encode_token_budget: int, encoder_cache_bytes: int
+) -> RoleMemory:
+    """The memory account of an encoder about to load ``model_dir``'s vision tower (an audio
+    tower: its weights only); MemoryBudgetError when it does not fit the memory free now."""
+    from epdserve.media.processor import ProcessorConfig
+
+    model = ModelConfig.from_pretrained(model_dir)
+    if model.vision is None:
+        weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
+        mem = RoleMemory(role="encoder", weights=weights, encoder_cache=encoder_cache_bytes)
+    else:
+        proc = ProcessorConfig.from_pretrained(model_dir)
+        mem = encoder_memory(
+            model,
+            dtype=dtype,
+            encode_token_budget=encode_token_budget,
+            encoder_cache_bytes=encoder_cache_bytes,
+            item_patches=max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames),
+        )
+    check_free(mem, available_memory(device))
     return mem
 
 

@@ -32,6 +32,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from epdserve.models.config import ModelConfig, TextConfig, VisionConfig
 
@@ -46,11 +47,8 @@ class MemoryBudgetError(ValueError):
     """A role's configuration does not fit the memory it has (the message names the figures)."""
 
 
-class ByteSize(int):
-    """A byte count that also parses ``4GiB``, ``512MB``, ``1.5G`` or ``4096`` (a flag's type)."""
-
-    def __new__(cls, value: int | str = 0) -> ByteSize:
-        return super().__new__(cls, parse_bytes(value) if isinstance(value, str) else int(value))
+# a byte count: an int, whose command-line flag (config_flags) also takes units such as 4GiB
+ByteSize = Annotated[int, "bytes"]
 
 
 def parse_bytes(text: str) -> int:
