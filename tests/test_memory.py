@@ -18,6 +18,7 @@ from epdserve.config_flags import add_flags, values
 from epdserve.engine.config import EngineConfig
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.models.config import ModelConfig
+from epdserve.plan.host import fit, topology_memory
 from epdserve.plan.memory import (
     MemoryBudgetError,
     available_memory,
@@ -32,6 +33,7 @@ from epdserve.plan.memory import (
     parse_bytes,
     vision_forward_bytes,
 )
+from epdserve.up import Topology
 from tests.checkpoints.published import published_config
 from tests.server_utils import counter
 
@@ -228,3 +230,43 @@ def test_serve_with_a_kv_cache_memory_has_that_many_blocks(tmp_path: Path) -> No
     lines = [line for line in log.read_text().splitlines() if "pd memory:" in line]
     assert len(lines) == 1, log.read_text()
     assert f"KV cache {format_bytes(blocks * block)} ({blocks} blocks)" in lines[0]
+
+
+def test_a_decode_role_counts_no_media() -> None:
+    model = qwen2_vl_2b()
+    decode = engine_memory(model, **_engine(model, role="decode", num_kv_blocks=256))
+    assert decode.vision == decode.embeddings == decode.encoder_cache == 0
+    assert decode.weights == 4_000_000_000 and decode.kv_blocks == 256
+
+
+def test_a_host_holds_the_fewer_of_its_memory_and_its_cores() -> None:
+    model = qwen2_vl_2b()
+    pd = engine_memory(model, **_engine(model, num_kv_blocks=256))
+    enc = encoder_memory(model, dtype="bfloat16", encode_token_budget=8192, encoder_cache_bytes=0, item_patches=16)
+    fits = fit({"pd": pd, "encoder": enc}, memory=3 * pd.total + 1, cores=16)
+    assert (fits[0].name, fits[0].by_memory, fits[0].instances) == ("pd", 3, 3)
+    assert fits[1].by_memory == (3 * pd.total + 1) // enc.total and fits[1].instances == min(fits[1].by_memory, 16)
+    assert fit({"pd": pd}, memory=10 * pd.total, cores=2)[0].instances == 2
+    accounts = {"encoder": enc, "pd (vision tower)": pd, "prefill": pd, "decode": pd}
+    assert topology_memory(Topology.parse("2e+1pd"), accounts) == 2 * enc.total + pd.total
+    assert topology_memory(Topology.parse("1e+1p+2d"), accounts) == enc.total + 3 * pd.total
+
+
+def test_plan_memory_prints_how_many_of_each_role_fit() -> None:
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "epdserve.cli", "plan", "--memory", "--model", str(default_model_dir())),
+            *("--host-memory", "1GiB", "--host-cores", "3", "--num-kv-blocks", "512"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "host: 1.00 GiB, 3 cores"
+    pd = next(line for line in lines if line.strip().startswith("pd (vision tower)"))
+    account = next(line for line in lines if line.strip().startswith("pd memory:"))
+    assert "KV cache 64.0 MiB (512 blocks)" in account  # 512 blocks of 128 KiB
+    total = parse_bytes(account.rsplit("total ", 1)[1].replace(" ", ""))
+    assert f"-> {min(3, (1 << 30) // total)} instances" in " ".join(pd.split())

@@ -12,16 +12,15 @@ import torch
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.models.config import ModelConfig
 from epdserve.plan.memory import (
-    DTYPE_BYTES,
     MemoryBudgetError,
     RoleMemory,
+    account_encoder,
+    account_engine,
     available_memory,
-    encoder_memory,
-    engine_memory,
-    format_bytes,
-    max_item_patches,
-    parameter_count,
+    check_free,
 )
+
+__all__ = ["MemoryBudgetError", "lazy_zeros", "plan_encoder", "plan_engine"]
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,35 +39,14 @@ def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, visio
     sized by the config's budget; MemoryBudgetError when it does not fit the budget or the memory
     free now."""
     from epdserve.kernels.ops import CpuKernelOps, select_ops
-    from epdserve.media.processor import ProcessorConfig
     from epdserve.models.precision import torch_dtype
 
-    model = ModelConfig.from_pretrained(model_dir)
-    patches = 0
-    if model.vision is not None:
-        proc = ProcessorConfig.from_pretrained(model_dir)
-        patches = max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
     # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner)
     ops = select_ops(config.kernels, torch_dtype(config.dtype), torch.device(config.device))
-    fused = isinstance(ops, CpuKernelOps) and ops.attends(model.text.head_dim)
+    head_dim = ModelConfig.from_pretrained(model_dir).text.head_dim
+    fused = isinstance(ops, CpuKernelOps) and ops.attends(head_dim)
     free = available_memory(config.device)
-    name = "pd" if role == "both" else role
-    mem = engine_memory(
-        model,
-        role=name,
-        dtype=config.dtype,
-        block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len,
-        encoder_cache_bytes=config.encoder_cache_bytes,
-        item_patches=patches,
-        vision=vision,
-        decode_mirror=config.contiguous_decode_kv and not fused,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=config.kv_cache_memory,
-        budget=int(config.memory_fraction * free),
-    )
+    mem = account_engine(model_dir, config, "pd" if role == "both" else role, vision, fused, free)
     check_free(mem, free)
     return mem
 
@@ -76,30 +54,8 @@ def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, visio
 def plan_encoder(
     model_dir: str | Path, dtype: str, device: str, encode_token_budget: int, encoder_cache_bytes: int
 ) -> RoleMemory:
-    """The memory account of an encoder about to load ``model_dir``'s vision tower (an audio
-    tower: its weights only); MemoryBudgetError when it does not fit the memory free now."""
-    from epdserve.media.processor import ProcessorConfig
-
-    model = ModelConfig.from_pretrained(model_dir)
-    if model.vision is None:
-        weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
-        mem = RoleMemory(role="encoder", weights=weights, encoder_cache=encoder_cache_bytes)
-    else:
-        proc = ProcessorConfig.from_pretrained(model_dir)
-        mem = encoder_memory(
-            model,
-            dtype=dtype,
-            encode_token_budget=encode_token_budget,
-            encoder_cache_bytes=encoder_cache_bytes,
-            item_patches=max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames),
-        )
+    """The memory account of an encoder about to load ``model_dir``'s media tower; MemoryBudgetError
+    when it does not fit the memory free now."""
+    mem = account_encoder(model_dir, dtype, encode_token_budget, encoder_cache_bytes)
     check_free(mem, available_memory(device))
     return mem
-
-
-def check_free(mem: RoleMemory, free: int) -> None:
-    """MemoryBudgetError when ``mem`` needs more than the ``free`` bytes there are."""
-    if mem.total > free:
-        raise MemoryBudgetError(
-            f"{mem.role}: needs {format_bytes(mem.total)}, only {format_bytes(free)} free ({mem.line()})"
-        )

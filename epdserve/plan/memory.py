@@ -11,6 +11,7 @@ counts instances per host with it.
                         step's token budget of patches, whichever is larger
         embeddings      the embedding slab: the largest item's rows plus a step's, all feature levels
         encoder cache   EngineConfig.encoder_cache_bytes
+                        (a decode role meets no media: none of these three)
         decode mirror   the contiguous decode KV (PyTorch attention only): max_num_seqs x max_model_len tokens
         KV cache        blocks x block bytes: from --kv-cache-memory, or what --memory-fraction of the
                         free memory leaves after the rest, or --num-kv-blocks
@@ -32,9 +33,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from epdserve.models.config import ModelConfig, TextConfig, VisionConfig
+
+if TYPE_CHECKING:  # engine.config imports ByteSize from here
+    from epdserve.engine.config import EngineConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 F32 = 4  # logits, rotary angles and pixel values are float32 whatever the model's dtype
@@ -190,7 +194,8 @@ def engine_memory(
     alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
-    has_vision = vision and model.vision is not None
+    decode = role == "decode"  # continues from handed-on KV: never meets media
+    has_vision = vision and model.vision is not None and not decode
     parts = frozenset({"language", "vision"} if has_vision else {"language"})
     w = weights if weights is not None else parameter_count(model, parts) * b
     merge2 = model.vision.spatial_merge_size**2 if model.vision is not None else 1
@@ -201,9 +206,9 @@ def engine_memory(
         activations=lm_step_bytes(model.text, max_num_batched_tokens, max_num_seqs, max_model_len, b),
         vision=vision_forward_bytes(model.vision, rows, b) if has_vision and model.vision is not None else 0,
         embeddings=embedding_bytes(model, item_patches // merge2 + max_num_batched_tokens, b)
-        if model.vision is not None
+        if model.vision is not None and not decode
         else 0,
-        encoder_cache=encoder_cache_bytes,
+        encoder_cache=0 if decode else encoder_cache_bytes,
         decode_mirror=max_num_seqs * max_model_len * kv_block_bytes(model.text, 1, b) if decode_mirror else 0,
         budget=budget,
     )
@@ -256,6 +261,68 @@ def encoder_memory(
     if budget and out.total > budget:
         raise MemoryBudgetError(f"encoder: needs {format_bytes(out.total)}, over the budget ({out.line()})")
     return out
+
+
+# ---- from a checkpoint directory and a role's config -------------------------------------------------
+
+
+def item_patches(model_dir: str | Path, model: ModelConfig) -> int:
+    """Patches of the largest item the checkpoint's processor lets through (0: no vision tower)."""
+    if model.vision is None:
+        return 0
+    from epdserve.media.processor import ProcessorConfig  # numpy and PIL: only where needed
+
+    proc = ProcessorConfig.from_pretrained(model_dir)
+    return max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
+
+
+def account_engine(
+    model_dir: str | Path, config: EngineConfig, role: str, vision: bool, fused: bool, free: int
+) -> RoleMemory:
+    """``engine_memory`` of a language-model role of ``config`` on ``model_dir``; ``fused``: the
+    fused kernels attend (no decode mirror), ``free``: the memory ``--memory-fraction`` takes from."""
+    model = ModelConfig.from_pretrained(model_dir)
+    return engine_memory(
+        model,
+        role=role,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        encoder_cache_bytes=config.encoder_cache_bytes,
+        item_patches=item_patches(model_dir, model),
+        vision=vision,
+        decode_mirror=config.contiguous_decode_kv and not fused,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        budget=int(config.memory_fraction * free),
+    )
+
+
+def account_encoder(
+    model_dir: str | Path, dtype: str, encode_token_budget: int, encoder_cache_bytes: int
+) -> RoleMemory:
+    """``encoder_memory`` of an encoder on ``model_dir`` (an audio tower: its weights only)."""
+    model = ModelConfig.from_pretrained(model_dir)
+    if model.vision is None:
+        weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
+        return RoleMemory(role="encoder", weights=weights, encoder_cache=encoder_cache_bytes)
+    return encoder_memory(
+        model,
+        dtype=dtype,
+        encode_token_budget=encode_token_budget,
+        encoder_cache_bytes=encoder_cache_bytes,
+        item_patches=item_patches(model_dir, model),
+    )
+
+
+def check_free(mem: RoleMemory, free: int) -> None:
+    """MemoryBudgetError when ``mem`` needs more than the ``free`` bytes there are."""
+    if mem.total > free:
+        raise MemoryBudgetError(
+            f"{mem.role}: needs {format_bytes(mem.total)}, only {format_bytes(free)} free ({mem.line()})"
+        )
 
 
 # ---- the machine ----------------------------------------------------------------------------------
