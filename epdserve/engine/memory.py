@@ -38,13 +38,14 @@ def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, visio
     yet: a configuration that cannot fit is refused before its weights are read), its KV blocks
     sized by the config's budget; MemoryBudgetError when it does not fit the budget or the memory
     free now."""
-    from epdserve.kernels.ops import CpuKernelOps, select_ops
+    from epdserve.kernels.ops import CpuKernelOps
     from epdserve.models.precision import torch_dtype
 
-    # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner)
-    ops = select_ops(config.kernels, torch_dtype(config.dtype), torch.device(config.device))
+    # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner);
+    # they are taken to build where supported (a failed build falls back to the mirror, uncounted)
     head_dim = ModelConfig.from_pretrained(model_dir).text.head_dim
-    fused = isinstance(ops, CpuKernelOps) and ops.attends(head_dim)
+    supported = CpuKernelOps.supports(torch_dtype(config.dtype), torch.device(config.device))
+    fused = config.kernels != "torch" and supported and CpuKernelOps.attends(head_dim)
     free = available_memory(config.device)
     mem = account_engine(model_dir, config, "pd" if role == "both" else role, vision, fused, free)
     check_free(mem, free)
