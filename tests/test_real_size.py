@@ -10,6 +10,8 @@ published 12.8-megapixel bound, whose vision forward the memory plan would reser
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 from epdserve.hf_reference import HFReference
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
-from tests.checkpoints.published import build_published
+from tests.checkpoints.published import build_published, published_config
 from tests.test_families import _deploy, ask, transformers_answer
 from tests.test_families import data_url as image_url
 
@@ -83,3 +85,37 @@ def test_e_pd_answers_what_aggregated_answers(checkpoint: Path, aggregated: list
     finally:
         d.stop()
     assert got == aggregated
+
+
+def test_a_cut_depth_keeps_the_widths_and_the_blocks_that_still_exist() -> None:
+    full, processor = published_config("qwen2_5_vl")
+    cut, _ = published_config("qwen2_5_vl", layers=3, vision_depth=9)
+    assert cut["text_config"] == {**full["text_config"], "num_hidden_layers": 3, "max_window_layers": 3}
+    assert cut["vision_config"]["fullatt_block_indexes"] == [7]
+    assert published_config("qwen2_5_vl", vision_depth=2)[0]["vision_config"]["fullatt_block_indexes"] == [1]
+    assert processor["max_pixels"] == 12845056
+    q3, _ = published_config("qwen3_vl", layers=2, vision_depth=12)
+    assert q3["vision_config"]["deepstack_visual_indexes"] == [5, 11]
+    assert published_config("qwen3_vl", layers=1)[0]["vision_config"]["deepstack_visual_indexes"] == [5]
+    with pytest.raises(ValueError, match=r"layers must be 1\.\.28"):
+        published_config("qwen2_vl", layers=29)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["qwen2_vl", "--size", "3b"], "no published 3b size of qwen2_vl"),
+        (["qwen2_5_vl", "--layers", "2"], "--layers and --vision-depth cut a published size"),
+        (["qwen3_vl", "--size", "2b", "--vision-depth", "25"], "vision_depth must be 1..24"),
+    ],
+)
+def test_build_checkpoint_refuses_what_is_not_published(tmp_path: Path, args: list[str], message: str) -> None:
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_checkpoint.py"
+    r = subprocess.run(
+        [sys.executable, str(script), args[0], str(tmp_path / "out"), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and message in r.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
