@@ -237,6 +237,11 @@ def test_a_decode_role_counts_no_media() -> None:
     decode = engine_memory(model, **_engine(model, role="decode", num_kv_blocks=256))
     assert decode.vision == decode.embeddings == decode.encoder_cache == 0
     assert decode.weights == 4_000_000_000 and decode.kv_blocks == 256
+    # a vision tower loaded all the same still weighs
+    counted = {"vision": True, "weights": None}
+    with_tower = engine_memory(model, **_engine(model, role="decode", num_kv_blocks=256, **counted))
+    without = engine_memory(model, **_engine(model, role="decode", num_kv_blocks=256, **{**counted, "vision": False}))
+    assert with_tower.weights - without.weights == 665_271_296 * 2 and with_tower.vision == 0
 
 
 def test_a_host_holds_the_fewer_of_its_memory_and_its_cores() -> None:

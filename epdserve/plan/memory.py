@@ -28,6 +28,7 @@ measurements; the figures are for refusing what cannot fit, not for predicting R
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -195,8 +196,8 @@ def engine_memory(
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
     decode = role == "decode"  # continues from handed-on KV: never meets media
-    has_vision = vision and model.vision is not None and not decode
-    parts = frozenset({"language", "vision"} if has_vision else {"language"})
+    loaded = vision and model.vision is not None
+    parts = frozenset({"language", "vision"} if loaded else {"language"})
     w = weights if weights is not None else parameter_count(model, parts) * b
     merge2 = model.vision.spatial_merge_size**2 if model.vision is not None else 1
     rows = max(item_patches, max_num_batched_tokens * merge2)
@@ -204,7 +205,7 @@ def engine_memory(
         role=role,
         weights=w,
         activations=lm_step_bytes(model.text, max_num_batched_tokens, max_num_seqs, max_model_len, b),
-        vision=vision_forward_bytes(model.vision, rows, b) if has_vision and model.vision is not None else 0,
+        vision=vision_forward_bytes(model.vision, rows, b) if loaded and model.vision is not None and not decode else 0,
         embeddings=embedding_bytes(model, item_patches // merge2 + max_num_batched_tokens, b)
         if model.vision is not None and not decode
         else 0,
@@ -230,7 +231,7 @@ def engine_memory(
             f"{role}: a KV cache of {blocks} blocks ({format_bytes(blocks * block)}) cannot hold one request of "
             f"max_model_len {max_model_len} ({need} blocks of {format_bytes(block)}; {fixed.line()})"
         )
-    out = RoleMemory(**{**fixed.__dict__, "kv_blocks": blocks, "kv_cache": blocks * block})
+    out = dataclasses.replace(fixed, kv_blocks=blocks, kv_cache=blocks * block)
     if budget and out.total > budget:
         raise MemoryBudgetError(f"{role}: needs {format_bytes(out.total)}, over the budget ({out.line()})")
     return out
