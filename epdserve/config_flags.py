@@ -8,6 +8,7 @@ default                   the dataclass default (``Flag.default`` where the comm
 ``bool``                  ``--flag`` / ``--no-flag``
 ``tuple[str, ...]``       any number of values (a tuple in ``values``)
 ``int float str Path``    that type; ``X | None`` as ``X``
+``ByteSize``              a byte count, also with a unit (``4GiB``, ``512MB``)
 ========================  ==========================================================================
 
 Help and types are read from the source with ``ast`` (aliases such as ``DType`` followed into the
@@ -42,7 +43,7 @@ class FieldInfo:
 
     name: str
     doc: str  # its one-line comment
-    kind: type  # int, float, str, Path, bool or tuple (of str)
+    kind: Callable[[str], Any]  # int, float, str, Path, bool or tuple (of str); or a parser (ByteSize)
     choices: tuple[str, ...] | None = None  # the values of a Literal type
 
 
@@ -256,7 +257,7 @@ def _declared(module: str, qualname: str) -> dict[str, tuple[ast.expr, str]]:
     }
 
 
-def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | None]:
+def _kind(annotation: ast.expr, module: str) -> tuple[Callable[[str], Any], tuple[str, ...] | None]:
     """(kind, Literal choices) of an annotation in ``module``; TypeError for a type no flag can take."""
     node = annotation
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # X | None
@@ -268,6 +269,10 @@ def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | No
             return bool, None
         if node.id in _SCALARS:
             return _SCALARS[node.id], None
+        if node.id == "ByteSize":  # an int whose flag also takes units
+            from epdserve.memory import parse_bytes
+
+            return parse_bytes, None
         return _kind(*_alias(node.id, module))
     if isinstance(node, ast.Subscript):
         generic = ast.unparse(node.value)

@@ -46,7 +46,7 @@ UP_FORWARDED = (
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("kernels", "threads", "device", "dtype"), "models"),
     (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
-    (ENGINE, ("enable_prefix_caching", "media_max_wait_s"), "lm"),
+    (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "kv_cache_memory", "memory_fraction"), "lm"),
     (ENCODER, ("encode_token_budget", "encoder_cache_bytes"), "encoders"),
     (MEDIA, MEDIA_FLAGS, "all"),
     (SERVER, (STATS_INTERVAL, OTLP), "all"),

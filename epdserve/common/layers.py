@@ -20,7 +20,7 @@ LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     # media preprocessing, model definitions, role supervision
     ("media", "models", "supervisor"),
     # connectors (embeddings, KV, pixels); sizing and the transformers reference, over models and media
-    ("transfer", "sizing", "hf_reference"),
+    ("transfer", "sizing", "memory", "hf_reference"),
     # the shared embedding store, over its transports
     ("store",),
     # the engine core, scheduler and model runner

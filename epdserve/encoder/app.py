@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -21,6 +22,9 @@ from epdserve.api.tracing import Tracing
 from epdserve.encoder.config import EncoderConfig
 from epdserve.encoder.protocol import encode_response
 from epdserve.encoder.server import EncoderService
+from epdserve.engine.memory import MemoryBudgetError
+
+log = logging.getLogger(__name__)
 
 
 class EncoderHandlers:
@@ -105,5 +109,9 @@ def build_app(service: EncoderService) -> web.Application:
 
 def serve(config: EncoderConfig) -> None:
     """Run the encoder until SIGINT/SIGTERM."""
-    service = EncoderService(config)
+    try:
+        service = EncoderService(config)
+    except MemoryBudgetError as e:  # its message names every figure: no traceback to read
+        log.error("%s", e)
+        raise SystemExit(1) from None
     run_app(build_app(service), config.host, config.port)

@@ -62,6 +62,7 @@ from epdserve.encoder.protocol import (
     decode_request,
 )
 from epdserve.engine.inputs import MediaInput
+from epdserve.engine.memory import plan_encoder
 from epdserve.kernels.ops import kernels_in_use, select_ops
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
@@ -127,6 +128,10 @@ class EncoderService:
         self.started = time.time()
         if config.threads > 0:
             torch.set_num_threads(config.threads)
+        memory = plan_encoder(
+            config.model, config.dtype, config.device, config.encode_token_budget, config.encoder_cache_bytes
+        )  # refuses before any weight is read
+        log.info("%s", memory.line())
         model, self.load_report = load_model(
             config.model,
             parts=frozenset({"vision"}),

@@ -8,6 +8,7 @@ scheduler, not ready, so a slow fetch never stalls the running batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -79,8 +80,12 @@ class EngineCore:
         kv: ECConfig | None = None,
     ) -> EngineCore:
         from epdserve.common.dtypes import torch_dtype
+        from epdserve.engine.memory import plan_engine
         from epdserve.models.loader import load_model
 
+        memory = plan_engine(model_dir, config, role, vision)  # refuses before any weight is read
+        log.info("%s", memory.line())
+        config = dataclasses.replace(config, num_kv_blocks=memory.kv_blocks)
         parts = frozenset({"vision", "language"} if vision else {"language"})
         model, _ = load_model(
             model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device, kernels=config.kernels

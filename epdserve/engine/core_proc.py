@@ -22,6 +22,7 @@ from epdserve.common import logs
 from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
 from epdserve.engine.loop import StepLoop
+from epdserve.engine.memory import MemoryBudgetError
 from epdserve.engine.messages import (
     Channel,
     ChannelClosed,
@@ -111,12 +112,16 @@ def main(argv: list[str]) -> int:
         core = EngineCore.from_pretrained(
             start.model, start.engine, start.vision, start.ec, start.model_id, role=start.role, kv=start.kv
         )
+    except MemoryBudgetError as e:  # its message names every figure: no traceback to read
+        log.error("%s", e)
+        channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
+        return 1
     except Exception as e:  # a bad checkpoint or device must reach the server as a clear message
         log.exception("engine core failed to start")
         channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return 1
     runner = core.runner
-    ready = CoreReady(os.getpid(), core.vision, start.engine.num_kv_blocks, runner.kernels, runner.kv_bytes)
+    ready = CoreReady(os.getpid(), core.vision, core.config.num_kv_blocks, runner.kernels, runner.kv_bytes)
     channel.send(ready)
     try:
         CoreLoop(channel, core).run()

@@ -11,6 +11,8 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "block_size",
     "num_kv_blocks",
+    "kv_cache_memory",
+    "memory_fraction",
     "enable_prefix_caching",
     "media_max_wait_s",
     "kernels",
