@@ -253,6 +253,8 @@ def main() -> int:
         return [s[k] - (s["cache"][k] if s["cache"][k] == s["cache"][k] else 0.0) for s in result["samples"]]
 
     slopes = {k: round(slope_per_hour(ts, beyond_cache(k)), 1) for k in pids}
+    half = len(ts) // 2  # the second half: after the lazily touched KV pages and caches have settled
+    late = {k: round(slope_per_hour(ts[half:], beyond_cache(k)[half:]), 1) for k in pids}
     shm_growth = round(last["shm"] - first["shm"], 1)
     failed = {k: v for k, v in result["statuses"].items() if k != "200"}
     total = sum(result["statuses"].values())
@@ -271,6 +273,7 @@ def main() -> int:
         "encoder_cache_growth_mb": cache_growth,
         "rss_growth_beyond_cache_mb": other_growth,
         "rss_slope_beyond_cache_mb_per_h": slopes,
+        "rss_slope_second_half_mb_per_h": late,
         "shm_start_mb": round(first["shm"], 1),
         "shm_end_mb": round(last["shm"], 1),
         "shm_slope_mb_per_h": round(slope_per_hour(ts, [s["shm"] for s in result["samples"]]), 1),
