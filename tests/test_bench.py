@@ -313,7 +313,9 @@ def test_cli_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench"]) == 2
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens: one line naming the URL, no traceback
+    assert main(["bench", "--url", down]) == 1
+    assert down in capsys.readouterr().err
     assert main(["bench", "--self-test", "--slo", "ttfb=1s"]) == 2
     assert main(["bench", "--self-test", "--images-per-request", "51"]) == 2
     assert "ttfb" in capsys.readouterr().err
