@@ -116,8 +116,8 @@ def start_role(
             log.close()
 
 
-def process_tree(pids: list[int]) -> list[int]:
-    """The processes and all their descendants (from /proc), each once: a role and what it started."""
+def process_children() -> dict[int, list[int]]:
+    """Parent pid -> the pids of its children, from /proc."""
     children: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -126,6 +126,12 @@ def process_tree(pids: list[int]) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(p.name))
+    return children
+
+
+def process_tree(pids: list[int]) -> list[int]:
+    """The processes and all their descendants (from /proc), each once: a role and what it started."""
+    children = process_children()
     todo, seen = list(pids), dict[int, None]()  # insertion-ordered: the roots first
     while todo:
         pid = todo.pop()

@@ -33,30 +33,17 @@ from pathlib import Path
 import aiohttp
 
 from epdserve.bench.workload import image_data_url
-from epdserve.launcher import free_port
+from epdserve.launcher import free_port, process_children
 from epdserve.shapes import ShapesWorld
 
 API_KEY = "soak-" + os.urandom(8).hex()
-
-
-def _children() -> dict[int, list[int]]:
-    """Parent pid -> its children's pids, from /proc."""
-    out: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(p.name))
-    return out
 
 
 def role_pids(up_pid: int) -> dict[str, int]:
     """Role name (from its command line) → pid, for the children of ``up`` and their own children
     (a language-model worker's engine core is a process of its own: ``<role>:<port>/core``)."""
     out: dict[str, int] = {}
-    children = _children()
+    children = process_children()
     for pid in children.get(up_pid, []):
         try:
             words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if w]
