@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
 
-logger = init_logger(__name__)
+# under "vllm." so that vLLM's logging configuration shows the connector's lines
+logger = init_logger("vllm.ec_transfer.epdserve")
 
 # at import, i.e. while vLLM builds its scheduler: an incompatible vLLM stops at start-up
 if not compat.check(vllm.__version__, ECConnectorBase, Request):
@@ -178,12 +179,12 @@ class EpdserveECConnector(ECConnectorBase):
         except InvalidHandle as e:
             logger.warning("request %s: ec_transfer_params refused: %s", request.request_id, e)
             by_key, surplus = {}, []
-        for handle in surplus:
-            self._fetcher.release(handle)
+        for extra in surplus:
+            self._fetcher.release(extra)
         for index, feature in enumerate(request.mm_features):
-            handle = by_key.pop(feature.identifier, None)
-            if handle is None:
+            if feature.identifier not in by_key:
                 continue
+            handle = by_key.pop(feature.identifier)
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens or feature.identifier in self._ready:
                 self._fetcher.release(handle)  # its KV is cached, or its embeddings are here already
