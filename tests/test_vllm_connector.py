@@ -35,6 +35,7 @@ import av
 from PIL import Image
 
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
+from epdserve.integrations.vllm import compat
 from epdserve.integrations.vllm.handles import ec_transfer_params
 from epdserve.launcher import free_port
 from epdserve.shapes import ShapesWorld
@@ -204,6 +205,20 @@ def reference(model_dir: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="class")
+def strict(model_dir: Path) -> Iterator[str]:
+    """Local encoding forbidden (one class's instance: at most two vLLMs run at once)."""
+    with vllm_serve(model_dir, {"local_encode": False}) as url:
+        yield url
+
+
+@pytest.fixture(scope="class")
+def lenient(model_dir: Path) -> Iterator[str]:
+    """Local encoding allowed (the default)."""
+    with vllm_serve(model_dir, {}) as url:
+        yield url
+
+
 CASES: dict[str, Media] = {
     "image": [("image", image_url(1))],
     "multi-image": [("image", image_url(2)), ("image", image_url(3)), ("image", image_url(4))],
@@ -212,17 +227,19 @@ CASES: dict[str, Media] = {
 }
 
 
+def test_the_installed_vllm_has_the_interface_the_connector_implements() -> None:
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
+    from vllm.v1.request import Request
+
+    assert compat.interface_problems(ECConnectorBase, Request) == []
+
+
 # --------------------------------------------------------------------------- local encoding forbidden
 
 
 class TestEmbeddingsFromEpdserve:
     """``local_encode: false``: vLLM never runs its vision tower, so every answer it gives was
     computed from epdserve's embeddings."""
-
-    @pytest.fixture(scope="class")
-    def strict(self, model_dir: Path) -> Iterator[str]:
-        with vllm_serve(model_dir, {"local_encode": False}) as url:
-            yield url
 
     @pytest.mark.parametrize("case", list(CASES))
     def test_greedy_answers_are_vllm_s(self, case: str, encoder: str, reference: str, strict: str) -> None:
@@ -235,6 +252,19 @@ class TestEmbeddingsFromEpdserve:
         assert tokens(got) == tokens(want)
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert wait_released(encoder) == 0  # every lease given back after its read
+
+    def test_answers_are_epdserve_s_own(self, model_dir: Path, encoder: str, strict: str) -> None:
+        """The same requests through epdserve's own language model (aggregated): same greedy text."""
+        with running(
+            ["serve", "--model", str(model_dir), "--max-model-len", "2048", "--device", "cpu", "--dtype", "float32"]
+        ) as own:
+            for case in ("image", "multi-image", "video"):
+                media = CASES[case]
+                status, want = chat(own, media)
+                assert status == 200, want
+                status, got = chat(strict, media, encode(encoder, media))
+                assert status == 200, got
+                assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], case
 
     def test_an_item_without_a_handle_fails_its_request_only(self, encoder: str, strict: str) -> None:
         media = [("image", image_url(11))]
@@ -256,11 +286,6 @@ class TestEmbeddingsFromEpdserve:
 class TestFallback:
     """``local_encode: true`` (the default): an item whose handle cannot be used is encoded by
     vLLM itself, and the answer is exactly vLLM's."""
-
-    @pytest.fixture(scope="class")
-    def lenient(self, model_dir: Path) -> Iterator[str]:
-        with vllm_serve(model_dir, {}) as url:
-            yield url
 
     def test_handles_are_used_and_released(self, encoder: str, reference: str, lenient: str) -> None:
         media = CASES["multi-image"]
