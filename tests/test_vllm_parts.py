@@ -4,15 +4,20 @@ classes are checked in test_vllm_connector.py where vLLM is installed)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from epdserve.encoder.protocol import EncodedItem
 from epdserve.integrations.vllm import compat
 from epdserve.integrations.vllm.config import VllmECConfig
 from epdserve.integrations.vllm.handles import PARAMS_KEY, ec_transfer_params, handles_by_key
+from epdserve.router.refs import media_refs
+from epdserve.router.vllm_worker import VllmLoad, is_vllm_models, parse_vllm_load, vllm_body
 from epdserve.transfer.base import InvalidHandle
+from epdserve.transfer.cached import CACHED_HANDLE
 
 # --------------------------------------------------------------------------- config
 
@@ -131,3 +136,72 @@ def test_a_changed_interface_fails_naming_the_version() -> None:
     assert "ECConnectorBase.take_unavailable_requests is gone" in msg
     with pytest.raises(compat.IncompatibleVllm, match=r"Request\.ec_transfer_params is gone"):
         compat.check("0.40.0", Base, type("Bare", (), {"get_num_encoder_embeds": Request.get_num_encoder_embeds}))
+
+
+# --------------------------------------------------------------------------- the router's vLLM worker adapter
+
+
+def encoded(uuid: str, connector: str = "shm") -> EncodedItem:
+    handle = {"key": uuid, "connector": connector, "mac": "0" * 64}
+    return EncodedItem(
+        uuid=uuid, modality="image", grid_thw=(1, 4, 4), num_embeddings=4, dtype="float32", shape=(4, 8),
+        ec_handle=handle, status="computed",
+    )  # fmt: skip
+
+
+def test_vllm_body_keeps_the_media_and_passes_uuids_and_handles() -> None:
+    client = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:a"}, "uuid": "client-chosen"},
+                {"type": "text", "text": "compare"},
+                {"type": "image_url", "image_url": {"url": "data:b"}},
+                {"type": "image_url", "image_url": {"url": "data:c"}, "uuid": "x"},
+                {"type": "image_url", "image_url": {"url": "data:d"}},
+            ]},
+        ],
+        "ec_transfer_params": {"epdserve_handles": [{"key": "forged"}]},
+        "kv_transfer_params": {"do_remote_decode": True},
+    }  # fmt: skip
+    before = json.dumps(client)
+    refs = media_refs(client)
+    refs[0].result, refs[1].result = encoded("ua"), encoded("ub")
+    refs[2].raw = True  # the worker encodes it itself
+    refs[3].result = encoded("ud", connector=CACHED_HANDLE)  # only a cached handle: unreadable for vLLM
+    out = vllm_body(client, refs)
+    parts = out["messages"][1]["content"]
+    assert [p.get("uuid") for p in parts] == ["ua", None, "ub", None, None]  # no client uuid survives
+    assert [p.get("image_url", {}).get("url") for p in parts] == ["data:a", None, "data:b", "data:c", "data:d"]
+    assert out["ec_transfer_params"] == {"epdserve_handles": [refs[0].result.ec_handle, refs[1].result.ec_handle]}
+    assert "kv_transfer_params" not in out
+    assert json.dumps(client) == before  # the client's body is left as it was
+    assert "ec_transfer_params" not in vllm_body(client, [])
+
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+def test_vllm_load_from_its_metrics() -> None:
+    load = parse_vllm_load(VLLM_METRICS)
+    assert load == VllmLoad(running=4.0, waiting=2.0, kv_usage=0.25) and load.outstanding == 6.0
+    with pytest.raises(ValueError, match="no vLLM request gauges"):
+        parse_vllm_load("# TYPE epd_num_requests_running gauge\nepd_num_requests_running 1\n")
+
+
+def test_a_vllm_worker_is_told_by_its_model_cards() -> None:
+    assert is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
+    assert not is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "epdserve"}]})
+    assert not is_vllm_models({"data": []}) and not is_vllm_models(["vllm"])
