@@ -32,12 +32,15 @@ pytest.importorskip(
 )
 
 import av
+import msgspec
 from PIL import Image
 
-from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
+from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION, EncodedItem
 from epdserve.integrations.vllm import compat
 from epdserve.integrations.vllm.handles import ec_transfer_params
 from epdserve.launcher import free_port
+from epdserve.router.refs import media_refs
+from epdserve.router.vllm_worker import vllm_body
 from epdserve.shapes import ShapesWorld
 from tests.server_utils import http, internal_headers, post_json, running
 
@@ -91,9 +94,7 @@ def encode(encoder: str, media: Media) -> list[dict]:
     return out["items"]
 
 
-def chat(
-    url: str, media: Media, items: list[dict] | None = None, handles: list[dict] | None = None
-) -> tuple[int, dict]:
+def chat_body(media: Media, items: list[dict] | None = None, handles: list[dict] | None = None) -> dict:
     """A greedy chat request; with ``items`` each media part carries its epdserve uuid and the
     request the handles (``handles``, default: the items' own)."""
     parts: list[dict] = []
@@ -115,8 +116,18 @@ def chat(
         body["ec_transfer_params"] = ec_transfer_params(
             handles if handles is not None else [i["ec_handle"] for i in items]
         )
+    return body
+
+
+def post_chat(url: str, body: dict) -> tuple[int, dict]:
     status, raw = http("POST", url + "/v1/chat/completions", json.dumps(body).encode(), timeout=300)
     return status, json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode(errors="replace")}
+
+
+def chat(
+    url: str, media: Media, items: list[dict] | None = None, handles: list[dict] | None = None
+) -> tuple[int, dict]:
+    return post_chat(url, chat_body(media, items, handles))
 
 
 def tokens(resp: dict) -> list[str]:
@@ -265,6 +276,29 @@ class TestEmbeddingsFromEpdserve:
                 status, got = chat(strict, media, encode(encoder, media))
                 assert status == 200, got
                 assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], case
+
+    def test_the_router_s_vllm_body(self, encoder: str, reference: str, strict: str) -> None:
+        """``router.vllm_worker.vllm_body`` on a client's request with a client uuid and a raw part:
+        vLLM answers it as the plain vLLM answers the client's own request."""
+        media = CASES["multi-image"]
+        status, want = chat(reference, media)
+        assert status == 200, want
+        client = chat_body(media)
+        client["messages"][0]["content"][0]["uuid"] = "chosen-by-the-client"
+        refs = media_refs(client)
+        for r, item in zip(refs, encode(encoder, media), strict=True):
+            r.result, r.encoder = msgspec.convert(item, EncodedItem), encoder
+        refs[2].raw = True  # left to the worker: with local encoding forbidden, the request fails
+        status, out = post_chat(strict, vllm_body(client, refs))
+        assert status >= 500, out
+        release(encoder, refs[2].result.ec_handle)
+        refs = media_refs(client)
+        for r, item in zip(refs, encode(encoder, media), strict=True):
+            r.result = msgspec.convert(item, EncodedItem)
+        status, out = post_chat(strict, vllm_body(client, refs))
+        assert status == 200, out
+        assert tokens(out) == tokens(want)
+        assert wait_released(encoder) == 0
 
     def test_an_item_without_a_handle_fails_its_request_only(self, encoder: str, strict: str) -> None:
         media = [("image", image_url(11))]
