@@ -8,6 +8,7 @@ default                   the dataclass default (``Flag.default`` where the comm
 ``bool``                  ``--flag`` / ``--no-flag``
 ``tuple[str, ...]``       any number of values (a tuple in ``values``)
 ``int float str Path``    that type; ``X | None`` as ``X``
+``ByteSize``              a byte count, also with a unit (``4GiB``, ``512MB``)
 ========================  ==========================================================================
 
 Help and types are read from the source with ``ast`` (aliases such as ``DType`` followed into the
@@ -23,12 +24,14 @@ import ast
 import dataclasses
 import importlib.util
 import io
+import operator
+import sys
 import tokenize
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 _SCALARS: dict[str, type] = {"int": int, "float": float, "str": str, "Path": Path}
 _FROM_FIELD = object()  # Flag.default: the dataclass default
@@ -40,7 +43,7 @@ class FieldInfo:
 
     name: str
     doc: str  # its one-line comment
-    kind: type  # int, float, str, Path, bool or tuple (of str)
+    kind: Callable[[str], Any]  # int, float, str, Path, bool or tuple (of str); or a parser (ByteSize)
     choices: tuple[str, ...] | None = None  # the values of a Literal type
 
 
@@ -53,6 +56,7 @@ class Flag:
     default: Any = _FROM_FIELD  # the flag's default when it is not the field's (None: the command decides)
     default_help: str = ""  # what a None default stands for, shown as "(default: ...)"
     aliases: tuple[str, ...] = ()  # other option strings, e.g. ("-n",)
+    help: str = ""  # its help where the field's comment speaks of another use of the config ("": the comment)
 
     def option(self, prefix: str) -> str:
         return self.name or prefix + self.field.replace("_", "-")
@@ -84,11 +88,15 @@ def add_flags(
         f = field_info(config, flag.field)
         default = field_defaults.get(flag.field) if flag.default is _FROM_FIELD else flag.default
         kwargs: dict[str, Any] = {"dest": flag.dest(prefix), "default": default}
-        help_text = f.doc.replace("%", "%%")
+        help_text = (flag.help or f.doc).replace("%", "%%")
+        # a flag handed on only when given still shows what the role does without it
+        declared = None if defaults or flag.default is not _FROM_FIELD else declared_default(config, flag.field)
         if flag.default_help:
             help_text += f" (default: {flag.default_help})"
         elif default not in (None, "", ()):
             help_text += " (default: %(default)s)"
+        elif declared not in (None, "", "()"):
+            help_text += f" (default: {declared})".replace("%", "%%")
         if f.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.kind is tuple:
@@ -158,6 +166,48 @@ def field_info(config: type | str, name: str) -> FieldInfo:
     return FieldInfo(name, field_doc(config, name), kind, choices)
 
 
+def declared_default(config: type | str, name: str) -> str | None:
+    """The default of field ``name`` as its source states it, read without importing the class
+    (None where it is not a plain value: a factory, a name)."""
+    module, qualname = _ref(config).split(":")
+    tree, _ = _module_source(module)
+    body: Sequence[ast.stmt] = tree.body
+    for part in qualname.split("."):
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part), [])
+    node = next(
+        (
+            n.value
+            for n in body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == name
+        ),
+        None,
+    )
+    try:
+        value = _constant(node) if node is not None else None
+    except ValueError:
+        return None
+    return None if value is None else str(value)
+
+
+def _constant(node: ast.expr) -> object:
+    """A default written as a constant or arithmetic on constants (``512 << 20``)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Tuple):
+        return tuple(_constant(e) for e in node.elts)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_constant(node.left), _constant(node.right))
+    raise ValueError(ast.unparse(node))
+
+
+_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.LShift: operator.lshift,
+    ast.Mult: operator.mul,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+}
+
+
 def field_doc(config: type | str, name: str) -> str:
     """The one-line comment of field ``name``: the help of its flag, also where a command parses the
     flag itself (a comma-separated list, say)."""
@@ -207,7 +257,7 @@ def _declared(module: str, qualname: str) -> dict[str, tuple[ast.expr, str]]:
     }
 
 
-def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | None]:
+def _kind(annotation: ast.expr, module: str) -> tuple[Callable[[str], Any], tuple[str, ...] | None]:
     """(kind, Literal choices) of an annotation in ``module``; TypeError for a type no flag can take."""
     node = annotation
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # X | None
@@ -219,6 +269,10 @@ def _kind(annotation: ast.expr, module: str) -> tuple[type, tuple[str, ...] | No
             return bool, None
         if node.id in _SCALARS:
             return _SCALARS[node.id], None
+        if node.id == "ByteSize":  # an int whose flag also takes units
+            from epdserve.memory import parse_bytes
+
+            return parse_bytes, None
         return _kind(*_alias(node.id, module))
     if isinstance(node, ast.Subscript):
         generic = ast.unparse(node.value)
@@ -243,3 +297,8 @@ def _alias(name: str, module: str) -> tuple[ast.expr, str]:
                 if (alias.asname or alias.name) == name:
                     return _alias(alias.name, node.module)
     raise TypeError(f"no command-line flag for a field of type {name} ({module})")
+
+
+def usage_error(message: str) -> NoReturn:
+    print(f"epdserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

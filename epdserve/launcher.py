@@ -18,10 +18,19 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # a role's exit code when it had started and then lost its engine core: restart it, it was no failed start
 ENGINE_CORE_DIED_EXIT = 3
+# a role's exit code when its port is taken: ``up`` reports a taken public port, not a failed role
+PORT_IN_USE_EXIT = 4
 
 
 class Cancelled(Exception):
     """A wait was abandoned because a stop was requested."""
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module`` with this interpreter. ``-P``: the working directory is
+    not put first on the import path, where a folder named like a package (a clone of this
+    repository, seen from its parent) would shadow the installed one; PYTHONPATH still counts."""
+    return [sys.executable, "-P", "-m", module, *args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,7 +91,7 @@ def start_role(
     ``env`` adds variables to ours; a value of None removes one. The child gets SIGTERM when the
     thread that started it ends (PR_SET_PDEATHSIG follows the creating thread): start roles from a
     thread that lives as long as they should, normally the main thread."""
-    cmd = [sys.executable, "-m", "epdserve.cli", *args]
+    cmd = python_module("epdserve.cli", *args)
     if cpus:
         cmd = ["taskset", "-c", ",".join(str(c) for c in cpus), *cmd]
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")

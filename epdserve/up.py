@@ -16,13 +16,15 @@ tower). Every role is its own process (its own process group), optionally pinned
   dies, and SIGINT/SIGTERM/SIGHUP stop everything at any time (a second one kills at once).
 
 Exit codes of ``run_up``: 0 after a stop asked for by a signal, 1 when a role failed to start,
-2 when the public port is taken (argparse also exits 2 on bad flags).
+2 when the public port is taken or the topology does not fit the machine (argparse also exits 2
+on bad flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -36,11 +38,19 @@ import urllib.request
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
-from epdserve.launcher import ENGINE_CORE_DIED_EXIT, Cancelled, free_port, is_healthy, port_available
-from epdserve.models.config import ModelConfig
+from epdserve.launcher import (
+    ENGINE_CORE_DIED_EXIT,
+    PORT_IN_USE_EXIT,
+    Cancelled,
+    free_port,
+    is_healthy,
+    port_available,
+)
+from epdserve.models.config import ModelConfig, check_model_dir
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
+from epdserve.sizing import Caches, TooLargeError
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor, exit_reason
 from epdserve.transfer.config import Connector
@@ -164,6 +174,22 @@ def http_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def open_api_warning(host: str, api_key: str) -> str | None:
+    """The warning for a public API anyone on the network may use: ``host`` is not loopback and
+    no API key is set (None: nothing to warn about)."""
+    if api_key or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any interface
+    return (
+        f"WARNING: the API on {host} is open to anyone who can reach it (no API key): set {API_KEY_ENV} "
+        "(or --api-key), or listen on --host 127.0.0.1"
+    )
+
+
 class Deployment:
     """The roles of one topology on this machine. ``start`` blocks until all are healthy,
     ``supervise`` keeps them running until ``request_stop``, ``stop`` ends them."""
@@ -190,6 +216,8 @@ class Deployment:
         verbose: bool = False,
         mooncake_master: bool = False,
         dispatch: Dispatch = "always",
+        caches: Caches | None = None,
+        log_json: bool = False,
     ) -> None:
         self.topology = topology
         self.model_args = ["--model", model] if model else []
@@ -214,6 +242,8 @@ class Deployment:
         self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
         self.master: MooncakeMaster | None = None
         self.dispatch = dispatch  # behind encoders: where the router has media encoded
+        self.caches = caches  # what sizes the roles' memory; None: no size check (``up --force``)
+        self.log_json = log_json  # up's own lines as JSON objects (``--log-format json``)
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
         self.startup_s = 0.0
@@ -230,7 +260,18 @@ class Deployment:
 
     def _say(self, text: str) -> None:
         if self.verbose:
-            print(f"epdserve up: {text}", file=sys.stderr, flush=True)
+            self.line(text)
+
+    def line(self, text: str, level: str = "INFO", out: TextIO | None = None, **fields: object) -> None:
+        """One of ``up``'s own lines (stderr unless ``out``): text, or with ``log_json`` one JSON
+        object as the roles write them (``fields`` added as keys)."""
+        if self.log_json:
+            now = time.time()
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+            record = {"time": stamp, "level": level, "logger": "epdserve.up", "message": text, **fields}
+            print(json.dumps(record), file=out or sys.stderr, flush=True)
+        else:
+            print(f"epdserve up: {'error: ' if level == 'ERROR' else ''}{text}", file=out or sys.stderr, flush=True)
 
     def _env(self, public: bool, router: bool) -> dict[str, str | None]:
         return {
@@ -258,7 +299,7 @@ class Deployment:
 
     def _wait(self, roles: list[Role], router: Role | None = None, counts: dict[str, int] | None = None) -> None:
         """Until every role has answered /health and, given a router, the router has found each kind
-        of role healthy (``counts``: its /health counts). All are watched together, so a role that is
+        of role healthy (``counts``: its /ready counts). All are watched together, so a role that is
         healthy cannot die unnoticed behind one still loading. A role that exits before it was ever
         healthy stops the start; one that was (its own /health answered, or it exited because its
         engine core died, which only a started role can) is restarted, as after start-up."""
@@ -268,6 +309,9 @@ class Deployment:
         while time.monotonic() < deadline:
             if self.stop_signal:
                 raise Cancelled("start-up")
+            # another ``up`` took the public port after our check: then the health of its server,
+            # at the same address, is no sign of ours
+            self._check_public_port()
             for r in loading:
                 code = r.proc.poll()
                 if code is not None and code != ENGINE_CORE_DIED_EXIT and r.restart_at is None:
@@ -281,10 +325,14 @@ class Deployment:
         waiting = ", ".join(r.name for r in loading) or "the router's view of every role"
         raise StartupError(f"not healthy after {self.startup_timeout_s:.0f}s: {waiting}")
 
+    def _check_public_port(self) -> None:
+        if any(r.url == self.url and r.proc.poll() == PORT_IN_USE_EXIT for r in self.roles):
+            raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
+
     @staticmethod
     def _router_found(router: Role, counts: dict[str, int]) -> bool:
         try:
-            with urllib.request.urlopen(router.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(router.url + "/ready", timeout=1) as r:
                 seen = json.loads(r.read())
         except (OSError, ValueError):
             return False
@@ -298,6 +346,9 @@ class Deployment:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.model_args:  # a model no role can serve fails here, once, before any role starts
             ModelConfig.from_pretrained(self.model_args[1])
+            check_model_dir(self.model_args[1], tokenizer=True)
+        if self.caches is not None:
+            self._check_fit(self.caches)
         topo = self.topology
         try:
             if topo.aggregated:
@@ -309,6 +360,20 @@ class Deployment:
             self.stop()
             raise
         self.startup_s = time.time() - t0
+
+    def _check_fit(self, caches: Caches) -> None:
+        """The topology against this machine's memory and cores (``TooLargeError`` with the numbers)."""
+        from epdserve.assets import default_model_dir
+        from epdserve.sizing import check_fit, gib
+
+        topo = self.topology
+        model = Path(self.model_args[1]) if self.model_args else default_model_dir()
+        encode = topo.aggregated or not topo.encoders or self.dispatch != "always"  # workers hold the tower
+        fit = check_fit(model, topo.encoders, len(topo.workers), encode, caches, router=not topo.aggregated)
+        self._say(
+            f"fits: about {gib(fit.need_bytes)} of {gib(fit.available_bytes)} available memory, "
+            f"{fit.processes} model process(es) on {fit.cores} core(s)"
+        )
 
     def _start_disaggregated(self, topo: Topology) -> None:
         plan = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else CorePlan({}, {})
@@ -369,6 +434,7 @@ class Deployment:
         """Restart roles that die, until ``request_stop``."""
         supervisor = Supervisor(self.roles, self.restart, self._say)
         while not self.stop_signal:
+            self._check_public_port()  # lost to a racing ``up`` whose server answered in our place
             supervisor.check()
             time.sleep(self.restart.poll_s)
 
@@ -428,23 +494,31 @@ def run_up(deployment: Deployment) -> int:
             deployment.request_stop(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    warning = open_api_warning(deployment.host, deployment.api_key)
+    if warning is not None:
+        print(f"epdserve up: {warning}", file=sys.stderr, flush=True)
     try:
         try:
             deployment.start()
         except Cancelled:
             return 0
-        except PortInUseError as e:
-            print(f"epdserve up: {e}", file=sys.stderr, flush=True)
+        except (PortInUseError, TooLargeError) as e:
+            deployment.line(str(e), "ERROR")
             return 2
         except StartupError as e:
-            print(f"epdserve up: {e}; stopped everything", file=sys.stderr, flush=True)
+            deployment.line(f"{e}; stopped everything", "ERROR")
             return 1
-        print(
-            f"epdserve up: {describe(deployment.topology)} ready in {deployment.startup_s:.1f}s at "
-            f"{deployment.url}/v1  (Ctrl-C to stop)",
-            flush=True,
+        deployment.line(
+            f"{describe(deployment.topology)} ready in {deployment.startup_s:.1f}s at {deployment.url}/v1  (Ctrl-C to stop)",
+            out=sys.stdout,
+            event="ready",
+            url=deployment.url + "/v1",
         )
-        deployment.supervise()
+        try:
+            deployment.supervise()
+        except PortInUseError as e:
+            deployment.line(str(e), "ERROR")
+            return 2
         return 0
     finally:
         deployment.stop()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
-from epdserve.bench.report import summarize_by_kind
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig, summarize_by_kind
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology

@@ -20,7 +20,8 @@ import statistics
 import urllib.request
 from dataclasses import dataclass
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port

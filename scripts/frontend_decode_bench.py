@@ -20,7 +20,8 @@ import re
 import statistics
 import urllib.request
 
-from epdserve.bench.loadgen import BenchConfig, BenchResult, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig, BenchResult
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology

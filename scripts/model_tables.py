@@ -1,4 +1,4 @@
-"""Markdown tables for docs/model.md from the trainer's probe logs and `epdserve eval-shapes` JSON.
+"""Markdown tables for docs/embedded-model.md from the trainer's probe logs and `epdserve eval-shapes` JSON.
 
 python scripts/model_tables.py probe STATE/log.jsonl [--every 1000] [--offset 13000]
 python scripts/model_tables.py eval docs/results/eval.json [docs/results/eval-plain.json]

@@ -21,8 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
-from epdserve.bench.report import Summary
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig, Summary
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology

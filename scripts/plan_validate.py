@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
-from epdserve.bench.report import SLO, Summary
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import SLO, BenchConfig, Summary
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, Environment, parse_topologies
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port

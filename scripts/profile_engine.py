@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from epdserve.assets import default_model_dir
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld
@@ -52,7 +52,6 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--gathered-decode-kv", action="store_true", help="no contiguous decode KV (A/B)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch"], help="fused CPU kernels or PyTorch ops")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
@@ -61,9 +60,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    config = EngineConfig(
-        num_kv_blocks=1024, contiguous_decode_kv=not args.gathered_decode_kv, dtype=args.dtype, kernels=args.kernels
-    )
+    config = EngineConfig(num_kv_blocks=1024, dtype=args.dtype, kernels=args.kernels)
     try:  # the engine core (this tree): the front end detokenizes
         from epdserve.engine.core import EngineCore
         from epdserve.engine.detokenizer import Detokenizer

@@ -15,7 +15,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port, process_tree
 from epdserve.up import Deployment, Topology

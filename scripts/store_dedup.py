@@ -19,7 +19,8 @@ import os
 import re
 import urllib.request
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.workload import WorkloadConfig, build_workload
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology

@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs, then lint, format check, type check, tests.
+#   bash scripts/test.sh            what CI runs: every tier, the connector x family matrix reduced
+#   bash scripts/test.sh --smoke    the smoke tier: unit tests and a few quick integration tests
+#   bash scripts/test.sh --full     every tier and every connector x family combination
+# Other arguments go to pytest (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pytest_args=()
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) pytest_args+=(-m smoke) ;;
+        --full) export EPD_FULL_MATRIX=1 ;;
+        *) pytest_args+=("$arg") ;;
+    esac
+done
 python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 # the shared embedding store's tests run a real redis-server, Mooncake's wheel needs the RDMA and
 # NUMA libraries even over TCP, the multi-host test needs ip, the fused CPU kernels a C++
@@ -19,4 +31,4 @@ fi
 python -m ruff check .
 python -m ruff format --check .
 python -m mypy epdserve
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider ${pytest_args[@]+"${pytest_args[@]}"}

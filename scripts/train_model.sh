@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The exact training history of the embedded model (epdserve/assets/shapes-qwen2vl) on CPU.
-# See docs/model.md for wall times and accuracy.
+# See docs/embedded-model.md for wall times and accuracy.
 #
 # Runs 1-3 (one thread, prompts without vision ids, as the chat template then had none): run 1
 # used the first mix and was stopped at step 2006 when shape and position questions were still at

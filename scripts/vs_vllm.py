@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epdserve.assets import default_model_dir
-from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port, is_healthy, process_tree
 from epdserve.up import Deployment, Topology

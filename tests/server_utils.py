@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.security.credentials import ClusterCredential
+from epdserve.security.peers import sign
 
 # scripts/gpu_check.sh runs some tests on a GPU: where the engine runs and at what precision
 TEST_DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")
@@ -23,11 +24,20 @@ def device_args() -> list[str]:
     return ["--device", TEST_DEVICE, "--dtype", TEST_DTYPE]
 
 
+SIGN = "X-Test-Sign-Internal"  # a marker ``http`` replaces by the request's own proof
+
+
 def internal_headers() -> dict[str, str]:
-    """Headers proving the test session's cluster credential (what the router sends its workers)."""
+    """Ask ``http``/``post_json`` to prove the test session's cluster credential on this request
+    (a MAC bound to the URL, method and body, as the router sends its workers)."""
+    return {SIGN: "1"}
+
+
+def signed_headers(method: str, url: str, body: bytes = b"", now: float | None = None) -> dict[str, str]:
+    """The proof of the test session's cluster credential for one request."""
     cred = ClusterCredential.load()
     assert cred is not None, "tests/conftest.py sets EPD_CLUSTER_SECRET"
-    return cred.headers()
+    return sign(cred, method, url, body, now)
 
 
 @contextmanager
@@ -47,6 +57,9 @@ def http(
     method: str, url: str, body: bytes | None = None, timeout: float = 60.0, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
     """One plain HTTP request; returns (status, body) for error statuses too."""
+    headers = dict(headers or {})
+    if headers.pop(SIGN, None):
+        headers.update(signed_headers(method, url, body or b""))
     req = urllib.request.Request(
         url, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})}
     )

@@ -146,7 +146,7 @@ def test_process_resamples_then_extracts(whisper) -> None:
         (b"RIFF" + b"\x00" * 60, "wav", InvalidMedia, "could not be decoded"),
         (b"not audio at all" * 10, "mp3", InvalidMedia, "could not be decoded"),
         (encode(noise(1600), SR, "FLAC"), "wav", InvalidMedia, "declared wav but is flac"),
-        (encode(noise(1600), SR, "WAV"), "ogg", InvalidMedia, "Unsupported audio format"),
+        (encode(noise(1600), SR, "WAV"), "ogg", InvalidMedia, "audio format .ogg. is not accepted"),
         (encode(noise(16000 * 31), SR, "FLAC"), "flac", MediaTooLarge, "at most 30 s"),
         (encode(noise(1000), 4000, "WAV"), "wav", InvalidMedia, "sample rate is 4000 Hz"),
         (encode(np.zeros((0, 1), np.float32), SR, "WAV"), "wav", InvalidMedia, "no samples"),

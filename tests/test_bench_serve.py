@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.workload import WorkloadConfig
 from tests.server_utils import running
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from epdserve.engine.attention import BlockTable
+from epdserve.engine.kv_cache import BlockTable
 
 BS = 4
 

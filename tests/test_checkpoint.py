@@ -47,11 +47,11 @@ def _accuracy(hf: HFReference, override=None) -> dict[str, float]:
 @pytest.mark.timeout(300)
 def test_shipped_model_answers_from_the_pixels(hf: HFReference) -> None:
     """A fixed seeded set, 4 questions per type: floors well below the held-out accuracy in
-    docs/model.md, so a broken checkpoint or preprocessing fails here, not a good one by chance."""
+    docs/embedded-model.md, so a broken checkpoint or preprocessing fails here, not a good one by chance."""
     assert set(GROUPS) == {"single-image", "multi-image", "video"}
     seen = _accuracy(hf)
     blind = _accuracy(hf, override=torch.zeros_like)
-    # multi-image: "Which image has ...?" is the weak question (0.83 held out, docs/model.md)
+    # multi-image: "Which image has ...?" is the weak question (0.83 held out, docs/embedded-model.md)
     assert seen["image"] >= 0.85 and seen["multi_image"] >= 0.6 and seen["video"] >= 0.85, seen
     for kind, acc in seen.items():
         assert blind[kind] <= acc - 0.3, (kind, blind, seen)

@@ -14,11 +14,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from epdserve import cli
+from epdserve import cli, shapes_cli
 from epdserve.api.auth import AuthConfig
 from epdserve.assets import default_model_dir
 from epdserve.bench import loadgen, sweep
-from epdserve.bench.loadgen import BenchConfig
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.sweep import SweepConfig
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, field_info, to_argv, values
@@ -389,10 +389,10 @@ def test_demo_against_a_server_sends_the_api_key_of_the_environment(monkeypatch:
     try:
         wait_healthy(url, server)
         monkeypatch.setenv("EPD_API_KEY", "demo-key")
-        ask = cli._server_asker(url)
+        ask = shapes_cli._server_asker(url)
         assert isinstance(ask("How many shapes are there?", [], []), str)
         monkeypatch.delenv("EPD_API_KEY")
         with pytest.raises(openai.AuthenticationError):
-            cli._server_asker(url)
+            shapes_cli._server_asker(url)
     finally:
         stop(server)

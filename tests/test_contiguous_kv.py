@@ -1,16 +1,19 @@
 """The contiguous mirror of decoding sequences' KV: decode attention over its views (and the fused
-kernels' attention over the paged cache in place) equals attention over the gathered paged blocks, step after step, while sequences join, leave, are
-preempted (a new block list) and outgrow the mirror's capacity; and its memory is resident only
-as far as it is used."""
+kernels' attention over the paged cache in place) equals SDPA over each sequence's context read
+from the paged cache, step after step, while sequences join, leave, are preempted (a new block
+list) and outgrow the mirror's capacity; and its memory is resident only as far as it is used."""
 
 from __future__ import annotations
 
 import random
 
 import torch
+import torch.nn.functional as F
 
-from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, StepLayout
+from epdserve.engine.attention import PagedAttention, StepLayout
 from epdserve.engine.contiguous_kv import ContiguousDecodeKV
+from epdserve.engine.decode_path import DecodePath
+from epdserve.engine.kv_cache import BlockTable, KVCache
 from epdserve.engine.memory import lazy_zeros
 from epdserve.kernels.ops import CpuKernelOps, select_ops
 
@@ -69,27 +72,40 @@ class World:
             max_decode_ctx=max(ctx),
         )
         self.seen.add((step.new_only, step.in_order))
-        gathered = PagedAttention(self.cache, self.table, StepLayout(**base))
         src = self.table.slots(t(rows), step.starts, t(ctx), BS)
         # the step's tokens are all decode tokens; told so or not, the mirror must give the same
-        mirrored = [
+        torch_path = DecodePath(mirror=self.mirror)
+        paths = [
             PagedAttention(
-                self.cache, self.table, StepLayout(**base, mirror=step, mirror_src=src, decode_only=known), self.mirror
+                self.cache, self.table, StepLayout(**base, mirror=step, mirror_src=src, decode_only=known), torch_path
             )
             for known in (True, False)
         ]
         if self.kernels is not None:  # and the fused kernels' attention, reading the paged cache in place
-            mirrored.append(
-                PagedAttention(self.cache, self.table, StepLayout(**base, decode_only=True), None, self.kernels)
+            paths.append(
+                PagedAttention(self.cache, self.table, StepLayout(**base, decode_only=True), DecodePath(self.kernels))
             )
         for layer in range(LAYERS):
             q, k, v = torch.randn(len(ids), HQ, D), torch.randn(len(ids), HKV, D), torch.randn(len(ids), HKV, D)
-            want = gathered(layer, q, k, v)
-            for attention in mirrored:
-                torch.testing.assert_close(attention(layer, q, k, v), want, rtol=1e-4, atol=1e-5)
+            got = [attention(layer, q, k, v) for attention in paths]  # each writes the same k/v to the cache
+            want = self.dense(layer, q, [self.seqs[r][0] for r in ids], ctx)
+            for out in got:
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+    def dense(self, layer: int, q: torch.Tensor, block_lists: list[list[int]], ctx: list[int]) -> torch.Tensor:
+        """Each sequence's query [HQ, D] over its whole context, read slot by slot from the paged
+        cache (no mirror, no kernels): the oracle."""
+        outs = []
+        for i, (blocks, n) in enumerate(zip(block_lists, ctx, strict=True)):
+            pos = torch.arange(n)
+            slots = torch.tensor(blocks)[pos // BS] * BS + pos % BS
+            k, v = (c[layer].view(-1, HKV, D)[slots].transpose(0, 1) for c in (self.cache.k, self.cache.v))
+            k, v = k.repeat_interleave(HQ // HKV, dim=0), v.repeat_interleave(HQ // HKV, dim=0)  # [HQ, n, D]
+            outs.append(F.scaled_dot_product_attention(q[i][:, None], k, v)[:, 0])
+        return torch.stack(outs)
 
 
-def test_mirrored_decode_attention_equals_the_gathered_one() -> None:
+def test_mirrored_decode_attention_equals_sdpa_over_the_paged_context() -> None:
     w = World(0)
     for i in range(3):
         w.admit(f"s{i}", w.rng.randrange(1, 12))

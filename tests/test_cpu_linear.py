@@ -1,4 +1,4 @@
-"""The CPU layouts of loaded linear layers (``models/cpu_linear``): the same products as
+"""The CPU layouts of loaded linear layers (``kernels/cpu_linear``): the same products as
 ``F.linear`` on the weights as loaded, for every row count, and what a loaded model gets."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from torch import nn
 from epdserve.assets import default_model_dir
 from epdserve.kernels import KernelChoice
 from epdserve.kernels.amx import AmxMatmul, load_amx
-from epdserve.kernels.ops import TorchOps
-from epdserve.models.cpu_linear import (
+from epdserve.kernels.cpu_linear import (
     EXACT_ROWS,
     AmxLinear,
     PackedLinear,
@@ -20,6 +19,7 @@ from epdserve.models.cpu_linear import (
     prepare_linears,
     row_bucket,
 )
+from epdserve.kernels.ops import TorchOps
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
 

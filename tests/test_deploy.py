@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from collections.abc import Iterator
@@ -169,8 +170,10 @@ def test_the_build_context_makes_a_wheel_with_the_embedded_model_and_the_entrypo
 
 def test_the_images_commands_run_outside_a_container() -> None:
     """The entrypoint with the arguments the image and the manifests give it (no image here)."""
-    exe = shutil.which("epdserve")
-    assert exe, "the epdserve console script is not on PATH (pip install -e . installs it)"
+    # beside this interpreter's other console scripts, on PATH or not (a virtual environment's
+    # python run by its full path)
+    exe = shutil.which("epdserve") or shutil.which("epdserve", path=sysconfig.get_path("scripts"))
+    assert exe, "the epdserve console script is not installed (pip install -e . installs it)"
     version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60, check=True)
     assert version.stdout.strip().startswith("epdserve ")
     path = subprocess.run([exe, "model-path"], capture_output=True, text=True, timeout=60, check=True)
@@ -279,7 +282,9 @@ def test_every_container_has_requests_probes_and_runs_as_non_root(
         assert "memory" in c["resources"].get("limits", {}), f"{name}: no memory limit"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         ready = c["readinessProbe"]["httpGet"]
-        assert ready["path"] == "/health" and ready["port"] in ports, name
+        # the router is ready when every role behind it is (/ready); a worker when it is healthy
+        assert ready["path"] == ("/ready" if component(template) == "router" else "/health"), name
+        assert ready["port"] in ports, name
         alive = c["livenessProbe"]["httpGet"]
         assert alive["port"] in ports, name
         # a worker's /health fails when its engine or vision thread died: a restart cures that. The

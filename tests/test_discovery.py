@@ -102,15 +102,21 @@ def test_workers_register_renew_and_leave_and_silent_ones_are_evicted() -> None:
             stop(encoder)
         wait_for(lambda: workers(url, "encoders") == {})
         # a registration whose heartbeats stop (a worker killed, a partition) lapses
-        body = json.dumps({"role": "pd", "url": "http://127.0.0.1:9", "heartbeat_s": 0.3}).encode()
-        assert http("POST", url + "/v1/workers", body, headers=ADMIN)[0] == 200
-        assert "http://127.0.0.1:9" in workers(url, "pds")
-        wait_for(lambda: "http://127.0.0.1:9" not in workers(url, "pds"), timeout=10)
-        # registered by hand (no heartbeat): it stays until removed
-        body = json.dumps({"role": "pd", "url": "http://127.0.0.1:10"}).encode()
-        assert http("POST", url + "/v1/workers", body, headers=ADMIN)[0] == 200
-        time.sleep(1.5)
-        assert "http://127.0.0.1:10" in workers(url, "pds")
+        with running(["encoder"]) as silent:
+            body = json.dumps({"role": "encoder", "url": silent, "heartbeat_s": 0.3}).encode()
+            assert http("POST", url + "/v1/workers", body, headers=ADMIN)[0] == 200
+            assert silent in workers(url, "encoders")
+            wait_for(lambda: silent not in workers(url, "encoders"), timeout=10)
+            # registered by hand (no heartbeat): it stays until removed
+            body = json.dumps({"role": "encoder", "url": silent}).encode()
+            assert http("POST", url + "/v1/workers", body, headers=ADMIN)[0] == 200
+            time.sleep(1.5)
+            assert silent in workers(url, "encoders")
+        # an address where nothing holds the cluster credential is not registered
+        body = json.dumps({"role": "pd", "url": "http://127.0.0.1:9"}).encode()
+        status, raw = http("POST", url + "/v1/workers", body, headers=ADMIN)
+        assert status == 403 and b"credential challenge" in raw, raw
+        assert "http://127.0.0.1:9" not in workers(url, "pds")
         # what a registration may say is checked
         for bad in (
             {"role": "pd", "url": "http://127.0.0.1:11/v1"},

@@ -243,7 +243,7 @@ def test_several_items_in_one_request_keep_their_order(encoder: Encoder) -> None
     ("items", "extra", "status", "message"),
     [
         ([{"modality": "image", "url": "data:image/png;base64,!!!not base64"}], {}, 400, "base64"),
-        ([{"modality": "image", "url": data_url(b"hello, not an image", "image/png")}], {}, 400, "not a decodable"),
+        ([{"modality": "image", "url": data_url(b"hello, not an image", "image/png")}], {}, 400, "UNKNOWN"),
         ([{"modality": "video", "url": data_url(b"\x00" * 64, "video/mp4")}], {}, 400, "video"),
         ([{"modality": "image", "url": "ftp://example.com/a.png"}], {}, 400, "scheme"),
         ([{"modality": "image", "url": "http://127.0.0.1:1/a.png"}], {}, 400, "private"),

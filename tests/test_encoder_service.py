@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -13,14 +14,15 @@ import torch
 from aiohttp import web
 
 from epdserve.api.auth import AuthConfig
+from epdserve.encoder.app import build_app
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
-from epdserve.encoder.server import EncoderConfig, EncoderService, build_app
+from epdserve.encoder.server import EncoderConfig, EncoderService
 from epdserve.launcher import free_port
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.transfer.base import TransferError
 from epdserve.transfer.config import ECConfig
-from tests.server_utils import internal_headers
+from tests.server_utils import signed_headers
 
 torch.set_num_threads(1)
 
@@ -60,7 +62,9 @@ def run(model_dir: Path, scenario: Scenario, **config: object) -> None:
 
                 async def post(payload: dict) -> tuple[int, dict]:
                     url = f"http://127.0.0.1:{port}/v1/encode"
-                    async with session.post(url, json=payload, headers=internal_headers()) as r:
+                    body = json.dumps(payload).encode()
+                    headers = {"Content-Type": "application/json", **signed_headers("POST", url, body)}
+                    async with session.post(url, data=body, headers=headers) as r:
                         return r.status, {**await r.json(), "retry_after": r.headers.get("Retry-After")}
 
                 await scenario(service, post)

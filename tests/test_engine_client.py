@@ -14,12 +14,12 @@ import msgspec
 import pytest
 import torch
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.client import CoreStartError, InprocClient, MPClient
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, CoreStart, EngineOutput, MediaSpec, WireTensor
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
 from epdserve.models.config import ModelConfig
 from epdserve.transfer.cached import cached_handle

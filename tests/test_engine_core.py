@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.request import MediaItem, Request, Status
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import Scheduler
 
 

@@ -6,7 +6,6 @@ test, which builds a video's inputs as that family's processor does)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -26,10 +25,11 @@ from epdserve.models.registry import supported_architectures
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
 from tests.checkpoints import build
+from tests.optional import unavailable
 
 MAX_TOKENS = 12
 PD_ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64"]
-HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+HAVE_MOONCAKE = unavailable("mooncake.store") is None  # installed, and its native libraries load
 MOONCAKE = pytest.param(
     "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
 )

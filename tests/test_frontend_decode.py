@@ -44,7 +44,7 @@ from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import HANDLE_PURPOSE, PIXEL_HANDLE_PURPOSE, ECConfig
 from epdserve.transfer.pixels import PixelItem, PixelProducer, PixelReader, processor_digest
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http, internal_headers
+from tests.server_utils import http, internal_headers, signed_headers
 from tests.test_topologies import MODEL, ask, data_url, request_set
 
 SECRET = "frontend-decode-test-secret-0123456789abcdef"
@@ -255,10 +255,15 @@ def chat(url: str, parts: list[dict], timing: bool = False) -> tuple[int, dict, 
     import urllib.error
     import urllib.request
 
+    data = msgspec.json.encode(body)
+    target = url + "/v1/chat/completions"
     req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=msgspec.json.encode(body),
-        headers={"Content-Type": "application/json", **({"X-EPD-Timing": "1"} if timing else {})},
+        target,
+        data=data,
+        headers={
+            "Content-Type": "application/json",
+            **({"X-EPD-Timing": "1", **signed_headers("POST", target, data)} if timing else {}),
+        },
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:

@@ -31,7 +31,7 @@ def test_the_fused_stack_equals_the_layer_by_layer_path_bit_for_bit(model_dir: P
     eng = bf16_engine(model_dir)
     lm = eng.runner.model.language_model
     fused = lm.fused
-    assert isinstance(fused, FusedDecoder)
+    assert isinstance(fused, FusedDecoder) and eng.runner.decode.name == "fused stack"
     forward = lm.forward
     compared: list[bool] = []
 

@@ -4,6 +4,8 @@ machine, never loaded from a directory others may write, and PyTorch ops when it
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -156,6 +158,34 @@ def test_the_library_is_built_once_per_machine_and_reused(tmp_path: Path) -> Non
 
 
 @needs_compiler
+@pytest.mark.parametrize(
+    ("exports", "says"),
+    [
+        (
+            f"int epd_kernels_abi() {{ return {build.ABI + 1}; }} int epd_layer_pointers() {{ return {build.POINTERS_PER_LAYER}; }}",
+            "ABI",
+        ),
+        (
+            f"int epd_kernels_abi() {{ return {build.ABI}; }} int epd_layer_pointers() {{ return {build.POINTERS_PER_LAYER + 1}; }}",
+            "pointers per layer",
+        ),
+        (f"int epd_kernels_abi() {{ return {build.ABI}; }}", "not a build of this kernel source"),
+    ],
+)
+def test_a_library_that_disagrees_on_the_abi_is_refused(tmp_path: Path, exports: str, says: str) -> None:
+    """The C++ source and Python each define the ABI and the stack's pointers per layer once; a
+    library whose numbers differ from Python's is refused before any call (the real build agrees)."""
+    real = load_library(tmp_path)
+    assert (real.epd_kernels_abi(), real.epd_layer_pointers()) == (build.ABI, build.POINTERS_PER_LAYER)
+    source = tmp_path / "other.cpp"
+    source.write_text(f'extern "C" {{ {exports} }}')
+    lib_path = tmp_path / "other.so"
+    subprocess.run([COMPILER, "-shared", "-fPIC", "-o", str(lib_path), str(source)], check=True, timeout=120)
+    with pytest.raises(KernelBuildError, match=says):
+        build.check_abi(ctypes.CDLL(str(lib_path)), lib_path)
+
+
+@needs_compiler
 def test_roles_starting_together_build_one_library(tmp_path: Path) -> None:
     code = f"from pathlib import Path; from epdserve.kernels.build import load_library as f; f(Path({str(tmp_path)!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
@@ -184,3 +214,52 @@ def test_without_a_compiler_the_engine_runs_the_torch_ops(monkeypatch: pytest.Mo
     assert type(select_ops("auto", torch.float32, CPU)) is TorchOps
     assert type(select_ops("torch", torch.float32, CPU)) is TorchOps
     assert type(select_ops("auto", torch.float16, CPU)) is TorchOps  # no float16 kernels
+
+
+@needs_compiler
+def test_a_corrupt_cached_library_is_rebuilt_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "cache"
+    path = build.library_path(cache)
+    path.write_bytes(b"\x7fELF truncated")  # a half-written or foreign file under the cached name
+    with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
+        assert load_library(cache).epd_kernels_abi() == build.ABI
+    assert "rebuilding" in caplog.text
+    assert path.stat().st_size > 1000 and len(list(cache.glob("*.so"))) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
+        assert load_library(cache).epd_kernels_abi() == build.ABI  # and then used, without a word
+    assert not caplog.text
+
+
+@needs_compiler
+@pytest.mark.parametrize("layout", ["symlinked leaf", "world-writable parent", "symlinked library"])
+def test_an_unsafe_cache_is_not_used_and_says_how_to_fix_it(
+    tmp_path: Path, layout: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    cache = real
+    if layout == "symlinked leaf":
+        cache = tmp_path / "link"
+        cache.symlink_to(real)
+    elif layout == "world-writable parent":
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)  # anyone could rename the private directory below away and plant another
+        cache = shared / "cache"
+        cache.mkdir(mode=0o700)
+    else:
+        other = tmp_path / "other.so"
+        other.write_bytes(b"not ours to load")
+        built = build.library_path(real)
+        built.unlink()
+        built.symlink_to(other)
+    with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
+        path = build.library_path(cache)
+    if layout == "symlinked library":
+        assert path.parent == real and not path.is_symlink() and "rebuilding" in caplog.text
+        assert other.read_bytes() == b"not ours to load"
+        return
+    assert path.parent != cache and not list(cache.iterdir())
+    assert "chmod 700" in caplog.text and build.CACHE_ENV in caplog.text
+    shutil.rmtree(path.parent)

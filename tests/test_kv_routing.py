@@ -14,20 +14,20 @@ import msgspec
 import openai
 import pytest
 
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import decode_chat_request
+from epdserve.api.tokenizer import FastTokenizer
 from epdserve.bench.workload import image_data_url
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.launcher import free_port
 from epdserve.media.limits import MediaLimits
 from epdserve.models.config import ModelConfig
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer
 from epdserve.router.kv_routing import KVIndex, PromptBlocks
 from epdserve.router.pool import Worker
 from epdserve.router.refs import media_refs
@@ -82,6 +82,21 @@ def test_the_router_names_blocks_as_the_block_manager_does(model_dir: Path) -> N
     refs[0].result = msgspec.structs.replace(refs[0].result, uuid="u-2")
     other = PromptBlocks(model_dir).blocks(req, [(r.modality, r.result) for r in refs], BS).hashes
     assert other[:first] == ours[:first] and all(a != b for a, b in zip(other[first:], ours[first:], strict=True))
+
+
+def test_a_prompt_over_the_context_names_no_blocks_and_is_not_tokenized_to_its_end(model_dir: Path) -> None:
+    text = "the quick brown fox jumps over the lazy dog\n" * 25_000  # about a million characters
+    body = {"model": "shapes-qwen2vl", "messages": [{"role": "user", "content": text}]}
+    req = decode_chat_request(msgspec.json.encode(body), MediaLimits(), 2_000_000)
+    blocks = PromptBlocks(model_dir)
+    tok = blocks.builder.tok
+    assert tok.bytes_per_token * 2048 < len(text)  # refused by the length bound alone
+    assert blocks.blocks(req, [], BS, max_tokens=2048) == ([], [], True)
+    # under the length bound, over the context: counted chunk by chunk, up to the limit
+    body["messages"][0]["content"] = text[: tok.bytes_per_token * 2000]
+    req = decode_chat_request(msgspec.json.encode(body), MediaLimits(), 2_000_000)
+    assert blocks.blocks(req, [], BS, max_tokens=2048) == ([], [], True)
+    assert len(blocks.blocks(req, [], BS).hashes) > 2048 // BS  # without a limit: named in full
 
 
 def test_a_videos_blocks_follow_the_encoders_timing(tmp_path: Path) -> None:
@@ -209,6 +224,33 @@ def test_each_conversation_follows_its_kv(kv_aware: Deployment) -> None:
     metrics = http("GET", d.url + "/metrics")[1].decode()
     routed = re.search(r"^epd_router_kv_routed_total (\S+)$", metrics, re.MULTILINE)
     assert routed is not None and float(routed[1]) >= 8
+
+
+def test_million_character_prompts_do_not_stall_kv_aware_routing(kv_aware: Deployment) -> None:
+    """The router tokenizes prompts to name their blocks: a burst of prompts far over the context
+    is refused (by the worker) without the router tokenizing them through, and a short request
+    sent meanwhile is answered."""
+    long = {"model": "shapes-qwen2vl", "max_tokens": 4, "messages": [{"role": "user", "content": "fox " * 250_000}]}
+    short = {"model": "shapes-qwen2vl", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+
+    def post(body: dict) -> tuple[int, bytes, float]:
+        t0 = time.perf_counter()
+        status, raw = http("POST", d.url + "/v1/chat/completions", msgspec.json.encode(body), timeout=120)
+        return status, raw, time.perf_counter() - t0
+
+    d = kv_aware
+    with ThreadPoolExecutor(9) as pool:
+        t0 = time.perf_counter()
+        longs = [pool.submit(post, long) for _ in range(8)]
+        time.sleep(0.05)
+        quick = pool.submit(post, short)
+        answers = [f.result() for f in longs]
+        status, _, short_s = quick.result()
+        burst_s = time.perf_counter() - t0
+    assert status == 200
+    for code, raw, _ in answers:
+        assert code == 400 and msgspec.json.decode(raw)["error"]["code"] == "context_length_exceeded", raw[:300]
+    assert burst_s < 15 and short_s < 10, (burst_s, short_s)  # generous: counting them through took many s
 
 
 def test_media_inside_the_workers_kv_are_not_encoded_and_a_lost_race_costs_an_encode() -> None:

@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 from epdserve.hf_reference import HFReference
 from epdserve.media.processor import VisionInput
 from epdserve.models.config import ModelConfig
+from epdserve.models.layers.vision import frame_runs
 from epdserve.models.loader import load_model
-from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration, frame_runs
+from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, mrope_positions
 from epdserve.models.registry import UnknownArchitectureError, model_class
 from epdserve.shapes import ShapesWorld

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from epdserve.bench.workload import image_data_url
+from epdserve.common.store_config import StoreConfig
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.store.base import Claim
-from epdserve.store.config import StoreConfig
 from epdserve.store.mooncake_master import MooncakeMaster, master_binary, start_master
 from epdserve.store.mooncake_store import MooncakeStore
 from epdserve.store.record import EntryCheck

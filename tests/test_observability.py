@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epdserve.api.timing import parse_server_timing, server_timing
 from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology
-from tests.server_utils import http, internal_headers
+from tests.server_utils import http, internal_headers, signed_headers
 from tests.test_topologies import request_set
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "epdserve.json"
@@ -32,17 +32,16 @@ def deployment() -> Iterator[Deployment]:
         d.stop()
 
 
-def chat(url: str, req: dict, stream: bool, timing: bool) -> tuple[int, dict[str, str], bytes]:
+def chat(url: str, req: dict, stream: bool, timing: bool, operator: bool = True) -> tuple[int, dict[str, str], bytes]:
+    """``operator``: with the cluster credential (only the operator sees how media was obtained)."""
     body = {"model": "shapes-qwen2vl", "max_tokens": 8, **{k: v for k, v in req.items() if k != "stream"}}
     body["stream"] = stream
-    headers = {"X-EPD-Timing": "1"} if timing else {}
+    data = json.dumps(body).encode()
+    target = url + "/v1/chat/completions"
+    headers = {"X-EPD-Timing": "1", **(signed_headers("POST", target, data) if operator else {})} if timing else {}
     import urllib.request
 
-    r = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
+    r = urllib.request.Request(target, data=data, headers={"Content-Type": "application/json", **headers})
     with urllib.request.urlopen(r, timeout=120) as resp:
         return resp.status, dict(resp.headers), resp.read()
 
@@ -83,6 +82,20 @@ def test_stage_timing_is_returned_only_when_asked(deployment: Deployment) -> Non
     stages = parse_server_timing(headers["Server-Timing"])
     assert "pd_prefill" in stages and "pd_decode" not in stages and body.endswith(b"data: [DONE]\n\n")
     assert 'media;desc="4 cache_hit"' in headers["Server-Timing"]
+
+
+def test_stage_details_that_reveal_other_users_are_for_the_operator_only(deployment: Deployment) -> None:
+    """Whether an image came from a cache, the router's directory, or was computed tells who
+    sent it before: a public caller gets its request's language-model stages, nothing of media."""
+    req = request_set()[1]
+    chat(deployment.url, req, stream=False, timing=True)  # cached from now on
+    _, headers, _ = chat(deployment.url, req, stream=False, timing=True, operator=False)
+    value = headers["Server-Timing"]
+    stages = parse_server_timing(value)
+    assert "pd_prefill" in stages and "media" not in value, value
+    assert not any(s.startswith(("router_", "encoder_")) for s in stages), value
+    _, headers, _ = chat(deployment.url, req, stream=False, timing=True)  # the operator sees them
+    assert "media;desc=" in headers["Server-Timing"] and "router_encode" in headers["Server-Timing"]
 
 
 def test_the_router_is_one_scrape_target_for_the_deployment(deployment: Deployment) -> None:
@@ -205,7 +218,7 @@ def test_one_trace_across_the_roles(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--otlp-traces-endpoint``: router, encoder and worker export to a real OTLP/HTTP receiver;
     a request is one trace under the client's own span, each role's server span under the
     router's client span that called it, the worker's stages under its server span."""
-    pytest.importorskip("opentelemetry.sdk", reason="pip install 'epdserve[tracing]'")
+    pytest.importorskip("opentelemetry.sdk", reason="pip install 'epdserve[tracing]'", exc_type=ImportError)
     import time
     import urllib.request
 

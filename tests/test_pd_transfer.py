@@ -12,12 +12,12 @@ import msgspec
 import pytest
 import torch
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.client import InprocClient
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, EngineOutput, KVTransfer, MediaSpec, WireTensor
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig

@@ -17,12 +17,12 @@ from PIL import Image
 
 from epdserve.api.media import MediaResolver
 from epdserve.api.protocol import VideoEmbedsPart
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import HFReference
 from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionProcessor

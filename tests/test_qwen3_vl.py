@@ -19,12 +19,12 @@ from PIL import Image
 
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import ImageEmbedsPart, VideoEmbedsPart
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput, PromptError
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.hf_reference import model_inputs
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig

@@ -50,8 +50,11 @@ def test_affinity_keeps_media_on_one_encoder_and_spills_when_busy() -> None:
 
 
 def test_registration_and_retry_on_a_dead_pd() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with running(["serve", "--max-model-len", "512", "--num-kv-blocks", "64"]) as pd:
+    lm = ["serve", "--max-model-len", "512", "--num-kv-blocks", "64"]
+    doomed_port = free_port()
+    dead = f"http://127.0.0.1:{doomed_port}"  # a worker that joins, then dies
+    doomed = start_role([*lm, "--port", str(doomed_port)])
+    with running(lm) as pd:
         port = free_port()
         router = start_role(
             ["router", "--port", str(port), "--policy", "round_robin", "--probe-interval", "30"],
@@ -74,11 +77,16 @@ def test_registration_and_retry_on_a_dead_pd() -> None:
                     status, body = http(method, url + "/v1/workers", rogue, headers=headers)
                     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", body
             assert json.loads(http("GET", url + "/v1/workers", headers=ADMIN)[1])["pds"] == []
+            # nothing that cannot prove the cluster credential joins (here: nothing listens)
+            status, body = http("POST", url + "/v1/workers", rogue, headers=ADMIN)
+            assert status == 403 and b"credential challenge" in body, body
+            wait_healthy(dead, doomed)
             for u in (dead, pd):
                 status, _ = http(
                     "POST", url + "/v1/workers", json.dumps({"role": "pd", "url": u}).encode(), headers=ADMIN
                 )
                 assert status == 200
+            stop(doomed)
             wait_healthy(url, router)
             c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             # round robin sends some requests to the dead worker first: each is retried on the live one
@@ -101,6 +109,7 @@ def test_registration_and_retry_on_a_dead_pd() -> None:
             assert status == 503 and json.loads(body)["error"]["message"]
         finally:
             stop(router)
+            stop(doomed)
 
 
 def test_health_probe_evicts_and_readmits_a_worker() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.request import Request
 from epdserve.engine.sampler import sample
-from epdserve.engine.sampling_params import SamplingParams
 
 
 def req(**kw: object) -> Request:

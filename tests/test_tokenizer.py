@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from epdserve.pd.tokenizer import FastTokenizer, TemplateError
+from epdserve.api.tokenizer import FastTokenizer, TemplateError
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Describe the image."}],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from epdserve.bench.workload import image_data_url as data_url
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.transfer.shm import SLAB_RE
 from epdserve.up import Deployment, Topology
+from tests.optional import unavailable
 from tests.server_utils import http, internal_headers
 
 MODEL = "shapes-qwen2vl"
@@ -111,7 +111,7 @@ def aggregated() -> Iterator[tuple[Deployment, list[str], list[str]]]:
         d.stop()
 
 
-HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+HAVE_MOONCAKE = unavailable("mooncake.store") is None  # installed, and its native libraries load
 MOONCAKE = pytest.param(
     "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
 )
@@ -246,24 +246,21 @@ def embeds_request(uuid: str, handle: dict) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}]}
 
 
-def test_metadata_only_with_bad_handle_fails_only_that_request() -> None:
-    d = deploy("aggregated")
+def test_metadata_only_with_bad_handle_fails_only_that_request(aggregated) -> None:
+    d, _, _ = aggregated
     hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    try:
-        before = ask(d.url, hi)
-        bad = embeds_request("x", {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0})
-        url = d.url + "/v1/chat/completions"
-        # from a client: refused outright, without a word about internal places
-        status, body = http("POST", url, json.dumps(bad).encode())
-        assert status == 400, body
-        assert "/dev/shm" not in body.decode() and json.loads(body)["error"]["type"] == "invalid_request_error"
-        # from a caller with the cluster credential: the handle does not verify, so nothing is read
-        status, body = http("POST", url, json.dumps(bad).encode(), headers=internal_headers())
-        assert status == 400, body
-        assert "/dev/shm" not in body.decode() and "not valid" in json.loads(body)["error"]["message"]
-        assert ask(d.url, hi) == before  # and the server goes on serving, unchanged
-    finally:
-        d.stop()
+    before = ask(d.url, hi)
+    bad = embeds_request("x", {"connector": "shm", "path": "/dev/shm/epd-ec-nope-1", "offset": 0})
+    url = d.url + "/v1/chat/completions"
+    # from a client: refused outright, without a word about internal places
+    status, body = http("POST", url, json.dumps(bad).encode())
+    assert status == 400, body
+    assert "/dev/shm" not in body.decode() and json.loads(body)["error"]["type"] == "invalid_request_error"
+    # from a caller with the cluster credential: the handle does not verify, so nothing is read
+    status, body = http("POST", url, json.dumps(bad).encode(), headers=internal_headers())
+    assert status == 400, body
+    assert "/dev/shm" not in body.decode() and "not valid" in json.loads(body)["error"]["message"]
+    assert ask(d.url, hi) == before  # and the server goes on serving, unchanged
 
 
 def test_topology_parsing() -> None:
@@ -312,7 +309,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
+def test_request_waiting_for_embeddings_does_not_stall_others(aggregated) -> None:
     """A metadata-only request whose producer hangs waits outside the engine: other requests keep
     completing; when the producer goes away the waiting request fails alone with 503."""
     import socket
@@ -327,7 +324,7 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
     hang.listen()
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(hang.accept()[0]), daemon=True).start()
-    d = deploy("aggregated")
+    d, _, _ = aggregated  # left serving: the waiting request ends either way
     try:
         handle = {
             "connector": "tcp",
@@ -368,7 +365,7 @@ def test_request_waiting_for_embeddings_does_not_stall_others() -> None:
         status, raw = result[0]
         assert status == 503 and "unavailable" in json.loads(raw)["error"]["message"]
     finally:
-        d.stop()
+        hang.close()
 
 
 # ---- E/P/D ------------------------------------------------------------------------------------

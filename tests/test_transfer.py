@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import importlib.util
 import json
 import mmap
 import os
@@ -40,6 +39,7 @@ from epdserve.transfer.factory import make_consumer, make_producer
 from epdserve.transfer.fs import FsProducer
 from epdserve.transfer.shm import ShmProducer, slab_name
 from epdserve.transfer.tcp import TcpConsumer, TcpProducer
+from tests.optional import unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "qwen2-vl-test@abc123"
@@ -97,7 +97,7 @@ def config(kind: str, tmp_path: Path, **overrides: Any) -> ECConfig:
     return ECConfig(**values)
 
 
-HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+HAVE_MOONCAKE = unavailable("mooncake.store") is None  # installed, and its native libraries load
 MOONCAKE = pytest.param(
     "mooncake", marks=pytest.mark.skipif(not HAVE_MOONCAKE, reason="pip install 'epdserve[mooncake]'")
 )

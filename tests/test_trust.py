@@ -25,6 +25,7 @@ import pytest
 from epdserve.bench.workload import image_data_url
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.security import peers
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.transfer.config import ECConfig
@@ -156,7 +157,7 @@ def test_internal_surfaces_refuse_callers_without_the_cluster_credential(stack: 
         "items": [{"modality": "image", "url": image(2)["image_url"]["url"]}],
     }
     text = chat([{"type": "text", "text": "hi"}])
-    wrong = ClusterCredential.generate().headers()
+    wrong = peers.sign(ClusterCredential.generate(), "POST", stack.encoder + "/v1/encode", b"{}")
     for headers in ({}, wrong, AUTH):
         for url, body in ((stack.encoder + "/v1/encode", items), (stack.encoder + "/v1/release", {"handles": []})):
             status, err = post(url, body, headers)

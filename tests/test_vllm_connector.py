@@ -2,7 +2,7 @@
 real epdserve encoder, greedy answers compared with a plain vLLM on the same requests.
 
 Runs only where vLLM is importable (``scripts/test_vllm.sh`` installs its CPU build and runs these
-tests with that interpreter); elsewhere the module is skipped, saying so.
+tests with that interpreter); elsewhere the module is skipped, saying so (tests/tiers.py EXTRAS).
 
 Three vLLM instances, at most two at a time: a plain one (the reference), one whose connector
 forbids local encoding (an answer from it can only have come from epdserve's embeddings), and one
@@ -25,14 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip(
-    "vllm", reason="vLLM is not installed in this interpreter (scripts/test_vllm.sh installs it and runs these tests)"
-)
-
 import av
 import msgspec
+import pytest
 from PIL import Image
 
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION, EncodedItem

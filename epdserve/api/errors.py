@@ -15,6 +15,7 @@ import msgspec
 from epdserve.media.errors import InvalidMedia, MediaError, MediaTimeout, MediaTooLarge
 
 EMBEDS_UNAVAILABLE = "embeddings_unavailable"  # 503 code: the router retries with a fresh encode
+RETRY_AFTER_S = 1  # Retry-After of a 429 or 503 that names no other wait
 
 
 class ApiError(Exception):
@@ -23,6 +24,8 @@ class ApiError(Exception):
     status: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
+    # seconds a client should wait before retrying; every 429 and 503 carries one
+    default_retry_after_s: ClassVar[int | None] = None
 
     def __init__(
         self, message: str, *, param: str | None = None, code: str | None = None, retry_after_s: int | None = None
@@ -31,7 +34,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
-        self.retry_after_s = retry_after_s  # sent as ``Retry-After`` (429 and 503)
+        self.retry_after_s = retry_after_s if retry_after_s is not None else self.default_retry_after_s
 
     @property
     def headers(self) -> dict[str, str]:
@@ -95,6 +98,7 @@ class Overloaded(ApiError):
     status = 429
     error_type = "rate_limit_error"
     default_code = "overloaded"
+    default_retry_after_s = RETRY_AFTER_S
 
 
 class WorkerFailed(ApiError):
@@ -111,6 +115,7 @@ class Unavailable(ApiError):
     status = 503
     error_type = "server_error"
     default_code = "unavailable"
+    default_retry_after_s = RETRY_AFTER_S  # a worker restarting or starting comes back within seconds
 
 
 class Timeout(ApiError):
@@ -121,12 +126,26 @@ class Timeout(ApiError):
     default_code = "timeout"
 
 
+def context_too_long(
+    limit: int, prompt_tokens: int, completion_tokens: int, exact: bool = False, param: str = "messages"
+) -> BadRequest:
+    """OpenAI's answer to a prompt (plus the completion asked for) over the context length;
+    unless ``exact``, ``prompt_tokens`` is a lower bound (the prompt was not counted to its end)."""
+    asked = f", and {completion_tokens} were asked for the completion" if completion_tokens else ""
+    return BadRequest(
+        f"This model's maximum context length is {limit} tokens; the {param} hold "
+        f"{prompt_tokens}{'' if exact else ' or more'} tokens{asked}. Shorten the {param} or the completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def from_media_error(e: MediaError) -> ApiError:
     """The HTTP answer to a media error (the edge is the only place media errors meet statuses)."""
     if isinstance(e, MediaTooLarge):
-        return PayloadTooLarge(e.message)
+        return PayloadTooLarge(e.message, code=e.code)
     if isinstance(e, MediaTimeout):
-        return Timeout(e.message)
+        return Timeout(e.message, code=e.code)
     if isinstance(e, InvalidMedia):
-        return BadRequest(e.message)
-    return BadRequest(e.message)
+        return BadRequest(e.message, code=e.code)
+    return BadRequest(e.message, code=e.code)

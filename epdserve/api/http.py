@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from epdserve.api.auth import Access, AuthConfig, guard
 from epdserve.api.errors import ApiError, PayloadTooLarge, from_media_error
 from epdserve.media.errors import MediaError
 
@@ -45,42 +44,3 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"The request body exceeds {max_bytes} bytes.") from None
-
-
-Route = tuple[str, str, Handler, Access]  # (method, path, handler, who may call it)
-
-
-async def version(request: web.Request) -> web.Response:
-    from epdserve import __version__
-
-    return web.json_response({"version": __version__})
-
-
-def role_app(
-    max_request_bytes: int,
-    routes: list[Route],
-    start: Callable[[], Awaitable[None]],
-    close: Callable[[], Awaitable[None]],
-    auth: AuthConfig,
-) -> web.Application:
-    """The aiohttp app of one role: its routes (and ``GET /version``, as vLLM serves it) behind
-    the error middleware and their access checks, with lifecycle hooks."""
-    app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
-    for method, path, handler, access in [*routes, ("GET", "/version", version, "open")]:
-        app.router.add_route(method, path, guard(handler, access, auth))
-
-    async def on_startup(app: web.Application) -> None:
-        await start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await close()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
-
-
-def run_app(app: web.Application, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM; handlers are cancelled when their client disconnects."""
-    # a short shutdown grace: a supervisor's SIGTERM must end the role (and unlink its slab) promptly
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None, shutdown_timeout=5.0)

@@ -3,7 +3,7 @@ holds, for a router that sends each request where its prefix is cached.
 
     ← {"version": 1, "model": "shapes-qwen2vl", "block_size": 16, "hashes": "<base64>"}
 
-``hashes`` is the concatenation of the cached blocks' hashes (``engine.prefix_hash``, 16 bytes
+``hashes`` is the concatenation of the cached blocks' hashes (``common.prefix_hash``, 16 bytes
 each), in no particular order.
 """
 
@@ -13,7 +13,7 @@ from typing import Final
 
 import msgspec
 
-from epdserve.engine.prefix_hash import HASH_BYTES
+from epdserve.common.prefix_hash import HASH_BYTES
 
 KV_DIGEST_VERSION: Final = 1
 MAX_DIGEST_BYTES: Final = 64 << 20  # a router refuses a larger digest

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-LogFormat = Literal["text", "json"]
-LOG_FORMAT_ENV = "EPD_LOG_FORMAT"  # how a role's engine core process logs (set by the role)
+if TYPE_CHECKING:
+    from epdserve.api.auth import AuthConfig
+
 ACCESS = logging.getLogger("epdserve.access")
 STATS = logging.getLogger("epdserve.stats")
 STATS_INTERVAL_S = 10.0
@@ -34,32 +34,6 @@ def request_id(headers: Mapping[str, str]) -> str:
     return given if _ID.fullmatch(given) else uuid.uuid4().hex[:16]
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        out.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup(fmt: LogFormat = "text", prefix: str = "") -> None:
-    """Configure the process's logging (``prefix`` marks a sub-process, e.g. "[core] ")."""
-    handler = logging.StreamHandler()
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-
-
 def _text(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={_value(v)}" for k, v in fields.items() if v is not None and v != "")
 
@@ -69,6 +43,24 @@ def _value(v: Any) -> str:
         return f"{v:.1f}"
     text = str(v)
     return f'"{text}"' if " " in text else text
+
+
+def banner(logger: logging.Logger, role: str, **fields: Any) -> None:
+    """A role's one start-up line, once it serves: what it runs, how and where (``fields`` in
+    order as ``key=value``, or as JSON keys with ``event: started``)."""
+    logger.info("%s started: %s", role, _text(fields), extra={"fields": {"event": "started", "role": role, **fields}})
+
+
+def auth_mode(auth: AuthConfig) -> str:
+    """Who a role's public routes take, for its start-up line."""
+    if auth.internal_only:
+        return "cluster only"
+    return "api key" if auth.api_key else "off"
+
+
+def gib(n: int) -> str:
+    """Bytes for a start-up line."""
+    return f"{n / (1 << 30):.2f}GiB"
 
 
 def access(**fields: Any) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import TypeVar
@@ -21,6 +22,7 @@ from epdserve.api.errors import BadRequest, from_media_error
 from epdserve.api.protocol import EmbedsPart, ImageUrlPart, InputAudioPart, MediaPart, VideoUrlPart
 from epdserve.engine.inputs import MediaInput
 from epdserve.media.audio import AudioProcessor
+from epdserve.media.budget import DecodeBudget, run_decode
 from epdserve.media.decode import decode_image, decode_video, video_interval
 from epdserve.media.errors import InvalidMedia, MediaError, MediaTooLarge
 from epdserve.media.fetch import load_media_bytes
@@ -78,11 +80,12 @@ class MediaResolver:
             if self.embeds is None:
                 raise BadRequest("This server does not accept metadata-only media (no EC connector configured).")
             return await self.embeds(part)
-        loop = asyncio.get_running_loop()
         if isinstance(part, InputAudioPart):
             audio = part.input_audio
             try:
-                return await loop.run_in_executor(self.executor, self.process_audio, audio.data, audio.format)
+                return await run_decode(
+                    self.executor, lambda cancelled: self.process_audio(audio.data, audio.format, cancelled)
+                )
             except MediaError as e:
                 raise from_media_error(e) from None
         return await self._url_media(part, lambda item: item)
@@ -94,8 +97,8 @@ class MediaResolver:
         modality = "image" if isinstance(part, ImageUrlPart) else "video"
         try:
             data = await load_media_bytes(url, self.limits, self.session)
-            return await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: after(self.process_bytes(modality, data))
+            return await run_decode(
+                self.executor, lambda cancelled: after(self.process_bytes(modality, data, cancelled=cancelled))
             )
         except MediaError as e:  # the edge: media errors become HTTP errors here
             raise from_media_error(e) from None
@@ -104,16 +107,20 @@ class MediaResolver:
         """The preprocessing settings an item's uuid covers (``media.hashing``)."""
         return self.audio_kwargs if modality == "audio" else self.processor_kwargs
 
-    def process_bytes(self, modality: str, data: bytes, audio_format: str = "") -> MediaInput:
+    def process_bytes(
+        self, modality: str, data: bytes, audio_format: str = "", cancelled: threading.Event | None = None
+    ) -> MediaInput:
         """Decode + preprocess (CPU work, runs in the executor); ``audio_format`` is the format
-        an audio was declared in ("wav", "flac" or "mp3")."""
+        an audio was declared in ("wav", "flac" or "mp3"); ``cancelled``: set when the request
+        is abandoned (the decode stops)."""
+        budget = DecodeBudget(self.limits, cancelled)
         if modality == "audio":
-            return self._audio(data, audio_format)
+            return self._audio(data, audio_format, budget)
         uuid = media_uuid(self.model_id, modality, data, self.processor_kwargs)
         if modality == "image":
-            vi, second = self.processor.image(decode_image(data, self.limits)), None
+            vi, second = self.processor.image(decode_image(data, self.limits, budget)), None
         else:
-            video = decode_video(data, self.limits)
+            video = decode_video(data, self.limits, budget)
             # the clip's own timing (every role derives it from the same bytes the same way)
             vi, second = (
                 self.processor.video(video.frames),
@@ -126,7 +133,9 @@ class MediaResolver:
         embeddings are cached); equals ``process_bytes``'s."""
         return self.processor.config.video_second_per_grid(video_interval(data, self.limits))
 
-    def process_audio(self, data_b64: str, declared_format: str) -> MediaInput:
+    def process_audio(
+        self, data_b64: str, declared_format: str, cancelled: threading.Event | None = None
+    ) -> MediaInput:
         """Base64 audio → log-mel features (CPU work, runs in the executor)."""
         if self.audio is None:
             raise InvalidMedia("This model takes no audio input.")
@@ -136,11 +145,11 @@ class MediaResolver:
             data = base64.b64decode(data_b64, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidMedia("input_audio.data is not valid base64.") from None
-        return self._audio(data, declared_format)
+        return self._audio(data, declared_format, DecodeBudget(self.limits, cancelled))
 
-    def _audio(self, data: bytes, declared_format: str) -> MediaInput:
+    def _audio(self, data: bytes, declared_format: str, budget: DecodeBudget) -> MediaInput:
         if self.audio is None:
             raise InvalidMedia("This model takes no audio input.")
         uuid = media_uuid(self.model_id, "audio", data, self.audio_kwargs)
-        feats = self.audio.process(data, declared_format, self.limits)
+        feats = self.audio.process(data, declared_format, self.limits, budget=budget)
         return MediaInput(uuid, "audio", feats.grid_thw, feats.features)

@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import prometheus_client
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from epdserve.api.errors import Unauthorized
+from epdserve.api.exposure import health_metric
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -97,8 +101,14 @@ class Metrics:
             )
         return h
 
-    def render(self) -> bytes:
-        return prometheus_client.generate_latest(self.registry)
+    def render(self, only: Callable[[str], bool] | None = None) -> bytes:
+        """The exposition; ``only``: of the families whose name (without the prefix) it keeps."""
+        if only is None:
+            return prometheus_client.generate_latest(self.registry)
+        kept = [f for f in self.registry.collect() if only(f.name.removeprefix(self.prefix))]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(kept))
+        return prometheus_client.generate_latest(registry)
 
 
 class _Families(Collector):
@@ -130,3 +140,11 @@ def federate(scrapes: Sequence[tuple[str, str, str]]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(merged.values())))
     return prometheus_client.generate_latest(registry)
+
+
+def public_metrics(metrics: Metrics, level: str) -> web.Response:
+    """``/metrics`` for a caller without credentials, at ``level`` (``ExposureConfig.metrics_level``)."""
+    if level == "none":
+        raise Unauthorized("Metrics need the admin key or the cluster credential on this instance.")
+    body = metrics.render(health_metric if level == "health" else None)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

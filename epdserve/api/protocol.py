@@ -23,7 +23,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 
 from epdserve.api.errors import ApiError, BadRequest, PayloadTooLarge
-from epdserve.engine.sampling_params import SamplingParams
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -36,6 +36,10 @@ MAX_TOP_LOGPROBS: Final = 20  # OpenAI's limit on `top_logprobs`
 # Far more text than any context this server is configured for holds, far less than a body that
 # would stall templating and tokenization (a 50 MB prompt once held a worker for 38 s).
 DEFAULT_MAX_PROMPT_CHARS: Final = 1 << 20
+# The largest request body a role reads: room for several inline images or a short video as
+# base64, one default for the encoder, the router and the language-model role.
+DEFAULT_MAX_REQUEST_BYTES: Final = 64 << 20
+DEFAULT_CHAT_MAX_TOKENS: Final = 256  # what a worker generates when a chat request sets no max_tokens
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _GREEDY_EPS: Final = 1e-5  # temperatures below this sample greedily (as vLLM does)
 

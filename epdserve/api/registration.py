@@ -114,9 +114,10 @@ class Registrar:
                 json=body,
                 headers={"Authorization": f"Bearer {self.config.admin_key}"},
             ) as r:
-                await r.read()
-                if r.status != 200:
-                    log.warning("the router answered %s to %s %s", r.status, method, self.url)
+                answer = await r.content.read(2048)
+                if r.status != 200:  # its error says why (e.g. the address is not in its worker networks)
+                    why = answer.decode("utf-8", "replace")
+                    log.warning("the router answered %s to %s %s: %s", r.status, method, self.url, why)
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False

@@ -15,6 +15,16 @@ import aiohttp
 import msgspec
 
 from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, parse_server_timing
+from epdserve.security.credentials import ClusterCredential, CredentialError
+from epdserve.security.peers import sign
+
+
+def server_url(url: str) -> str:
+    """The server's base URL as every client-side command uses it (``/v1`` added per request), from
+    what a user types: with or without ``/v1``, with or without a trailing slash."""
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
 
 # every request asks for its stage timing (Server-Timing): a header's worth of cost
 _JSON_HEADERS = {"Content-Type": "application/json", TIMING_HEADER: "1"}
@@ -51,6 +61,17 @@ def encode_request(payload: dict) -> bytes:
     return json.dumps(dict(payload, stream=True, stream_options={"include_usage": True})).encode()
 
 
+def _headers(url: str, body: bytes) -> dict[str, str]:
+    """A request's headers: the stage timing asked for, and a proof of the deployment's cluster
+    credential for this one request when this process holds it (``EPD_CLUSTER_SECRET``): only the
+    operator is told the router's and encoders' stages (``api.exposure``)."""
+    try:
+        cred = ClusterCredential.load()
+    except CredentialError:
+        cred = None
+    return {**_JSON_HEADERS, **(sign(cred, "POST", url, body) if cred is not None else {})}
+
+
 async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict | bytes, kind: str = "") -> RequestResult:
     """Send one chat request and time its stream; ``payload`` bytes come from ``encode_request``."""
     body = payload if isinstance(payload, bytes) else encode_request(payload)
@@ -59,7 +80,8 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, payload: dict | 
     parts: list[str] = []
     t0 = res.start = time.perf_counter()
     try:
-        async with session.post(url + "/v1/chat/completions", data=body, headers=_JSON_HEADERS) as resp:
+        target = url + "/v1/chat/completions"
+        async with session.post(target, data=body, headers=_headers(target, body)) as resp:
             res.status = resp.status
             if resp.status != 200:
                 res.error = (await resp.text())[:300]

@@ -48,8 +48,8 @@ def run_hf(
 ) -> tuple[list[RequestResult], float]:
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from epdserve.common.dtypes import torch_dtype
     from epdserve.hf_reference import HFReference
-    from epdserve.models.precision import torch_dtype
 
     ref = HFReference(model_dir)
     ref.model.to(device=device, dtype=torch_dtype(dtype))

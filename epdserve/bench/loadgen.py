@@ -19,7 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -30,7 +30,9 @@ from epdserve.bench.client import RequestResult, stream_chat
 from epdserve.bench.plots import PlottingUnavailable, check_plotting
 from epdserve.bench.report import (
     SLO,
-    Summary,
+    BenchConfig,
+    BenchResult,
+    SelfTestResult,
     format_result,
     format_self_test,
     result_json,
@@ -43,61 +45,7 @@ from epdserve.bench.report import (
 from epdserve.bench.workload import BenchRequest, WorkloadConfig, build_workload
 from epdserve.config_flags import Flag, add_flags, values
 
-__all__ = ["BenchConfig", "BenchResult", "SelfTestResult", "TrivialServer", "run_bench", "run_self_test", "summarize"]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """Every knob of one benchmark run; ``run_bench`` needs nothing else."""
-
-    url: str = "http://127.0.0.1:8000"  # base URL of the server (without /v1)
-    model: str = ""  # model name sent in requests; "" takes the first id of the server's /v1/models
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # what each request looks like
-    num_requests: int = 100  # measured requests
-    warmup: int = 4  # unmeasured requests sent before the clock starts (payloads from seed + 1)
-    concurrency: int = 8  # clients of the closed loop; also the warm-up's concurrency
-    request_rate: float = 0.0  # mean Poisson arrival rate in req/s (open loop); 0 means closed loop
-    seed: int = 0  # fixes payloads and arrival times
-    slo: SLO = field(default_factory=SLO)  # latency bounds for goodput (none set: no goodput)
-    timeout_s: float = 600.0  # total time allowed per request
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.request_rate < 0:
-            raise ValueError(f"request_rate must be >= 0, got {self.request_rate}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-
-    @property
-    def open_loop(self) -> bool:
-        return self.request_rate > 0
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    """One measured run: the raw per-request results and what they add up to."""
-
-    config: BenchConfig  # the run's knobs
-    model: str  # model name the requests carried
-    results: list[RequestResult]  # measured requests in send order
-    started: float  # time.perf_counter() at the start of the measured phase
-    duration_s: float  # from the start of the measured phase to the last response
-    cpu_s: float  # CPU seconds this process spent during the measured phase
-    max_send_lag_s: float  # open loop: how late the latest send was against its Poisson schedule
-    summary: Summary  # all measured requests
-    per_kind: dict[str, Summary]  # one summary per request kind when there are several
-
-    @property
-    def cpu_fraction(self) -> float:
-        """Client CPU per wall second; near 1.0 the (single-threaded) client is the bottleneck."""
-        return self.cpu_s / self.duration_s if self.duration_s > 0 else 0.0
+__all__ = ["TrivialServer", "run_bench", "run_self_test", "summarize"]
 
 
 def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
@@ -296,25 +244,6 @@ class TrivialServer:
             await self._runner.cleanup()
 
 
-@dataclass(frozen=True)
-class SelfTestResult:
-    """The configured load against ``TrivialServer``, once with full-length and once with one-token answers."""
-
-    full: BenchResult  # answers of workload.output_len tokens
-    one_token: BenchResult  # the same requests answered with one token: the per-request cost alone
-
-    @property
-    def cpu_per_request_s(self) -> float:
-        """Client CPU per request (sending the body, one event, accounting); includes the trivial server's share."""
-        return self.one_token.cpu_s / max(1, self.one_token.summary.completed)
-
-    @property
-    def cpu_per_token_s(self) -> float:
-        """Client CPU per further streamed token (one SSE event); includes the trivial server's share."""
-        extra = self.full.summary.output_tokens - self.one_token.summary.output_tokens
-        return max(0.0, self.full.cpu_s - self.one_token.cpu_s) / extra if extra > 0 else 0.0
-
-
 async def run_self_test(config: BenchConfig, progress: TextIO | None = None) -> SelfTestResult:
     """``config``'s load (its url and model ignored) against in-process trivial servers on loopback."""
     one = replace(config.workload, output_len=1)
@@ -340,7 +269,7 @@ WORKLOAD_FLAGS = (
     Flag("pool_size", "--image-pool"),
 )
 BENCH_FLAGS = (
-    Flag("url", default=None),
+    "url",
     "model",
     Flag("num_requests", aliases=("-n",)),
     "warmup",
@@ -374,17 +303,12 @@ def add_cli_flags(s: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The ``BenchConfig`` of ``epdserve bench`` flags (``add_cli_flags``)."""
     given = values(args, BENCH_FLAGS)
-    if "url" in given:
-        given["url"] = given["url"].rstrip("/")
     workload = WorkloadConfig(**values(args, WORKLOAD_FLAGS))
     return BenchConfig(**given, workload=workload, slo=SLO.parse(args.slo or ""))
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """``epdserve bench``: run, print the report, write JSON and plots when asked."""
-    if not args.self_test and not args.url:
-        print("error: --url is required (or --self-test)", file=sys.stderr)
-        return 2
     try:
         config = config_from_args(args)
         if args.plots:

@@ -1,4 +1,5 @@
-"""Benchmark results as numbers and files: summaries, SLO goodput, a text table, JSON and plots.
+"""Benchmark runs and their results as numbers and files: the run's config, summaries, SLO goodput,
+a text table, JSON and plots.
 
 A ``Summary`` condenses a list of ``RequestResult``: latency statistics (TTFT, TPOT, ITL, E2E),
 request and token throughput, error counts by status, and goodput under an ``SLO``. ITL statistics
@@ -13,13 +14,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from epdserve.bench.client import RequestResult, percentile
+from epdserve.bench.client import RequestResult, percentile, server_url
 from epdserve.bench.plots import pyplot
-
-if TYPE_CHECKING:
-    from epdserve.bench.loadgen import BenchResult, SelfTestResult
+from epdserve.bench.workload import WorkloadConfig
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -161,6 +160,83 @@ def summarize_by_kind(results: list[RequestResult], duration_s: float, slo: SLO 
     if len(kinds) < 2:
         return {}
     return {k: summarize([r for r in results if r.kind == k], duration_s, slo) for k in kinds}
+
+
+# ---- one run ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every knob of one benchmark run; ``run_bench`` needs nothing else."""
+
+    url: str = "http://127.0.0.1:8000"  # base URL of the server (with or without /v1)
+    model: str = ""  # model name sent in requests; "" takes the first id of the server's /v1/models
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # what each request looks like
+    num_requests: int = 100  # measured requests
+    warmup: int = 4  # unmeasured requests sent before the clock starts (payloads from seed + 1)
+    concurrency: int = 8  # clients of the closed loop; also the warm-up's concurrency
+    request_rate: float = 0.0  # mean Poisson arrival rate in req/s (open loop); 0 means closed loop
+    seed: int = 0  # fixes payloads and arrival times
+    slo: SLO = field(default_factory=SLO)  # latency bounds for goodput (none set: no goodput)
+    timeout_s: float = 600.0  # total time allowed per request
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", server_url(self.url))  # one form, whatever was typed
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.request_rate < 0:
+            raise ValueError(f"request_rate must be >= 0, got {self.request_rate}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def open_loop(self) -> bool:
+        return self.request_rate > 0
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One measured run: the raw per-request results and what they add up to."""
+
+    config: BenchConfig  # the run's knobs
+    model: str  # model name the requests carried
+    results: list[RequestResult]  # measured requests in send order
+    started: float  # time.perf_counter() at the start of the measured phase
+    duration_s: float  # from the start of the measured phase to the last response
+    cpu_s: float  # CPU seconds this process spent during the measured phase
+    max_send_lag_s: float  # open loop: how late the latest send was against its Poisson schedule
+    summary: Summary  # all measured requests
+    per_kind: dict[str, Summary]  # one summary per request kind when there are several
+
+    @property
+    def cpu_fraction(self) -> float:
+        """Client CPU per wall second; near 1.0 the (single-threaded) client is the bottleneck."""
+        return self.cpu_s / self.duration_s if self.duration_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SelfTestResult:
+    """The configured load against ``TrivialServer``, once with full-length and once with one-token answers."""
+
+    full: BenchResult  # answers of workload.output_len tokens
+    one_token: BenchResult  # the same requests answered with one token: the per-request cost alone
+
+    @property
+    def cpu_per_request_s(self) -> float:
+        """Client CPU per request (sending the body, one event, accounting); includes the trivial server's share."""
+        return self.one_token.cpu_s / max(1, self.one_token.summary.completed)
+
+    @property
+    def cpu_per_token_s(self) -> float:
+        """Client CPU per further streamed token (one SSE event); includes the trivial server's share."""
+        extra = self.full.summary.output_tokens - self.one_token.summary.output_tokens
+        return max(0.0, self.full.cpu_s - self.one_token.cpu_s) / extra if extra > 0 else 0.0
 
 
 # ---- text ------------------------------------------------------------------------------------------

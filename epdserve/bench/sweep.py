@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -32,9 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from epdserve.bench.loadgen import BenchConfig, run_bench
-from epdserve.bench.plots import PlottingUnavailable, check_plotting
-from epdserve.bench.report import SLO, Summary, summarize
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import SLO, BenchConfig, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, field_doc, values
 from epdserve.launcher import free_port
@@ -114,7 +112,7 @@ class Cell:
 class SweepConfig:
     """Every knob of one sweep; ``run_sweep`` needs nothing else."""
 
-    topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES  # started in turn; names as ``Topology.parse`` reads them
+    topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES  # started in turn, each as 'epdserve up --topology' takes it
     images: tuple[int, ...] = (1, 4, 10)  # images per request: the grid's rows
     output_lens: tuple[int, ...] = (16, 64, 256)  # output tokens per request: the grid's columns
     image_size: int = 0  # side of every image in px (0: the generated shapes images' own sizes, 84 to 168 px)
@@ -126,8 +124,8 @@ class SweepConfig:
     seed: int = 0  # fixes payloads and arrival times (the same in every topology)
     slo: SLO = field(default_factory=SLO)  # bounds for goodput; none set: no goodput
     mixed: bool = False  # also run 50:50 text/image cells, one per images value at the shortest output length
-    model: str | None = None  # checkpoint directory; None: the embedded model
-    pin_cores: bool = False  # pin roles to cores as ``epdserve up --pin-cores`` does (``up.plan_cores``)
+    model: str | None = None  # checkpoint directory (unset: the embedded model)
+    pin_cores: bool = False  # pin roles to cores as 'epdserve up --pin-cores' does
     ec_connector: Connector = "shm"  # how embeddings travel from encoders to PD workers
     pd_args: tuple[str, ...] = ()  # extra flags of every PD worker and of the aggregated server
     timeout_s: float = 600.0  # time allowed per request
@@ -428,36 +426,6 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         log_dir=out / "logs",
         command=command_line(sys.argv),
     )
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    # SIGTERM takes the Ctrl-C path so the running deployment is stopped and the report still written
-    raise KeyboardInterrupt
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """``epdserve sweep``: run the grid, write the report, print where it is."""
-    from epdserve.bench.sweep_report import write_report
-
-    try:
-        config = config_from_args(args)
-        check_plotting()  # the report's heatmaps: now, not after the sweep
-    except (ValueError, PlottingUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    n = len(config.cells)
-    print(
-        f"epdserve sweep: {len(config.topologies)} topologies × {n} cells × {config.requests} requests "
-        f"({config.arrival}) -> {args.out}",
-        file=sys.stderr,
-    )
-    signal.signal(signal.SIGTERM, _interrupt)
-    result = run_sweep(config, None if args.no_progress else sys.stderr)
-    paths = write_report(result, Path(args.out))
-    print(f"wrote {paths[0]}" + (f" (+{len(paths) - 1} files)" if len(paths) > 1 else ""))
-    if result.interrupted:
-        return 130
-    return 0 if result.cells and all(c.clean for c in result.cells) else 1
 
 
 __all__ = [

@@ -345,14 +345,15 @@ def sweep_json(result: SweepResult) -> dict[str, Any]:
     }
 
 
-def write_report(result: SweepResult, out_dir: Path) -> list[Path]:
-    """Write report.md (first in the returned list), sweep.json and the figures into ``out_dir``."""
+def write_report(result: SweepResult, out_dir: Path, plots: bool = True) -> list[Path]:
+    """Write report.md (first in the returned list), sweep.json and, with ``plots``, the figures
+    into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figures: dict[str, Path] = {}
-    for g in gain_grids(result):
+    for g in gain_grids(result) if plots else []:
         path = out_dir / f"{g.metric}_gain_{file_stem(g.topology)}.png"
         figures[f"{g.metric}:{g.topology}"] = plot_gain(g, path)
-    if any(r.cell.mixed for r in result.cells):
+    if plots and any(r.cell.mixed for r in result.cells):
         figures["mixed"] = plot_mixed(result, out_dir / "mixed_ttft.png")
     data = out_dir / "sweep.json"
     data.write_text(json.dumps(sweep_json(result), indent=1, default=str))  # default: Path fields as text

@@ -1,7 +1,7 @@
 """The encoder-only instance (the E of EPD): media in, embeddings out through the EC connector.
 
-Routes: ``POST /v1/encode`` (see ``epdserve.encoder.protocol``), ``GET /v1/models``, ``/health``,
-``/metrics``. Per item::
+The service behind the routes (``encoder.app``): ``POST /v1/encode`` (see ``epdserve.encoder.protocol``),
+``/v1/release``, ``/v1/load``, ``GET /v1/models``, ``/health``, ``/metrics``. Per item::
 
     fetch (event loop) → hash (pool) → cached? ─yes──────────────────────────────────┐
     (pixel handle: uuid from its signed header) ┘
@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, get_args
 
-import msgspec
 import torch
-from aiohttp import web
 from PIL import Image
 
 from epdserve.api import logs
-from epdserve.api.auth import AuthConfig
 from epdserve.api.errors import (
     ApiError,
     BadRequest,
@@ -50,16 +46,12 @@ from epdserve.api.errors import (
     Unavailable,
     from_media_error,
 )
-from epdserve.api.http import Route, json_response, read_body, role_app, run_app
-from epdserve.api.load import CostRate, EncoderLoad, LoadReport
-from epdserve.api.logs import request_id
+from epdserve.api.load import CostRate, EncoderLoad
 from epdserve.api.media import MediaResolver
-from epdserve.api.metrics import CONTENT_TYPE, Metrics
-from epdserve.api.protocol import ModelCard, ModelList, encode_json
-from epdserve.api.registration import Registrar, RegistrationConfig
-from epdserve.api.tracing import Tracing
+from epdserve.api.role_app import RoleBasics
 from epdserve.cache.embedding_cache import EmbeddingCache
-from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, BatchReport, EncodeBatcher, EncodeError, QueueFull
+from epdserve.encoder.batcher import BatcherClosed, BatchReport, EncodeBatcher, EncodeError, QueueFull
+from epdserve.encoder.config import EncoderConfig
 from epdserve.encoder.protocol import (
     EncodedItem,
     EncodeItem,
@@ -68,22 +60,20 @@ from epdserve.encoder.protocol import (
     ItemTimings,
     decode_release,
     decode_request,
-    encode_response,
 )
 from epdserve.engine.inputs import MediaInput
-from epdserve.kernels import KernelChoice
-from epdserve.kernels.ops import select_ops
+from epdserve.engine.memory import plan_encoder
+from epdserve.kernels.ops import kernels_in_use, select_ops
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
+from epdserve.media.budget import run_decode
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
-from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
-from epdserve.models.precision import DType, torch_dtype
 from epdserve.models.registry import prompt_layout
 from epdserve.store.base import EmbeddingStore
 from epdserve.store.factory import open_store
@@ -91,7 +81,7 @@ from epdserve.store.record import STORE_PURPOSE, EntryCheck, Grid, StoredItem
 from epdserve.store.single_flight import fetch_or_claim, holding
 from epdserve.transfer import signing
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
-from epdserve.transfer.config import STORE_HANDLE, ECConfig
+from epdserve.transfer.config import STORE_HANDLE
 from epdserve.transfer.factory import make_producer
 from epdserve.transfer.header import WireHeader, to_handle
 from epdserve.transfer.pixels import PixelItem, PixelReader, processor_digest
@@ -101,62 +91,6 @@ PIXEL_ITEMS = "items that arrived decoded (the router's pixel handles): not fetc
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STORED_REMEMBERED = 65536  # uuids whose store entries this encoder remembers (for store handles on cache hits)
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    """One encoder instance."""
-
-    model: Path  # checkpoint directory (Hugging Face format); only the vision tower is read
-    served_model_name: str = ""  # model name clients and the LM instances use; empty: the directory name
-    host: str = "127.0.0.1"  # listen address
-    port: int = 8100  # listen port (0: any free port)
-    encode_token_budget: int = 8192  # most patch rows per vision forward (items of concurrent requests batch up to it)
-    batch_wait_ms: float = 0.0  # extra wait for more items before a forward (0: batch what is queued)
-    max_queued_items: int = 1024  # items waiting for a forward beyond which requests get 429
-    encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
-    max_items_per_request: int = 32  # media items one /v1/encode request may carry
-    max_request_bytes: int = 64 << 20  # largest request body
-    preprocess_threads: int = 0  # threads hashing, decoding and preprocessing media (0: one per core it may run on)
-    kernels: KernelChoice = "auto"  # auto: the tower's rotary in the fused C++ kernels (CPU, float32/bfloat16); torch
-    threads: int = 1  # torch intra-op threads for the vision forward (0: torch default); 1 suits small models
-    device: str = "cpu"  # torch device of the vision tower
-    dtype: DType = "float32"  # weights and activations: float32 | bfloat16 | float16
-    limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send
-    ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
-    auth: AuthConfig = field(default_factory=AuthConfig)  # the cluster credential /v1/encode needs
-    retry_after_s: int = 1  # Retry-After of a 429 when the queue or the connector is full
-    otlp_traces_endpoint: str = ""  # OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces
-    log_stats_interval_s: float = 10.0  # seconds between stats lines while there is traffic (0: none)
-    registration: RegistrationConfig = field(default_factory=RegistrationConfig)  # advertised host, router
-
-    def __post_init__(self) -> None:
-        torch_dtype(self.dtype)  # raises for an unknown name
-        if self.kernels not in get_args(KernelChoice):
-            raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")
-        for name in ("max_items_per_request", "max_request_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("encoder_cache_bytes", "threads", "preprocess_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"EncoderConfig.{name} must be >= 0, got {getattr(self, name)}")
-        self.batcher  # noqa: B018 - validates the batching fields
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model.name
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
-
-    @property
-    def batcher(self) -> BatcherConfig:
-        return BatcherConfig(
-            token_budget=self.encode_token_budget,
-            max_wait_ms=self.batch_wait_ms,
-            max_queued_items=self.max_queued_items,
-        )
 
 
 class _Ready(NamedTuple):
@@ -194,6 +128,10 @@ class EncoderService:
         self.started = time.time()
         if config.threads > 0:
             torch.set_num_threads(config.threads)
+        memory = plan_encoder(
+            config.model, config.dtype, config.device, config.encode_token_budget, config.encoder_cache_bytes
+        )  # refuses before any weight is read
+        log.info("%s", memory.line())
         model, self.load_report = load_model(
             config.model,
             parts=frozenset({"vision"}),
@@ -208,8 +146,11 @@ class EncoderService:
         if not isinstance(visual, torch.nn.Module):
             raise ValueError(f"{config.model}: the model has no media encoder")
         tower: Any = visual  # a vision tower runs its rotary and activation with these ops (an audio tower has none)
+        self.kernels = "torch (the tower has no fused ops)"
         if hasattr(tower, "ops"):
-            tower.ops = select_ops(config.kernels, config.torch_dtype, torch.device(config.device))
+            device = torch.device(config.device)
+            tower.ops = select_ops(config.kernels, config.torch_dtype, device)
+            self.kernels = kernels_in_use(tower.ops, config.kernels, config.torch_dtype, device)
         self.checkpoint_tensors = len(checkpoint_files(config.model))
         log.info(
             "encoder loaded %d of %d checkpoint tensors (vision tower only) in %.2f s",
@@ -217,7 +158,7 @@ class EncoderService:
             self.checkpoint_tensors,
             self.load_report.seconds,
         )
-        model_config = ModelConfig.from_pretrained(config.model)
+        model_config = self.model_config = ModelConfig.from_pretrained(config.model)
         self.feature_levels = model_config.feature_levels  # written into every EC header it produces
         self.processor = VisionProcessor(ProcessorConfig.from_pretrained(config.model), load_resampler())
         self.audio = AudioProcessor(AudioProcessorConfig.from_pretrained(config.model)) if model_config.audio else None
@@ -225,7 +166,11 @@ class EncoderService:
         # one thread: puts are short copies, kept off the event loop and the forward thread
         self.put_executor = ThreadPoolExecutor(1, thread_name_prefix="epd-ec-put")
         self.producer = producer if producer is not None else make_producer(config.ec)
-        self.metrics = Metrics()
+        self.role = RoleBasics(
+            "epdserve-encoder", config.otlp_traces_endpoint, self._stats_fields, config.log_stats_interval_s
+        )
+        self.metrics, self.tracing = self.role.metrics, self.role.tracing
+        self.window = self.role.window  # requests and items since the last stats line
         self.batcher = EncodeBatcher(
             visual,
             config.batcher,
@@ -236,7 +181,6 @@ class EncoderService:
             on_batch=self._on_batch,
         )
         self.resolver: MediaResolver | None = None
-        self.registrar: Registrar | None = None  # with --register-with: keeps this encoder registered
         self.preprocess_cpu_s = 0.0  # CPU seconds of preprocessing items computed here
         self.preprocess_patches = 0  # and their patches (adaptive dispatch reads the rate)
         self.preprocess_rate = CostRate()
@@ -259,14 +203,11 @@ class EncoderService:
             self.store = open_store(config.ec.store, check, lend=True)
         self.load = EncoderLoad()  # the autoscaling signal
         self._init_metrics()
-        self.tracing = Tracing("epdserve-encoder", config.otlp_traces_endpoint)
         self.metrics.gauge(
             "encoder_load_ratio",
             "visual work offered over what the vision forward serves (autoscaling)",
             self.load.ratio,
         )
-        self.window = Counter[str]()  # requests and items since the last stats line
-        self.stats_line = logs.StatsLine(lambda: bool(self.window), self._stats_fields, config.log_stats_interval_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -275,12 +216,24 @@ class EncoderService:
             cfg.model_name, self.processor, cfg.limits, self.executor, media_session(cfg.limits), audio=self.audio
         )
         self.batcher.start()
-        self.stats_line.start()
-        self.registrar = Registrar.of(self.config.registration, "encoder", self.config.host, self.config.port)
-        self.registrar.start()
+        self.role.start(self.config.registration, "encoder", self.config.host, self.config.port)
+        logs.banner(
+            log,
+            "encoder",
+            model=cfg.model_name,
+            family=self.model_config.architecture,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            kernels=self.kernels,
+            cache_bytes=logs.gib(cfg.encoder_cache_bytes),
+            ec_connector=cfg.ec.connector,
+            store=cfg.ec.store.url.split(":", 1)[0] or None,  # its kind: the address stays out of logs
+            listen=f"http://{cfg.host}:{cfg.port}",
+            auth="cluster only",
+        )
 
     def _stats_fields(self, seconds: float) -> dict[str, object]:
-        w, self.window = self.window, Counter()
+        w = self.role.take_window()
         fields: dict[str, object] = {"req_per_s": w.pop("requests", 0) / seconds}
         fields.update({f"{how}_items_per_s": n / seconds for how, n in sorted(w.items())})
         fields["queue_depth"] = self.batcher.queue_depth
@@ -289,10 +242,7 @@ class EncoderService:
 
     async def close(self) -> None:
         log.info("encoder on http://%s:%d stopping", self.config.host, self.config.port)
-        if self.registrar is not None:
-            await self.registrar.close()
-        await self.stats_line.stop()
-        self.tracing.shutdown()
+        await self.role.close()
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         self.batcher.close()
@@ -515,21 +465,26 @@ class EncoderService:
             _remember(self._timings, uuid, second)
         return second
 
-    def _preprocess(self, item: EncodeItem, data: bytes | None) -> VisionInput | MediaInput:
-        """Decode a URL's bytes, or read a pixel handle's frames (decoded and resized by the
+    def _preprocess(
+        self, item: EncodeItem, data: bytes | None, cancelled: threading.Event | None = None
+    ) -> VisionInput | MediaInput:
+        """Decode a URL's bytes (under the item's decode budget; ``cancelled`` is set when the
+        request is abandoned), or read a pixel handle's frames (decoded and resized by the
         router), then normalize and patchify (CPU work, runs in the executor)."""
         if data is not None:
             assert self.resolver is not None
-            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""))
+            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""), cancelled)
         assert self.pixels is not None  # _pixel_uuid checked
         frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
         return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)
 
-    def _timed_preprocess(self, item: EncodeItem, data: bytes | None) -> tuple[VisionInput | MediaInput, float]:
+    def _timed_preprocess(
+        self, item: EncodeItem, data: bytes | None, cancelled: threading.Event
+    ) -> tuple[VisionInput | MediaInput, float]:
         """``_preprocess`` and the CPU time it took this thread: its cost, not counting waits for
         the pool or for a core shared with other threads."""
         t = time.thread_time()
-        media = self._preprocess(item, data)
+        media = self._preprocess(item, data, cancelled)
         return media, time.thread_time() - t
 
     async def _compute(
@@ -537,9 +492,8 @@ class EncoderService:
     ) -> _Ready:
         """Preprocess and encode one item here (the batcher joins it with concurrent ones);
         ``second``: a pixel handle's video timing (a URL's comes with its preprocessing)."""
-        loop = asyncio.get_running_loop()
         try:
-            media, cpu_s = await loop.run_in_executor(self.executor, self._timed_preprocess, item, data)
+            media, cpu_s = await run_decode(self.executor, partial(self._timed_preprocess, item, data))
         except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
             raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
@@ -623,93 +577,3 @@ def handle_nbytes(handle: Handle, tensor: torch.Tensor) -> int:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
-
-
-# ---------------------------------------------------------------------------------- handlers
-
-
-class EncoderHandlers:
-    def __init__(self, service: EncoderService) -> None:
-        self.s = service
-
-    async def encode(self, request: web.Request) -> web.Response:
-        with self.s.tracing.server_span("POST /v1/encode", request.headers) as span:
-            return await self._encode(request, span)
-
-    async def _encode(self, request: web.Request, span: Any) -> web.Response:
-        s = self.s
-        t0 = time.perf_counter()
-        rid = request_id(request.headers)
-        s.metrics.inc("encode_requests_total", help_text="/v1/encode requests received")
-        s.window["requests"] += 1
-        try:
-            body = await read_body(request, s.config.max_request_bytes)
-            resp = await s.encode(body)
-        except ApiError as e:
-            s.metrics.inc("encode_request_errors_total", labels={"status": str(e.status)}, help_text="requests failed")
-            logs.access(id=rid, status=e.status, e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
-            raise
-        seconds = time.perf_counter() - t0
-        s.request_seconds.observe(seconds)
-        how = Counter(item.status for item in resp.items)
-        s.window.update(how)
-        Tracing.set(
-            span, **{"epd.request_id": rid, "epd.items": len(resp.items), **{f"epd.{k}": n for k, n in how.items()}}
-        )
-        logs.access(
-            id=rid,
-            status=200,
-            items=len(resp.items),
-            media=", ".join(f"{n} {status}" for status, n in sorted(how.items())),
-            visual_tokens=sum(item.num_embeddings for item in resp.items),
-            e2e_ms=1e3 * seconds,
-        )
-        return json_response(encode_response(resp))
-
-    async def load(self, request: web.Request) -> web.Response:
-        """Internal: this encoder's load ratio (the router's autoscaling signal)."""
-        load = self.s.load
-        s = self.s
-        report = LoadReport(
-            load_ratio=load.ratio(),
-            s_per_patch=1 / load.capacity if load.capacity else 0.0,
-            preprocess_s_per_patch=s.preprocess_rate.update(s.preprocess_cpu_s, s.preprocess_patches),
-        )
-        return json_response(msgspec.json.encode(report))
-
-    async def release(self, request: web.Request) -> web.Response:
-        released = await self.s.release(await request.read())
-        self.s.metrics.inc("encoder_released_by_router_total", released, help_text="leases the router gave back")
-        return web.json_response({"released": released})
-
-    async def models(self, request: web.Request) -> web.Response:
-        card = ModelCard(id=self.s.config.model_name, created=int(self.s.started))
-        return json_response(encode_json(ModelList(data=[card])))
-
-    async def health(self, request: web.Request) -> web.Response:
-        if not self.s.batcher.alive:
-            raise Unavailable("the vision-forward thread is not running")
-        return web.json_response({"status": "ok", "role": "encoder"})
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.s.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-def build_app(service: EncoderService) -> web.Application:
-    h = EncoderHandlers(service)
-    routes: list[Route] = [
-        ("POST", "/v1/encode", h.encode, "internal"),
-        ("POST", "/v1/release", h.release, "internal"),
-        ("GET", "/v1/load", h.load, "internal"),
-        ("GET", "/v1/models", h.models, "internal"),
-        ("GET", "/health", h.health, "open"),
-        ("GET", "/metrics", h.metrics, "open"),
-    ]
-    return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
-
-
-def serve(config: EncoderConfig) -> None:
-    """Run the encoder until SIGINT/SIGTERM."""
-    service = EncoderService(config)
-    log.info("epdserve encoder for %s on http://%s:%d", config.model_name, config.host, config.port)
-    run_app(build_app(service), config.host, config.port)

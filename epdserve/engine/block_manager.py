@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-from epdserve.engine.prefix_hash import MediaSpan, block_hash
+from epdserve.common.prefix_hash import MediaSpan, block_hash
 from epdserve.engine.request import Request
 
 

@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +40,7 @@ from epdserve.engine.messages import (
     frame,
     frame_length,
 )
+from epdserve.launcher import python_module
 
 if TYPE_CHECKING:
     from epdserve.engine.core import EngineCore
@@ -132,6 +132,8 @@ class InprocClient:
         from epdserve.engine.loop import StepLoop
 
         self.core = core
+        runner = core.runner
+        self.ready = CoreReady(os.getpid(), core.vision, runner.config.num_kv_blocks, runner.kernels, runner.kv_bytes)
         self._streams = _Streams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._steps = StepLoop(core, self._deliver)
@@ -201,6 +203,7 @@ class MPClient:
         self._task: asyncio.Task | None = None
         self._healthy = False
         self._vision = False
+        self.ready: CoreReady | None = None  # the core's ready message, once it came
         self._closing = False
         self._sock: socket.socket | None = None
         self.pid = 0
@@ -219,7 +222,7 @@ class MPClient:
         if self._proc is not None:
             return
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "epdserve.engine.core_proc", str(theirs.fileno()), str(os.getpid())]
+        cmd = python_module("epdserve.engine.core_proc", str(theirs.fileno()), str(os.getpid()))
         self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.pid = self._proc.pid
@@ -245,6 +248,7 @@ class MPClient:
             await self._kill()
             raise CoreStartError(f"the engine core answered {type(msg).__name__} instead of ready")
         self._vision = msg.vision
+        self.ready = msg  # what the core runs, for the role's start-up line
         self._healthy = True
         self._task = asyncio.create_task(self._read_loop(), name="epd-core-reader")
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from epdserve.common.dtypes import DType, check_dtype
 from epdserve.kernels import KernelChoice
-from epdserve.models.precision import DType, check_dtype
+from epdserve.memory import ByteSize
 
 PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a request (P/D disaggregation)
 
@@ -14,14 +15,15 @@ PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a requ
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
-    num_kv_blocks: int = 2048  # KV-cache blocks (per layer); 2048 x 16 = 32k tokens
+    num_kv_blocks: int = 2048  # KV-cache blocks (per layer) unless a memory budget sizes them
+    kv_cache_memory: ByteSize = 0  # KV-cache bytes, e.g. 4GiB (0: --memory-fraction, else --num-kv-blocks)
+    memory_fraction: float = 0.0  # share of the free memory this role may use; the KV cache gets the rest (0: off)
     max_num_seqs: int = 64  # most requests in the running batch
     max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + decodes)
     max_model_len: int = 4096  # prompt + output tokens per request
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
-    contiguous_decode_kv: bool = True  # with PyTorch ops: decoding requests' KV also in one contiguous copy (faster)
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models
@@ -34,13 +36,22 @@ class EngineConfig:
             raise ValueError("block_size and num_kv_blocks must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.max_model_len > self.block_size * self.num_kv_blocks:
+        if self.kv_cache_memory < 0 or not 0 <= self.memory_fraction <= 1:
+            raise ValueError("kv_cache_memory must be >= 0 and memory_fraction between 0 and 1")
+        if self.kv_cache_memory and self.memory_fraction:
+            raise ValueError("give kv_cache_memory or memory_fraction, not both")
+        if not self.sized_by_memory and self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
         if self.media_max_wait_s < 0:
             raise ValueError("media_max_wait_s must be >= 0")
         cpu_list(self.cpus)
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")
+
+    @property
+    def sized_by_memory(self) -> bool:
+        """The KV cache's blocks come from a memory budget (``engine.memory.plan_engine``)."""
+        return bool(self.kv_cache_memory or self.memory_fraction)
 
 
 def cpu_list(spec: str) -> tuple[int, ...]:

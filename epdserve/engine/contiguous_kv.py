@@ -1,6 +1,6 @@
 """The KV of decoding sequences, also kept contiguous: one row per sequence.
 
-The paged cache (``attention.KVCache``) is the source of truth: prefix caching, KV export and
+The paged cache (``kv_cache.KVCache``) is the source of truth: prefix caching, KV export and
 prefill read it. A decode step, though, attends over every decoding sequence's whole context, and
 gathering those blocks into one padded batch copies the whole running context on every layer of
 every step. This mirror holds each decoding sequence's keys and values at
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdserve.engine.attention import spans
+from epdserve.engine.kv_cache import spans
 from epdserve.engine.memory import lazy_zeros
 
 

@@ -8,6 +8,7 @@ scheduler, not ready, so a slow fetch never stalls the running batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from epdserve.engine.scheduler import Scheduler
 from epdserve.transfer import signing
 from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import ECConfig
-from epdserve.transfer.kv import KVProducer
+from epdserve.transfer.kv import KVProducer, prompt_digest
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,13 @@ class EngineCore:
         role: PDRole = "both",
         kv: ECConfig | None = None,
     ) -> EngineCore:
+        from epdserve.common.dtypes import torch_dtype
+        from epdserve.engine.memory import plan_engine
         from epdserve.models.loader import load_model
-        from epdserve.models.precision import torch_dtype
 
+        memory = plan_engine(model_dir, config, role, vision)  # refuses before any weight is read
+        log.info("%s", memory.line())
+        config = dataclasses.replace(config, num_kv_blocks=memory.kv_blocks)
         parts = frozenset({"vision", "language"} if vision else {"language"})
         model, _ = load_model(
             model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device, kernels=config.kernels
@@ -116,6 +121,8 @@ class EngineCore:
             for it in req.mm_items:
                 if it.handle is not None:
                     signing.verify_with(it.handle, key)
+            if msg.kv is not None and msg.kv.handle is not None:
+                self._check_kv_prompt(req, msg.kv.handle)
         except InvalidHandle as e:
             self._release_handles(req)
             return [_error(req.request_id, str(e), "invalid_handle")]
@@ -125,7 +132,9 @@ class EngineCore:
         if msg.kv is not None and msg.kv.handle is not None:
             # the media handles wait: they are needed only if the KV cannot be loaded
             req.pending_fetches += 1
-            self._kv_fetcher_get().fetch(req.request_id, KV_INDEX, msg.kv.handle, req.prompt_len, self.kv_layout.width)
+            self._kv_fetcher_get().fetch(
+                req.request_id, KV_INDEX, msg.kv.handle, req.prompt_len, self.kv_layout.width, self._kv_identity(req)
+            )
         else:
             # an item whose placeholders lie inside the prefix this instance has cached is not
             # needed: its embeddings are fetched only if those blocks are gone at admission
@@ -150,6 +159,23 @@ class EngineCore:
             raise ValueError(f"first token {kv.first_token} is not in the vocabulary")
         if kv.first_token is not None and len(msg.prompt_token_ids) + 1 >= self.config.max_model_len:
             raise ValueError("the prompt and its first token leave no room to decode")
+
+    def _kv_identity(self, req: Request) -> str:
+        """The identity KV for ``req`` carries: this model and layout, and ``req``'s prompt."""
+        return self.kv_layout.identity(self._model_id, kv_prompt(req))
+
+    def _check_kv_prompt(self, req: Request, handle: dict) -> None:
+        """InvalidHandle when a KV handle this cluster signed was computed for another prompt
+        (before any of its bytes is read). A handle that does not verify is left to the fetch,
+        which refuses it, and the prefill runs here as for any KV that cannot be loaded."""
+        if self._kv_cfg is None or not self._kv_cfg.has_secret:
+            return
+        try:
+            signing.verify(handle, self._kv_cfg.handle_key)
+        except InvalidHandle:
+            return
+        if handle.get("model_id") != self._kv_identity(req):
+            raise InvalidHandle("the kv_handle was computed for another prompt (or model) than this request's")
 
     def _fetch_media(self, req: Request, covered: int = 0, count: bool = True) -> bool:
         """Start fetching the embeddings of every media item by handle (the fetch owns the lease
@@ -274,7 +300,7 @@ class EngineCore:
         assert self.kv_producer is not None
         req.kv_produce = False
         try:
-            handle = self.kv_producer.put(req.request_id, self.runner.export_kv(req))
+            handle = self.kv_producer.put(req.request_id, self.runner.export_kv(req), kv_prompt(req))
         except (TransferError, ValueError) as e:
             log.warning("KV of %s not handed on (%s): decoding it here", req.request_id, e)
             return None
@@ -407,6 +433,11 @@ class EngineCore:
             self._kv_fetcher.close()
         if self.kv_producer is not None:
             self.kv_producer.close()
+
+
+def kv_prompt(req: Request) -> str:
+    """The digest a KV handle of ``req``'s prompt is bound to (``transfer.kv.prompt_digest``)."""
+    return prompt_digest(req.prompt_token_ids, [(it.uuid, it.offset, it.length) for it in req.mm_items])
 
 
 def request_from(msg: AddRequest) -> Request:

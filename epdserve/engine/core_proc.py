@@ -18,10 +18,11 @@ import sys
 import threading
 
 from epdserve.allocator import keep_freed_memory
-from epdserve.api import logs
+from epdserve.common import logs
 from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
 from epdserve.engine.loop import StepLoop
+from epdserve.engine.memory import MemoryBudgetError
 from epdserve.engine.messages import (
     Channel,
     ChannelClosed,
@@ -111,11 +112,17 @@ def main(argv: list[str]) -> int:
         core = EngineCore.from_pretrained(
             start.model, start.engine, start.vision, start.ec, start.model_id, role=start.role, kv=start.kv
         )
+    except MemoryBudgetError as e:  # its message names every figure: no traceback to read
+        log.error("%s", e)
+        channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
+        return 1
     except Exception as e:  # a bad checkpoint or device must reach the server as a clear message
         log.exception("engine core failed to start")
         channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return 1
-    channel.send(CoreReady(pid=os.getpid(), vision=core.vision, num_kv_blocks=start.engine.num_kv_blocks))
+    runner = core.runner
+    ready = CoreReady(os.getpid(), core.vision, core.config.num_kv_blocks, runner.kernels, runner.kv_bytes)
+    channel.send(ready)
     try:
         CoreLoop(channel, core).run()
     except (ChannelClosed, OSError) as e:

@@ -62,17 +62,20 @@ class EmbeddingFetcher:
         self._thread.start()
         self._consumer = make_consumer()
 
-    def fetch(self, request_id: str, index: int, handle: Handle, rows: int, width: int) -> None:
-        asyncio.run_coroutine_threadsafe(self._fetch(request_id, index, handle, rows, width), self._loop)
+    def fetch(self, request_id: str, index: int, handle: Handle, rows: int, width: int, model_id: str = "") -> None:
+        """Fetch in the background; ``model_id``: the identity this handle must carry ("" = the
+        fetcher's, e.g. a KV handle's, which names its prompt)."""
+        coro = self._fetch(request_id, index, handle, rows, width, model_id or self.model_id)
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def release(self, handle: Handle) -> None:
         """Give back a lease that will not be read (its request left before the fetch began)."""
         asyncio.run_coroutine_threadsafe(self._release(handle), self._loop)
 
-    async def _fetch(self, request_id: str, index: int, handle: Handle, rows: int, width: int) -> None:
+    async def _fetch(self, request_id: str, index: int, handle: Handle, rows: int, width: int, model_id: str) -> None:
         t0 = time.perf_counter()
         try:
-            emb = await self._consumer.get(handle, rows, width, self.model_id, self.levels)
+            emb = await self._consumer.get(handle, rows, width, model_id, self.levels)
         except InvalidHandle as e:
             self.failures += 1
             self.invalid += 1

@@ -101,11 +101,14 @@ class InputBuilder:
             raise PromptError(f"the prompt layout placed {sum(k for _, k in out.runs)} of {rows} rows")
         return out
 
-    def render(self, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render(
+        self, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None, max_tokens: int | None = None
+    ) -> list[int]:
         """Chat template → token ids (one placeholder token per media item).
 
         ``template_kwargs`` are extra variables for the template (e.g. ``add_vision_id``); they may
-        not override how the prompt is rendered.
+        not override how the prompt is rendered. ``max_tokens``: a prompt rendering to more tokens
+        raises the tokenizer's ``TooManyTokens`` at the cost of that many (placeholders count one).
         """
         kwargs = dict(template_kwargs or {})
         reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
@@ -115,12 +118,18 @@ class InputBuilder:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:
             raise PromptError(f"could not apply the chat template: {e}") from e
+        if max_tokens is not None:
+            return list(self.tok.encode_within(text, max_tokens))
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def build(
-        self, messages: list[dict], media: list[MediaInput], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: list[dict],
+        media: list[MediaInput],
+        template_kwargs: Mapping[str, Any] | None = None,
+        max_tokens: int | None = None,
     ) -> Prompt:
-        ids = self.render(messages, template_kwargs)
+        ids = self.render(messages, template_kwargs, max_tokens)
         expanded: list[int] = []
         items: list[MediaSpec] = []
         pending = iter(media)

@@ -1,11 +1,26 @@
-"""Tensors whose memory becomes resident only as it is used."""
+"""Tensors whose memory becomes resident only as it is used, and a language-model role's memory
+plan at start-up (the accounting itself: ``epdserve.memory``)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from epdserve.engine.config import EngineConfig, PDRole
+from epdserve.memory import (
+    MemoryBudgetError,
+    RoleMemory,
+    account_encoder,
+    account_engine,
+    available_memory,
+    check_free,
+)
+from epdserve.models.config import ModelConfig
+
+__all__ = ["MemoryBudgetError", "lazy_zeros", "plan_encoder", "plan_engine"]
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -16,3 +31,32 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool) -> RoleMemory:
+    """The memory account of a language-model role about to load ``model_dir`` (nothing loaded
+    yet: a configuration that cannot fit is refused before its weights are read), its KV blocks
+    sized by the config's budget; MemoryBudgetError when it does not fit the budget or the memory
+    free now."""
+    from epdserve.common.dtypes import torch_dtype
+    from epdserve.kernels.ops import CpuKernelOps
+
+    # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner);
+    # they are taken to build where supported (a failed build falls back to the mirror, uncounted)
+    head_dim = ModelConfig.from_pretrained(model_dir).text.head_dim
+    supported = CpuKernelOps.supports(torch_dtype(config.dtype), torch.device(config.device))
+    fused = config.kernels != "torch" and supported and CpuKernelOps.attends(head_dim)
+    free = available_memory(config.device)
+    mem = account_engine(model_dir, config, "pd" if role == "both" else role, vision, fused, free)
+    check_free(mem, free)
+    return mem
+
+
+def plan_encoder(
+    model_dir: str | Path, dtype: str, device: str, encode_token_budget: int, encoder_cache_bytes: int
+) -> RoleMemory:
+    """The memory account of an encoder about to load ``model_dir``'s media tower; MemoryBudgetError
+    when it does not fit the memory free now."""
+    mem = account_encoder(model_dir, dtype, encode_token_budget, encoder_cache_bytes)
+    check_free(mem, available_memory(device))
+    return mem

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
+from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.config import EngineConfig, PDRole
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.transfer.config import ECConfig
 
 if TYPE_CHECKING:
@@ -172,6 +172,8 @@ class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
     pid: int
     vision: bool  # the vision tower is loaded
     num_kv_blocks: int
+    kernels: str = ""  # the layer ops in use and why (kernels_in_use)
+    kv_bytes: int = 0  # bytes of the KV cache
     version: int = ENGINE_PROTOCOL_VERSION
 
 

@@ -1,4 +1,6 @@
-"""Executes one scheduled step: vision encoding where needed, the language model, sampling.
+"""Executes one scheduled step, in the order ``execute`` lists its steps::
+
+    encode media ─► lay out the step ─► load remote KV ─► merge embeddings ─► forward ─► sample
 
 Inputs of the step are flattened: all scheduled tokens of all requests in one row batch, with
 their M-RoPE positions and KV slots. Vision embeddings replace the token embeddings at the
@@ -14,25 +16,25 @@ row-local, so a chunk of a prompt takes exactly the levels of its own rows.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from epdserve.cache.embedding_cache import EmbeddingCache
-from epdserve.engine.attention import BlockTable, KVCache, PagedAttention, PrefillSlice, StepLayout
+from epdserve.common.dtypes import torch_dtype
+from epdserve.engine.attention import PagedAttention, PrefillSlice, StepLayout
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.contiguous_kv import ContiguousDecodeKV
+from epdserve.engine.decode_path import choose_decode_path
+from epdserve.engine.kv_cache import BlockTable, KVCache
 from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
-from epdserve.engine.scheduler import SchedulerOutput
-from epdserve.kernels.fused import FusedDecoder
-from epdserve.kernels.ops import CpuKernelOps, select_ops
+from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.kernels.cpu_linear import row_bucket
+from epdserve.kernels.ops import kernels_in_use, select_ops
 from epdserve.models.base import DeepStack
-from epdserve.models.cpu_linear import row_bucket
-from epdserve.models.precision import torch_dtype
 from epdserve.transfer.kv import KVLayout
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,14 @@ class StepResult:
     failed: dict[str, str]  # request id -> error message
 
 
+class StepInputs(NamedTuple):
+    """A step's scheduled tokens as one row batch."""
+
+    tokens: torch.Tensor  # long [N]: every request's new tokens, in scheduling order
+    positions: torch.Tensor  # long [3, N]: their M-RoPE rows (t, h, w)
+    layout: StepLayout  # where each token's KV goes and what it attends
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig) -> None:
         self.model = model
@@ -61,11 +71,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         lm = model.language_model
         tc = lm.config
-        # the layer's elementwise ops and decode attention: fused kernels where they build
+        # the layer's elementwise ops: fused kernels where they build
         ops = lm.ops = select_ops(config.kernels, self.dtype, self.device)
+        self.kernels = kernels_in_use(ops, config.kernels, self.dtype, self.device)
         if getattr(model, "visual", None) is not None:  # the vision tower rotates through them too
             model.visual.ops = ops
-        self.attention_kernels = ops if isinstance(ops, CpuKernelOps) and ops.attends(tc.head_dim) else None
         self.kv = KVCache(
             tc.num_hidden_layers,
             config.num_kv_blocks,
@@ -75,25 +85,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.mirror = (
-            ContiguousDecodeKV(
-                tc.num_hidden_layers,
-                tc.num_key_value_heads,
-                tc.head_dim,
-                config.max_num_seqs,
-                config.max_model_len,
-                self.dtype,
-                self.device,
-            )
-            if config.contiguous_decode_kv and self.attention_kernels is None  # the kernels read the cache in place
-            else None
-        )
-        if self.attention_kernels is not None:  # all layers in one call where the model allows it
-            layers = lm.fused_layers()
-            if layers is not None:
-                lm.fused = FusedDecoder(
-                    self.attention_kernels.lib, lm.stack_shape(), layers, lm.norm.weight, self.kv.k, self.kv.v
-                )
+        self.decode = choose_decode_path(lm, ops, self.kv, config, self.dtype, self.device)
         max_blocks = -(-config.max_model_len // config.block_size)
         self.table = BlockTable(config.max_num_seqs, max_blocks, self.device)
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
@@ -102,6 +94,11 @@ class ModelRunner:
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache (on a CPU resident only as blocks are used)."""
+        return sum(t.nbytes for t in (*self.kv.k, *self.kv.v))
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(len(self.kv.k), self.kv.k[0].shape[2], self.kv.k[0].shape[3], self.config.dtype)
@@ -118,8 +115,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """The request left the engine: its block-table row is free again."""
         self.table.release(request_id)
-        if self.mirror is not None:
-            self.mirror.forget(request_id)
+        if self.decode.mirror is not None:
+            self.decode.mirror.forget(request_id)
 
     # ---- media encoders -----------------------------------------------------------------------
     @property
@@ -184,15 +181,31 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Run ``plan``: a token for every request whose chunk reached its end; a request whose
+        media failed is reported in ``failed`` and left out of the step."""
+        scheduled, failed = self._encode_media(plan.scheduled)
+        if not scheduled:
+            return StepResult({}, failed)
+        step = self._lay_out(scheduled)
+        self._load_remote_kv(scheduled)
+        embeds, deepstack = self._merge_embeddings(scheduled, step.tokens)
+        hidden = self._forward(step, embeds, deepstack)
+        return StepResult(self._sample(scheduled, hidden), failed)
+
+    def _encode_media(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], dict[str, str]]:
+        """Embeddings for every media item the step's chunks reach. Returns the requests that run
+        and the errors of those whose media failed (only they fail; the step goes on)."""
         failed: dict[str, str] = {}
-        scheduled = []
-        needed = [[it for it in s.request.mm_items if it.offset < s.end and it.end > s.start] for s in plan.scheduled]
+        needed = [[it for it in s.request.mm_items if it.offset < s.end and it.end > s.start] for s in scheduled]
         if sum(map(len, needed)) > 1:
             # the whole step's media in one forward per encoder; should some item fail it, each
             # request's items are encoded again below on their own, failing only that request
-            with contextlib.suppress(Exception):
+            try:
                 self._ensure_embeddings([it for items in needed for it in items])
-        for s, items in zip(plan.scheduled, needed, strict=True):
+            except Exception as e:  # the request it belongs to is found, and told, below
+                log.warning("encoding the step's media in one batch failed, encoding per request: %s", e)
+        ready = []
+        for s, items in zip(scheduled, needed, strict=True):
             req = s.request
             try:
                 self._ensure_embeddings(items)
@@ -204,11 +217,12 @@ class ModelRunner:
                 log.exception("vision encoding failed for %s", req.request_id)
                 failed[req.request_id] = f"vision encoding failed: {e}"
                 continue
-            scheduled.append(s)
-        if not scheduled:
-            return StepResult({}, failed)
+            ready.append(s)
+        return ready, failed
 
-        lm = self.model.language_model
+    def _lay_out(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        """The step's tokens, positions, KV slots and attention layout: each request's chunk is a
+        prefill slice (SDPA) or rows attended one by one (decode tokens, short prompt chunks)."""
         ids: list[int] = []
         pos_parts: list[torch.Tensor] = []
         dec_pos: list[int] = []  # positions of decode tokens past the prompt (all three M-RoPE rows equal)
@@ -235,8 +249,7 @@ class ModelRunner:
                     dec_pos = []
                 pos_parts.append(req.positions(s.start, s.end))
             chunk = s.num_new_tokens > 1 or s.end == 1  # of a prompt (a decode token follows its first)
-            kernels = self.attention_kernels
-            if chunk and not (kernels is not None and kernels.attends_chunk(s.num_new_tokens, s.end)):
+            if chunk and not self.decode.attends_chunk(s.num_new_tokens, s.end):
                 prefills.append(PrefillSlice(q, s.num_new_tokens, s.end, row))
             else:  # a decode token, or each token of a short chunk: one query row over its causal prefix
                 dec_q.extend(range(q, q + s.num_new_tokens))
@@ -248,16 +261,12 @@ class ModelRunner:
             q += s.num_new_tokens
         if dec_pos:
             pos_parts.append(torch.tensor(dec_pos, dtype=torch.long).expand(3, -1))
-        for s in scheduled:  # KV loaded from a prefill instance goes into the request's blocks first
-            if s.request.kv_rows is not None:
-                rows_kv, s.request.kv_rows = s.request.kv_rows, None
-                self.kv.write_rows(self._prompt_slots(s.request.block_ids, rows_kv.shape[0]), rows_kv)
         dev = self.device
         t = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev)  # noqa: E731
         bs = self.config.block_size
         mirror = mirror_src = None
-        if self.mirror is not None and dec_ids:
-            mirror = self.mirror.step(dec_ids, dec_blocks, dec_ctx)
+        if self.decode.mirror is not None and dec_ids:
+            mirror = self.decode.mirror.step(dec_ids, dec_blocks, dec_ctx)
             mirror_src = self.table.slots(t(dec_rows), mirror.starts, t(dec_ctx), bs)
         layout = StepLayout(
             slot_mapping=self.table.slots(t(rows), t(starts), t(ends), bs),
@@ -270,8 +279,24 @@ class ModelRunner:
             mirror_src=mirror_src,
             decode_only=not prefills,
         )
-        tokens = t(ids)
-        embeds = lm.embed_tokens(tokens).to(self.dtype)
+        positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
+        return StepInputs(t(ids), positions, layout)
+
+    def _load_remote_kv(self, scheduled: list[ScheduledRequest]) -> None:
+        """KV a prefill instance computed for a request goes into its blocks (once, before the
+        request's first step here attends over it)."""
+        for s in scheduled:
+            if s.request.kv_rows is not None:
+                rows_kv, s.request.kv_rows = s.request.kv_rows, None
+                self.kv.write_rows(self._prompt_slots(s.request.block_ids, rows_kv.shape[0]), rows_kv)
+
+    def _merge_embeddings(
+        self, scheduled: list[ScheduledRequest], tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, DeepStack | None]:
+        """Token embeddings [N, H] with the media embeddings over the placeholder rows of this
+        step's chunks, and a DeepStack model's further levels for those rows."""
+        dev = self.device
+        embeds = self.model.language_model.embed_tokens(tokens).to(self.dtype)
         hsize, levels = self.hidden_size, self.feature_levels
         stack_rows: list[torch.Tensor] = []  # DeepStack: the batch rows of this step's placeholders
         stack_feats: list[torch.Tensor] = []  # and their levels 1.. ([rows, (levels - 1) * H])
@@ -288,13 +313,19 @@ class ModelRunner:
                             stack_rows.append(torch.arange(q + a - s.start, q + b - s.start))
                             stack_feats.append(rows_e[:, hsize:])
             q += s.num_new_tokens
-        positions = (torch.cat(pos_parts, dim=1) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
-        attention = PagedAttention(self.kv, self.table, layout, self.mirror, self.attention_kernels)
-        if stack_rows:
-            feats = torch.cat(stack_feats).to(dev, self.dtype).view(-1, levels - 1, hsize).transpose(0, 1)
-            hidden = lm(embeds, positions, attention, DeepStack(torch.cat(stack_rows).to(dev), feats))
-        else:
-            hidden = lm(embeds, positions, attention)
+        if not stack_rows:
+            return embeds, None
+        feats = torch.cat(stack_feats).to(dev, self.dtype).view(-1, levels - 1, hsize).transpose(0, 1)
+        return embeds, DeepStack(torch.cat(stack_rows).to(dev), feats)
+
+    def _forward(self, step: StepInputs, embeds: torch.Tensor, deepstack: DeepStack | None) -> torch.Tensor:
+        """The language model over the step's rows: final-normed hidden states [N, H]."""
+        attention = PagedAttention(self.kv, self.table, step.layout, self.decode)
+        hidden: torch.Tensor = self.model.language_model(embeds, step.positions, attention, deepstack)
+        return hidden
+
+    def _sample(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, Sampled]:
+        """A token for each request whose chunk reached its last token, from its last row."""
         last_rows, sampling = [], []
         q = 0
         for s in scheduled:
@@ -306,7 +337,8 @@ class ModelRunner:
         if sampling:
             # at a bounded set of row counts (the last row repeated), as the layers' matmuls run
             padded = last_rows + last_rows[-1:] * (row_bucket(len(last_rows)) - len(last_rows))
-            logits = lm.compute_logits(hidden[t(padded)])[: len(last_rows)]
+            rows = torch.tensor(padded, dtype=torch.long).to(self.device)
+            logits = self.model.language_model.compute_logits(hidden[rows])[: len(last_rows)]
             for r, out in zip(sampling, sample(logits, sampling), strict=True):
                 sampled[r.request_id] = out
-        return StepResult(sampled, failed)
+        return sampled

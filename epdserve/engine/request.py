@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from epdserve.engine.sampling_params import SamplingParams
+from epdserve.common.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

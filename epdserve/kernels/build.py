@@ -3,12 +3,18 @@
 The library is built with the CPU's own instruction set (``-march=native``), so its file name
 carries a hash of the source, the compiler, the flags and the CPU's feature flags: a cache that
 moves to another machine (a home directory, a container layer) is rebuilt, never run on the wrong
-CPU. The cache directory must belong to this user and be writable by nobody else (a library
-loaded from it runs as this process); otherwise the build goes to a private temporary directory.
+CPU. A library loaded from the cache runs as this process, so the cache must be ours alone: the
+directory (``$EPD_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/epdserve/kernels``) and every directory
+above it are owned by this user or root and writable by nobody else (an ancestor may be a sticky
+root-owned one like /tmp), and neither the directory nor the library is a symbolic link. Otherwise
+a WARNING says how to fix it and the build goes to a private temporary directory (every start).
+A cached library that does not load or reports another ABI (a truncated or foreign file) is
+rebuilt once, with a WARNING; only if the rebuilt one fails too does the engine fall back to torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -22,7 +28,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI = 8  # epd_kernels_abi() of the source this module's ctypes signatures describe
+# The two numbers Python and the C++ source must agree on, defined once on each side and checked
+# at load (``load_library``): the ABI of the signatures below (epd_kernels_abi()) and the length
+# of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
+ABI = 9
+POINTERS_PER_LAYER = 9
 FLAGS = (
     "-O3",
     "-march=native",
@@ -44,7 +54,12 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be built or loaded here (the reason is in the message)."""
 
 
+CACHE_ENV = "EPD_KERNEL_CACHE"  # the cache directory, when set
+
+
 def default_cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "epdserve" / "kernels"
 
@@ -66,19 +81,52 @@ def _compiler() -> str:
     return cxx
 
 
-def _private_dir(path: Path) -> bool:
-    """``path`` exists (made here if not), is ours, and nobody else may write to it."""
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def _unsafe_dir(path: Path) -> str | None:
+    """Why a library in ``path`` could be replaced by someone else (None: it cannot). ``path`` is
+    made (private) if it does not exist."""
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = path.stat()
+        st = path.lstat()
+    except OSError as e:
+        return f"cannot create it ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if st.st_uid != os.getuid():
+        return "it belongs to another user"
+    if st.st_mode & _OTHERS_WRITE:
+        return "others may write to it"
+    for parent in Path(os.path.realpath(path)).parents:  # whoever can rename a parent can swap it
+        try:
+            pst = parent.stat()
+        except OSError as e:
+            return f"cannot inspect {parent} ({e.strerror})"
+        if pst.st_uid not in (0, os.getuid()):
+            return f"{parent} belongs to another user"
+        if pst.st_mode & _OTHERS_WRITE and not (pst.st_mode & stat.S_ISVTX and pst.st_uid == 0):
+            return f"others may write to {parent}"
+    for link in (path, *path.parents):  # a link on the way may be retargeted by its owner
+        with contextlib.suppress(OSError):
+            lst = link.lstat()
+            if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (0, os.getuid()):
+                return f"{link} is a symbolic link of another user"
+    return None
+
+
+def _private_file(path: Path) -> bool:
+    """``path`` is a plain file of ours nobody else may write (not a link to one)."""
+    try:
+        st = path.lstat()
     except OSError:
         return False
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & _OTHERS_WRITE
 
 
-def library_path(cache_dir: Path | None = None) -> Path:
-    """Where this machine's build lives (built if it is not there yet); KernelBuildError if it
-    cannot be built."""
+def library_path(cache_dir: Path | None = None, rebuild: bool = False) -> Path:
+    """Where this machine's build lives (built if it is not there yet, or ``rebuild``);
+    KernelBuildError if it cannot be built."""
     cxx = _compiler()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -89,11 +137,20 @@ def library_path(cache_dir: Path | None = None) -> Path:
         key.update(part)
         key.update(b"\0")
     directory = cache_dir or default_cache_dir()
-    if not _private_dir(directory):
+    unsafe = _unsafe_dir(directory)
+    if unsafe is not None:
+        log.warning(
+            "kernel cache %s is not safe to load code from (%s): building in a temporary directory at every "
+            "start instead. Fix: chmod 700 %s (and no directory above it writable by others), or set %s "
+            "to a private directory",
+            directory, unsafe, directory, CACHE_ENV,
+        )  # fmt: skip
         directory = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX))
     path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if path.exists():
+    if not rebuild and _private_file(path):
         return path
+    if os.path.lexists(path) and not rebuild:
+        log.warning("kernel library %s is not a private file of ours: rebuilding it", path)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
@@ -107,18 +164,47 @@ def library_path(cache_dir: Path | None = None) -> Path:
     return path
 
 
-def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
-    """The built library with its functions' signatures set; KernelBuildError if unavailable."""
-    path = library_path(cache_dir)
+def check_abi(lib: ctypes.CDLL, path: Path) -> None:
+    """KernelBuildError unless ``lib`` was built from a source that agrees with ``ABI`` and
+    ``POINTERS_PER_LAYER`` (a build from another version of the source is never called)."""
     try:
-        lib = ctypes.CDLL(str(path))
+        abi, pointers = lib.epd_kernels_abi(), lib.epd_layer_pointers()
+    except AttributeError as e:  # a library from before these exports
+        raise KernelBuildError(f"{path} is not a build of this kernel source: {e}") from None
+    if (abi, pointers) != (ABI, POINTERS_PER_LAYER):
+        raise KernelBuildError(
+            f"{path} has ABI {abi} with {pointers} pointers per layer; this epdserve expects ABI {ABI} "
+            f"with {POINTERS_PER_LAYER} (rebuild: remove the file, or change the source and bump both sides)"
+        )
+
+
+def _open(path: Path, name: str) -> ctypes.CDLL:
+    """The library at ``path`` (loaded as ``name``), checked to be of this module's ABI."""
+    try:
+        lib = ctypes.CDLL(name)
     except OSError as e:
         raise KernelBuildError(f"cannot load {path}: {e}") from None
     finally:
         if path.parent.name.startswith(_TEMP_PREFIX):  # a one-off build: loaded (or not), it can go
             shutil.rmtree(path.parent, ignore_errors=True)
-    if lib.epd_kernels_abi() != ABI:
-        raise KernelBuildError(f"{path} has ABI {lib.epd_kernels_abi()}, expected {ABI}")
+    check_abi(lib, path)
+    return lib
+
+
+def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
+    """The built library with its functions' signatures set; KernelBuildError if unavailable.
+    A cached library that fails to load or is of another ABI is rebuilt once."""
+    path = library_path(cache_dir)
+    try:
+        lib = _open(path, str(path))
+    except KernelBuildError as e:
+        if path.parent.name.startswith(_TEMP_PREFIX):
+            raise
+        log.warning("%s; rebuilding it", e)
+        path = library_path(cache_dir, rebuild=True)
+        # the dynamic loader hands back a library already loaded under the same name: the
+        # rebuilt file is loaded under another spelling of its path
+        lib = _open(path, f"{path.parent}/./{path.name}")
     p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
         "epd_add_rms_norm": [c_int, p, i64, p, i64, p, p, i64, i64, i64, f32],

@@ -1,4 +1,4 @@
-// Fused CPU kernels for the language model's step (loaded by epdserve/kernels/library.py).
+// Fused CPU kernels for the language model's step (built and loaded by epdserve/kernels/build.py).
 //
 // Each function does what several PyTorch calls did, with the same arithmetic and the same
 // rounding points: values are computed in float32 and rounded to the tensor's dtype (float32 or
@@ -477,6 +477,9 @@ void resample_columns(const uint8_t* in, int64_t width, int64_t oh, const Taps& 
 // through in blocks of 16 against four column tiles at a time, summed in float32, then the bias
 // (in float32) and one rounding to bfloat16 - what oneDNN does, summed in its own order.
 
+// The pointers of one layer in a decoder stack's table (int64 each), in this order.
+enum LayerPtr { LP_IN_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_POST_NORM, LP_GATE_UP, LP_DOWN, LP_K_CACHE, LP_V_CACHE, LP_COUNT };
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 struct TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -567,9 +570,6 @@ void amx_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
     _tile_release();
 }
 
-// The pointers of one layer in a decoder stack's table (int64 each), in this order.
-enum LayerPtr { LP_IN_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_POST_NORM, LP_GATE_UP, LP_DOWN, LP_K_CACHE, LP_V_CACHE, LP_COUNT };
-
 // Every layer of a Qwen2-style decoder over the rows of one step whose tokens all attend row by
 // row over the paged cache (row r's query attends over ctx[r] positions of block-table row
 // table_rows[r]): the calls the Python layer makes, in its order and with its rounding points, in
@@ -617,7 +617,11 @@ extern "C" {
 
 // dtype: 0 float32, 1 bfloat16. Every pointer is to the first element of a tensor (or view).
 
-int epd_kernels_abi() { return 8; }
+// The version of these exports' signatures and of the decoder stack's layer table: bumped with
+// any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
+// library whose answers differ (KernelBuildError), before any call.
+int epd_kernels_abi() { return 9; }
+int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
                       int64_t so, int64_t rows, int64_t n, float eps) {

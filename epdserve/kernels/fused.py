@@ -21,8 +21,7 @@ from typing import NamedTuple
 import torch
 
 from epdserve.kernels.amx import AmxMatmul
-
-POINTERS_PER_LAYER = 9  # LP_COUNT in cpu_kernels.cpp
+from epdserve.kernels.build import POINTERS_PER_LAYER
 
 
 class StackShape(NamedTuple):

@@ -293,6 +293,17 @@ class CpuKernelOps:
             raise ValueError("a decode row, block-table row, context length or block id is out of range")
 
 
+def kernels_in_use(ops: LayerOps, choice: KernelChoice, dtype: torch.dtype, device: torch.device) -> str:
+    """Which ops ``select_ops`` chose, and why, for a role's start-up line."""
+    if isinstance(ops, CpuKernelOps):
+        return "fused (C++ built for this CPU)"
+    if choice == "torch":
+        return "torch (--kernels torch)"
+    if not CpuKernelOps.supports(dtype, device):
+        return f"torch (no fused kernels for {str(dtype).removeprefix('torch.')} on {device.type})"
+    return "torch (the fused kernels did not build: see the warning above)"
+
+
 def select_ops(choice: KernelChoice, dtype: torch.dtype, device: torch.device) -> LayerOps:
     """The ops an engine runs with (``choice`` "torch" forces PyTorch)."""
     if choice == "torch" or not CpuKernelOps.supports(dtype, device):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from epdserve.media.budget import DecodeBudget, guarded
 from epdserve.media.errors import InvalidMedia, MediaTooLarge
 from epdserve.media.limits import MediaLimits
 
@@ -119,19 +120,28 @@ class AudioFeatures:
 # ---- decoding -----------------------------------------------------------------------------------
 
 
-def decode_audio(data: bytes, declared_format: str, limits: MediaLimits) -> tuple[np.ndarray, int]:
+def decode_audio(
+    data: bytes, declared_format: str, limits: MediaLimits, budget: DecodeBudget | None = None
+) -> tuple[np.ndarray, int]:
     """Mono float32 samples in [-1, 1] and their rate, from WAV, FLAC or MP3 bytes.
 
     InvalidMedia for an undeclared or mismatched format, undecodable or empty audio, or a rate
     outside the limits; MediaTooLarge for audio longer than ``limits.max_audio_seconds``.
     """
-    import soundfile as sf
-
     fmt = declared_format.lower()
-    if fmt not in AUDIO_FORMATS:
-        raise InvalidMedia(f"Unsupported audio format {declared_format!r}; supported: {', '.join(AUDIO_FORMATS)}.")
+    accepted = [f for f in limits.audio_formats if f in AUDIO_FORMATS]
+    if fmt not in accepted:
+        raise InvalidMedia(f"The audio format {declared_format!r} is not accepted; accepted: {', '.join(accepted)}.")
     if not data:
         raise InvalidMedia("The audio is empty.")
+    budget = budget or DecodeBudget(limits)
+    with guarded("audio"):
+        return _decode(data, fmt, limits, budget)
+
+
+def _decode(data: bytes, fmt: str, limits: MediaLimits, budget: DecodeBudget) -> tuple[np.ndarray, int]:
+    import soundfile as sf
+
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             if f.format not in AUDIO_FORMATS[fmt]:
@@ -146,10 +156,19 @@ def decode_audio(data: bytes, declared_format: str, limits: MediaLimits) -> tupl
                 raise InvalidMedia("The audio has no channels.")
             max_samples = math.floor(limits.max_audio_seconds * rate)
             _check_duration(f.frames, rate, limits)  # the header's claim, before decoding
-            # one sample past the limit tells a too-long audio whose header understated its length
-            samples = f.read(frames=max_samples + 1, dtype="float32", always_2d=True)
+            # one sample past the limit tells a too-long audio whose header understated its length;
+            # read in blocks, so the decode stops when the item's time is spent
+            blocks, left = [], max_samples + 1
+            while left > 0:
+                budget.check("audio")
+                block = f.read(frames=min(left, _READ_BLOCK), dtype="float32", always_2d=True)
+                if block.shape[0] == 0:
+                    break
+                blocks.append(block)
+                left -= block.shape[0]
+            samples = np.concatenate(blocks) if blocks else np.zeros((0, channels), dtype=np.float32)
     except sf.LibsndfileError as e:
-        raise InvalidMedia(f"The audio could not be decoded as {fmt}: {e.error_string}.") from None
+        raise InvalidMedia(f"The audio could not be decoded as {fmt}: {e.error_string.rstrip('.')}.") from None
     except (RuntimeError, ValueError, TypeError) as e:  # soundfile's other failures on malformed input
         raise InvalidMedia(f"The audio could not be decoded as {fmt}: {e}.") from None
     _check_duration(samples.shape[0], rate, limits)
@@ -159,6 +178,9 @@ def decode_audio(data: bytes, declared_format: str, limits: MediaLimits) -> tupl
     if not np.isfinite(mono).all():
         raise InvalidMedia("The audio holds samples that are not finite numbers.")
     return np.ascontiguousarray(mono), rate
+
+
+_READ_BLOCK = 1 << 18  # samples decoded between budget checks
 
 
 def _check_duration(samples: int, rate: int, limits: MediaLimits) -> None:
@@ -283,9 +305,16 @@ class AudioProcessor:
         log_mel = np.maximum(log_mel, log_mel.max() - 8.0)
         return AudioFeatures(((log_mel + 4.0) / 4.0).astype(np.float32), frames)
 
-    def process(self, data: bytes, declared_format: str, limits: MediaLimits, context_frames: int = 2) -> AudioFeatures:
+    def process(
+        self,
+        data: bytes,
+        declared_format: str,
+        limits: MediaLimits,
+        context_frames: int = 2,
+        budget: DecodeBudget | None = None,
+    ) -> AudioFeatures:
         """Encoded audio → features: decode, mix to mono, resample, check it fits, extract."""
-        samples, rate = decode_audio(data, declared_format, limits)
+        samples, rate = decode_audio(data, declared_format, limits, budget)
         if rate != self.config.sampling_rate:
             samples = resample(samples, rate, self.config.sampling_rate)
         return self.features(samples, context_frames)

@@ -11,6 +11,10 @@ timestamps), as transformers and vLLM take a video's frame rate from its metadat
 usable clock (zero or absent durations) reports None, and the caller falls back to the processor's
 fps. The value comes from client bytes, so it is bounded: finite, positive, at most
 ``MAX_SECOND_PER_GRID`` seconds.
+
+Every decode runs under a ``DecodeBudget`` (``media.budget``): only accepted formats are parsed,
+frames x canvas is checked from the header, and the decode stops between frames once the item's
+pixels or wall-clock time are spent. Whatever a decoder raises on the bytes becomes a MediaError.
 """
 
 from __future__ import annotations
@@ -24,13 +28,10 @@ import av
 import av.error
 from PIL import Image, UnidentifiedImageError
 
+from epdserve.media.budget import DEMUXERS, PILLOW_NAMES, DecodeBudget, check_format, guarded
 from epdserve.media.errors import InvalidMedia, MediaTooLarge
 from epdserve.media.limits import MAX_SECOND_PER_GRID, MediaLimits
 from epdserve.media.processor import sample_frame_indices
-
-# Image formats decoded by Pillow when a video is expected (animated ones and stills as 1-frame
-# videos); anything else goes to PyAV, which also keeps Pillow's MPEG stub from claiming video.
-_PILLOW_VIDEO_FORMATS = ("GIF", "WEBP", "PNG", "JPEG", "BMP", "TIFF")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -53,37 +54,32 @@ def _check_pixels(width: int, height: int, limits: MediaLimits, what: str) -> No
         )
 
 
-def _open_image(data: bytes, limits: MediaLimits, formats: tuple[str, ...] | None = None) -> Image.Image | None:
-    """Open (header only) with Pillow; None when Pillow does not recognise the format."""
-    if formats is not None:
-        Image.init()
-        formats = tuple(f for f in formats if f in Image.OPEN)  # WebP may be missing from the build
+def _open_image(data: bytes, fmt: str, limits: MediaLimits) -> Image.Image:
+    """Open (header only) with the one Pillow plugin of ``fmt``."""
+    Image.init()
+    name = PILLOW_NAMES[fmt]
+    if name not in Image.OPEN:  # WebP may be missing from the build
+        raise InvalidMedia(f"This server cannot decode {fmt.upper()} media.")
     try:
-        img = Image.open(io.BytesIO(data), formats=formats)
+        return Image.open(io.BytesIO(data), formats=(name,))
     except Image.DecompressionBombError:
         raise MediaTooLarge(f"The image is too large; at most {limits.max_image_pixels} pixels are accepted.") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         # SyntaxError is how several Pillow plugins report a corrupt header
-        return None
-    return img
+        raise InvalidMedia(f"The media is not a decodable {fmt.upper()} image.") from None
 
 
-def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
+def decode_image(data: bytes, limits: MediaLimits, budget: DecodeBudget | None = None) -> Image.Image:
     """Decode an image (first frame of animated formats) into an RGB image."""
     if len(data) > limits.max_bytes:
         raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
-    img = _open_image(data, limits)
-    if img is None:
-        raise InvalidMedia("The media is not a decodable image.")
-    with img:
+    budget = budget or DecodeBudget(limits)
+    fmt = check_format(data, limits.image_formats, "image")
+    with guarded("image"), _open_image(data, fmt, limits) as img:
         _check_pixels(img.width, img.height, limits, "image")
-        try:
-            img.load()
-            return to_rgb(img)
-        except Image.DecompressionBombError:
-            raise MediaTooLarge(f"The image exceeds {limits.max_image_pixels} pixels.") from None
-        except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise InvalidMedia(f"The image could not be decoded: {e}") from None
+        budget.charge(img.width * img.height, "image")
+        img.load()
+        return to_rgb(img)
 
 
 class Video(NamedTuple):
@@ -93,29 +89,32 @@ class Video(NamedTuple):
     interval_s: float | None  # seconds between consecutive sampled frames; None: the file has no clock
 
 
-def decode_video(data: bytes, limits: MediaLimits) -> Video:
+def decode_video(data: bytes, limits: MediaLimits, budget: DecodeBudget | None = None) -> Video:
     """Decode a video and sample ``limits.video_frames`` frames evenly (all when it has fewer).
 
-    Animated GIF/WebP/PNG (and still images, as 1-frame videos) go through Pillow; MP4, WebM and
-    other containers through PyAV.
+    Animated GIF/WebP/PNG (and still images, as 1-frame videos) go through Pillow; MP4 and WebM
+    through PyAV, each with its one demuxer.
     """
-    return _video(data, limits, keep=True)
+    return _video(data, limits, keep=True, budget=budget)
 
 
-def video_interval(data: bytes, limits: MediaLimits) -> float | None:
+def video_interval(data: bytes, limits: MediaLimits, budget: DecodeBudget | None = None) -> float | None:
     """``decode_video(data, limits).interval_s`` without converting frames (a container's packets
     are only demuxed): the timing of an item whose embeddings are cached."""
-    return _video(data, limits, keep=False).interval_s
+    return _video(data, limits, keep=False, budget=budget).interval_s
 
 
-def _video(data: bytes, limits: MediaLimits, keep: bool) -> Video:
+def _video(data: bytes, limits: MediaLimits, keep: bool, budget: DecodeBudget | None) -> Video:
     if len(data) > limits.max_bytes:
         raise MediaTooLarge(f"Media item exceeds the limit of {limits.max_bytes} bytes.")
-    img = _open_image(data, limits, _PILLOW_VIDEO_FORMATS)
-    if img is not None:
-        with img:
-            return _decode_animated(img, limits, keep)
-    return _decode_container(data, limits, keep)
+    budget = budget or DecodeBudget(limits)
+    # a still image in an accepted image format is a one-frame video
+    fmt = check_format(data, tuple(dict.fromkeys(limits.video_formats + limits.image_formats)), "video")
+    with guarded("video"):
+        if fmt in DEMUXERS:
+            return _decode_container(data, DEMUXERS[fmt], limits, keep, budget)
+        with _open_image(data, fmt, limits) as img:
+            return _decode_animated(img, limits, keep, budget)
 
 
 def _sampled_interval(starts: list[float], wanted: list[int], first_duration: float) -> float | None:
@@ -128,34 +127,36 @@ def _sampled_interval(starts: list[float], wanted: list[int], first_duration: fl
     return min(seconds, MAX_SECOND_PER_GRID)
 
 
-def _decode_animated(img: Image.Image, limits: MediaLimits, keep: bool) -> Video:
+def _decode_animated(img: Image.Image, limits: MediaLimits, keep: bool, budget: DecodeBudget) -> Video:
     _check_pixels(img.width, img.height, limits, "video frame")
-    try:
-        total = int(getattr(img, "n_frames", 1))
-        if total > limits.max_video_frames:
-            raise MediaTooLarge(f"The video has {total} frames; at most {limits.max_video_frames} are accepted.")
-        wanted = sample_frame_indices(total, limits.video_frames)
-        wanted_set = set(wanted)
-        frames, starts, durations = [], [0.0], []
-        # every frame up to the last wanted one: its duration is part of the later frames' times
-        # (seeking decodes the frames in between anyway)
-        for i in range(wanted[-1] + 1):
-            img.seek(i)
-            img.load()  # WebP reports a frame's duration once it is loaded
-            durations.append(max(0.0, float(img.info.get("duration") or 0)) / 1000)
-            starts.append(starts[-1] + durations[-1])
-            if keep and i in wanted_set:
-                frames.append(to_rgb(img))
-    except Image.DecompressionBombError:
-        raise MediaTooLarge(f"The video frame exceeds {limits.max_image_pixels} pixels.") from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise InvalidMedia(f"The animated image could not be decoded: {e}") from None
+    # the frame count comes from walking the frame headers, without decoding pixels
+    total = int(getattr(img, "n_frames", 1))
+    if total > limits.max_video_frames:
+        raise MediaTooLarge(f"The video has {total} frames; at most {limits.max_video_frames} are accepted.")
+    wanted = sample_frame_indices(total, limits.video_frames)
+    wanted_set = set(wanted)
+    # each frame is composed on the whole canvas, however small the frame itself is
+    canvas = img.width * img.height
+    budget.plan(wanted[-1] + 1, img.width, img.height, "video")
+    frames, starts, durations = [], [0.0], []
+    # every frame up to the last wanted one: its duration is part of the later frames' times
+    # (seeking decodes the frames in between anyway)
+    for i in range(wanted[-1] + 1):
+        budget.charge(canvas, "video")
+        img.seek(i)
+        img.load()  # WebP reports a frame's duration once it is loaded
+        durations.append(max(0.0, float(img.info.get("duration") or 0)) / 1000)
+        starts.append(starts[-1] + durations[-1])
+        if starts[-1] > limits.max_video_seconds:
+            raise MediaTooLarge(f"The video is longer than {limits.max_video_seconds:g} s.")
+        if keep and i in wanted_set:
+            frames.append(to_rgb(img))
     return Video(frames, _sampled_interval(starts, wanted, durations[0]))
 
 
-def _decode_container(data: bytes, limits: MediaLimits, keep: bool) -> Video:
+def _decode_container(data: bytes, demuxer: str, limits: MediaLimits, keep: bool, budget: DecodeBudget) -> Video:
     try:
-        total, starts, first_duration = _count_video_packets(data, limits)
+        total, starts, first_duration = _count_video_packets(data, demuxer, limits, budget)
         wanted = sample_frame_indices(total, limits.video_frames)
         interval = _sampled_interval(starts, wanted, first_duration) if starts else None
         if not keep:
@@ -163,14 +164,18 @@ def _decode_container(data: bytes, limits: MediaLimits, keep: bool) -> Video:
         last_wanted = wanted[-1]
         frames: list[Image.Image] = []
         last = None
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with av.open(io.BytesIO(data), mode="r", format=demuxer) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
+            ctx = stream.codec_context
+            if ctx.width and ctx.height:
+                budget.plan(last_wanted + 1, ctx.width, ctx.height, "video")
             wanted_set = set(wanted)
             for i, frame in enumerate(container.decode(stream)):
                 if i >= limits.max_video_frames:
                     raise MediaTooLarge(f"The video has more than {limits.max_video_frames} frames.")
                 _check_pixels(frame.width, frame.height, limits, "video frame")
+                budget.charge(frame.width * frame.height, "video")
                 last = frame
                 if i in wanted_set:
                     frames.append(frame.to_image())
@@ -187,23 +192,33 @@ def _decode_container(data: bytes, limits: MediaLimits, keep: bool) -> Video:
     return Video([to_rgb(f) for f in frames], interval)
 
 
-def _count_video_packets(data: bytes, limits: MediaLimits) -> tuple[int, list[float], float]:
+def _count_video_packets(
+    data: bytes, demuxer: str, limits: MediaLimits, budget: DecodeBudget
+) -> tuple[int, list[float], float]:
     """Frames of the first video stream, counted from packets without decoding them, with their
     start times in presentation order (frame i is the i-th decoded; empty when a packet has no
     timestamp) and the first one's duration, in seconds."""
-    with av.open(io.BytesIO(data), mode="r") as container:
+    with av.open(io.BytesIO(data), mode="r", format=demuxer) as container:
         if not container.streams.video:
             raise InvalidMedia("The media has no video stream.")
         stream = container.streams.video[0]
         ctx = stream.codec_context
         if ctx.width and ctx.height:
             _check_pixels(ctx.width, ctx.height, limits, "video frame")
+        if stream.frames > limits.max_video_frames:  # the header's count, when it has one
+            raise MediaTooLarge(
+                f"The video has {stream.frames} frames; at most {limits.max_video_frames} are accepted."
+            )
+        if container.duration is not None and container.duration / av.time_base > limits.max_video_seconds:
+            raise MediaTooLarge(f"The video is longer than {limits.max_video_seconds:g} s.")
         count = 0
         stamps: list[tuple[int, int]] = []  # (pts, duration) in time_base units
         timed = True
         for packet in container.demux(stream):
             if packet.size:
                 count += 1
+                if count % 64 == 0:  # demuxing is cheap, but a file may hold many packets
+                    budget.check("video")
                 if count > limits.max_video_frames:
                     raise MediaTooLarge(f"The video has more than {limits.max_video_frames} frames.")
                 timed = timed and packet.pts is not None
@@ -216,4 +231,6 @@ def _count_video_packets(data: bytes, limits: MediaLimits) -> tuple[int, list[fl
         return count, [], 0.0
     stamps.sort()  # decode order → presentation order
     tb = Fraction(base)
+    if float((stamps[-1][0] - stamps[0][0]) * tb) > limits.max_video_seconds:
+        raise MediaTooLarge(f"The video is longer than {limits.max_video_seconds:g} s.")
     return count, [float(pts * tb) for pts, _ in stamps], float(stamps[0][1] * tb)

@@ -10,6 +10,11 @@ from typing import Final
 # sampled frame spacing.
 MAX_SECOND_PER_GRID: Final = 3600.0
 
+# the formats VLM clients send, each told from its leading bytes (``media.formats``); any other is refused
+IMAGE_FORMATS: Final = ("png", "jpeg", "webp", "gif", "bmp")
+VIDEO_FORMATS: Final = ("gif", "webp", "mp4", "webm")
+AUDIO_FORMATS: Final = ("wav", "flac", "mp3")
+
 
 @dataclass(frozen=True)
 class MediaLimits:
@@ -18,6 +23,12 @@ class MediaLimits:
     max_bytes: int = 20 * 1024 * 1024  # largest encoded media item (data URL payload or HTTP body)
     max_image_pixels: int = 4096 * 4096  # largest width*height of an image or video frame (decompression bombs)
     max_video_frames: int = 3600  # most frames a video may contain (bounds decode work)
+    max_video_seconds: float = 3600.0  # longest video accepted, by its own clock
+    max_decode_pixels: int = 4096 * 4096 * 128  # most pixels decoding one item may produce: frames decoded x canvas
+    decode_timeout_s: float = 15.0  # wall-clock limit for decoding one media item; the decode stops when it is spent
+    image_formats: tuple[str, ...] = IMAGE_FORMATS  # image formats accepted (png jpeg webp gif bmp)
+    video_formats: tuple[str, ...] = VIDEO_FORMATS  # video formats accepted (gif webp mp4 webm)
+    audio_formats: tuple[str, ...] = AUDIO_FORMATS  # audio formats accepted (wav flac mp3)
     video_frames: int = 4  # frames sampled evenly from each video
     fetch_timeout_s: float = 10.0  # wall-clock limit for fetching one http(s) media URL, redirects included
     max_redirects: int = 3  # redirects followed per fetch (each hop is re-checked)
@@ -35,6 +46,9 @@ class MediaLimits:
             "max_bytes": self.max_bytes,
             "max_image_pixels": self.max_image_pixels,
             "max_video_frames": self.max_video_frames,
+            "max_video_seconds": self.max_video_seconds,
+            "max_decode_pixels": self.max_decode_pixels,
+            "decode_timeout_s": self.decode_timeout_s,
             "video_frames": self.video_frames,
             "fetch_timeout_s": self.fetch_timeout_s,
             "max_audio_seconds": self.max_audio_seconds,
@@ -56,6 +70,16 @@ class MediaLimits:
                 f"MediaLimits.max_audio_sample_rate {self.max_audio_sample_rate} is below "
                 f"min_audio_sample_rate {self.min_audio_sample_rate}"
             )
+        for name, known in (
+            ("image_formats", IMAGE_FORMATS),
+            ("video_formats", VIDEO_FORMATS),
+            ("audio_formats", AUDIO_FORMATS),
+        ):
+            formats = tuple(f.strip().lower() for f in getattr(self, name))
+            unknown = sorted(set(formats) - set(known))
+            if unknown:
+                raise ValueError(f"MediaLimits.{name}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+            object.__setattr__(self, name, formats)
         # host names compare case-insensitively and without a trailing root dot
         object.__setattr__(
             self, "allowed_media_domains", tuple(d.strip().rstrip(".").lower() for d in self.allowed_media_domains)

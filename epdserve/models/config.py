@@ -16,12 +16,13 @@ Two layouts of the text fields exist in the wild and both are accepted:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epdserve.models.registry import check_architecture
+from epdserve.models.architectures import check_architecture
 
 # which halves of the model a process loads: the encoder role needs only "vision", a
 # metadata-only prefill/decode role only "language", an aggregated server both
@@ -300,7 +301,39 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        check_model_dir(model_dir)
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json in {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}): restore the checkpoint's config.json") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {path} ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} holds no JSON object: restore the checkpoint's config.json")
+        return cls.from_dict(d)
+
+
+# a Hugging Face Hub id (owner/name), told apart from a local directory that does not exist
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_dir(model_dir: str | Path, tokenizer: bool = False) -> None:
+    """That ``model_dir`` is a local checkpoint directory (config.json, and with ``tokenizer`` the
+    tokenizer files a language-model role reads): one ``ConfigError`` saying what is missing and
+    what to do, before any role loads weights. Nothing is downloaded: a Hub id is explained."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        if HUB_ID.match(str(model_dir)) and not d.exists():
+            raise ConfigError(
+                f"{model_dir} is not a directory here: --model takes a local checkpoint directory, nothing is "
+                f"downloaded; fetch it first (hf download {model_dir} --local-dir DIR) and pass --model DIR"
+            )
+        raise ConfigError(f"{model_dir} is not a directory: --model takes a Hugging Face checkpoint directory")
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"no config.json in {model_dir}: --model takes a Hugging Face checkpoint directory")
+    if tokenizer and not (d / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"no tokenizer.json in {model_dir}: the checkpoint needs its fast tokenizer (copy tokenizer.json "
+            "from the model's Hub repository, or save it with transformers' tokenizer.save_pretrained)"
+        )

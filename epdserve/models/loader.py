@@ -19,8 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 from epdserve.kernels import KernelChoice
+from epdserve.kernels.cpu_linear import prepare_linears
 from epdserve.models.config import ALL_PARTS, ModelConfig
-from epdserve.models.cpu_linear import prepare_linears
 from epdserve.models.registry import model_class
 
 

@@ -28,17 +28,11 @@ from torch import nn
 
 from epdserve.kernels.ops import LayerOps, TorchOps
 from epdserve.models.config import ConfigError, VisionConfig
-from epdserve.models.qwen2_vl import (
-    GridLike,
-    PatchEmbed,
-    PatchMerger,
-    Qwen2VLForConditionalGeneration,
-    RMSNorm,
-    VisionRotaryEmbedding,
-    _activation,
-    check_patches,
-    rotated_qkv,
-)
+from epdserve.models.layers.activation import activation
+from epdserve.models.layers.norm import RMSNorm
+from epdserve.models.layers.rotary import VisionRotaryEmbedding
+from epdserve.models.layers.vision import GridLike, PatchEmbed, PatchMerger, VisionBlock, check_patches
+from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from epdserve.models.qwen2_vl_layout import grid_list
 
 Grids = list[tuple[int, int, int]]
@@ -98,24 +92,7 @@ class Segments:
         return out
 
 
-class VisionAttention(nn.Module):
-    """Bidirectional attention within the segments it is given (windows or frames)."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
-        self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, ops: LayerOps
-    ) -> torch.Tensor:
-        q, k, v = rotated_qkv(self.qkv(x), self.num_heads, self.head_dim, cos, sin, ops)
-        return self.proj(segments.attend(q, k, v).reshape(x.shape[0], -1))
-
-
-class VisionMLP(nn.Module):
+class GatedVisionMLP(nn.Module):
     """Gated feed-forward with biases (transformers' ``Qwen2_5_VLMLP(bias=True)``)."""
 
     def __init__(self, config: VisionConfig) -> None:
@@ -123,35 +100,16 @@ class VisionMLP(nn.Module):
         self.gate_proj = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
         self.up_proj = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
         self.down_proj = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
-        self.act = _activation(config.hidden_act)
+        self.act = activation(config.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        # (the block passes every MLP the layer ops; this one has no op the kernels fuse)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nn.Module):
-    """Pre-RMSNorm transformer block of the ViT; which segments it attends in is the caller's."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(config.embed_dim, eps=1e-6)
-        self.norm2 = RMSNorm(config.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(config)
-        self.mlp = VisionMLP(config)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, ops: LayerOps
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments, ops)
-        return x + self.mlp(self.norm2(x))
-
-
-class RMSPatchMerger(PatchMerger):
-    """Qwen2-VL's merger with an RMSNorm in front."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__(config)
-        self.ln_q = RMSNorm(config.embed_dim, eps=1e-6)  # type: ignore[assignment]
+def vision_rms_norm(size: int) -> nn.Module:
+    """The tower's norm: RMSNorm in the blocks and in front of the merger."""
+    return RMSNorm(size, eps=1e-6)
 
 
 class Qwen2_5_VisionTower(nn.Module):
@@ -173,8 +131,10 @@ class Qwen2_5_VisionTower(nn.Module):
         self.full_attention = frozenset(config.fullatt_block_indexes)
         self.patch_embed = PatchEmbed(config)
         self.rotary = VisionRotaryEmbedding(config)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = RMSPatchMerger(config)
+        self.blocks = nn.ModuleList(
+            VisionBlock(config, norm=vision_rms_norm, mlp=GatedVisionMLP) for _ in range(config.depth)
+        )
+        self.merger = PatchMerger(config, norm=vision_rms_norm)
         self.ops: LayerOps = TorchOps()  # its runner may swap in the fused CPU kernels (kernels.ops)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:

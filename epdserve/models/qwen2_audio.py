@@ -22,24 +22,21 @@ unchanged), and ``"language"`` the language model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from epdserve.models.config import ALL_PARTS, AudioConfig, ModelConfig
+from epdserve.models.layers.activation import activation
+from epdserve.models.layers.decoder import Qwen2LanguageModel
+from epdserve.models.layers.rotary import init_rotary_buffers
+from epdserve.models.layers.vision import GridLike
 from epdserve.models.qwen2_audio_layout import audio_tokens, check_grid, encoder_frames
-from epdserve.models.qwen2_vl import (
-    MRotaryEmbedding,
-    Qwen2LanguageModel,
-    WeightLoadError,
-    _activation,
-    _map_checkpoint_name,
-)
+from epdserve.models.qwen2_vl import map_checkpoint_name
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
-
-GridLike = torch.Tensor | Sequence[Sequence[int]]
+from epdserve.models.weights import load_checkpoint
 
 
 class AudioAttention(nn.Module):
@@ -78,7 +75,7 @@ class AudioBlock(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.d_model)
         self.fc1 = nn.Linear(config.d_model, config.encoder_ffn_dim)
         self.fc2 = nn.Linear(config.encoder_ffn_dim, config.d_model)
-        self.act = _activation(config.activation_function)
+        self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
@@ -174,7 +171,7 @@ def _map_name(name: str) -> tuple[str, int | None] | None:
             return ours + name[len(theirs) :], None
     for theirs, ours in _LM_PREFIXES:
         if name.startswith(theirs):
-            return _map_checkpoint_name(ours + name[len(theirs) :])
+            return map_checkpoint_name(ours + name[len(theirs) :])
     return None
 
 
@@ -202,39 +199,14 @@ class Qwen2AudioForConditionalGeneration(nn.Module):
         mapped = _map_name(name)
         return None if mapped is None else mapped[0]
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into our parameters; returns the names filled (a fused q/k/v or
-        gate/up parameter once all its slices arrived)."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        shards: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            mapped = _map_name(name)
-            if mapped is None or mapped[0] not in params:
-                continue
-            ours, index = mapped
-            target: torch.Tensor = params[ours]
-            if index is not None:
-                sizes = modules[ours.rsplit(".", 2)[0]].shard_sizes
-                target = target.narrow(0, sum(sizes[:index]), sizes[index])
-            if tensor.shape != target.shape:
-                raise WeightLoadError(f"{name}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}")
-            target.copy_(tensor)
-            if index is None:
-                loaded.add(ours)
-            else:
-                shards.setdefault(ours, set()).add(index)
-                if len(shards[ours]) == len(sizes):
-                    loaded.add(ours)
-        return loaded
+        gate/up parameter once all its slices arrived: ``models.weights.load_checkpoint``)."""
+        return load_checkpoint(self, weights, _map_name)
 
     def init_buffers(self) -> None:
         """Recompute the buffers that checkpoints do not hold (rotary frequencies)."""
-        for module in self.modules():
-            if isinstance(module, MRotaryEmbedding):
-                module.init_buffers()
+        init_rotary_buffers(self)
 
     def encoder(self, modality: str) -> nn.Module | None:
         """The loaded encoder of ``modality`` (None: not loaded, or not a modality of this model)."""

@@ -11,7 +11,7 @@ Data flow of one request::
 The tower differs from Qwen2-VL's in its patch embedding (with a bias), a learned position table
 (a square grid, bilinearly resampled to each item's grid) added to the patch embeddings, gelu-tanh
 MLPs named ``linear_fc1/linear_fc2``, and the DeepStack mergers. The language model is
-``qwen2_vl.Qwen2LanguageModel`` with the options Qwen3 sets in ``TextConfig``: per-head q/k
+``layers.decoder.Qwen2LanguageModel`` with the options Qwen3 sets in ``TextConfig``: per-head q/k
 RMSNorm, an explicit head_dim, no q/k/v bias and interleaved M-RoPE.
 
 One tensor per media item carries every feature level side by side, so whatever moves embeddings
@@ -26,15 +26,9 @@ from torch import nn
 
 from epdserve.kernels.ops import LayerOps, TorchOps
 from epdserve.models.config import VisionConfig
-from epdserve.models.qwen2_vl import (
-    GridLike,
-    PatchEmbed,
-    Qwen2VLForConditionalGeneration,
-    VisionBlock,
-    VisionRotaryEmbedding,
-    _merge_window_hw,
-    check_patches,
-)
+from epdserve.models.layers.rotary import VisionRotaryEmbedding, merge_window_hw
+from epdserve.models.layers.vision import FrameRuns, GridLike, PatchEmbed, VisionBlock, check_patches
+from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
 
 
@@ -85,7 +79,7 @@ class Qwen3VisionTower(nn.Module):
         table = self.pos_embed.weight.float()
         out = []
         for t, h, w in grids:
-            rows, cols = _merge_window_hw(h, w, merge)
+            rows, cols = merge_window_hw(h, w, merge)
             taps = []
             for index, size in ((rows, h), (cols, w)):
                 src = index.to(device, torch.float32) * (side - 1) / max(size - 1, 1)
@@ -114,8 +108,9 @@ class Qwen3VisionTower(nn.Module):
         cos, sin = self.rotary(grids)
         levels: list[torch.Tensor] = []
         taps = self.config.deepstack_visual_indexes
+        frames = FrameRuns(grids)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, grids, self.ops)
+            x = block(x, cos, sin, frames, self.ops)
             if i in taps:
                 levels.append(self.deepstack_merger_list[taps.index(i)](x))
         return torch.cat([self.merger(x), *levels], dim=1)

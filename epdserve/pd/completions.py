@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from epdserve.api import logs
+from epdserve.api.auth import is_internal
 from epdserve.api.completions import Completion, CompletionChoice, CompletionRequest, decode_completion_request
-from epdserve.api.errors import ApiError, BadRequest, NotFound
+from epdserve.api.errors import ApiError, BadRequest, NotFound, context_too_long
 from epdserve.api.http import json_response, read_body
 from epdserve.api.logs import request_id
 from epdserve.api.protocol import (
@@ -25,10 +25,11 @@ from epdserve.api.protocol import (
     sse_event,
     to_sampling_params,
 )
+from epdserve.api.quota import Quotas, check_max_tokens
+from epdserve.api.tokenizer import TooManyTokens
 from epdserve.engine.messages import AddRequest
-
-if TYPE_CHECKING:
-    from epdserve.pd.server import ChatService, Piece
+from epdserve.pd.generation import Generation, Piece, WorkerFailedMidStream
+from epdserve.pd.service import ChatService
 
 
 class CompletionHandlers:
@@ -41,18 +42,20 @@ class CompletionHandlers:
         if req.model and req.model != cfg.model_name:
             raise NotFound.model(req.model)
         params = to_sampling_params(req, cfg.default_max_tokens, cfg.engine.max_model_len)
+        check_max_tokens(req, cfg.quota.max_tokens_limit)
+        limit = cfg.engine.max_model_len
         if isinstance(req.prompt, str):
             loop = asyncio.get_running_loop()
-            tok, text = self.s.tokenizer, req.prompt
-            ids = await loop.run_in_executor(
-                self.s.template_executor, lambda: list(tok.encode(text, add_special_tokens=False))
-            )
+            tok, text, budget = self.s.tokenizer, req.prompt, limit - params.max_tokens
+            try:
+                ids = await loop.run_in_executor(self.s.template_executor, lambda: tok.encode_within(text, budget))
+            except TooManyTokens as e:
+                raise context_too_long(limit, e.at_least, params.max_tokens, param="prompt") from None
         else:
             ids = list(req.prompt)
             vocab = self.s.model_config.text.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {vocab}).", param="prompt")
-        limit = cfg.engine.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise BadRequest(
                 f"This model's maximum context length is {limit} tokens, but {len(ids) + params.max_tokens} were "
@@ -64,15 +67,22 @@ class CompletionHandlers:
         return req, add
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        from epdserve.pd.server import Generation
-
         s = self.s
         t0 = time.perf_counter()
         rid = request_id(request.headers)
+        ticket = None
         try:
+            if not is_internal(request):  # a client's share (api.quota); the router counted its calls
+                ticket = s.quotas.admit(Quotas.client(request))
             req, add = await self._prepare(await read_body(request, s.config.max_request_bytes))
+            if ticket is not None:
+                ticket.reserve(len(add.prompt_token_ids) + add.params.max_tokens)
             gen, first = await Generation.started(s, add)
-        except ApiError as e:
+        except BaseException as e:
+            if ticket is not None:
+                ticket.failed()
+            if not isinstance(e, ApiError):
+                raise
             s.count("text", e.status)
             logs.access(id=rid, status=e.status, kind="text", e2e_ms=1e3 * (time.perf_counter() - t0), error=e.code)
             raise
@@ -80,6 +90,7 @@ class CompletionHandlers:
         ttft = time.perf_counter() - t0
         s.ttft.observe(ttft)
         last = first
+        used = None  # tokens the answer used, once known (a stream keeps what it reserved)
         try:
             async with contextlib.aclosing(gen.rest()) as rest:
                 if req.stream:
@@ -89,8 +100,11 @@ class CompletionHandlers:
                     async for piece in rest:
                         text.append(piece.text)
                         last = piece
+                used = last.prompt_tokens + last.completion_tokens
                 return json_response(encode_json(self._answer(add, "".join(text), last)))
         finally:
+            if ticket is not None:
+                ticket.done(used)
             e2e = time.perf_counter() - t0
             s.e2e.observe(e2e)
             logs.access(id=rid, status=200, kind="text", endpoint="completions", ttft_ms=1e3 * ttft,
@@ -110,8 +124,6 @@ class CompletionHandlers:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        from epdserve.pd.server import WorkerFailedMidStream
-
         with contextlib.suppress(ConnectionResetError):
             last = first
             try:

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 from epdserve.api.auth import AuthConfig
-from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
+from epdserve.api.exposure import ExposureConfig
+from epdserve.api.protocol import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_PROMPT_CHARS, DEFAULT_MAX_REQUEST_BYTES
+from epdserve.api.quota import QuotaConfig
 from epdserve.api.registration import RegistrationConfig
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.media.limits import MediaLimits
@@ -26,8 +28,8 @@ class ServerConfig:
     served_model_name: str = ""  # name clients use; empty: the directory name
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0: any free port)
-    default_max_tokens: int = 256  # max_tokens when the request sets none
-    max_request_bytes: int = 64 << 20  # largest request body
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # max_tokens when the request sets none
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest request body
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     preprocess_threads: int = 0  # threads decoding and preprocessing media (0: media.workers.media_threads)
     template_threads: int = 2  # threads rendering and tokenizing prompts (apart from media work)
@@ -44,6 +46,8 @@ class ServerConfig:
     role: PDRole = "both"  # both: whole requests; prefill: prompts, KV handed on; decode: continues from KV
     kv: ECConfig | None = None  # KV connector (transfer.kv.kv_config): a prefill's producer, a decode's consumer
     registration: RegistrationConfig = field(default_factory=RegistrationConfig)  # advertised host, router
+    quota: QuotaConfig = field(default_factory=QuotaConfig)  # per-key limits when this is the public endpoint
+    exposure: ExposureConfig = field(default_factory=ExposureConfig)  # what /metrics shows without credentials
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

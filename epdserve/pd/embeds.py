@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 from epdserve.api.errors import BadRequest
 from epdserve.api.protocol import EmbedsPart, VideoEmbedsPart, embeds_grid, embeds_of, part_modality
+from epdserve.common.dtypes import ITEMSIZE, all_finite
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.messages import WireTensor
-from epdserve.models.precision import ITEMSIZE, all_finite
 
 
 class MetadataEmbeds:

@@ -26,7 +26,8 @@ from datetime import datetime
 from pathlib import Path
 
 from epdserve.bench.client import RequestResult
-from epdserve.bench.loadgen import BenchConfig, run_bench
+from epdserve.bench.loadgen import run_bench
+from epdserve.bench.report import BenchConfig
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, _cpu_model
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.launcher import free_port

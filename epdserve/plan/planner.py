@@ -26,8 +26,12 @@ from epdserve.bench.report import SLO
 from epdserve.bench.sweep import parse_topologies
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.config_flags import Flag, add_flags, values
+from epdserve.engine.config import EngineConfig
+from epdserve.memory import format_bytes
+from epdserve.plan import host
 from epdserve.plan.model import Load, Prediction, Unsupported, predict
 from epdserve.plan.profile import Profile, ProfileError, load_profile, save_profile
+from epdserve.up import Topology
 
 TIE = 0.02  # relative difference below which two predictions rank as equal
 
@@ -209,6 +213,16 @@ def plan_json(result: Plan, profile: Profile) -> dict[str, Any]:
 PLAN_WORKLOAD_FLAGS = ("images_per_request", "image_size", "prompt_tokens", "output_len", "text_fraction")
 LOAD_FLAGS = ("request_rate", "concurrency")
 PLAN_FLAGS = ("cores", "max_replicas")
+# the engine's settings the memory account reads (--memory, --host-memory)
+MEMORY_ENGINE_FLAGS = (
+    "dtype",
+    "kernels",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_kv_blocks",
+    "kv_cache_memory",
+)
 
 
 def add_cli_flags(s: argparse.ArgumentParser) -> None:
@@ -252,6 +266,8 @@ def add_cli_flags(s: argparse.ArgumentParser) -> None:
     add_flags(s, PlanConfig, PLAN_FLAGS)
     s.add_argument("--topologies", default=None, help="predict only these, comma-separated (default: every candidate)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    host.add_cli_flags(s)
+    add_flags(s.add_argument_group("engine (memory)"), EngineConfig, MEMORY_ENGINE_FLAGS)
 
 
 def config_from_args(args: argparse.Namespace) -> PlanConfig:
@@ -297,8 +313,28 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
     return profile
 
 
+def drop_oversized(result: Plan, args: argparse.Namespace, engine: EngineConfig) -> Plan:
+    """``result`` without the candidates whose instances together exceed ``--host-memory``."""
+    memory, _ = host.host_of(args)
+    accounts = host.roles(Path(args.model), engine)
+    kept, skipped = [], dict(result.skipped)
+    for p in result.ranked:
+        need = host.topology_memory(Topology.parse(p.topology), accounts)
+        if need > memory:
+            skipped[p.topology] = f"needs {format_bytes(need)} of memory, the host has {format_bytes(memory)}"
+        else:
+            kept.append(p)
+    return dataclasses.replace(result, ranked=kept, skipped=skipped)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """``epdserve plan``: read or measure a profile, predict every candidate, print the ranking."""
+    if args.memory:
+        try:
+            return host.run_memory(args, EngineConfig(**values(args, MEMORY_ENGINE_FLAGS)))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         config = config_from_args(args)
         profile = profile_from_args(args)
@@ -310,6 +346,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return 1
     try:
         result = plan(profile, config)
+        if args.host_memory and args.model:
+            result = drop_oversized(result, args, EngineConfig(**values(args, MEMORY_ENGINE_FLAGS)))
     except ProfileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

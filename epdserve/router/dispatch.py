@@ -42,10 +42,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from epdserve.api.load import LoadReport
 from epdserve.encoder.protocol import EncodedItem
+from epdserve.media.budget import PILLOW_NAMES, sniff
 from epdserve.media.processor import ProcessorConfig, smart_resize
 
 Dispatch = Literal["always", "never", "adaptive"]
@@ -183,7 +184,14 @@ def _data_url_image_size(url: str) -> tuple[int, int] | None:
     head = url[comma + 1 : comma + 1 + DATA_URL_HEAD]
     head = head[: len(head) // 4 * 4]
     try:
-        with Image.open(io.BytesIO(base64.b64decode(head, validate=False))) as img:
+        data = base64.b64decode(head, validate=False)
+    except (binascii.Error, ValueError):
+        return None
+    fmt = sniff(data)
+    if fmt not in PILLOW_NAMES:  # only the plugins of accepted formats ever parse client bytes
+        return None
+    try:
+        with Image.open(io.BytesIO(data), formats=(PILLOW_NAMES[fmt],)) as img:
             return img.size
-    except (binascii.Error, UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+    except Exception:  # a hint from a header, whatever its plugin raises: the decode will judge the item
         return None

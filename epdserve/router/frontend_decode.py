@@ -42,6 +42,7 @@ import numpy as np
 from epdserve.api.errors import from_media_error
 from epdserve.api.metrics import Metrics
 from epdserve.kernels.resample import load_resampler
+from epdserve.media.budget import DecodeBudget
 from epdserve.media.decode import decode_image, decode_video
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import decode_data_url, load_media_bytes, media_session
@@ -148,12 +149,15 @@ class FrontendDecoder:
                 data = await load_media_bytes(r.url, self.limits, self.session)
             with self._lock:
                 self._waiting += 1
+            cancelled = threading.Event()
             decoding = asyncio.get_running_loop().run_in_executor(
-                self.pool, self._decode, model, r.modality, r.url, data, time.perf_counter()
+                self.pool, self._decode, model, r.modality, r.url, data, time.perf_counter(), cancelled
             )
             try:
                 handle = await asyncio.shield(decoding)
-            except asyncio.CancelledError:  # the thread goes on: its lease is given back when it is done
+            except asyncio.CancelledError:
+                # the decode stops at its next budget check; a lease it took is given back when it is done
+                cancelled.set()
                 decoding.add_done_callback(self._drop)
                 raise
         except MediaError as e:
@@ -168,7 +172,15 @@ class FrontendDecoder:
         r.pixels = handle
         self._count("pixels" if handle is not None else "unsized")
 
-    def _decode(self, model: str, modality: str, url: str, data: bytes | None, queued_at: float) -> Handle | None:
+    def _decode(
+        self,
+        model: str,
+        modality: str,
+        url: str,
+        data: bytes | None,
+        queued_at: float,
+        cancelled: threading.Event | None = None,
+    ) -> Handle | None:
         """One item (runs on a decode thread): its pixel handle, or None when its frames would be
         resized again by the encoder (extreme aspect ratios; an exact answer needs the URL)."""
         t0 = time.perf_counter()
@@ -180,12 +192,13 @@ class FrontendDecoder:
                 data = decode_data_url(url, self.limits)
             uuid = media_uuid(model, modality, data, self.hash_kwargs)
             p = self.processor
+            budget = DecodeBudget(self.limits, cancelled)
             interval = None  # a video's timing travels in the handle: the encoder reports it
             try:
                 if modality == "image":
-                    frames = [p.resized_image(decode_image(data, self.limits))]
+                    frames = [p.resized_image(decode_image(data, self.limits, budget))]
                 else:
-                    video = decode_video(data, self.limits)
+                    video = decode_video(data, self.limits, budget)
                     frames, interval = p.resized_video(video.frames), video.interval_s
             except ValueError:  # a size the resize refuses: the encoder gives the client its error
                 return None

@@ -3,7 +3,7 @@
 ``PromptBlocks`` names a request's prompt blocks exactly as a worker's block manager will: the
 model's chat template, the placeholder runs its prompt layout gives each item's grid, the items'
 content uuids (from the encoders, or the router's directory before any encode), and the same block
-hash (``engine.prefix_hash``); torch-free. An item the router knows nothing of yet ends the named
+hash (``common.prefix_hash``); torch-free. An item the router knows nothing of yet ends the named
 prefix: the blocks before its placeholders do not depend on it, the ones after do.
 
 ``KVIndex`` knows what each worker holds: its last digest (``GET /v1/kv/digest``, polled with the
@@ -18,21 +18,23 @@ prefix is worth computing elsewhere only while the worker holding it is not much
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+from epdserve.api.chat_messages import template_messages
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.protocol import ChatRequest
+from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
+from epdserve.common.prefix_hash import MediaSpan, prefix_hashes
 from epdserve.encoder.protocol import EncodedItem
 from epdserve.engine.inputs import InputBuilder, MediaInput
-from epdserve.engine.prefix_hash import MediaSpan, prefix_hashes
 from epdserve.media.processor import ProcessorConfig
 from epdserve.models.config import ModelConfig
-from epdserve.pd.messages import template_messages
-from epdserve.pd.tokenizer import FastTokenizer
 from epdserve.router.pool import Worker
 
 MAX_NOTED_BLOCKS = 1 << 18  # block hashes remembered per worker between digests
+BLOCK_THREADS = 2  # threads naming prompts' blocks
 _UNKNOWN = "?"  # the uuid of an item not known yet (its blocks are never named)
 
 
@@ -45,13 +47,23 @@ class Blocks(NamedTuple):
 class PromptBlocks:
     def __init__(self, model_dir: Path) -> None:
         self.builder = InputBuilder(FastTokenizer(model_dir), ModelConfig.from_pretrained(model_dir))
+        # prompts are rendered and tokenized here, off the event loop and a few at a time: a burst
+        # of long prompts queues here (each bounded by the context length), holding little memory
+        self.executor = ThreadPoolExecutor(BLOCK_THREADS, thread_name_prefix="epd-kv-blocks")
         # a video's seconds per temporal patch when the encoder gave none, as the workers take it
         # (Qwen3-VL writes it into the prompt)
         self.second_per_grid = ProcessorConfig.from_pretrained(model_dir).second_per_grid
 
-    def blocks(self, req: ChatRequest, media: list[tuple[str, EncodedItem | None]], block_size: int) -> Blocks:
+    def blocks(
+        self,
+        req: ChatRequest,
+        media: list[tuple[str, EncodedItem | None]],
+        block_size: int,
+        max_tokens: int | None = None,
+    ) -> Blocks:
         """The prompt's blocks, given each media item's modality and what is known of it (None:
-        not yet known)."""
+        not yet known). A prompt over ``max_tokens`` (the context length: the worker will refuse
+        it) names no blocks, found out at the cost of counting that many tokens."""
         items = [it for _, it in media]
         inputs = [
             # an item not known yet stands in with any grid its modality takes: only the tokens
@@ -63,7 +75,10 @@ class PromptBlocks:
             else MediaInput(it.uuid, it.modality, it.grid_thw, second_per_grid=self._seconds(it.modality, it))
             for modality, it in media
         ]
-        prompt = self.builder.build(template_messages(req), inputs, req.chat_template_kwargs)
+        try:
+            prompt = self.builder.build(template_messages(req), inputs, req.chat_template_kwargs, max_tokens)
+        except TooManyTokens:
+            return Blocks([], [], complete=True)
         spans = [MediaSpan(m.uuid, m.offset, m.end - m.offset) for m in prompt.mm_items]
         hashes = prefix_hashes(prompt.token_ids, spans, block_size)
         unknown = [s.offset for s, it in zip(spans, items, strict=True) if it is None]

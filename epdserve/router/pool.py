@@ -37,6 +37,7 @@ class Worker:
     report: LoadReport = field(default_factory=LoadReport)  # its load and costs at the last probe
     patches: int = 0  # patches of the encode calls in flight on it (encoders)
     awaiting: int = 0  # of its outstanding requests, those still waiting for their first byte (encoding included)
+    seen: bool = False  # it has answered a health probe: not merely named, it was up
 
     @property
     def load(self) -> float:
@@ -72,6 +73,12 @@ class WorkerPool:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
 
+    @property
+    def ready(self) -> list[Worker]:
+        """Healthy workers that have answered a probe (a named worker counts as healthy until its
+        first probe says otherwise)."""
+        return [w for w in self.workers.values() if w.healthy and w.seen]
+
     def pick(self, exclude: set[str] | None = None, key: str | None = None) -> Worker:
         candidates = [w for w in self.workers.values() if w.healthy and w.url not in (exclude or set())]
         if not candidates:
@@ -104,10 +111,13 @@ class WorkerPool:
                     ok = r.status == 200
             except (aiohttp.ClientError, TimeoutError, OSError):
                 ok = False
-            if ok and not w.healthy:
+            if ok and not w.seen:
+                log.info("%s %s is up", self.role, w.url)
+            elif ok and not w.healthy:
                 log.info("%s %s is healthy again", self.role, w.url)
-            if not ok and w.healthy:
+            if not ok and w.healthy and w.seen:  # one still starting has not failed anything
                 log.warning("%s %s failed its health probe", self.role, w.url)
+            w.seen = w.seen or ok
             w.healthy = ok
             w.failures = 0 if ok else w.failures + 1
 

@@ -45,29 +45,49 @@ from epdserve.api.timing import SERVER_TIMING
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.trail import Trail
-from epdserve.router.upstream import RetryableWorker, error_code, passthrough_error
+from epdserve.router.upstream import RetryableWorker, about_media, error_code, passthrough_error
 
 if TYPE_CHECKING:
-    from epdserve.router.server import Router
+    from epdserve.api.tracing import Tracing
+    from epdserve.router.config import RouterConfig
+    from epdserve.router.encode import Encodes
+    from epdserve.router.forward import Forwarder
+    from epdserve.router.metrics import RouterMetrics
+    from epdserve.router.placement import Placement
+    from epdserve.router.workers import WorkerPools
 
 log = logging.getLogger(__name__)
 
 
 class SplitChat:
-    """The E → P → D path of a ``Router``."""
+    """The E → P → D path of a ``Router``, over its parts."""
 
-    def __init__(self, router: Router) -> None:
-        self.r = router
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        workers: WorkerPools,
+        encodes: Encodes,
+        placement: Placement,
+        forwarder: Forwarder,
+        tracing: Tracing,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.workers = workers
+        self.encodes = encodes
+        self.placement = placement
+        self.forwarder = forwarder
+        self.tracing = tracing
 
     async def chat(
         self, request: web.Request, req: ChatRequest, body: dict[str, Any], trail: Trail
     ) -> web.StreamResponse:
-        r = self.r
-        r.metrics.inc("router_split_requests_total", help_text="requests sent through prefill and decode workers")
-        refs = [] if r.config.dispatch == "never" else media_refs(body)
+        self.metrics.split_requests.inc()
+        refs = [] if self.config.dispatch == "never" else media_refs(body)
         try:
             first, prefill = await self._prefill(req, body, refs, trail)
-            r.note_first_token(trail)
+            self.forwarder.note_first_token(trail)
             kv = first.kv_transfer_params
             if kv is None:  # the answer ended with its first token (or the prefill worker decoded it all)
                 return await self._finished(request, req, first, trail)
@@ -78,37 +98,38 @@ class SplitChat:
                 return await self._complete(req, body, refs, handoff, trail)
             finally:
                 if not handoff.delivered:  # no decode worker took the KV: give it back
-                    r.spawn(self._release_kv(prefill, kv.get("kv_handle")))
+                    self.encodes.spawn(self._release_kv(prefill, kv.get("kv_handle")))
         finally:
-            r._release(r._take_leases(refs))  # the decode worker's leases, unless it took them
+            self.encodes.release(self.encodes.take_leases(refs))  # the decode worker's leases, unless it took them
 
     # ---- prefill -----------------------------------------------------------------------------
     async def _prefill(
         self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], trail: Trail
     ) -> tuple[PrefillCompletion, Worker]:
-        r = self.r
         exclude: set[str] = set()
         for attempt in (1, 2):
             try:
                 try:
                     # after a failure nothing is skipped: the worker may have lost the KV it held
-                    worker = await r.place(r.prefills, req, refs, exclude, attempt == 1, 2, trail)
+                    worker = await self.placement.place(
+                        self.workers.prefills, req, refs, exclude, attempt == 1, 2, trail
+                    )
                 except NoWorker:
                     raise Unavailable("No healthy prefill worker is available.") from None
                 kv = {"do_remote_decode": True}
                 raw = _body(body, refs, stream=False, kv_transfer_params=kv)
-                answer = await self._read(r.prefills, worker, raw, trail)
+                answer = await self._read(self.workers.prefills, worker, raw, trail)
                 _take_first_leases(refs)  # the prefill worker read them
                 try:
                     return msgspec.json.decode(answer, type=PrefillCompletion), worker
                 except msgspec.DecodeError as e:
                     raise WorkerFailed(f"The prefill worker answered malformed JSON: {e}") from None
             except RetryableWorker as e:
-                r.forget_directory_hits(refs)
-                r._release(r._take_leases(refs))
+                self.encodes.forget_directory_hits(refs)
+                self.encodes.release(self.encodes.take_leases(refs))
                 if not e.worker_ok:
                     exclude.add(e.url)
-                r.metrics.inc("router_prefill_retries_total", help_text="prefill calls retried elsewhere")
+                self.metrics.prefill_retries.inc()
                 if attempt == 2:
                     raise WorkerFailed(f"The prefill worker failed: {e}") from None
         raise AssertionError("unreachable")
@@ -119,7 +140,6 @@ class SplitChat:
     ) -> tuple[aiohttp.ClientResponse, Worker]:
         """A decode worker's open 200 response, continuing after the first token: from the KV,
         or, when that worker fails before answering, another one computing the prefill."""
-        r = self.r
         first_token = handoff.kv.get("first_token_id")
         params: dict[str, Any] = {
             "first_token_id": first_token,
@@ -130,14 +150,14 @@ class SplitChat:
         for attempt in (1, 2):
             try:
                 try:
-                    worker = r.decodes.pick(exclude=exclude)
+                    worker = self.workers.decodes.pick(exclude=exclude)
                 except NoWorker:
                     try:  # the one that failed (if still healthy) is all there is: it recomputes
-                        worker = r.decodes.pick()
+                        worker = self.workers.decodes.pick()
                     except NoWorker:
                         raise Unavailable("No healthy decode worker is available.") from None
                 raw = _body(body, refs, stream=bool(req.stream), kv_transfer_params=params)
-                upstream = await self._open(r.decodes, worker, raw, trail)
+                upstream = await self._open(self.workers.decodes, worker, raw, trail)
                 handoff.delivered = True  # the decode worker took (or gave back) the KV lease
                 _take_first_leases(refs)
                 return upstream, worker
@@ -145,15 +165,15 @@ class SplitChat:
                 if attempt == 2:
                     raise WorkerFailed(f"The decode worker failed: {e}") from None
                 # give the KV back and recompute the prefill on another decode worker
-                r.metrics.inc("router_decode_retries_total", help_text="decode calls recomputed elsewhere")
-                r.spawn(self._release_kv(handoff.prefill, params.pop("kv_handle")))
+                self.metrics.decode_retries.inc()
+                self.encodes.spawn(self._release_kv(handoff.prefill, params.pop("kv_handle")))
                 handoff.delivered = True
-                r.forget_directory_hits(refs)
-                r._release(r._take_leases(refs))
+                self.encodes.forget_directory_hits(refs)
+                self.encodes.release(self.encodes.take_leases(refs))
                 if not e.worker_ok:
                     exclude.add(e.url)
                 if refs:
-                    await r._encode_shielded(req.model, refs, 1, trail.request_id)
+                    await self.encodes.encode_shielded(req.model, refs, 1, trail.request_id)
         raise AssertionError("unreachable")
 
     async def _stream(
@@ -186,7 +206,7 @@ class SplitChat:
                 pass
             return resp
         async with upstream:
-            await self.r.relay(resp, upstream, worker, self.r.decodes)
+            await self.forwarder.relay(resp, upstream, worker, self.workers.decodes)
         return resp
 
     async def _complete(
@@ -198,7 +218,7 @@ class SplitChat:
                 raw = await upstream.read()
                 rest = msgspec.json.decode(raw, type=ChatCompletion)
             except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as e:
-                self.r.decodes.mark_failed(worker)
+                self.workers.decodes.mark_failed(worker)
                 raise WorkerFailed(f"The decode worker failed mid-response: {e}") from None
         first, last = handoff.first.choices[0], rest.choices[0]
         last.message.content = (first.message.content or "") + (last.message.content or "")
@@ -242,10 +262,10 @@ class SplitChat:
         worker.outstanding += 1
         try:
             # the span covers the call up to the worker's answer (a decode worker's stream follows)
-            with self.r.tracing.client_span(
+            with self.tracing.client_span(
                 f"POST /v1/chat/completions ({pool.role})", **{"epd.worker": worker.url}
             ) as trace:
-                upstream = await self.r.post_chat(pool, worker, raw, trail, trace=trace)
+                upstream = await self.forwarder.post_chat(pool, worker, raw, trail, trace=trace)
         finally:
             worker.outstanding -= 1
         if upstream.status == 200:
@@ -256,7 +276,7 @@ class SplitChat:
             answer = await upstream.read()
         if error_code(answer) == EMBEDS_UNAVAILABLE:
             raise RetryableWorker(worker.url, "embeddings unavailable", worker_ok=True)
-        if upstream.status >= 500:
+        if upstream.status >= 500 and not about_media(answer):
             raise RetryableWorker(worker.url, f"HTTP {upstream.status}")
         raise passthrough_error(upstream.status, answer)
 
@@ -273,18 +293,21 @@ class SplitChat:
     async def _release_kv(self, prefill: Worker, handle: dict | None) -> None:
         """Give a KV lease no decode worker will read back to the prefill worker that holds it
         (it expires by TTL if the worker cannot be reached)."""
-        r = self.r
-        if handle is None or r.session is None:
+        if handle is None or self.workers.session is None:
             return
+        body = msgspec.json.encode({"handles": [handle]})
         try:
-            async with r.session.post(
+            async with self.workers.session.post(
                 prefill.url + "/v1/kv/release",
-                data=msgspec.json.encode({"handles": [handle]}),
-                headers={"Content-Type": "application/json", **r.internal_headers},
+                data=body,
+                headers={
+                    "Content-Type": "application/json",
+                    **self.workers.signed("POST", prefill.url + "/v1/kv/release", body),
+                },
                 timeout=aiohttp.ClientTimeout(total=10),
             ) as resp:
                 await resp.read()
-            r.metrics.inc("router_kv_released_total", help_text="KV leases given back to prefill workers")
+            self.metrics.kv_released.inc()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.warning("could not give a KV lease back to %s (it expires by TTL): %s", prefill.url, e)
 

@@ -36,6 +36,9 @@ class Trail:
     ran_on: list[str] = field(default_factory=list)  # the workers that answered (for the access line)
     kind: str = ""  # the request's kind (api.protocol.RequestKind), once validated
     t0: float = field(default_factory=time.perf_counter)  # when the router received it
+    # the caller is the operator (api.exposure): it may see how each item was obtained and the
+    # encoders' stages, which tell whether someone else sent the same media recently
+    details: bool = False
 
     def add(self, stage: str, seconds: float) -> None:
         self.stages[stage] = self.stages.get(stage, 0.0) + seconds
@@ -72,5 +75,7 @@ class Trail:
         return resp
 
     def header(self) -> str:
+        if not self.details:  # the request's own language-model stages only
+            return ", ".join(v for v in self.workers if v)
         desc = {"media": ", ".join(f"{n} {how}" for how, n in sorted(self.media.items()))} if self.media else {}
         return ", ".join(v for v in (server_timing(self.stages, desc), *self.workers) if v)

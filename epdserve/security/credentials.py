@@ -5,9 +5,9 @@
 - **Admin key** (``--admin-key`` / ``EPD_ADMIN_KEY``): what worker registration on the router needs.
   Without it registration is disabled.
 - **Cluster secret** (``--cluster-secret-file`` / ``EPD_CLUSTER_SECRET``): shared by every role of
-  one deployment (``up`` generates one). Nothing sends it as is: each use derives its own key
-  (``derive``), so the token an internal HTTP call carries cannot sign an embedding handle or
-  answer a connector's challenge.
+  one deployment (``up`` generates one). Nothing sends it, nor any key derived from it: each use
+  derives its own key (``derive``), and internal HTTP calls carry a MAC per request bound to the
+  peer addressed (``security.peers``), so nothing a peer receives works anywhere else.
 
 All comparisons are constant-time (``hmac.compare_digest``).
 """
@@ -25,7 +25,6 @@ from pathlib import Path
 API_KEY_ENV = "EPD_API_KEY"
 ADMIN_KEY_ENV = "EPD_ADMIN_KEY"
 CLUSTER_SECRET_ENV = "EPD_CLUSTER_SECRET"
-CLUSTER_HEADER = "X-EPD-Cluster-Token"  # internal HTTP calls carry derive("http") here
 MIN_SECRET_BYTES = 16
 
 
@@ -61,20 +60,8 @@ class ClusterCredential:
             raise CredentialError(f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")
 
     def derive(self, purpose: str) -> bytes:
-        """A 32-byte key for one purpose ("http", "ec-handle", "ec-tcp", ...)."""
+        """A 32-byte key for one purpose ("http/peer-mac", "ec-handle", "ec-tcp", ...)."""
         return hmac.new(self.secret, b"epdserve/v1/" + purpose.encode(), hashlib.sha256).digest()
-
-    @property
-    def http_token(self) -> str:
-        """What an internal HTTP call sends in ``CLUSTER_HEADER``."""
-        return self.derive("http").hex()
-
-    def headers(self) -> dict[str, str]:
-        """Headers that prove the credential on an internal HTTP call."""
-        return {CLUSTER_HEADER: self.http_token}
-
-    def accepts(self, token: str | None) -> bool:
-        return same(token, self.http_token)
 
     @classmethod
     def generate(cls) -> ClusterCredential:

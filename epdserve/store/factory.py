@@ -3,8 +3,8 @@ an optional extra."""
 
 from __future__ import annotations
 
+from epdserve.common.store_config import StoreConfig
 from epdserve.store.base import EmbeddingStore
-from epdserve.store.config import StoreConfig
 from epdserve.store.record import EntryCheck
 
 

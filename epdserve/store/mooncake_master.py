@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ class MooncakeMaster:
 
 
 def master_binary() -> str | None:
-    return shutil.which(MASTER_BINARY)
+    # the wheel installs it beside this interpreter's console scripts, which need not be on PATH
+    # (a virtual environment's python run by its full path)
+    return shutil.which(MASTER_BINARY) or shutil.which(MASTER_BINARY, path=sysconfig.get_path("scripts"))
 
 
 def _listening(port: int) -> bool:

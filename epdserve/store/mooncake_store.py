@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from epdserve.common.store_config import StoreConfig
 from epdserve.store.base import Claim
-from epdserve.store.config import StoreConfig
 from epdserve.store.packed import PackedStore
 from epdserve.store.record import EntryCheck
 

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from epdserve.common.store_config import StoreConfig
 from epdserve.store.base import StoreStats
-from epdserve.store.config import StoreConfig
 from epdserve.store.record import EntryCheck, Grid, StoredItem, pack, unpack
 from epdserve.transfer.base import TransferError
 from epdserve.transfer.header import WireHeader

@@ -15,8 +15,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from epdserve.common.store_config import StoreConfig
 from epdserve.store.base import Claim
-from epdserve.store.config import StoreConfig
 from epdserve.store.packed import PackedStore
 from epdserve.store.record import EntryCheck
 

@@ -17,7 +17,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--early-steps", type=int, default=500, help="steps trained on the early question mix before the main one"
     )
     ap.add_argument("--focus-until", type=int, default=3500, help="single-shape curriculum phase ends at this step")
-    ap.add_argument("--mix-v0", action="store_true", help="the first run's mix (no focus phase); see docs/model.md")
+    ap.add_argument(
+        "--mix-v0", action="store_true", help="the first run's mix (no focus phase); see docs/embedded-model.md"
+    )
     ap.add_argument("--refine", action="store_true", help="the refining mix used when continuing from shipped weights")
     ap.add_argument(
         "--mix-weight",

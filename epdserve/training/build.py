@@ -34,7 +34,7 @@ SPECIAL_TOKENS = (
 # Qwen2-VL's chat template (as published with the Qwen2-VL checkpoints), with its vision ids on
 # unless the caller passes add_vision_id=False: "Picture 2: " before the second image names it, so
 # "Describe the second image." and "Which image has ...?" bind by content instead of by counting
-# images through positions (which a 4-layer model learns too slowly; see docs/model.md).
+# images through positions (which a 4-layer model learns too slowly; see docs/embedded-model.md).
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from epdserve.common.store_config import StoreConfig
 from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
-from epdserve.store.config import StoreConfig
 from epdserve.transfer.base import TransferError
 
 Connector = Literal["shm", "tcp", "fs", "mooncake"]

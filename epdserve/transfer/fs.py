@@ -38,7 +38,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from epdserve.models.precision import torch_dtype
+from epdserve.common.dtypes import torch_dtype
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from epdserve.models import precision
+from epdserve.common import dtypes as precision
 from epdserve.transfer.base import PROTOCOL_VERSION, Handle, InvalidHandle, TransferError
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ CHUNK_BYTES = 256 << 10
 # Below this, blocking a consumer's event loop for the copy is cheaper than a hop to a thread.
 THREAD_BYTES = 4 << 20
 MAX_KEY_BYTES = 1024
+PROMPT_MARK = "#prompt="  # in a KV header's model identity: the digest of the prompt it covers (transfer.kv)
 MAX_WIRE_HEADER = 4096  # bytes; a header is a few hundred bytes plus the key and model id
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}")
 
@@ -144,6 +145,9 @@ def validate(header: WireHeader, rows: int, width: int, model_id: str, dtypes: I
             f"EC protocol version {header.version} is not supported (this instance speaks {PROTOCOL_VERSION})"
         )
     if header.model_id != model_id:
+        produced, _, prompt = header.model_id.partition(PROMPT_MARK)
+        if prompt and produced == model_id.partition(PROMPT_MARK)[0]:  # a request's error: nothing to retry
+            raise InvalidHandle("the KV was computed for another prompt than this request's")
         raise TransferError(
             f"embeddings were produced for model {header.model_id!r} but this instance serves {model_id!r}"
         )

@@ -9,6 +9,11 @@ checksum covers every byte, so a decode instance refuses KV of another model, la
 precision before reading the payload. Rows are per token, not per block: prefill and decode
 instances may use different block sizes.
 
+A KV handle is bound to the prompt it was computed for: the identity also carries
+``prompt_digest`` of the prompt's token ids and of each media item's content hash and place (the
+same placeholders with another image are another prompt). A decode instance expects the digest of
+the prompt it was given, so KV of one prompt never continues another, even of the same length.
+
 KV handles are signed with their own subkey of the cluster secret: a KV handle is never accepted
 where an embedding handle is expected, nor the reverse.
 """
@@ -16,11 +21,15 @@ where an embedding handle is expected, nor the reverse.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epdserve.transfer.base import Handle
 from epdserve.transfer.config import KV_HANDLE_PURPOSE, Connector, ECConfig
+from epdserve.transfer.header import PROMPT_MARK
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +51,20 @@ class KVLayout:
         """Values per token row: every layer's key and value."""
         return self.num_layers * 2 * self.kv_heads * self.head_dim
 
-    def identity(self, model_id: str) -> str:
-        """The model identity a KV header carries: the model and its KV layout."""
-        return f"{model_id}#kv:layers={self.num_layers},kv_heads={self.kv_heads},head_dim={self.head_dim}"
+    def identity(self, model_id: str, prompt: str = "") -> str:
+        """The model identity a KV header carries: the model, its KV layout and (``prompt``:
+        its ``prompt_digest``) the prompt the KV was computed for."""
+        base = f"{model_id}#kv:layers={self.num_layers},kv_heads={self.kv_heads},head_dim={self.head_dim}"
+        return f"{base}{PROMPT_MARK}{prompt}" if prompt else base
+
+
+def prompt_digest(token_ids: Sequence[int], media: Iterable[tuple[str, int, int]]) -> str:
+    """What a KV handle is bound to: the prompt's token ids and each media item's (content hash,
+    first placeholder, placeholders)."""
+    h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16)
+    for uuid, offset, length in media:
+        h.update(f"|{uuid}@{offset}+{length}".encode())
+    return h.hexdigest()
 
 
 def kv_config(ec: ECConfig, connector: Connector, instance: str, dtype: str) -> ECConfig:
@@ -66,10 +86,11 @@ class KVProducer:
         self.identity = layout.identity(model_id)
         self._producer: ECProducer = make_producer(cfg)
 
-    def put(self, request_id: str, kv: torch.Tensor) -> Handle:
+    def put(self, request_id: str, kv: torch.Tensor, prompt: str) -> Handle:
+        """A handle on ``kv``, the KV of the prompt whose ``prompt_digest`` is ``prompt``."""
         if kv.dim() != 2 or kv.shape[1] != self.layout.width:
             raise ValueError(f"KV rows must be [tokens, {self.layout.width}], got {list(kv.shape)}")
-        return self._producer.put(request_id, kv, self.identity)
+        return self._producer.put(request_id, kv, f"{self.identity}{PROMPT_MARK}{prompt}")
 
     def release(self, handle: Handle) -> bool:
         return self._producer.release(handle)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
-from epdserve.store.config import StoreConfig
+from epdserve.common.store_config import StoreConfig
 from epdserve.transfer.config import ECConfig
 
 

@@ -1,0 +1,104 @@
+"""The skeleton every role's HTTP server shares (encoder, language-model instance, router): the
+aiohttp app with its routes behind the error middleware and their access checks, ``GET /version``
+and the lifecycle hooks (``role_app``); serving it (``run_app``); and what each role's service
+keeps beside its own work, started and stopped the same way (``RoleBasics``): its metrics
+registry and ``/metrics`` answer, its tracer, the window of counts its stats line reports, and its
+registration with a router (``--register-with``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from epdserve.api import logs
+from epdserve.api.auth import Access, AuthConfig, attest_route, guard
+from epdserve.api.http import Handler, error_middleware
+from epdserve.api.metrics import CONTENT_TYPE, Metrics
+from epdserve.api.registration import Registrar, RegistrationConfig
+from epdserve.api.tracing import Tracing
+
+Route = tuple[str, str, Handler, Access]  # (method, path, handler, who may call it)
+
+
+async def version(request: web.Request) -> web.Response:
+    from epdserve import __version__
+
+    return web.json_response({"version": __version__})
+
+
+def role_app(
+    max_request_bytes: int,
+    routes: list[Route],
+    start: Callable[[], Awaitable[None]],
+    close: Callable[[], Awaitable[None]],
+    auth: AuthConfig,
+) -> web.Application:
+    """The aiohttp app of one role: its routes (and ``GET /version``, as vLLM serves it) behind
+    the error middleware and their access checks, with lifecycle hooks."""
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
+    verifier = auth.verifier()  # one replay cache per app
+    extra: list[Route] = [("GET", "/version", version, "open"), ("POST", "/v1/attest", attest_route(verifier), "open")]
+    for method, path, handler, access in [*routes, *extra]:
+        app.router.add_route(method, path, guard(handler, access, auth, verifier))
+
+    async def on_startup(app: web.Application) -> None:
+        await start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def run_app(app: web.Application, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM; handlers are cancelled when their client disconnects."""
+    # a short shutdown grace: a supervisor's SIGTERM must end the role (and unlink its slab) promptly
+    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None, shutdown_timeout=5.0)
+
+
+class RoleBasics:
+    """A role service's metrics, tracer, stats window and line, and registration."""
+
+    def __init__(
+        self,
+        service: str,
+        otlp_traces_endpoint: str,
+        read_stats: Callable[[float], Any],
+        stats_interval_s: float,
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
+        """``read_stats(seconds)``: the stats line's fields (``take_window`` gives the counts);
+        ``busy``: whether there was traffic for a line (default: the window is not empty)."""
+        self.metrics = Metrics()
+        self.tracing = Tracing(service, otlp_traces_endpoint)
+        self.window = Counter[str]()  # counts since the last stats line
+        self.stats_line = logs.StatsLine(busy or (lambda: bool(self.window)), read_stats, stats_interval_s)
+        self.registrar: Registrar | None = None  # with --register-with: keeps this instance registered
+
+    def take_window(self) -> Counter[str]:
+        """The counts since the last stats line; the window starts again empty."""
+        taken = self.window.copy()
+        self.window.clear()
+        return taken
+
+    def start(
+        self, registration: RegistrationConfig | None = None, pool: str = "", host: str = "", port: int = 0
+    ) -> None:
+        self.stats_line.start()
+        if registration is not None:
+            self.registrar = Registrar.of(registration, pool, host, port)
+            self.registrar.start()
+
+    async def close(self) -> None:
+        if self.registrar is not None:
+            await self.registrar.close()
+        await self.stats_line.stop()
+        self.tracing.shutdown()
+
+    def metrics_response(self) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,38 @@
+"""How a process logs: text or JSON lines on stderr. In ``common`` because the engine's core
+process sets it up too, and the engine sits below the HTTP front end (``api/logs.py``: access and
+stats lines, request ids)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal
+
+LogFormat = Literal["text", "json"]
+LOG_FORMAT_ENV = "EPD_LOG_FORMAT"  # how a role's engine core process logs (set by the role)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(fmt: LogFormat = "text", prefix: str = "") -> None:
+    """Configure the process's logging (``prefix`` marks a sub-process, e.g. "[core] ")."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)

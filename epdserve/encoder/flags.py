@@ -1,0 +1,22 @@
+"""The flags of ``epdserve encoder`` for ``EncoderConfig``."""
+
+from __future__ import annotations
+
+from epdserve.api.flags import OTLP, STATS_INTERVAL
+from epdserve.config_flags import Flag
+
+ENCODER = "epdserve.encoder.config:EncoderConfig"
+ENCODER_FLAGS = (
+    "served_model_name",
+    "host",
+    "port",
+    "encode_token_budget",
+    Flag("batch_wait_ms", "--encode-batch-wait-ms"),
+    "encoder_cache_bytes",
+    "kernels",
+    "threads",
+    "device",
+    "dtype",
+    STATS_INTERVAL,
+    OTLP,
+)

@@ -1,0 +1,23 @@
+"""The flags of ``EngineConfig`` (``engine.config``) that ``epdserve serve`` offers."""
+
+from __future__ import annotations
+
+from epdserve.config_flags import Flag
+
+ENGINE = "epdserve.engine.config:EngineConfig"
+ENGINE_FLAGS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "memory_fraction",
+    "enable_prefix_caching",
+    "media_max_wait_s",
+    "kernels",
+    Flag("cpus", "--engine-cpus"),
+    "threads",
+    "device",
+    "dtype",
+)

@@ -1,0 +1,370 @@
+"""Memory accounting of a role: what its weights, activations, media and KV cache take, and how
+many KV blocks a budget leaves. The one formula of it: a role checks its configuration with it at
+start-up (``engine.memory.plan_engine``, the encoder server) and ``epdserve plan --host-memory``
+counts instances per host with it.
+
+    language-model role (serve: both / prefill / decode)
+        weights         parameters of the parts loaded (language; + vision tower unless --no-vision) x dtype
+        activations     the largest step: max_num_batched_tokens rows through one decoder layer,
+                        its prefill attention scores, and float32 logits of max_num_seqs rows
+        vision          the tower's largest forward (vision loaded): the largest allowed item, or a
+                        step's token budget of patches, whichever is larger
+        embeddings      the embedding slab: the largest item's rows plus a step's, all feature levels
+        encoder cache   EngineConfig.encoder_cache_bytes
+                        (a decode role meets no media: none of these three)
+        decode mirror   the contiguous decode KV (PyTorch attention only): max_num_seqs x max_model_len tokens
+        KV cache        blocks x block bytes: from --kv-cache-memory, or what --memory-fraction of the
+                        free memory leaves after the rest, or --num-kv-blocks
+
+    encoder role
+        weights, vision (its largest forward: encode_token_budget patches or the largest item),
+        embeddings (that forward's output), encoder cache
+
+A KV block holds ``block_size`` tokens of every layer's keys and values:
+``2 x layers x block_size x kv_heads x head_dim x dtype bytes``. Counted bytes are upper bounds of
+what is resident (the KV cache and the mirror are resident only as used on the CPU), never
+measurements; the figures are for refusing what cannot fit, not for predicting RSS to the byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+from epdserve.models.config import ModelConfig, TextConfig, VisionConfig
+
+if TYPE_CHECKING:  # engine.config imports ByteSize from here
+    from epdserve.engine.config import EngineConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+F32 = 4  # logits, rotary angles and pixel values are float32 whatever the model's dtype
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class MemoryBudgetError(ValueError):
+    """A role's configuration does not fit the memory it has (the message names the figures)."""
+
+
+# a byte count: an int, whose command-line flag (config_flags) also takes units such as 4GiB
+ByteSize = Annotated[int, "bytes"]
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes of ``4GiB``, ``512MB``, ``1.5G``, ``4096`` (binary and decimal units, any case);
+    ValueError for anything else or a negative amount."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 4GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for people: ``4.40 GiB``, ``512.0 MiB``, ``12 B``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit in ("TiB", "GiB") else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---- the parts ------------------------------------------------------------------------------------
+
+
+def parameter_count(model: ModelConfig, parts: frozenset[str]) -> int:
+    """Parameters of the model's ``parts`` ("vision", "language"), counted on the meta device from
+    the model classes the roles load (tied matrices once): no memory, no weights read."""
+    import torch
+
+    from epdserve.models.registry import model_class
+
+    with torch.device("meta"):
+        module = model_class(model.architecture)(model, parts=parts)  # type: ignore[call-arg]
+    return sum(p.numel() for p in module.parameters())  # parameters() yields a tied one once
+
+
+def kv_block_bytes(text: TextConfig, block_size: int, dtype_bytes: int) -> int:
+    """Bytes of one KV block: keys and values of ``block_size`` tokens in every layer."""
+    return 2 * text.num_hidden_layers * block_size * text.num_key_value_heads * text.head_dim * dtype_bytes
+
+
+def lm_step_bytes(text: TextConfig, tokens: int, seqs: int, max_model_len: int, dtype_bytes: int) -> int:
+    """Activations of the largest step: ``tokens`` rows through one decoder layer at its widest
+    (the residual, its norm, q/k/v, the attention output, gate+up, the activation and down), the
+    float32 scores of one layer's prefill attention over up to ``max_model_len`` keys, and the
+    float32 logits of the ``seqs`` rows sampled."""
+    t = text
+    q, kv = t.num_attention_heads * t.head_dim, 2 * t.num_key_value_heads * t.head_dim
+    per_row = 3 * t.hidden_size + q + kv + q + 3 * t.intermediate_size
+    scores = t.num_attention_heads * tokens * max_model_len * F32
+    return tokens * per_row * dtype_bytes + scores + seqs * t.vocab_size * F32
+
+
+def vision_forward_bytes(vision: VisionConfig, patches: int, dtype_bytes: int) -> int:
+    """Activations of one vision forward over ``patches`` rows at its widest point (the residual,
+    its norm, the MLP's hidden and activation; the float32 pixels, rotary angles and rotated q/k
+    beside them). Attention runs per frame in a fused kernel: no score matrix."""
+    v = vision
+    per_row = (3 * v.embed_dim + 2 * v.mlp_hidden_dim) * dtype_bytes
+    per_row += (v.patch_dim + 2 * v.head_dim + 2 * v.embed_dim) * F32
+    return patches * per_row
+
+
+def max_item_patches(vision: VisionConfig, max_pixels: int, video_max_pixels: int, video_frames: int) -> int:
+    """Patches of the largest item a request may carry: an image of ``max_pixels``, or a video of
+    ``video_frames`` frames of ``video_max_pixels`` (0 frames: no videos)."""
+    image = max_pixels // vision.patch_size**2
+    groups = math.ceil(video_frames / vision.temporal_patch_size) if video_frames else 0
+    return max(image, groups * (video_max_pixels // vision.patch_size**2))
+
+
+def embedding_bytes(model: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """``tokens`` rows of media embeddings, every feature level (DeepStack) side by side."""
+    return tokens * model.feature_levels * model.text.hidden_size * dtype_bytes
+
+
+# ---- a role's account ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """What one role instance takes, by part (bytes), and the KV cache that leaves."""
+
+    role: str  # pd, prefill, decode or encoder
+    weights: int
+    activations: int = 0
+    vision: int = 0  # the vision tower's largest forward
+    embeddings: int = 0  # the embedding slab
+    encoder_cache: int = 0
+    decode_mirror: int = 0
+    kv_blocks: int = 0
+    kv_cache: int = 0
+    budget: int = 0  # what the role may use (0: none given)
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the KV cache."""
+        return self.weights + self.activations + self.vision + self.embeddings + self.encoder_cache + self.decode_mirror
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.kv_cache
+
+    def line(self) -> str:
+        """The start-up line: every figure, human-readable."""
+        parts = [f"weights {format_bytes(self.weights)}"]
+        named = (
+            ("activations", self.activations),
+            ("vision peak", self.vision),
+            ("embedding slab", self.embeddings),
+            ("encoder cache", self.encoder_cache),
+            ("decode mirror", self.decode_mirror),
+        )
+        parts += [f"{name} {format_bytes(b)}" for name, b in named if b]
+        if self.kv_blocks:
+            parts.append(f"KV cache {format_bytes(self.kv_cache)} ({self.kv_blocks} blocks)")
+        text = f"{self.role} memory: {', '.join(parts)}; total {format_bytes(self.total)}"
+        return text + (f" of a {format_bytes(self.budget)} budget" if self.budget else "")
+
+
+def engine_memory(
+    model: ModelConfig,
+    *,
+    role: str,
+    dtype: str,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    encoder_cache_bytes: int,
+    item_patches: int,
+    vision: bool,
+    decode_mirror: bool,
+    num_kv_blocks: int = 0,
+    kv_cache_memory: int = 0,
+    budget: int = 0,
+    weights: int | None = None,
+) -> RoleMemory:
+    """A language-model role's account. Its KV blocks: ``kv_cache_memory`` worth, else what
+    ``budget`` leaves after the rest, else ``num_kv_blocks``. MemoryBudgetError when the rest
+    alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
+    ``weights``: bytes of the loaded model where known (else counted from the config)."""
+    b = DTYPE_BYTES[dtype]
+    decode = role == "decode"  # continues from handed-on KV: never meets media
+    loaded = vision and model.vision is not None
+    parts = frozenset({"language", "vision"} if loaded else {"language"})
+    w = weights if weights is not None else parameter_count(model, parts) * b
+    merge2 = model.vision.spatial_merge_size**2 if model.vision is not None else 1
+    rows = max(item_patches, max_num_batched_tokens * merge2)
+    fixed = RoleMemory(
+        role=role,
+        weights=w,
+        activations=lm_step_bytes(model.text, max_num_batched_tokens, max_num_seqs, max_model_len, b),
+        vision=vision_forward_bytes(model.vision, rows, b) if loaded and model.vision is not None and not decode else 0,
+        embeddings=embedding_bytes(model, item_patches // merge2 + max_num_batched_tokens, b)
+        if model.vision is not None and not decode
+        else 0,
+        encoder_cache=0 if decode else encoder_cache_bytes,
+        decode_mirror=max_num_seqs * max_model_len * kv_block_bytes(model.text, 1, b) if decode_mirror else 0,
+        budget=budget,
+    )
+    block = kv_block_bytes(model.text, block_size, b)
+    need = -(-max_model_len // block_size)
+    if kv_cache_memory:
+        blocks = kv_cache_memory // block
+    elif budget:
+        if fixed.fixed > budget:
+            raise MemoryBudgetError(
+                f"{role}: {format_bytes(fixed.fixed)} before any KV cache exceeds the memory budget "
+                f"{format_bytes(budget)} ({fixed.line()})"
+            )
+        blocks = (budget - fixed.fixed) // block
+    else:
+        blocks = num_kv_blocks
+    if blocks < need:
+        raise MemoryBudgetError(
+            f"{role}: a KV cache of {blocks} blocks ({format_bytes(blocks * block)}) cannot hold one request of "
+            f"max_model_len {max_model_len} ({need} blocks of {format_bytes(block)}; {fixed.line()})"
+        )
+    out = dataclasses.replace(fixed, kv_blocks=blocks, kv_cache=blocks * block)
+    if budget and out.total > budget:
+        raise MemoryBudgetError(f"{role}: needs {format_bytes(out.total)}, over the budget ({out.line()})")
+    return out
+
+
+def encoder_memory(
+    model: ModelConfig,
+    *,
+    dtype: str,
+    encode_token_budget: int,
+    encoder_cache_bytes: int,
+    item_patches: int,
+    budget: int = 0,
+    weights: int | None = None,
+) -> RoleMemory:
+    """An encoder role's account; MemoryBudgetError when it exceeds ``budget`` (0: none)."""
+    vision = model.vision_config
+    b = DTYPE_BYTES[dtype]
+    rows = max(encode_token_budget, item_patches)  # an item larger than the budget is encoded alone
+    out = RoleMemory(
+        role="encoder",
+        weights=weights if weights is not None else parameter_count(model, frozenset({"vision"})) * b,
+        vision=vision_forward_bytes(vision, rows, b),
+        embeddings=embedding_bytes(model, rows // vision.spatial_merge_size**2, b),
+        encoder_cache=encoder_cache_bytes,
+        budget=budget,
+    )
+    if budget and out.total > budget:
+        raise MemoryBudgetError(f"encoder: needs {format_bytes(out.total)}, over the budget ({out.line()})")
+    return out
+
+
+# ---- from a checkpoint directory and a role's config -------------------------------------------------
+
+
+def item_patches(model_dir: str | Path, model: ModelConfig) -> int:
+    """Patches of the largest item the checkpoint's processor lets through (0: no vision tower)."""
+    if model.vision is None:
+        return 0
+    from epdserve.media.processor import ProcessorConfig  # numpy and PIL: only where needed
+
+    proc = ProcessorConfig.from_pretrained(model_dir)
+    return max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
+
+
+def account_engine(
+    model_dir: str | Path, config: EngineConfig, role: str, vision: bool, fused: bool, free: int
+) -> RoleMemory:
+    """``engine_memory`` of a language-model role of ``config`` on ``model_dir``; ``fused``: the
+    fused kernels attend (no decode mirror), ``free``: the memory ``--memory-fraction`` takes from."""
+    model = ModelConfig.from_pretrained(model_dir)
+    return engine_memory(
+        model,
+        role=role,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        encoder_cache_bytes=config.encoder_cache_bytes,
+        item_patches=item_patches(model_dir, model),
+        vision=vision,
+        decode_mirror=not fused,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        budget=int(config.memory_fraction * free),
+    )
+
+
+def account_encoder(
+    model_dir: str | Path, dtype: str, encode_token_budget: int, encoder_cache_bytes: int
+) -> RoleMemory:
+    """``encoder_memory`` of an encoder on ``model_dir`` (an audio tower: its weights only)."""
+    model = ModelConfig.from_pretrained(model_dir)
+    if model.vision is None:
+        weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
+        return RoleMemory(role="encoder", weights=weights, encoder_cache=encoder_cache_bytes)
+    return encoder_memory(
+        model,
+        dtype=dtype,
+        encode_token_budget=encode_token_budget,
+        encoder_cache_bytes=encoder_cache_bytes,
+        item_patches=item_patches(model_dir, model),
+    )
+
+
+def check_free(mem: RoleMemory, free: int) -> None:
+    """MemoryBudgetError when ``mem`` needs more than the ``free`` bytes there are."""
+    if mem.total > free:
+        raise MemoryBudgetError(
+            f"{mem.role}: needs {format_bytes(mem.total)}, only {format_bytes(free)} free ({mem.line()})"
+        )
+
+
+# ---- the machine ----------------------------------------------------------------------------------
+
+
+def available_memory(device: str = "cpu") -> int:
+    """Bytes this process may still take: an accelerator's free memory, else the kernel's
+    MemAvailable, lowered to what the cgroup's limit leaves."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    avail = _meminfo().get("MemAvailable", 0)
+    limit, used = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    try:
+        text = limit.read_text().strip()
+        if text != "max":
+            avail = min(avail, int(text) - int(used.read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
+
+
+def host_memory() -> int:
+    """Bytes of memory of this host (MemTotal)."""
+    return _meminfo().get("MemTotal", 0)
+
+
+def host_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields = value.split()
+            if fields:
+                out[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out

@@ -1,0 +1,181 @@
+"""The parts of a ViT vision tower the families share: patch embedding, attention within
+segments of the patch rows (frames, or Qwen2.5-VL's windows), the pre-norm block and the merger.
+
+A family's tower composes them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``); what a block attends
+within is the tower's choice, passed per call as an ``AttentionSegments``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epdserve.kernels.ops import LayerOps
+from epdserve.models.config import VisionConfig
+from epdserve.models.layers.activation import activation
+from epdserve.models.qwen2_vl_layout import MediaPlaceholderError
+
+GridLike = torch.Tensor | Sequence[Sequence[int]]
+Grids = list[tuple[int, int, int]]
+
+
+class PatchEmbed(nn.Module):
+    """Linear projection of flattened patches.
+
+    The checkpoint stores a Conv3d whose kernel equals its stride and the patch size, applied to
+    one patch at a time: that is a matrix product with the flattened kernel, which is cheaper and
+    takes the processor's flat patches as they are. The family's ``load_weights`` flattens the
+    kernel.
+    """
+
+    def __init__(self, config: VisionConfig, bias: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(config.patch_dim, config.embed_dim, bias=bias)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches.to(self.proj.weight.dtype))
+
+
+def check_patches(c: VisionConfig, pixel_values: torch.Tensor, grids: Grids) -> None:
+    """MediaPlaceholderError unless ``pixel_values`` are the flat patches of ``grids``."""
+    if pixel_values.ndim != 2 or pixel_values.shape[1] != c.patch_dim:
+        raise MediaPlaceholderError(f"pixel_values must be [patches, {c.patch_dim}], got {list(pixel_values.shape)}")
+    for t, h, w in grids:
+        if t < 1 or h < 1 or w < 1 or h % c.spatial_merge_size or w % c.spatial_merge_size:
+            raise MediaPlaceholderError(
+                f"grid {(t, h, w)} must be positive with h and w multiples of {c.spatial_merge_size}"
+            )
+    expected = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape[0] != expected:
+        raise MediaPlaceholderError(f"grids describe {expected} patches, pixel_values has {pixel_values.shape[0]}")
+
+
+class AttentionSegments(Protocol):
+    """A partition of a tower's patch rows into the groups that attend among themselves."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v [N, heads, D] → [N, heads * D] (or [N, heads, D]), each row attending within
+        its segment, bidirectionally."""
+        ...
+
+
+def frame_runs(grids: Grids) -> list[tuple[int, int]]:
+    """The frames of consecutive items as runs of equal size: (frames, patches per frame) each.
+    Attention stays within a frame, so a run is one batched call, however many items it spans."""
+    runs: list[tuple[int, int]] = []
+    for t, h, w in grids:
+        if runs and runs[-1][1] == h * w:
+            runs[-1] = (runs[-1][0] + t, h * w)
+        else:
+            runs.append((t, h * w))
+    return runs
+
+
+class FrameRuns:
+    """Attention within each frame of each media item, never across them; the rows are in
+    processor order, so every frame is a contiguous run and needs no gather."""
+
+    def __init__(self, grids: Grids) -> None:
+        self.runs = frame_runs(grids)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads, d = q.shape[1], q.shape[2]
+        outs, start = [], 0
+        for frames, size in self.runs:
+            # frames of one size (of one item or of consecutive items) batch as [frames, heads, size, D]
+            end = start + frames * size
+            qi, ki, vi = (y[start:end].view(frames, size, heads, d).transpose(1, 2) for y in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(frames * size, -1))
+            start = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def rotated_qkv(
+    qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, ops: LayerOps
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [N, heads, D] of a fused projection [N, 3 * heads * D], q and k rotated in float32
+    like the reference (bfloat16 angles lose the position of far patches), both in one call."""
+    parts = qkv.view(qkv.shape[0], 3, heads, head_dim)
+    qk = ops.rotary_f32(parts[:, :2].flatten(1, 2), cos, sin)
+    return qk[:, :heads], qk[:, heads:], parts[:, 2]
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within the segments it is given (frames or windows)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
+        self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: AttentionSegments, ops: LayerOps
+    ) -> torch.Tensor:
+        q, k, v = rotated_qkv(self.qkv(x), self.num_heads, self.head_dim, cos, sin, ops)
+        return self.proj(segments.attend(q, k, v).reshape(x.shape[0], -1))
+
+
+class VisionMLP(nn.Module):
+    """fc1, activation, fc2 (Qwen2-VL's and, renamed, Qwen3-VL's)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
+        self.fc2 = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
+        self.act = activation(config.hidden_act)
+        self.quick_gelu = config.hidden_act == "quick_gelu"  # fused by the kernels
+
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(ops.quick_gelu(h) if self.quick_gelu else self.act(h))
+
+
+def layer_norm(size: int) -> nn.Module:
+    """The towers' LayerNorm (Qwen2-VL, Qwen3-VL)."""
+    return nn.LayerNorm(size, eps=1e-6)
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block of the ViT; the norm and MLP are the family's."""
+
+    def __init__(
+        self,
+        config: VisionConfig,
+        norm: Callable[[int], nn.Module] = layer_norm,
+        mlp: Callable[[VisionConfig], nn.Module] = VisionMLP,
+    ) -> None:
+        super().__init__()
+        self.norm1 = norm(config.embed_dim)
+        self.norm2 = norm(config.embed_dim)
+        self.attn = VisionAttention(config)
+        self.mlp = mlp(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: AttentionSegments, ops: LayerOps
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments, ops)
+        return x + self.mlp(self.norm2(x), ops)
+
+
+class PatchMerger(nn.Module):
+    """Folds each merge x merge window of patches (adjacent rows in processor order) into one LM token."""
+
+    def __init__(self, config: VisionConfig, norm: Callable[[int], nn.Module] = layer_norm) -> None:
+        super().__init__()
+        self.merged_dim = config.merged_dim
+        self.ln_q = norm(config.embed_dim)
+        # a Sequential only so that the parameter names equal the checkpoint's (mlp.0, mlp.2)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.merged_dim, config.merged_dim),
+            nn.GELU(),
+            nn.Linear(config.merged_dim, config.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))

@@ -1,0 +1,174 @@
+"""``epdserve up``'s flags: its own, and the role flags it hands on to the roles it starts (read
+from the roles' configs without importing them: the supervisor stays free of torch); the
+``Deployment`` they describe."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from epdserve.api.flags import (
+    ADMIN_KEY,
+    API_KEY,
+    AUTH,
+    EXPOSURE,
+    MODEL,
+    OTLP,
+    QUOTA,
+    QUOTA_FLAGS,
+    STATS_INTERVAL,
+    add_log_args,
+)
+from epdserve.config_flags import Flag, add_flags, declared_default, to_argv, usage_error
+from epdserve.encoder.flags import ENCODER
+from epdserve.engine.flags import ENGINE
+from epdserve.media.flags import MEDIA, MEDIA_FLAGS
+from epdserve.pd.flags import PUBLIC_FLAGS, SERVER
+from epdserve.router.flags import FRONTEND, FRONTEND_FLAGS, FRONTEND_PREFIX, ROUTER
+from epdserve.security.credentials import ADMIN_KEY_ENV
+from epdserve.store.flags import STORE, STORE_CONSUMER_FLAGS, STORE_FLAGS, STORE_PREFIX, store_group
+from epdserve.transfer.flags import EC, EC_PREFIX
+
+if TYPE_CHECKING:
+    from epdserve.sizing import Caches
+    from epdserve.up import Deployment
+
+# what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
+# flags, which roles get them)
+UP_FORWARDED = (
+    (ROUTER, ("policy", "kv_load_tokens", "encoder_policy", "directory_entries", "dispatch_interference"), "router"),
+    (ROUTER, ("max_inflight_text", "max_inflight_media", "admission_wait_s", "text_ttft_target_ms"), "router"),
+    (ROUTER, ("encoder_wait_s",), "router"),
+    (SERVER, PUBLIC_FLAGS, "public"),
+    (QUOTA, QUOTA_FLAGS, "public"),
+    (EXPOSURE, ("public_metrics",), "public"),
+    (SERVER, ("served_model_name",), "models"),
+    (ENGINE, ("kernels", "threads", "device", "dtype"), "models"),
+    (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
+    (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "kv_cache_memory", "memory_fraction"), "lm"),
+    (ENCODER, ("encode_token_budget", "encoder_cache_bytes"), "encoders"),
+    (MEDIA, MEDIA_FLAGS, "all"),
+    (SERVER, (STATS_INTERVAL, OTLP), "all"),
+)
+UP_ROLES = {
+    "router": "passed to the router (unset: its default)",
+    "public": "passed to the public endpoint and the language-model instances (unset: their default)",
+    "encoders": "passed to every encoder (unset: the encoder's default)",
+    "models": "passed to every encoder and language-model instance (unset: each role's default)",
+    "lm": "passed to every language-model instance (unset: serve's default)",
+    "all": "passed to every role (unset: each role's default)",
+}
+
+
+def up_deployment(args: argparse.Namespace) -> Deployment:
+    """The ``Deployment`` of ``epdserve up``'s flags (nothing started yet)."""
+    from epdserve.security.credentials import ClusterCredential, CredentialError, api_key_from
+    from epdserve.up import Deployment
+
+    try:
+        # a fresh secret per run unless given: never one inherited from the shell's environment
+        cluster = ClusterCredential.from_file(args.cluster_secret_file) if args.cluster_secret_file else None
+    except CredentialError as e:
+        usage_error(str(e))
+
+    if args.mooncake_master and args.store_url:
+        usage_error("--mooncake-master starts the deployment's own store: leave out --store-url")
+
+    def forwarded(roles: str) -> list[str]:
+        return [arg for _, flags, to in UP_FORWARDED if to == roles for arg in to_argv(args, flags)]
+
+    return Deployment(
+        args.topology,
+        args.model,
+        host=args.host,
+        port=args.port,
+        pin=args.pin_cores,
+        ec_connector=args.ec_connector,
+        kv_connector=args.kv_connector,
+        extra_pd_args=[
+            *forwarded("models"),
+            *forwarded("lm"),
+            *forwarded("public"),
+            *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX),
+        ],
+        extra_encoder_args=[*forwarded("models"), *forwarded("encoders"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
+        extra_router_args=[*forwarded("router"), *forwarded("public"), *to_argv(args, FRONTEND_FLAGS, FRONTEND_PREFIX)],
+        extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        api_key=api_key_from(args.api_key),
+        admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),
+        cluster=cluster or ClusterCredential.generate(),
+        verbose=True,
+        mooncake_master=args.mooncake_master,
+        **({"dispatch": args.dispatch} if args.dispatch else {}),
+        caches=None if args.force else up_caches(args),
+        log_json=args.log_format == "json",
+    )
+
+
+def up_caches(args: argparse.Namespace) -> Caches:
+    """What sizes ``up``'s roles: the flags given, else each role's default as its config declares it."""
+    from epdserve.sizing import Caches
+
+    def given(name: str, config: str, field: str | None = None) -> str:
+        value = getattr(args, name, None)
+        return str(value) if value is not None else str(declared_default(config, field or name))
+
+    return Caches(
+        dtype=given("dtype", ENGINE),
+        num_kv_blocks=int(given("num_kv_blocks", ENGINE)),
+        block_size=int(given("block_size", ENGINE)),
+        encoder_cache_bytes=int(given("encoder_cache_bytes", ENCODER)),
+        engine_cache_bytes=int(declared_default(ENGINE, "encoder_cache_bytes") or 0),
+    )
+
+
+def run_up_command(args: argparse.Namespace) -> int:
+    from epdserve.up import run_up
+
+    return run_up(up_deployment(args))
+
+
+def add_up_args(s: argparse.ArgumentParser) -> None:
+    """Flags of ``epdserve up``: its own, and role flags it hands on (read from the roles' configs
+    without importing them: the supervisor stays free of torch)."""
+    from epdserve.up import TOPOLOGIES_HELP, topology_arg
+
+    s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default: 1e+1pd)")
+    add_flags(s, SERVER, [MODEL], defaults=False)
+    s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
+    s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the topology's estimated memory or process count exceeds this machine",
+    )
+    add_flags(s, EC, ["connector"], EC_PREFIX)
+    s.add_argument(
+        "--kv-connector",
+        choices=("shm", "tcp"),
+        default="shm",
+        help="how prefill instances hand KV to decode instances in <N>e+<P>p+<D>d (default: shm)",
+    )
+    add_log_args(s, default=None)  # unset: each role logs text
+    s.add_argument("--log-dir", default=None, help="write each role's log here")
+    credentials = s.add_argument_group("credentials")
+    add_flags(credentials, AUTH, [API_KEY, ADMIN_KEY], defaults=False)
+    credentials.add_argument(
+        "--cluster-secret-file", default=None, help="secret shared by the roles (default: a new one per run)"
+    )
+    add_flags(s, ROUTER, [Flag("dispatch", default_help="always")], defaults=False)
+    groups = {roles: s.add_argument_group(description=text) for roles, text in UP_ROLES.items()}
+    for config, flags, roles in UP_FORWARDED:
+        add_flags(groups[roles], config, flags, defaults=False)
+    add_flags(groups["router"], FRONTEND, FRONTEND_FLAGS, FRONTEND_PREFIX, defaults=False)
+    store = store_group(s)
+    store.add_argument(
+        "--mooncake-master",
+        action="store_true",
+        help="start a Mooncake master with the deployment and share encoder outputs through it "
+        "(instead of --store-url)",
+    )
+    add_flags(store, STORE, STORE_FLAGS, STORE_PREFIX, defaults=False)

@@ -1,0 +1,121 @@
+"""The published widths of Qwen2-VL-2B-Instruct (vocabulary 151,936, hidden 1,536, 12 query and 2
+KV heads, a 1,280-wide tower of 16 heads) at a cut depth — 2 language layers, 2 vision blocks —
+served aggregated and E+PD: greedy answers equal transformers' ``generate`` on the same checkpoint.
+The full depth is ``scripts/parity_real_size.py``.
+
+The checkpoint's processor is bounded to 448 x 448 pixels: the widths are under test here, not the
+published 12.8-megapixel bound, whose vision forward the memory plan would reserve per role.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from epdserve.hf_reference import HFReference
+from epdserve.models.config import ModelConfig
+from epdserve.shapes import ShapesWorld, render_images
+from tests.checkpoints.published import build_published, published_config
+from tests.test_families import _deploy, ask, transformers_answer
+from tests.test_families import data_url as image_url
+
+MAX_PIXELS = 448 * 448
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    out = build_published("qwen2_vl", tmp_path_factory.mktemp("ckpt") / "qwen2-vl-2b-l2", layers=2, vision_depth=2)
+    path = out / "preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_pixels": MAX_PIXELS}))
+    return out
+
+
+def requests() -> list[tuple[dict, list]]:
+    w = ShapesWorld(7)
+    one, two = w.sample("describe"), w.sample("count")
+    images = render_images(one) + render_images(two)
+
+    def msg(ims: list, q: str) -> list[dict]:
+        parts = [{"type": "image_url", "image_url": {"url": image_url(im)}} for im in ims]
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": q}]}]
+
+    return [
+        ({"messages": [{"role": "user", "content": "Describe the image."}], "max_tokens": 8}, []),
+        ({"messages": msg(render_images(one), one.question)}, render_images(one)),
+        ({"messages": msg(images, "Describe the second image."), "stream": True}, images),
+    ]
+
+
+@pytest.fixture(scope="module")
+def aggregated(checkpoint: Path) -> Iterator[list[str]]:
+    d = _deploy(checkpoint, "aggregated")
+    try:
+        yield [ask(d.url, checkpoint.name, r) for r, _ in requests()]
+    finally:
+        d.stop()
+
+
+def test_the_checkpoint_has_the_published_widths(checkpoint: Path) -> None:
+    cfg = ModelConfig.from_pretrained(checkpoint)
+    t, v = cfg.text, cfg.vision_config
+    assert (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_hidden_layers) == (151936, 1536, 8960, 2)
+    assert (t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.mrope_section) == (12, 2, 128, (16, 24, 24))
+    assert (v.depth, v.embed_dim, v.num_heads, v.mlp_hidden_dim, v.out_hidden_size) == (2, 1280, 16, 5120, 1536)
+    assert t.tie_word_embeddings and t.rope_theta == 1e6
+    assert (cfg.image_token_id, cfg.vision_start_token_id) == (151655, 151652)
+
+
+def test_aggregated_answers_what_transformers_answers(checkpoint: Path, aggregated: list[str]) -> None:
+    assert len(set(aggregated)) > 1, "the requests must not all get one answer"
+    assert all(a.strip() for a in aggregated), "filler tokens decode to text"
+    ref = HFReference(checkpoint)
+    expected = [transformers_answer(ref, r, images) for r, images in requests()]
+    assert aggregated == expected
+
+
+def test_e_pd_answers_what_aggregated_answers(checkpoint: Path, aggregated: list[str]) -> None:
+    d = _deploy(checkpoint, "1e+1pd")
+    try:
+        got = [ask(d.url, checkpoint.name, r) for r, _ in requests()]
+    finally:
+        d.stop()
+    assert got == aggregated
+
+
+def test_a_cut_depth_keeps_the_widths_and_the_blocks_that_still_exist() -> None:
+    full, processor = published_config("qwen2_5_vl")
+    cut, _ = published_config("qwen2_5_vl", layers=3, vision_depth=9)
+    assert cut["text_config"] == {**full["text_config"], "num_hidden_layers": 3, "max_window_layers": 3}
+    assert cut["vision_config"]["fullatt_block_indexes"] == [7]
+    assert published_config("qwen2_5_vl", vision_depth=2)[0]["vision_config"]["fullatt_block_indexes"] == [1]
+    assert processor["max_pixels"] == 12845056
+    q3, _ = published_config("qwen3_vl", layers=2, vision_depth=12)
+    assert q3["vision_config"]["deepstack_visual_indexes"] == [5, 11]
+    assert published_config("qwen3_vl", layers=1)[0]["vision_config"]["deepstack_visual_indexes"] == [5]
+    with pytest.raises(ValueError, match=r"layers must be 1\.\.28"):
+        published_config("qwen2_vl", layers=29)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["qwen2_vl", "--size", "3b"], "no published 3b size of qwen2_vl"),
+        (["qwen2_5_vl", "--layers", "2"], "--layers and --vision-depth cut a published size"),
+        (["qwen3_vl", "--size", "2b", "--vision-depth", "25"], "vision_depth must be 1..24"),
+    ],
+)
+def test_build_checkpoint_refuses_what_is_not_published(tmp_path: Path, args: list[str], message: str) -> None:
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_checkpoint.py"
+    r = subprocess.run(
+        [sys.executable, str(script), args[0], str(tmp_path / "out"), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and message in r.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
