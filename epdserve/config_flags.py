@@ -270,7 +270,7 @@ def _kind(annotation: ast.expr, module: str) -> tuple[Callable[[str], Any], tupl
         if node.id in _SCALARS:
             return _SCALARS[node.id], None
         if node.id == "ByteSize":  # an int whose flag also takes units
-            from epdserve.memory import parse_bytes
+            from epdserve.common.units import parse_bytes
 
             return parse_bytes, None
         return _kind(*_alias(node.id, module))

@@ -39,25 +39,36 @@ from epdserve.shapes import ShapesWorld
 API_KEY = "soak-" + os.urandom(8).hex()
 
 
-def role_pids(up_pid: int) -> dict[str, int]:
-    """Role name (from its command line) → pid, for the children of ``up``."""
-    out: dict[str, int] = {}
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, from /proc."""
+    out: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            out.setdefault(ppid, []).append(int(p.name))
+    return out
+
+
+def role_pids(up_pid: int) -> dict[str, int]:
+    """Role name (from its command line) → pid, for the children of ``up`` and their own children
+    (a language-model worker's engine core is a process of its own: ``<role>:<port>/core``)."""
+    out: dict[str, int] = {}
+    children = _children()
+    for pid in children.get(up_pid, []):
         try:
-            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (p / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if w]
+        except OSError:
             continue
-        if ppid != up_pid:
-            continue
-        words = [w.decode() for w in cmd if w]
         role = next((w for w in words if w in ("encoder", "serve", "router")), "?")
         if role == "serve" and "--role" in words:
             role = words[words.index("--role") + 1]
         port = words[words.index("--port") + 1] if "--port" in words else "?"
-        out[f"{role}:{port}"] = int(p.name)
+        out[f"{role}:{port}"] = pid
+        for i, child in enumerate(children.get(pid, [])):
+            out[f"{role}:{port}/core" + (f"{i}" if i else "")] = child
     return out
 
 
@@ -189,12 +200,23 @@ def main() -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument("--up-args", default="", help="more flags for epdserve up, e.g. '--encoder-cache-bytes 16777216'")
     args = p.parse_args()
 
     port = free_port()
     env = dict(os.environ, EPD_API_KEY=API_KEY)
     up = subprocess.Popen(
-        [sys.executable, "-m", "epdserve.cli", "up", "--topology", args.topology, "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "epdserve.cli",
+            "up",
+            "--topology",
+            args.topology,
+            "--port",
+            str(port),
+            *args.up_args.split(),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -236,6 +258,7 @@ def main() -> int:
     total = sum(result["statuses"].values())
     summary = {
         "topology": args.topology,
+        "up_args": args.up_args,
         "minutes": args.minutes,
         "concurrency": args.concurrency,
         "requests": total,

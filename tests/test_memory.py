@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from epdserve.assets import default_model_dir
+from epdserve.common.units import format_bytes, parse_bytes
 from epdserve.config_flags import add_flags, values
 from epdserve.engine.config import EngineConfig
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
@@ -22,13 +23,11 @@ from epdserve.memory import (
     available_memory,
     encoder_memory,
     engine_memory,
-    format_bytes,
     host_memory,
     kv_block_bytes,
     lm_step_bytes,
     max_item_patches,
     parameter_count,
-    parse_bytes,
     vision_forward_bytes,
 )
 from epdserve.models.config import ModelConfig

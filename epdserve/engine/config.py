@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from epdserve.common.dtypes import DType, check_dtype
+from epdserve.common.units import ByteSize
 from epdserve.kernels import KernelChoice
-from epdserve.memory import ByteSize
 
 PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a request (P/D disaggregation)
 

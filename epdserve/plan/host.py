@@ -12,16 +12,15 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from epdserve.common.units import format_bytes, parse_bytes
 from epdserve.engine.config import EngineConfig
 from epdserve.memory import (
     MemoryBudgetError,
     RoleMemory,
     account_encoder,
     account_engine,
-    format_bytes,
     host_cores,
     host_memory,
-    parse_bytes,
 )
 from epdserve.up import Topology
 
