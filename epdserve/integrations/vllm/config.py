@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.common.store_config import StoreConfig
+from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.transfer.config import ECConfig
 
 
