@@ -295,6 +295,19 @@ class TestEmbeddingsFromEpdserve:
         assert tokens(out) == tokens(want)
         assert wait_released(encoder) == 0
 
+    def test_the_router_drives_vllm(self, encoder: str, reference: str, strict: str) -> None:
+        """``epdserve router --pd-engine vllm``: media encoded on epdserve's encoder, answered by vLLM."""
+        router = ["router", "--encoders", encoder, "--pds", strict, "--pd-engine", "vllm"]
+        with running(router) as url:
+            for case in ("multi-image", "video"):
+                media = CASES[case]
+                status, want = chat(reference, media)
+                assert status == 200, want
+                status, got = chat(url, media)
+                assert status == 200, got
+                assert tokens(got) == tokens(want), case
+        assert wait_released(encoder) == 0
+
     def test_an_item_without_a_handle_fails_its_request_only(self, encoder: str, strict: str) -> None:
         media = [("image", image_url(11))]
         status, err = chat(strict, media)  # no handles at all

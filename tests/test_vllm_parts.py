@@ -14,6 +14,7 @@ from epdserve.encoder.protocol import EncodedItem
 from epdserve.integrations.vllm import compat
 from epdserve.integrations.vllm.config import VllmECConfig
 from epdserve.integrations.vllm.handles import PARAMS_KEY, ec_transfer_params, handles_by_key
+from epdserve.router.config import RouterConfig
 from epdserve.router.refs import media_refs
 from epdserve.router.vllm_worker import VllmLoad, is_vllm_models, parse_vllm_load, vllm_body
 from epdserve.transfer.base import InvalidHandle
@@ -205,3 +206,11 @@ def test_a_vllm_worker_is_told_by_its_model_cards() -> None:
     assert is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
     assert not is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "epdserve"}]})
     assert not is_vllm_models({"data": []}) and not is_vllm_models(["vllm"])
+
+
+@pytest.mark.parametrize("bad", [{"policy": "kv_aware"}, {"prefills": ("http://p:1",), "decodes": ("http://d:1",)}])
+def test_the_router_takes_vllm_workers_where_it_can_drive_them(bad: dict) -> None:
+    with pytest.raises(ValueError, match="--pd-engine vllm"):
+        RouterConfig(pds=("http://v:1",), pd_engine="vllm", **bad)
+    with pytest.raises(ValueError, match="unknown PD engine"):
+        RouterConfig(pd_engine="sglang")  # type: ignore[arg-type]
