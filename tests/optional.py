@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 # the module a test imports -> the extra that installs it
-EXTRAS = {"mooncake.store": "mooncake", "redis": "store", "opentelemetry.sdk": "tracing"}
+EXTRAS = {"mooncake.store": "mooncake", "redis": "store", "opentelemetry.sdk": "tracing", "vllm": "vllm"}
 
 
 def unavailable(module: str) -> str | None:

@@ -46,6 +46,7 @@ TIERS: dict[str, str] = {
     "test_tokenizer.py": "unit",
     "test_tiers.py": "unit",
     "test_transfer_security.py": "unit",
+    "test_vllm_parts.py": "unit",
     # files of unit tests with a few that start processes
     "test_admission.py": "unit",
     "test_admission.py::test_a_burst_of_image_requests_waits_or_is_turned_away_while_text_goes_through": "e2e",
@@ -121,6 +122,8 @@ TIERS: dict[str, str] = {
     "test_topologies.py::test_pd_topology_parsing": "unit",
     "test_trust.py": "e2e",
     "test_up.py": "e2e",
+    "test_vllm_connector.py": "e2e",
+    "test_vllm_connector.py::test_the_installed_vllm_has_the_interface_the_connector_implements": "unit",
     "test_up.py::test_restart_backoff_doubles_to_the_cap": "unit",
     "test_up.py::test_pinned_engine_cores_get_cores_of_their_own": "unit",
     "test_up.py::test_engine_cpus_are_a_core_list": "unit",
@@ -161,7 +164,11 @@ FULL_MATRIX: set[str] = {
 }
 
 # test files that need an optional extra: skipped, with the reason, where its module does not load
-EXTRAS: dict[str, str] = {"test_store.py": "redis", "test_mooncake_store.py": "mooncake.store"}
+EXTRAS: dict[str, str] = {
+    "test_store.py": "redis",
+    "test_mooncake_store.py": "mooncake.store",
+    "test_vllm_connector.py": "vllm",  # scripts/test_vllm.sh installs vLLM's CPU build and runs it
+}
 
 
 def tier_of(file: str, test: str) -> str:

@@ -25,6 +25,8 @@ LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     ("store",),
     # the engine core, scheduler and model runner
     ("engine",),
+    # other engines fed by epdserve's encoders (vLLM's EC connector), over the connectors and the fetcher
+    ("integrations",),
     # what every role's HTTP side shares: schemas, errors, auth, tokenizer, logs
     ("api",),
     # the encoder role, whose protocol the router speaks

@@ -50,6 +50,7 @@ from epdserve.router.refs import media_refs, with_parts
 from epdserve.router.server import Router
 from epdserve.router.trail import Trail
 from epdserve.router.upstream import RetryableWorker
+from epdserve.router.vllm_worker import vllm_body
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,8 @@ class Handlers:
                     pd = await self.placement.place(self.worker_pools.pds, req, refs, exclude, skip_cached, 1, trail)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
-                worker_body = msgspec.json.encode(with_parts(body, refs))
+                for_worker = vllm_body if self.config.pd_engine == "vllm" else with_parts
+                worker_body = msgspec.json.encode(for_worker(body, refs))
                 resp, consumed = await self.forwarder.forward(request, pd, worker_body, bool(req.stream), trail)
                 return resp
             except RetryableWorker as e:

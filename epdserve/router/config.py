@@ -4,7 +4,7 @@ usage error before anything starts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Literal, get_args
 
 from epdserve.api.auth import AuthConfig
 from epdserve.api.exposure import ExposureConfig
@@ -18,6 +18,7 @@ from epdserve.router.membership import WorkerNetworks
 from epdserve.router.pool import PDPolicy, Policy
 
 Workers = tuple[str, ...]
+PDEngine = Literal["epdserve", "vllm"]  # what the prefill+decode workers run
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RouterConfig:
     pds: Workers = ()  # prefill+decode worker base URLs (or dns+http://name:port)
     prefills: Workers = ()  # prefill worker base URLs, or dns+http://name:port (P/D, with decodes)
     decodes: Workers = ()  # decode worker base URLs, or dns+http://name:port (P/D, with prefills)
+    pd_engine: PDEngine = "epdserve"  # what the PD workers run: epdserve, or vllm (docs/vllm.md)
     policy: PDPolicy = "least_outstanding"  # PD worker selection; kv_aware: where the prompt's prefix is cached
     kv_load_tokens: int = 256  # kv_aware: cached prompt tokens one more outstanding request on a worker is worth
     model: str = ""  # kv_aware: checkpoint directory whose chat template and tokenizer the workers use ("" = embedded)
@@ -69,6 +71,11 @@ class RouterConfig:
             raise ValueError("dispatch_interference must be >= 0")
         if self.encoder_policy not in get_args(Policy):
             raise ValueError(f"unknown encoder policy {self.encoder_policy!r}; choose from {get_args(Policy)}")
+        if self.pd_engine not in get_args(PDEngine):
+            raise ValueError(f"unknown PD engine {self.pd_engine!r}; choose from {get_args(PDEngine)}")
+        if self.pd_engine == "vllm" and (self.prefills or self.policy == "kv_aware"):
+            # vLLM workers publish no prefix-cache digest, and its P/D runs through its own KV connectors
+            raise ValueError("vLLM workers (--pd-engine vllm) take --pds, with a policy other than kv_aware")
         if bool(self.prefills) != bool(self.decodes):
             raise ValueError("P/D disaggregation needs both prefill and decode workers")
         WorkerNetworks.of(self.worker_networks, self.host)  # a malformed CIDR is a configuration error

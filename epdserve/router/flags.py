@@ -13,6 +13,7 @@ ROUTER_FLAGS = (
     "port",
     "encoders",
     "pds",
+    "pd_engine",
     "prefills",
     "decodes",
     "policy",

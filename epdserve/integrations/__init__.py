@@ -1,0 +1,1 @@
+"""Integrations of epdserve with other serving engines (each optional, each in its own subpackage)."""

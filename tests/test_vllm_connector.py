@@ -1,0 +1,376 @@
+"""epdserve's encoders in front of a real vLLM: ``vllm serve`` with epdserve's EC connector and a
+real epdserve encoder, greedy answers compared with a plain vLLM on the same requests.
+
+Runs only where vLLM is importable (``scripts/test_vllm.sh`` installs its CPU build and runs these
+tests with that interpreter); elsewhere the module is skipped, saying so (tests/tiers.py EXTRAS).
+
+Three vLLM instances, at most two at a time: a plain one (the reference), one whose connector
+forbids local encoding (an answer from it can only have come from epdserve's embeddings), and one
+that allows it (a handle that fails must leave the answer exactly as vLLM computes it).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import av
+import msgspec
+import pytest
+from PIL import Image
+
+from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION, EncodedItem
+from epdserve.integrations.vllm import compat
+from epdserve.integrations.vllm.handles import ec_transfer_params
+from epdserve.launcher import free_port
+from epdserve.router.refs import media_refs
+from epdserve.router.vllm_worker import vllm_body
+from epdserve.shapes import ShapesWorld
+from tests.server_utils import http, internal_headers, post_json, running
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+MODEL = "shapes-qwen2vl"  # the served name on both sides: handles carry it as their model identity
+START_S = 600.0  # vLLM's start-up on a busy 2-core machine
+CONNECTOR = {
+    "ec_connector": "EpdserveECConnector",
+    "ec_connector_module_path": "epdserve.integrations.vllm.ec_connector",
+}
+
+
+# --------------------------------------------------------------------------- media and requests
+
+
+def image_url(seed: int) -> str:
+    buf = io.BytesIO()
+    ShapesWorld(seed).scene().render().save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def video_url(seed: int) -> str:
+    """An MPEG-4 clip of a shapes-world video (a container and codec both sides decode)."""
+    frames: list[Image.Image] = ShapesWorld(seed).video().frames()
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=2)
+        assert isinstance(stream, av.VideoStream)
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_image(f)):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+Media = list[tuple[str, str]]  # (modality, data URL) in prompt order
+
+
+def encode(encoder: str, media: Media) -> list[dict]:
+    """The encoder's items (uuid, handle, ...) for ``media``, as the router gets them."""
+    body = {
+        "version": ENCODER_PROTOCOL_VERSION,
+        "model": MODEL,
+        "items": [{"modality": m, "url": u} for m, u in media],
+    }
+    status, out = post_json(encoder + "/v1/encode", body, headers=internal_headers())
+    assert status == 200, out
+    return out["items"]
+
+
+def chat_body(media: Media, items: list[dict] | None = None, handles: list[dict] | None = None) -> dict:
+    """A greedy chat request; with ``items`` each media part carries its epdserve uuid and the
+    request the handles (``handles``, default: the items' own)."""
+    parts: list[dict] = []
+    for i, (modality, u) in enumerate(media):
+        kind = "image_url" if modality == "image" else "video_url"
+        part: dict = {"type": kind, kind: {"url": u}}
+        if items is not None:
+            part["uuid"] = items[i]["uuid"]
+        parts.append(part)
+    parts.append({"type": "text", "text": "Describe what you see."})
+    body: dict = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "logprobs": True,
+    }
+    if items is not None:
+        body["ec_transfer_params"] = ec_transfer_params(
+            handles if handles is not None else [i["ec_handle"] for i in items]
+        )
+    return body
+
+
+def post_chat(url: str, body: dict) -> tuple[int, dict]:
+    status, raw = http("POST", url + "/v1/chat/completions", json.dumps(body).encode(), timeout=300)
+    return status, json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode(errors="replace")}
+
+
+def chat(
+    url: str, media: Media, items: list[dict] | None = None, handles: list[dict] | None = None
+) -> tuple[int, dict]:
+    return post_chat(url, chat_body(media, items, handles))
+
+
+def tokens(resp: dict) -> list[str]:
+    return [t["token"] for t in resp["choices"][0]["logprobs"]["content"]]
+
+
+def live_handles(encoder: str) -> float:
+    status, body = http("GET", encoder + "/metrics")
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith("epd_encoder_ec_live_handles "):
+            return float(line.split()[1])
+    raise AssertionError("the encoder exports no epd_encoder_ec_live_handles")
+
+
+def wait_released(encoder: str, timeout: float = 30.0) -> float:
+    """The encoder's live leases, once they reached 0 (or whatever is left after ``timeout``)."""
+    t0 = time.time()
+    while (n := live_handles(encoder)) and time.time() - t0 < timeout:
+        time.sleep(0.2)
+    return n
+
+
+# --------------------------------------------------------------------------- servers
+
+
+@contextmanager
+def vllm_serve(model_dir: Path, ec_extra: dict | None = None) -> Iterator[str]:
+    """``vllm serve`` of the embedded checkpoint (fp32, eager, CPU), with epdserve's connector
+    when ``ec_extra`` is given; its whole process group is stopped afterwards."""
+    port = free_port()
+    cmd = [
+        str(Path(sys.executable).with_name("vllm")),
+        "serve",
+        str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", MODEL,
+        "--dtype", "float32",
+        "--max-model-len", "2048",
+        "--enforce-eager",
+        "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
+    ]  # fmt: skip
+    if ec_extra is not None:
+        config = {**CONNECTOR, "ec_role": "ec_consumer", "ec_connector_extra_config": ec_extra}
+        cmd += ["--ec-transfer-config", json.dumps(config)]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    log = tempfile.NamedTemporaryFile(prefix=f"vllm-{port}-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
+            if time.time() - t0 > START_S:
+                raise TimeoutError(
+                    f"vllm serve not healthy after {START_S:.0f} s:\n{Path(log.name).read_text()[-4000:]}"
+                )
+            try:
+                if http("GET", url + "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def encoder(model_dir: Path) -> Iterator[str]:
+    with running(["encoder", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32"]) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Iterator[str]:
+    with vllm_serve(model_dir) as url:
+        yield url
+
+
+@pytest.fixture(scope="class")
+def strict(model_dir: Path) -> Iterator[str]:
+    """Local encoding forbidden (one class's instance: at most two vLLMs run at once)."""
+    with vllm_serve(model_dir, {"local_encode": False}) as url:
+        yield url
+
+
+@pytest.fixture(scope="class")
+def lenient(model_dir: Path) -> Iterator[str]:
+    """Local encoding allowed (the default)."""
+    with vllm_serve(model_dir, {}) as url:
+        yield url
+
+
+CASES: dict[str, Media] = {
+    "image": [("image", image_url(1))],
+    "multi-image": [("image", image_url(2)), ("image", image_url(3)), ("image", image_url(4))],
+    "repeated-image": [("image", image_url(5)), ("image", image_url(6)), ("image", image_url(5))],
+    "video": [("video", video_url(7))],
+}
+
+
+def test_the_installed_vllm_has_the_interface_the_connector_implements() -> None:
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
+    from vllm.v1.request import Request
+
+    assert compat.interface_problems(ECConnectorBase, Request) == []
+
+
+# --------------------------------------------------------------------------- local encoding forbidden
+
+
+class TestEmbeddingsFromEpdserve:
+    """``local_encode: false``: vLLM never runs its vision tower, so every answer it gives was
+    computed from epdserve's embeddings."""
+
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_greedy_answers_are_vllm_s(self, case: str, encoder: str, reference: str, strict: str) -> None:
+        media = CASES[case]
+        status, want = chat(reference, media)
+        assert status == 200, want
+        items = encode(encoder, media)
+        status, got = chat(strict, media, items)
+        assert status == 200, got
+        assert tokens(got) == tokens(want)
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert wait_released(encoder) == 0  # every lease given back after its read
+
+    def test_answers_are_epdserve_s_own(self, model_dir: Path, encoder: str, strict: str) -> None:
+        """The same requests through epdserve's own language model (aggregated): same greedy text."""
+        with running(
+            ["serve", "--model", str(model_dir), "--max-model-len", "2048", "--device", "cpu", "--dtype", "float32"]
+        ) as own:
+            for case in ("image", "multi-image", "video"):
+                media = CASES[case]
+                status, want = chat(own, media)
+                assert status == 200, want
+                status, got = chat(strict, media, encode(encoder, media))
+                assert status == 200, got
+                assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], case
+
+    def test_the_router_s_vllm_body(self, encoder: str, reference: str, strict: str) -> None:
+        """``router.vllm_worker.vllm_body`` on a client's request with a client uuid and a raw part:
+        vLLM answers it as the plain vLLM answers the client's own request."""
+        media = CASES["multi-image"]
+        status, want = chat(reference, media)
+        assert status == 200, want
+        client = chat_body(media)
+        client["messages"][0]["content"][0]["uuid"] = "chosen-by-the-client"
+        refs = media_refs(client)
+        for r, item in zip(refs, encode(encoder, media), strict=True):
+            r.result, r.encoder = msgspec.convert(item, EncodedItem), encoder
+        refs[2].raw = True  # left to the worker: with local encoding forbidden, the request fails
+        status, out = post_chat(strict, vllm_body(client, refs))
+        assert status >= 500, out
+        release(encoder, refs[2].result.ec_handle)
+        refs = media_refs(client)
+        for r, item in zip(refs, encode(encoder, media), strict=True):
+            r.result = msgspec.convert(item, EncodedItem)
+        status, out = post_chat(strict, vllm_body(client, refs))
+        assert status == 200, out
+        assert tokens(out) == tokens(want)
+        assert wait_released(encoder) == 0
+
+    def test_the_router_drives_vllm(self, encoder: str, reference: str, strict: str) -> None:
+        """``epdserve router --pd-engine vllm``: media encoded on epdserve's encoder, answered by vLLM."""
+        router = ["router", "--encoders", encoder, "--pds", strict, "--pd-engine", "vllm"]
+        with running(router) as url:
+            for case in ("multi-image", "video"):
+                media = CASES[case]
+                status, want = chat(reference, media)
+                assert status == 200, want
+                status, got = chat(url, media)
+                assert status == 200, got
+                assert tokens(got) == tokens(want), case
+        assert wait_released(encoder) == 0
+
+    def test_an_item_without_a_handle_fails_its_request_only(self, encoder: str, strict: str) -> None:
+        media = [("image", image_url(11))]
+        status, err = chat(strict, media)  # no handles at all
+        assert status >= 500, err
+        items = encode(encoder, media)
+        forged = copy.deepcopy(items[0]["ec_handle"])
+        forged["checksum"] = "0" * 16  # the MAC no longer verifies
+        status, err = chat(strict, media, items, [forged])
+        assert status >= 500, err
+        release(encoder, items[0]["ec_handle"])
+        status, ok = chat(strict, media, encode(encoder, media))  # the instance serves on
+        assert status == 200, ok
+
+
+# --------------------------------------------------------------------------- local encoding allowed
+
+
+class TestFallback:
+    """``local_encode: true`` (the default): an item whose handle cannot be used is encoded by
+    vLLM itself, and the answer is exactly vLLM's."""
+
+    def test_handles_are_used_and_released(self, encoder: str, reference: str, lenient: str) -> None:
+        media = CASES["multi-image"]
+        status, want = chat(reference, media)
+        assert status == 200
+        status, got = chat(lenient, media, encode(encoder, media))
+        assert status == 200 and tokens(got) == tokens(want)
+        assert wait_released(encoder) == 0
+
+    @pytest.mark.parametrize("damage", ["forged", "released", "wrong-rows"])
+    def test_a_bad_handle_is_encoded_locally(self, damage: str, encoder: str, reference: str, lenient: str) -> None:
+        seed = {"forged": 21, "released": 22, "wrong-rows": 23}[damage]
+        media = [("image", image_url(seed))]  # fresh content: nothing of it is cached in vLLM yet
+        status, want = chat(reference, media)
+        assert status == 200
+        items = encode(encoder, media)
+        handle = items[0]["ec_handle"]
+        if damage == "forged":
+            handle = {**handle, "model_id": "another-model"}  # altered: the MAC fails
+        elif damage == "released":
+            release(encoder, handle)
+        elif damage == "wrong-rows":
+            # a validly signed handle of an image of another size, under its own key: the rows
+            # vLLM's placeholders need do not match, so it must not be used
+            other = next(
+                it
+                for s in range(100, 140)
+                for it in encode(encoder, [("image", image_url(s))])
+                if it["num_embeddings"] != items[0]["num_embeddings"] or release(encoder, it["ec_handle"])
+            )
+            release(encoder, handle)
+            handle, items = other["ec_handle"], [{**items[0], "uuid": other["uuid"]}]
+        status, got = chat(lenient, media, items, [handle])
+        assert status == 200, got
+        assert tokens(got) == tokens(want)
+        if damage == "forged":
+            release(encoder, items[0]["ec_handle"])  # what the router does with a lease the worker refused
+        assert wait_released(encoder) == 0
+
+
+def release(encoder: str, handle: dict) -> bool:
+    """Give a lease back as the router does (False, so it reads as a filter's no)."""
+    body = {"version": ENCODER_PROTOCOL_VERSION, "handles": [handle]}
+    status, out = post_json(encoder + "/v1/release", body, headers=internal_headers())
+    assert status == 200, out
+    return False

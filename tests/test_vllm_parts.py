@@ -1,0 +1,216 @@
+"""The parts of epdserve's vLLM connector that need no vLLM: its config, the handles of a request's
+``ec_transfer_params`` and the interface check (against small stand-in classes; the real vLLM
+classes are checked in test_vllm_connector.py where vLLM is installed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epdserve.encoder.protocol import EncodedItem
+from epdserve.integrations.vllm import compat
+from epdserve.integrations.vllm.config import VllmECConfig
+from epdserve.integrations.vllm.handles import PARAMS_KEY, ec_transfer_params, handles_by_key
+from epdserve.router.config import RouterConfig
+from epdserve.router.refs import media_refs
+from epdserve.router.vllm_worker import VllmLoad, is_vllm_models, parse_vllm_load, vllm_body
+from epdserve.transfer.base import InvalidHandle
+from epdserve.transfer.cached import CACHED_HANDLE
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_from_extra_config() -> None:
+    cfg = VllmECConfig.from_extra({"local_encode": False, "timeout_s": 5, "model_id": "m"})
+    assert cfg == VllmECConfig(model_id="m", local_encode=False, timeout_s=5.0)
+    assert VllmECConfig.from_extra(None) == VllmECConfig()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"local_encoding": False}, r"unknown ec_connector_extra_config key\(s\) local_encoding"),
+        ({"local_encode": "no"}, "local_encode must be a bool"),
+        ({"timeout_s": True}, "timeout_s must be a float"),
+        ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"store_url": "http://x"}, "store url must look like"),
+    ],
+)
+def test_config_refuses_what_it_does_not_know(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        VllmECConfig.from_extra(extra)
+
+
+def test_the_secret_comes_from_the_environment_or_a_private_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EPD_CLUSTER_SECRET", raising=False)
+    with pytest.raises(ValueError, match="needs the cluster secret"):
+        VllmECConfig().ec_config()
+    monkeypatch.setenv("EPD_CLUSTER_SECRET", "s" * 32)
+    assert VllmECConfig().ec_config().secret == "s" * 32
+    path = tmp_path / "secret"
+    path.write_text("f" * 32)
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by everyone"):
+        VllmECConfig(cluster_secret_file=str(path)).ec_config()
+    path.chmod(0o600)
+    cfg = VllmECConfig(cluster_secret_file=str(path), timeout_s=3.0).ec_config()
+    assert cfg.secret == "f" * 32 and cfg.timeout_s == 3.0
+
+
+# --------------------------------------------------------------------------- handles in ec_transfer_params
+
+
+def h(key: str, **more: Any) -> dict:
+    return {"key": key, "mac": "0" * 64, **more}
+
+
+def test_handles_by_key() -> None:
+    params = ec_transfer_params([h("a"), h("b"), h("a", lease="2")])
+    by_key, surplus = handles_by_key(params, limit=3)
+    assert by_key == {"a": h("a"), "b": h("b")}
+    assert surplus == [h("a", lease="2")]  # a repeated item's second lease: given back, not read
+    assert handles_by_key(None, 1) == ({}, [])
+    assert handles_by_key({"kv": 1}, 1) == ({}, [])
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ([h("a")], "not a JSON object"),
+        ({PARAMS_KEY: h("a")}, "is not a list"),
+        ({PARAMS_KEY: [h("a"), h("b")]}, "2 handles for 1 media items"),
+        ({PARAMS_KEY: ["a"]}, "names no key"),
+        ({PARAMS_KEY: [{"key": 7}]}, "names no key"),
+    ],
+)
+def test_malformed_handles_are_refused(params: object, message: str) -> None:
+    with pytest.raises(InvalidHandle, match=message):
+        handles_by_key(params, limit=1)
+
+
+# --------------------------------------------------------------------------- interface check
+
+
+class Base:
+    def start_load_caches(self, encoder_cache, **kwargs): ...
+    def save_caches(self, encoder_cache, mm_hash, **kwargs): ...
+    def has_cache_item(self, identifier): ...
+    def ensure_cache_available(self, request, num_computed_tokens): ...
+    def update_state_after_alloc(self, request, index): ...
+    def build_connector_meta(self, scheduler_output): ...
+    def take_unavailable_requests(self): ...
+    def request_finished(self, request): ...
+    def bind_connector_metadata(self, connector_metadata): ...
+    def shutdown(self): ...
+
+
+class Request:
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.mm_features: list = []
+        self.ec_transfer_params = None
+
+    def get_num_encoder_embeds(self, input_id: int) -> int:
+        return 0
+
+
+def test_the_interface_check_passes_the_interface_it_knows() -> None:
+    assert compat.interface_problems(Base, Request) == []
+    assert compat.check("0.32.0+cpu", Base, Request) is True
+    assert compat.check("0.33.1", Base, Request) is False  # untested but same interface: allowed
+
+
+def test_a_changed_interface_fails_naming_the_version() -> None:
+    methods = {k: v for k, v in vars(Base).items() if k != "take_unavailable_requests"}
+    methods["has_cache_item"] = lambda self, identifier, request: False
+    changed = type("Changed", (), methods)
+    with pytest.raises(compat.IncompatibleVllm) as e:
+        compat.check("0.40.0", changed, Request)
+    msg = str(e.value)
+    assert "vLLM 0.40.0" in msg and "0.32.x" in msg
+    assert "has_cache_item('identifier', 'request')" in msg
+    assert "ECConnectorBase.take_unavailable_requests is gone" in msg
+    with pytest.raises(compat.IncompatibleVllm, match=r"Request\.ec_transfer_params is gone"):
+        compat.check("0.40.0", Base, type("Bare", (), {"get_num_encoder_embeds": Request.get_num_encoder_embeds}))
+
+
+# --------------------------------------------------------------------------- the router's vLLM worker adapter
+
+
+def encoded(uuid: str, connector: str = "shm") -> EncodedItem:
+    handle = {"key": uuid, "connector": connector, "mac": "0" * 64}
+    return EncodedItem(
+        uuid=uuid, modality="image", grid_thw=(1, 4, 4), num_embeddings=4, dtype="float32", shape=(4, 8),
+        ec_handle=handle, status="computed",
+    )  # fmt: skip
+
+
+def test_vllm_body_keeps_the_media_and_passes_uuids_and_handles() -> None:
+    client = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:a"}, "uuid": "client-chosen"},
+                {"type": "text", "text": "compare"},
+                {"type": "image_url", "image_url": {"url": "data:b"}},
+                {"type": "image_url", "image_url": {"url": "data:c"}, "uuid": "x"},
+                {"type": "image_url", "image_url": {"url": "data:d"}},
+            ]},
+        ],
+        "ec_transfer_params": {"epdserve_handles": [{"key": "forged"}]},
+        "kv_transfer_params": {"do_remote_decode": True},
+    }  # fmt: skip
+    before = json.dumps(client)
+    refs = media_refs(client)
+    refs[0].result, refs[1].result = encoded("ua"), encoded("ub")
+    refs[2].raw = True  # the worker encodes it itself
+    refs[3].result = encoded("ud", connector=CACHED_HANDLE)  # only a cached handle: unreadable for vLLM
+    out = vllm_body(client, refs)
+    parts = out["messages"][1]["content"]
+    assert [p.get("uuid") for p in parts] == ["ua", None, "ub", None, None]  # no client uuid survives
+    assert [p.get("image_url", {}).get("url") for p in parts] == ["data:a", None, "data:b", "data:c", "data:d"]
+    assert out["ec_transfer_params"] == {"epdserve_handles": [refs[0].result.ec_handle, refs[1].result.ec_handle]}
+    assert "kv_transfer_params" not in out
+    assert json.dumps(client) == before  # the client's body is left as it was
+    assert "ec_transfer_params" not in vllm_body(client, [])
+
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+def test_vllm_load_from_its_metrics() -> None:
+    load = parse_vllm_load(VLLM_METRICS)
+    assert load == VllmLoad(running=4.0, waiting=2.0, kv_usage=0.25) and load.outstanding == 6.0
+    with pytest.raises(ValueError, match="no vLLM request gauges"):
+        parse_vllm_load("# TYPE epd_num_requests_running gauge\nepd_num_requests_running 1\n")
+
+
+def test_a_vllm_worker_is_told_by_its_model_cards() -> None:
+    assert is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
+    assert not is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "epdserve"}]})
+    assert not is_vllm_models({"data": []}) and not is_vllm_models(["vllm"])
+
+
+@pytest.mark.parametrize("bad", [{"policy": "kv_aware"}, {"prefills": ("http://p:1",), "decodes": ("http://d:1",)}])
+def test_the_router_takes_vllm_workers_where_it_can_drive_them(bad: dict) -> None:
+    with pytest.raises(ValueError, match="--pd-engine vllm"):
+        RouterConfig(pds=("http://v:1",), pd_engine="vllm", **bad)
+    with pytest.raises(ValueError, match="unknown PD engine"):
+        RouterConfig(pd_engine="sglang")  # type: ignore[arg-type]
