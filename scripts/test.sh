@@ -31,4 +31,7 @@ fi
 python -m ruff check .
 python -m ruff format --check .
 python -m mypy epdserve
-python -m pytest -q -p no:cacheprovider ${pytest_args[@]+"${pytest_args[@]}"}
+# test files run in parallel worker processes (most of a test's time is waiting on the processes it
+# starts), each file whole in one worker so its deployments are shared; EPD_TEST_WORKERS=0 runs
+# everything in this process
+python -m pytest -q -p no:cacheprovider -n "${EPD_TEST_WORKERS:-3}" --dist loadfile ${pytest_args[@]+"${pytest_args[@]}"}
