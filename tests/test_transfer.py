@@ -6,6 +6,7 @@ handshakes, shared fs directories) live in tests/test_transfer_security.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import mmap
@@ -455,7 +456,8 @@ def test_unreleased_handles_are_reclaimed_after_ttl(kind: str, tmp_path: Path) -
         consumer = make_consumer(cfg)
         warm = producer.put("warm", embeddings(2, 8, torch.float32), MODEL)  # a consumer's first read may
         run(consumer.get(warm, 2, 8, MODEL))  # start what it reads with (mooncake: its engine, a second)
-        run(consumer.release(warm))
+        with contextlib.suppress(InvalidHandle):  # on a loaded machine that start can outlast the TTL
+            run(consumer.release(warm))
         big = embeddings(64, 1024, torch.float32)  # 256 KiB: the 1 MiB slab holds 3
         stale = [producer.put(f"old{i}", big, MODEL) for i in range(3)]
         time.sleep(1.2)
