@@ -9,7 +9,7 @@ hour, beyond what its bounded embedding cache took: fresh images fill an encoder
 design). Exits 1 when any request failed, or a role's memory (or ``/dev/shm``) grew by more than
 ``--max-growth-mb`` over the window beyond its cache.
 
-    python scripts/soak.py --topology 1e+1pd --minutes 10 --concurrency 8 --out docs/results/soak.json
+    python scripts/soak.py --topology 1e+1pd --minutes 30 --concurrency 8 --out docs/results/soak-1e+1pd.json
 
 Not part of CI (it runs for minutes by design).
 """
