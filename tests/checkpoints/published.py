@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from epdserve.assets import default_model_dir
+from epdserve.training.build import SPECIAL_TOKENS
 from tests.checkpoints import INIT_STD, qwen_image_processor, write_json
 
 EMBED_STD = 0.02  # of the (tied) embedding
@@ -49,22 +50,7 @@ VOCAB_SIZE = 151936  # embedding rows of every Qwen2/2.5/3-VL checkpoint
 FIRST_SPECIAL = 151643  # <|endoftext|>: Qwen's special tokens follow the BPE vocabulary from here
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-SPECIAL = [  # Qwen2-VL's special tokens in id order from FIRST_SPECIAL (the embedded tokenizer's too)
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
+SPECIAL = SPECIAL_TOKENS  # Qwen2-VL's special tokens in id order from FIRST_SPECIAL (the embedded tokenizer's)
 IDS = {t: FIRST_SPECIAL + i for i, t in enumerate(SPECIAL)}
 TOKEN_IDS = {
     "bos_token_id": IDS["<|endoftext|>"],
@@ -76,6 +62,20 @@ MEDIA_IDS = {
     "vision_start_token_id": IDS["<|vision_start|>"],
     "vision_end_token_id": IDS["<|vision_end|>"],
 }
+
+
+def _patch14_processor(processor_class: str) -> dict[str, Any]:
+    """The published image processor of Qwen2-VL and Qwen2.5-VL (14-pixel patches, CLIP's statistics)."""
+    return qwen_image_processor(
+        min_pixels=3136,
+        max_pixels=12845056,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+        processor_class=processor_class,
+    )
 
 
 def qwen2_vl_2b() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -113,17 +113,7 @@ def qwen2_vl_2b() -> tuple[dict[str, Any], dict[str, Any]]:
     }
     config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl"}
     config |= {"text_config": text, "vision_config": vision, "tie_word_embeddings": True, **MEDIA_IDS}
-    processor = qwen_image_processor(
-        min_pixels=3136,
-        max_pixels=12845056,
-        patch_size=14,
-        temporal_patch_size=2,
-        merge_size=2,
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-        processor_class="Qwen2VLProcessor",
-    )
-    return config, processor
+    return config, _patch14_processor("Qwen2VLProcessor")
 
 
 def qwen2_5_vl_3b() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -164,17 +154,7 @@ def qwen2_5_vl_3b() -> tuple[dict[str, Any], dict[str, Any]]:
     }
     config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl"}
     config |= {"text_config": text, "vision_config": vision, "tie_word_embeddings": True, **MEDIA_IDS}
-    processor = qwen_image_processor(
-        min_pixels=3136,
-        max_pixels=12845056,
-        patch_size=14,
-        temporal_patch_size=2,
-        merge_size=2,
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-        processor_class="Qwen2_5_VLProcessor",
-    )
-    return config, processor
+    return config, _patch14_processor("Qwen2_5_VLProcessor")
 
 
 def qwen3_vl_2b() -> tuple[dict[str, Any], dict[str, Any]]:
