@@ -100,10 +100,13 @@ def test_concurrent_misses_compute_once_and_a_dead_holders_claim_lapses(master: 
         assert await dead.wait_joined(20)
         claim = await dead.claim("orphan")
         assert claim.won and claim.token and await a.claimed("orphan")
+        # the cold round may itself take over a claim whose holder was slow to renew on a loaded
+        # machine: count this round's takeovers only
+        takeovers = a.stats.takeovers
         t0 = time.monotonic()
         got = await fetch_or_claim(a, "orphan", wait_s=10)
         assert isinstance(got, Claim) and got.won and got.token
-        assert time.monotonic() - t0 < 3 and a.stats.takeovers == 1
+        assert time.monotonic() - t0 < 3 and a.stats.takeovers == takeovers + 1
         await a.unclaim("orphan", got)
         assert not await a.claimed("orphan")
         for s in (a, b, dead):
