@@ -9,7 +9,8 @@ from typing import Literal
 import msgspec
 
 from epdserve.api.errors import BadRequest
-from epdserve.api.protocol import SamplingRequest, Usage, decode_request
+from epdserve.api.protocol import SamplingRequest, decode_request
+from epdserve.api.responses import Usage
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 

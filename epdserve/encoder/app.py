@@ -16,7 +16,7 @@ from epdserve.api.errors import ApiError, Unavailable
 from epdserve.api.http import json_response, read_body
 from epdserve.api.load import LoadReport
 from epdserve.api.logs import request_id
-from epdserve.api.protocol import ModelCard, ModelList, encode_json
+from epdserve.api.responses import ModelCard, ModelList, encode_json
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.tracing import Tracing
 from epdserve.encoder.config import EncoderConfig

@@ -15,17 +15,9 @@ from epdserve.api.completions import Completion, CompletionChoice, CompletionReq
 from epdserve.api.errors import ApiError, BadRequest, NotFound, context_too_long
 from epdserve.api.http import json_response, read_body
 from epdserve.api.logs import request_id
-from epdserve.api.protocol import (
-    SSE_DONE,
-    Usage,
-    encode_json,
-    new_completion_id,
-    now_s,
-    sse_error,
-    sse_event,
-    to_sampling_params,
-)
+from epdserve.api.protocol import to_sampling_params
 from epdserve.api.quota import Quotas, check_max_tokens
+from epdserve.api.responses import SSE_DONE, Usage, encode_json, new_completion_id, now_s, sse_error, sse_event
 from epdserve.api.tokenizer import TooManyTokens
 from epdserve.engine.messages import AddRequest
 from epdserve.pd.generation import Generation, Piece, WorkerFailedMidStream

@@ -9,10 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, BadRequest, Unavailable
-from epdserve.api.protocol import (
-    FinishReason,
-    TokenLogprob,
-)
+from epdserve.api.responses import FinishReason, TokenLogprob
 from epdserve.engine.detokenizer import Detokenizer
 from epdserve.engine.messages import AddRequest, EngineOutput, StageTimes
 

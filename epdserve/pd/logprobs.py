@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from epdserve.api.protocol import TokenLogprob, TopLogprob
+from epdserve.api.responses import TokenLogprob, TopLogprob
 from epdserve.engine.detokenizer import token_text_and_bytes
 
 

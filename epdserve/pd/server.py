@@ -26,11 +26,12 @@ from epdserve.api.http import json_response, read_body
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.logs import request_id
 from epdserve.api.metrics import public_metrics
-from epdserve.api.protocol import (
+from epdserve.api.protocol import ChatRequest, request_kind
+from epdserve.api.quota import Quotas
+from epdserve.api.responses import (
     SSE_DONE,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatRequest,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
@@ -42,11 +43,9 @@ from epdserve.api.protocol import (
     Usage,
     encode_json,
     now_s,
-    request_kind,
     sse_error,
     sse_event,
 )
-from epdserve.api.quota import Quotas
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.api.tracing import Tracing, wall_ns

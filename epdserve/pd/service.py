@@ -28,11 +28,11 @@ from epdserve.api.protocol import (
     check_embeds_trust,
     check_kv_trust,
     decode_chat_request,
-    new_completion_id,
     part_modality,
     to_sampling_params,
 )
 from epdserve.api.quota import Quotas, check_max_tokens
+from epdserve.api.responses import new_completion_id
 from epdserve.api.role_app import RoleBasics
 from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
 from epdserve.engine.client import EngineCoreClient, InprocClient, MPClient

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, Timeout, WorkerFailed
-from epdserve.api.protocol import SSE_DONE, sse_error
+from epdserve.api.responses import SSE_DONE, sse_error
 from epdserve.api.timing import SERVER_TIMING
 from epdserve.api.tracing import Tracing
 from epdserve.router.admission import AutoLimit

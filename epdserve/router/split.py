@@ -29,11 +29,11 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, Unavailable, WorkerFailed
-from epdserve.api.protocol import (
+from epdserve.api.protocol import ChatRequest
+from epdserve.api.responses import (
     SSE_DONE,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatRequest,
     ChunkChoice,
     Delta,
     PrefillCompletion,
