@@ -478,7 +478,7 @@ def remove_slabs_of(
     holds its own)."""
     if not shm_dir.is_dir() or not any(shm_dir.glob("epd-ec-*")):
         return []
-    from epdserve.transfer.shm import remove_stale_slabs  # imports torch: only when there is something to do
+    from epdserve.transfer.shm_slab import remove_stale_slabs  # imports numpy: only when there is a slab
 
     return remove_stale_slabs(shm_dir, pids, instances)
 

@@ -17,7 +17,7 @@ import pytest
 from epdserve.bench.workload import gif_data_url
 from epdserve.bench.workload import image_data_url as data_url
 from epdserve.shapes import ShapesWorld, render_images
-from epdserve.transfer.shm import SLAB_RE
+from epdserve.transfer.shm_slab import SLAB_RE
 from epdserve.up import Deployment, Topology
 from tests.optional import unavailable
 from tests.server_utils import http, internal_headers

@@ -25,7 +25,7 @@ import torch
 
 from epdserve.launcher import free_port
 from epdserve.transfer import header as wire
-from epdserve.transfer import shm, signing
+from epdserve.transfer import shm_slab, signing
 from epdserve.transfer.base import (
     PROTOCOL_VERSION,
     ECConsumer,
@@ -38,7 +38,8 @@ from epdserve.transfer.base import (
 from epdserve.transfer.config import HANDLE_PURPOSE, TCP_PURPOSE, ECConfig
 from epdserve.transfer.factory import make_consumer, make_producer
 from epdserve.transfer.fs import FsProducer
-from epdserve.transfer.shm import ShmProducer, slab_name
+from epdserve.transfer.shm import ShmProducer
+from epdserve.transfer.shm_slab import slab_name
 from epdserve.transfer.tcp import TcpConsumer, TcpProducer
 from tests.optional import unavailable
 
@@ -291,8 +292,8 @@ def _corrupt_payload(producer: ECProducer, handle: Handle) -> None:
     if handle["connector"] in ("shm", "mooncake"):
         assert isinstance(producer, ShmProducer)
         with open(producer.path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-            _, header_len = shm.REGION_PREFIX.unpack_from(mm, handle["offset"])
-            at = handle["offset"] + shm.REGION_HEADER_BYTES + shm.align(header_len) + 5
+            _, header_len = shm_slab.REGION_PREFIX.unpack_from(mm, handle["offset"])
+            at = handle["offset"] + shm_slab.REGION_HEADER_BYTES + shm_slab.align(header_len) + 5
             mm[at] ^= 0xFF
     elif handle["connector"] == "tcp":
         assert isinstance(producer, TcpProducer)
@@ -415,7 +416,7 @@ def test_many_cycles_reuse_the_same_memory(pair: tuple[ECProducer, ECConsumer], 
     assert producer.live_handles == 0 and producer.live_entries == 0 and producer.held_bytes == 0
     if isinstance(producer, ShmProducer):
         assert producer.path.stat().st_size == producer.capacity_bytes == 4 << 20
-        assert producer.free_bytes == producer.capacity_bytes - shm.SLAB_HEADER_BYTES
+        assert producer.free_bytes == producer.capacity_bytes - shm_slab.SLAB_HEADER_BYTES
         assert [p.name for p in producer.path.parent.iterdir()] == [producer.path.name]
     elif isinstance(producer, FsProducer):
         assert not list(Path(producer._dir).iterdir())

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from epdserve.transfer import shm, signing, tcp
+from epdserve.transfer import shm_slab, signing, tcp
 from epdserve.transfer.base import ECConsumer, ECProducer, Handle, InvalidHandle, ProducerFull, TransferError
 from epdserve.transfer.config import TCP_PURPOSE, ECConfig
 from epdserve.transfer.factory import RoutingConsumer, make_consumer, make_producer
@@ -228,10 +228,10 @@ def test_shm_lease_slots_run_out_into_a_new_copy(tmp_path: Path) -> None:
     with ShmProducer(config("shm", tmp_path)) as producer:
         consumer = make_consumer(config("shm", tmp_path))
         sent = embeddings(4, 16, torch.float32)
-        handles = [producer.put("k", sent, MODEL) for _ in range(shm.LEASE_SLOTS + 1)]
-        assert len({h["offset"] for h in handles[: shm.LEASE_SLOTS]}) == 1
+        handles = [producer.put("k", sent, MODEL) for _ in range(shm_slab.LEASE_SLOTS + 1)]
+        assert len({h["offset"] for h in handles[: shm_slab.LEASE_SLOTS]}) == 1
         assert handles[-1]["offset"] != handles[0]["offset"]
-        assert producer.live_entries == 2 and producer.live_handles == shm.LEASE_SLOTS + 1
+        assert producer.live_entries == 2 and producer.live_handles == shm_slab.LEASE_SLOTS + 1
         assert len({(h["offset"], h["slot"]) for h in handles}) == len(handles)
         for handle in handles:
             assert reads(consumer, handle, sent)
@@ -452,7 +452,7 @@ def test_shm_slab_size_follows_free_space(
 ) -> None:
     monkeypatch.setattr(os, "statvfs", fake_statvfs(free))
     cfg = config("shm", tmp_path, shm_bytes=0)
-    assert shm.slab_bytes(cfg) == expected
+    assert shm_slab.slab_bytes(cfg) == expected
     if expected <= 32 << 20:
         with ShmProducer(cfg) as producer:
             assert producer.capacity_bytes == producer.path.stat().st_size == expected
@@ -468,7 +468,7 @@ def test_shm_slab_that_cannot_fit_is_a_clear_error(tmp_path: Path, monkeypatch: 
         ShmProducer(config("shm", tmp_path, shm_bytes=128 << 20))
     assert "--shm-size" in str(err.value)
     assert not list((tmp_path / "shm").iterdir())
-    assert shm.slab_bytes(config("shm", tmp_path, shm_bytes=(32 << 20) + 5)) == 32 << 20
+    assert shm_slab.slab_bytes(config("shm", tmp_path, shm_bytes=(32 << 20) + 5)) == 32 << 20
 
 
 def test_handles_carry_lease_lifetime_and_signature(pair: tuple[ECProducer, RoutingConsumer]) -> None:

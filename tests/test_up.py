@@ -47,7 +47,7 @@ def alive(pid: int) -> bool:
 
 
 def slabs_of(pids: set[int]) -> list[str]:
-    from epdserve.transfer.shm import SLAB_RE
+    from epdserve.transfer.shm_slab import SLAB_RE
 
     names = [p.name for p in Path("/dev/shm").glob("epd-ec-*")]
     return [n for n in names if (m := SLAB_RE.fullmatch(n)) and int(m["pid"]) in pids]
@@ -172,7 +172,7 @@ def test_restart_backoff_doubles_to_the_cap() -> None:
 def test_slab_cleanup_removes_only_unlocked_slabs_of_our_roles(tmp_path: Path) -> None:
     import fcntl
 
-    from epdserve.transfer.shm import slab_name
+    from epdserve.transfer.shm_slab import slab_name
     from epdserve.up import remove_slabs_of
 
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -32,12 +32,12 @@ from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, TransferError
 from epdserve.transfer.config import ECConfig
-from epdserve.transfer.shm import (
+from epdserve.transfer.shm import ShmProducer
+from epdserve.transfer.shm_slab import (
     ALIGN,
     REGION_HEADER_BYTES,
     SLAB_HEADER_BYTES,
     WORD,
-    ShmProducer,
     SlabPlace,
     align,
     check_region,
