@@ -34,6 +34,7 @@ TIERS: dict[str, str] = {
     "test_memory.py::test_serve_with_a_kv_cache_memory_has_that_many_blocks": "integration",
     "test_memory.py::test_plan_memory_prints_how_many_of_each_role_fit": "integration",
     "test_models.py": "unit",
+    "test_module_size.py": "unit",
     "test_pd_transfer.py": "unit",
     "test_plan.py": "unit",
     "test_plan.py::test_calibration_against_a_started_deployment": "e2e",
