@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from epdserve.integrations.vllm.launch import START_TIMEOUT_S as VLLM_START_S
 from epdserve.integrations.vllm.launch import WRAPPER, VllmNotFound, find_vllm, serve_command, wrapper_args
 from epdserve.launcher import (
     ENGINE_CORE_DIED_EXIT,
@@ -248,7 +249,7 @@ class Deployment:
         # credential when there is one; ``epdserve up`` passes its own (generated or from a file)
         self.cluster = cluster or ClusterCredential.load() or ClusterCredential.generate()
         self.restart = restart or RestartPolicy()
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s = max(startup_timeout_s, VLLM_START_S if lm_engine == "vllm" else 0.0)
         self.verbose = verbose  # one line per role start and restart on stderr
         self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
         self.master: MooncakeMaster | None = None

@@ -210,6 +210,20 @@ def test_vllm_load_from_its_metrics() -> None:
         parse_vllm_load("# TYPE epd_num_requests_running gauge\nepd_num_requests_running 1\n")
 
 
+def test_vllm_load_is_a_load_report() -> None:
+    idle = VllmLoad(running=0.0, waiting=0.0, kv_usage=0.0).report()
+    assert idle.load_ratio == 0.0 and idle.vision and (idle.running, idle.waiting) == (0, 0)
+    busy = VllmLoad(running=3.0, waiting=0.0, kv_usage=0.5).report()
+    assert busy.load_ratio == pytest.approx(0.5, rel=1e-9)  # nothing waits: the KV cache in use
+    full = VllmLoad(running=4.0, waiting=2.0, kv_usage=0.25).report()
+    assert full.load_ratio == pytest.approx(1.5, rel=1e-9) and (full.running, full.waiting) == (4, 2)
+    for bad in ("nan", "-1", "1e12"):
+        with pytest.raises(ValueError, match="out of range"):
+            parse_vllm_load(
+                VLLM_METRICS.replace('{engine="1",model_name="m"} 1.0', '{engine="1",model_name="m"} ' + bad)
+            )
+
+
 def test_a_vllm_worker_is_told_by_its_model_cards() -> None:
     assert is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
     assert not is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "epdserve"}]})

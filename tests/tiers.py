@@ -128,6 +128,7 @@ TIERS: dict[str, str] = {
     "test_up.py": "e2e",
     "test_vllm_connector.py": "e2e",
     "test_vllm_connector.py::test_the_installed_vllm_has_the_interface_the_connector_implements": "unit",
+    "test_vllm_up.py": "e2e",
     "test_up.py::test_restart_backoff_doubles_to_the_cap": "unit",
     "test_up.py::test_pinned_engine_cores_get_cores_of_their_own": "unit",
     "test_up.py::test_engine_cpus_are_a_core_list": "unit",
@@ -172,6 +173,7 @@ EXTRAS: dict[str, str] = {
     "test_store.py": "redis",
     "test_mooncake_store.py": "mooncake.store",
     "test_vllm_connector.py": "vllm",  # scripts/test_vllm.sh installs vLLM's CPU build and runs it
+    "test_vllm_up.py": "vllm",
 }
 
 

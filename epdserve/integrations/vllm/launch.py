@@ -33,6 +33,7 @@ CONNECTOR = {
 # flags of ``vllm serve`` that ``up`` sets itself: given in --vllm-args they would move vLLM
 # away from where the router and the encoders expect it
 OWNED_FLAGS = ("--host", "--port", "--ec-transfer-config", "--served-model-name")
+START_TIMEOUT_S = 900.0  # vLLM loads, profiles and warms up before its /health answers
 STOP_GRACE_S = 20.0  # how long vLLM has to shut down after a stop before its group is killed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
