@@ -44,6 +44,8 @@ def samples(text: str, name: str, **labels: str) -> list[float]:
 
 def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path) -> None:
     content = image_content(3)
+    for run in ("own", "vllm"):
+        (tmp_path / run).mkdir()
     with up(tmp_path / "own", "--topology", "1e+1pd", "--dtype", "float32", "--max-model-len", "2048") as own:
         want = greedy(own.wait_ready(), content)["choices"][0]["message"]["content"]
     secret = tmp_path / "secret"
