@@ -18,7 +18,7 @@ import pytest
 from epdserve.launcher import process_tree
 from tests.server_utils import http, internal_headers
 from tests.test_up import alive, image_content, up, wait_for
-from tests.test_vllm_connector import CPU_ARGS, CPU_ENV
+from tests.test_vllm_connector import VLLM_ARGS, VLLM_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -51,8 +51,8 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
     secret = tmp_path / "secret"
     secret.write_text(os.environ["EPD_CLUSTER_SECRET"])  # the test's: it signs the scrapes below
     secret.chmod(0o600)
-    args = ["--lm-engine", "vllm", "--vllm-args", shlex.join(CPU_ARGS), "--dtype", "float32"]
-    with up(tmp_path / "vllm", *args, "--cluster-secret-file", str(secret), env=CPU_ENV) as u:
+    args = ["--lm-engine", "vllm", "--vllm-args", shlex.join(VLLM_ARGS), "--dtype", "float32"]
+    with up(tmp_path / "vllm", *args, "--cluster-secret-file", str(secret), env=VLLM_ENV) as u:
         url = u.wait_ready(timeout=START_S)
         assert "1 encoder(s) + 1 vLLM instance(s) + router ready" in u.out.read_text()
         pids = process_tree([u.proc.pid])
@@ -70,7 +70,7 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
         def busy() -> bool:
             status, raw = http("GET", url + "/metrics", headers=internal_headers())
             text = raw.decode()
-            seen["ratio"] = samples(text, "router_load_ratio", role="pd")
+            seen["ratio"] = samples(text, "epd_router_load_ratio", role="pd")
             seen["running"] = samples(text, "vllm:num_requests_running", role="pd")
             if (out := os.environ.get("EPD_VLLM_METRICS_OUT")) and sum(seen["running"]):
                 Path(out).write_bytes(http("GET", vllm_url + "/metrics")[1])  # a real page, for the unit test
@@ -90,7 +90,7 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
 
 def test_up_with_vllm_that_fails_at_start_says_so_in_one_line(tmp_path: Path) -> None:
     """A flag vLLM refuses: ``up`` names the instance that exited, and starts nothing more."""
-    with up(tmp_path, "--lm-engine", "vllm", "--vllm-args", "--no-such-vllm-flag 1", env=CPU_ENV) as u:
+    with up(tmp_path, "--lm-engine", "vllm", "--vllm-args", "--no-such-vllm-flag 1", env=VLLM_ENV) as u:
         assert u.proc.wait(timeout=START_S) == 1
         errors = [line for line in u.stderr().splitlines() if "error" in line]
         assert len(errors) == 1 and "pd0 exited with code" in errors[0] and "during start-up" in errors[0], errors
