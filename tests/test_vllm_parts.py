@@ -210,6 +210,16 @@ def test_vllm_load_from_its_metrics() -> None:
         parse_vllm_load("# TYPE epd_num_requests_running gauge\nepd_num_requests_running 1\n")
 
 
+def test_the_load_of_a_real_vllm_metrics_page() -> None:
+    """vLLM 0.32's own /metrics (CPU build) while it ran one request, as the router scraped it."""
+    text = (Path(__file__).parent / "corpus" / "vllm-0.32-metrics.txt").read_text()
+    load = parse_vllm_load(text)
+    assert (load.running, load.waiting) == (1.0, 0.0)
+    assert load.kv_usage == pytest.approx(0.0029325513196480912, rel=1e-9)
+    report = load.report()
+    assert report.load_ratio == pytest.approx(load.kv_usage, rel=1e-9) and report.running == 1 and report.vision
+
+
 def test_vllm_load_is_a_load_report() -> None:
     idle = VllmLoad(running=0.0, waiting=0.0, kv_usage=0.0).report()
     assert idle.load_ratio == 0.0 and idle.vision and (idle.running, idle.waiting) == (0, 0)
