@@ -85,13 +85,15 @@ def start_role(
     cpus: Sequence[int] | None = None,
     log_path: str | None = None,
     env: Mapping[str, str | None] | None = None,
+    module: str = "epdserve.cli",
 ) -> subprocess.Popen:
-    """``epdserve <args>`` as a child process in its own process group (optionally pinned to cpus).
+    """``epdserve <args>`` (``python -m module <args>``) as a child process in its own process
+    group (optionally pinned to cpus).
 
     ``env`` adds variables to ours; a value of None removes one. The child gets SIGTERM when the
     thread that started it ends (PR_SET_PDEATHSIG follows the creating thread): start roles from a
     thread that lives as long as they should, normally the main thread."""
-    cmd = python_module("epdserve.cli", *args)
+    cmd = python_module(module, *args)
     if cpus:
         cmd = ["taskset", "-c", ",".join(str(c) for c in cpus), *cmd]
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")

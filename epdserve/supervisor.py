@@ -51,6 +51,7 @@ class Role:
     cpus: list[int] | None = None
     log: str | None = None  # the role's log file (None: its stderr is ours)
     env: dict[str, str | None] = field(default_factory=dict)  # added to ours; None removes a variable
+    module: str = "epdserve.cli"  # what ``args`` are for (``python -m module args``)
     proc: subprocess.Popen = field(init=False, repr=False)
     started_at: float = 0.0  # time.monotonic() of the latest start
     attempt: int = 0  # consecutive restarts since the role last counted as stable
@@ -58,7 +59,7 @@ class Role:
     pids: list[int] = field(default_factory=list)  # every pid the role has had (for slab cleanup)
 
     def launch(self) -> None:
-        self.proc = start_role(self.args, self.cpus, self.log, self.env)
+        self.proc = start_role(self.args, self.cpus, self.log, self.env, self.module)
         self.started_at = time.monotonic()
         self.pids.append(self.proc.pid)
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from epdserve.integrations.vllm.launch import START_TIMEOUT_S as VLLM_START_S
+from epdserve.integrations.vllm.launch import WRAPPER, VllmNotFound, find_vllm, serve_command, wrapper_args
 from epdserve.launcher import (
     ENGINE_CORE_DIED_EXIT,
     PORT_IN_USE_EXIT,
@@ -64,6 +66,7 @@ TOPOLOGY = re.compile(
     r"^(?:(?P<agg>aggregated)|(?P<e>\d+)e\+(?P<pd>\d+)pd|(?:(?P<pe>\d+)e\+)?(?P<p>\d+)p\+(?P<d>\d+)d)$"
 )
 TOPOLOGIES_HELP = "aggregated | <N>e+<M>pd | <N>e+<P>p+<D>d | <P>p+<D>d"
+LM_ENGINES = ("epdserve", "vllm")  # what runs the language-model instances behind the encoders
 INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable from this machine only
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STARTUP_POLL_S = 0.05  # how often start-up looks at the roles and the router
@@ -218,8 +221,17 @@ class Deployment:
         dispatch: Dispatch = "always",
         caches: Caches | None = None,
         log_json: bool = False,
+        lm_engine: str = "epdserve",
+        vllm_args: list[str] | None = None,
+        vllm_ec_extra: dict | None = None,
+        served_model_name: str = "",
     ) -> None:
+        if lm_engine not in LM_ENGINES:
+            raise ValueError(f"unknown language-model engine {lm_engine!r}; choose from {LM_ENGINES}")
+        if lm_engine == "vllm" and (not topology.encoders or topology.split):
+            raise ValueError("--lm-engine vllm runs the <N>e+<M>pd topologies (e.g. 1e+1pd, 2e+2pd) only")
         self.topology = topology
+        self.model = model
         self.model_args = ["--model", model] if model else []
         self.host = host
         self.port = port
@@ -237,13 +249,18 @@ class Deployment:
         # credential when there is one; ``epdserve up`` passes its own (generated or from a file)
         self.cluster = cluster or ClusterCredential.load() or ClusterCredential.generate()
         self.restart = restart or RestartPolicy()
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s = max(startup_timeout_s, VLLM_START_S if lm_engine == "vllm" else 0.0)
         self.verbose = verbose  # one line per role start and restart on stderr
         self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
         self.master: MooncakeMaster | None = None
         self.dispatch = dispatch  # behind encoders: where the router has media encoded
         self.caches = caches  # what sizes the roles' memory; None: no size check (``up --force``)
         self.log_json = log_json  # up's own lines as JSON objects (``--log-format json``)
+        self.lm_engine = lm_engine  # vllm: ``vllm serve`` instances with epdserve's EC connector
+        self.vllm_args = vllm_args or []  # the operator's own ``vllm serve`` flags, verbatim
+        self.vllm_ec_extra = vllm_ec_extra or {}  # the connector's ec_connector_extra_config
+        self.served_model_name = served_model_name
+        self.vllm = ""  # the ``vllm`` executable, found at start
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
         self.startup_s = 0.0
@@ -280,15 +297,23 @@ class Deployment:
             ADMIN_KEY_ENV: (self.admin_key or None) if router else None,
         }
 
-    def _launch(self, name: str, args: list[str], port: int, cpus: list[int] | None, public: bool = False) -> Role:
+    def _launch(
+        self,
+        name: str,
+        args: list[str],
+        port: int,
+        cpus: list[int] | None,
+        public: bool = False,
+        module: str = "epdserve.cli",
+    ) -> Role:
         if self.stop_signal:
             raise Cancelled(name)
         host = self.host if public else INTERNAL_HOST
         log = str(self.log_dir / f"{name}.log") if self.log_dir else None
         env = self._env(public, router=name == "router")
-        role = Role(
-            name, f"http://{http_host(host)}:{port}", [*args, "--host", host, "--port", str(port)], cpus, log, env
-        )
+        if module == "epdserve.cli":  # a vLLM instance's command line names its address itself
+            args = [*args, "--host", host, "--port", str(port)]
+        role = Role(name, f"http://{http_host(host)}:{port}", args, cpus, log, env, module=module)
         try:
             role.launch()
         except OSError as e:  # e.g. taskset missing for --pin-cores
@@ -349,6 +374,8 @@ class Deployment:
             check_model_dir(self.model_args[1], tokenizer=True)
         if self.caches is not None:
             self._check_fit(self.caches)
+        if self.lm_engine == "vllm":
+            self.vllm = find_vllm()  # VllmNotFound: nothing is started
         topo = self.topology
         try:
             if topo.aggregated:
@@ -406,6 +433,9 @@ class Deployment:
         router_args = ["--dispatch", dispatch]
         workers: dict[str, list[Role]] = {"pds": [], "prefills": [], "decodes": []}
         for name in topo.workers:
+            if self.lm_engine == "vllm":
+                workers["pds"].append(self._launch_vllm(name, store_args, plan.roles.get(name)))
+                continue
             args = ["serve", *self.model_args, *self.extra_pd_args, *vision, *fs_args, *store_args, "--internal-only"]
             kind = "pds"
             if name.startswith(("prefill", "decode")):
@@ -419,7 +449,7 @@ class Deployment:
             workers[kind].append(role)
         # the router starts beside them (their addresses are known) and is healthy once it has
         # found a worker healthy; every role must be, before the deployment is
-        args = ["router", *self.model_args, *router_args]
+        args = ["router", *self.model_args, *router_args, "--pd-engine", self.lm_engine]
         if encoders:
             args += ["--encoders", *(r.url for r in encoders)]
         for kind, roles in workers.items():
@@ -429,6 +459,18 @@ class Deployment:
         router = self._launch("router", args, self.port, None, public=True)
         counts = {"encoders": len(encoders), **{kind: len(roles) for kind, roles in workers.items()}}
         self._wait([*encoders, *(r for rs in workers.values() for r in rs), router], router, counts)
+
+    def _launch_vllm(self, name: str, store_args: list[str], cpus: list[int] | None) -> Role:
+        """``vllm serve`` with epdserve's connector, under the name the encoders sign handles with
+        (their served name), behind the wrapper that prefixes its lines and takes it down."""
+        from epdserve.assets import default_model_dir
+
+        model = Path(self.model) if self.model else default_model_dir()
+        extra = {**self.vllm_ec_extra, **({"store_url": store_args[1]} if store_args else {})}
+        port = free_port()
+        served = self.served_model_name or model.name
+        cmd = serve_command(self.vllm, str(model), served, INTERNAL_HOST, port, extra, self.vllm_args)
+        return self._launch(name, wrapper_args(name, cmd, self.log_json), port, cpus, module=WRAPPER)
 
     def supervise(self) -> None:
         """Restart roles that die, until ``request_stop``."""
@@ -502,14 +544,14 @@ def run_up(deployment: Deployment) -> int:
             deployment.start()
         except Cancelled:
             return 0
-        except (PortInUseError, TooLargeError) as e:
+        except (PortInUseError, TooLargeError, VllmNotFound) as e:
             deployment.line(str(e), "ERROR")
             return 2
         except StartupError as e:
             deployment.line(f"{e}; stopped everything", "ERROR")
             return 1
         deployment.line(
-            f"{describe(deployment.topology)} ready in {deployment.startup_s:.1f}s at {deployment.url}/v1  (Ctrl-C to stop)",
+            f"{describe_deployment(deployment)} ready in {deployment.startup_s:.1f}s at {deployment.url}/v1  (Ctrl-C to stop)",
             out=sys.stdout,
             event="ready",
             url=deployment.url + "/v1",
@@ -532,3 +574,9 @@ def describe(t: Topology) -> str:
     if t.split:
         return f"{t.encoders} encoder(s) + {t.prefills} prefill + {t.decodes} decode worker(s) + router"
     return f"{t.encoders} encoder(s) + {t.pds} prefill/decode worker(s) + router"
+
+
+def describe_deployment(d: Deployment) -> str:
+    """``describe`` of its topology, naming vLLM when it runs the language-model instances."""
+    text = describe(d.topology)
+    return text.replace("prefill/decode worker(s)", "vLLM instance(s)") if d.lm_engine == "vllm" else text

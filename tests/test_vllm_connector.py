@@ -31,7 +31,7 @@ import pytest
 from PIL import Image
 
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION, EncodedItem
-from epdserve.integrations.vllm import compat
+from epdserve.integrations.vllm import compat, launch
 from epdserve.integrations.vllm.handles import ec_transfer_params
 from epdserve.launcher import free_port
 from epdserve.router.refs import media_refs
@@ -43,9 +43,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 MODEL = "shapes-qwen2vl"  # the served name on both sides: handles carry it as their model identity
 START_S = 600.0  # vLLM's start-up on a busy 2-core machine
-CONNECTOR = {
-    "ec_connector": "EpdserveECConnector",
-    "ec_connector_module_path": "epdserve.integrations.vllm.ec_connector",
+DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")  # scripts/gpu_check_vllm.sh runs these on cuda
+# what the embedded checkpoint needs of vLLM, as an operator passes it (``up --vllm-args``); on a
+# GPU two vLLM instances share its memory
+VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+             "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
+             *(["--gpu-memory-utilization", "0.3"] if DEVICE != "cpu" else [])]  # fmt: skip
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    **({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"} if DEVICE == "cpu" else {}),
 }
 
 
@@ -154,21 +160,11 @@ def vllm_serve(model_dir: Path, ec_extra: dict | None = None) -> Iterator[str]:
     """``vllm serve`` of the embedded checkpoint (fp32, eager, CPU), with epdserve's connector
     when ``ec_extra`` is given; its whole process group is stopped afterwards."""
     port = free_port()
-    cmd = [
-        str(Path(sys.executable).with_name("vllm")),
-        "serve",
-        str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", MODEL,
-        "--dtype", "float32",
-        "--max-model-len", "2048",
-        "--enforce-eager",
-        "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1}),
-    ]  # fmt: skip
-    if ec_extra is not None:
-        config = {**CONNECTOR, "ec_role": "ec_consumer", "ec_connector_extra_config": ec_extra}
-        cmd += ["--ec-transfer-config", json.dumps(config)]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    cmd = launch.serve_command(
+        str(Path(sys.executable).with_name("vllm")), str(model_dir), MODEL, "127.0.0.1", port,
+        ec_extra, VLLM_ARGS, connector=ec_extra is not None,
+    )  # fmt: skip
+    env = dict(os.environ, **VLLM_ENV)
     log = tempfile.NamedTemporaryFile(prefix=f"vllm-{port}-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -201,7 +197,7 @@ def vllm_serve(model_dir: Path, ec_extra: dict | None = None) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def encoder(model_dir: Path) -> Iterator[str]:
-    with running(["encoder", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32"]) as url:
+    with running(["encoder", "--model", str(model_dir), "--device", DEVICE, "--dtype", "float32"]) as url:
         yield url
 
 
@@ -262,7 +258,7 @@ class TestEmbeddingsFromEpdserve:
     def test_answers_are_epdserve_s_own(self, model_dir: Path, encoder: str, strict: str) -> None:
         """The same requests through epdserve's own language model (aggregated): same greedy text."""
         with running(
-            ["serve", "--model", str(model_dir), "--max-model-len", "2048", "--device", "cpu", "--dtype", "float32"]
+            ["serve", "--model", str(model_dir), "--max-model-len", "2048", "--device", DEVICE, "--dtype", "float32"]
         ) as own:
             for case in ("image", "multi-image", "video"):
                 media = CASES[case]

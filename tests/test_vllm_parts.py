@@ -4,21 +4,29 @@ classes are checked in test_vllm_connector.py where vLLM is installed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from epdserve.encoder.protocol import EncodedItem
-from epdserve.integrations.vllm import compat
+from epdserve.integrations.vllm import compat, launch
 from epdserve.integrations.vllm.config import VllmECConfig
 from epdserve.integrations.vllm.handles import PARAMS_KEY, ec_transfer_params, handles_by_key
+from epdserve.launcher import free_port
 from epdserve.router.config import RouterConfig
 from epdserve.router.refs import media_refs
 from epdserve.router.vllm_worker import VllmLoad, is_vllm_models, parse_vllm_load, vllm_body
 from epdserve.transfer.base import InvalidHandle
 from epdserve.transfer.cached import CACHED_HANDLE
+from tests.optional import unavailable
 
 # --------------------------------------------------------------------------- config
 
@@ -202,6 +210,30 @@ def test_vllm_load_from_its_metrics() -> None:
         parse_vllm_load("# TYPE epd_num_requests_running gauge\nepd_num_requests_running 1\n")
 
 
+def test_the_load_of_a_real_vllm_metrics_page() -> None:
+    """vLLM 0.32's own /metrics (CPU build) while it ran one request, as the router scraped it."""
+    text = (Path(__file__).parent / "corpus" / "vllm-0.32-metrics.txt").read_text()
+    load = parse_vllm_load(text)
+    assert (load.running, load.waiting) == (1.0, 0.0)
+    assert load.kv_usage == pytest.approx(0.0029325513196480912, rel=1e-9)
+    report = load.report()
+    assert report.load_ratio == pytest.approx(load.kv_usage, rel=1e-9) and report.running == 1 and report.vision
+
+
+def test_vllm_load_is_a_load_report() -> None:
+    idle = VllmLoad(running=0.0, waiting=0.0, kv_usage=0.0).report()
+    assert idle.load_ratio == 0.0 and idle.vision and (idle.running, idle.waiting) == (0, 0)
+    busy = VllmLoad(running=3.0, waiting=0.0, kv_usage=0.5).report()
+    assert busy.load_ratio == pytest.approx(0.5, rel=1e-9)  # nothing waits: the KV cache in use
+    full = VllmLoad(running=4.0, waiting=2.0, kv_usage=0.25).report()
+    assert full.load_ratio == pytest.approx(1.5, rel=1e-9) and (full.running, full.waiting) == (4, 2)
+    for bad in ("nan", "-1", "1e12"):
+        with pytest.raises(ValueError, match="out of range"):
+            parse_vllm_load(
+                VLLM_METRICS.replace('{engine="1",model_name="m"} 1.0', '{engine="1",model_name="m"} ' + bad)
+            )
+
+
 def test_a_vllm_worker_is_told_by_its_model_cards() -> None:
     assert is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]})
     assert not is_vllm_models({"object": "list", "data": [{"id": "m", "owned_by": "epdserve"}]})
@@ -214,3 +246,101 @@ def test_the_router_takes_vllm_workers_where_it_can_drive_them(bad: dict) -> Non
         RouterConfig(pds=("http://v:1",), pd_engine="vllm", **bad)
     with pytest.raises(ValueError, match="unknown PD engine"):
         RouterConfig(pd_engine="sglang")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- ``epdserve up --lm-engine vllm``
+
+
+def test_the_vllm_command_line_carries_the_connector_and_the_operator_s_flags_last() -> None:
+    cmd = launch.serve_command("/v/bin/vllm", "/m/qwen", "qwen", "127.0.0.1", 8100, {"local_encode": False},
+                               ["--tensor-parallel-size", "2", "--max-model-len=4096"])  # fmt: skip
+    assert cmd[:9] == ["/v/bin/vllm", "serve", "/m/qwen", "--host", "127.0.0.1", "--port", "8100",
+                       "--served-model-name", "qwen"]  # fmt: skip
+    config = json.loads(cmd[cmd.index("--ec-transfer-config") + 1])
+    assert config["ec_connector_module_path"] == "epdserve.integrations.vllm.ec_connector"
+    assert config["ec_role"] == "ec_consumer" and config["ec_connector_extra_config"] == {"local_encode": False}
+    assert VllmECConfig.from_extra(config["ec_connector_extra_config"]).local_encode is False
+    assert cmd[-3:] == ["--tensor-parallel-size", "2", "--max-model-len=4096"]
+    assert "--ec-transfer-config" not in launch.serve_command("vllm", "/m", "m", "::1", 1, connector=False)
+    launch.check_vllm_args(["--dtype", "float32", "--port-offset"])  # only up's own flags are refused
+    for owned in ("--port", "--host=0.0.0.0", "--ec-transfer-config", "--served-model-name"):
+        with pytest.raises(ValueError, match="may not set"):
+            launch.check_vllm_args(["--enforce-eager", owned])
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "epdserve.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_up_with_vllm_not_installed_fails_in_one_line() -> None:
+    assert unavailable("vllm") is not None, "this interpreter has vLLM: the test needs one without it"
+    path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+    out = run_cli("up", "--lm-engine", "vllm", "--force", "--port", str(free_port()), env={"PATH": path})
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vLLM is not installed" in lines[0] and "epdserve[vllm]" in lines[0], out.stderr
+    assert "ready" not in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--topology", "aggregated"], "runs the <N>e+<M>pd topologies"),
+        (["--topology", "1e+1p+1d"], "runs the <N>e+<M>pd topologies"),
+        (["--vllm-args", "--enforce-eager --port 9"], "may not set --port"),
+        (["--vllm-args=--host=::"], "may not set --host"),
+        (["--vllm-args", "--dtype 'float32"], "--vllm-args: No closing quotation"),
+        (["--max-model-len", "512"], "give vLLM's flags in --vllm-args"),
+    ],
+)
+def test_up_with_vllm_refuses_what_it_cannot_run_in_one_line(args: list[str], message: str) -> None:
+    out = run_cli("up", "--lm-engine", "vllm", *args, "--port", str(free_port()))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    out = run_cli("up", "--vllm-args=--enforce-eager", "--port", str(free_port()))
+    assert out.returncode == 2 and "--vllm-args needs --lm-engine vllm" in out.stderr
+
+
+CHILD = """
+import subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("started", helper.pid, flush=True)
+print("second line", flush=True)
+time.sleep(600)
+"""
+
+
+def wrapper(*cmd: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", launch.WRAPPER, *launch.wrapper_args("pd0", cmd)]
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down() -> None:
+    proc = wrapper(sys.executable, "-c", CHILD)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        assert first.startswith("[pd0 vllm] started "), first
+        helper = int(first.split()[-1])
+        assert proc.stderr.readline() == "[pd0 vllm] second line\n"
+        proc.send_signal(signal.SIGTERM)  # the wrapper alone, as the kernel does when ``up`` dies
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{helper}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # reaped by init once killed
+        assert not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split()[2]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_vllm_wrapper_exits_as_vllm_did() -> None:
+    proc = wrapper("sh", "-c", "echo bad flag >&2; exit 3")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and err == "[pd0 vllm] bad flag\n"
+    proc = wrapper("/nonexistent/vllm", "serve")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 127 and err.startswith("[pd0 vllm] could not start /nonexistent/vllm")
+    json_line = launch.prefixed("pd1", "INFO 1 engine up\n", log_json=True)
+    assert json.loads(json_line)["logger"] == "vllm.pd1" and json.loads(json_line)["message"] == "INFO 1 engine up"

@@ -48,6 +48,10 @@ TIERS: dict[str, str] = {
     "test_tiers.py": "unit",
     "test_transfer_security.py": "unit",
     "test_vllm_parts.py": "unit",
+    "test_vllm_parts.py::test_up_with_vllm_not_installed_fails_in_one_line": "integration",
+    "test_vllm_parts.py::test_up_with_vllm_refuses_what_it_cannot_run_in_one_line": "integration",
+    "test_vllm_parts.py::test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down": "integration",
+    "test_vllm_parts.py::test_the_vllm_wrapper_exits_as_vllm_did": "integration",
     # files of unit tests with a few that start processes
     "test_admission.py": "unit",
     "test_admission.py::test_a_burst_of_image_requests_waits_or_is_turned_away_while_text_goes_through": "e2e",
@@ -125,6 +129,7 @@ TIERS: dict[str, str] = {
     "test_up.py": "e2e",
     "test_vllm_connector.py": "e2e",
     "test_vllm_connector.py::test_the_installed_vllm_has_the_interface_the_connector_implements": "unit",
+    "test_vllm_up.py": "e2e",
     "test_up.py::test_restart_backoff_doubles_to_the_cap": "unit",
     "test_up.py::test_pinned_engine_cores_get_cores_of_their_own": "unit",
     "test_up.py::test_engine_cpus_are_a_core_list": "unit",
@@ -169,6 +174,7 @@ EXTRAS: dict[str, str] = {
     "test_store.py": "redis",
     "test_mooncake_store.py": "mooncake.store",
     "test_vllm_connector.py": "vllm",  # scripts/test_vllm.sh installs vLLM's CPU build and runs it
+    "test_vllm_up.py": "vllm",
 }
 
 

@@ -10,11 +10,13 @@ embeddings by handle instead of running its vision tower. Torch- and vLLM-free.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from epdserve.api.load import LoadReport
 from epdserve.integrations.vllm.handles import ec_transfer_params
 from epdserve.router.refs import MediaRef
 from epdserve.transfer.cached import CACHED_HANDLE
@@ -23,6 +25,8 @@ from epdserve.transfer.cached import CACHED_HANDLE
 # transfer parameters are the router's to give
 _ROUTER_ONLY = ("ec_transfer_params", "kv_transfer_params")
 RUNNING, WAITING, KV_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+MAX_METRICS_BYTES = 4 << 20  # one vLLM ``/metrics`` page (its histograms make it long)
+MAX_COUNT = 1 << 30  # requests a worker may claim (a bound: the numbers come from a peer)
 
 
 def vllm_body(body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
@@ -48,7 +52,8 @@ def vllm_body(body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class VllmLoad:
-    """A vLLM worker's load, from its ``/metrics`` (summed over its engines)."""
+    """A vLLM worker's load, from its ``/metrics`` (requests summed over its engines, the KV
+    cache usage their mean)."""
 
     running: float
     waiting: float
@@ -58,20 +63,35 @@ class VllmLoad:
     def outstanding(self) -> float:
         return self.running + self.waiting
 
+    def report(self) -> LoadReport:
+        """The load report an epdserve worker would give (``api.load``): its load ratio is the KV
+        cache in use while nothing waits; requests waiting mean vLLM's batch is full, so then at
+        least 1, plus the queue over the batch (vLLM does not export its ``max_num_seqs``). It
+        holds a vision tower: media left raw is encoded there. Its costs are unmeasured (0)."""
+        kv = self.kv_usage or 0.0
+        ratio = kv if not self.waiting else max(1.0, kv) + self.waiting / max(1.0, self.running)
+        return LoadReport(load_ratio=min(ratio, 1e5), vision=True, running=int(self.running), waiting=int(self.waiting))
+
 
 def parse_vllm_load(text: str) -> VllmLoad:
     """The load in a vLLM ``/metrics`` page; ValueError when it has no request gauges (not vLLM)."""
     sums: dict[str, float] = {}
+    engines: dict[str, int] = {}  # samples of each gauge: one per engine (data parallel)
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in (RUNNING, WAITING, KV_USAGE):
-                    sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+                    value = float(sample.value)
+                    if not (math.isfinite(value) and 0 <= value <= MAX_COUNT):
+                        raise ValueError(f"{sample.name} out of range: {value}")
+                    sums[sample.name] = sums.get(sample.name, 0.0) + value
+                    engines[sample.name] = engines.get(sample.name, 0) + 1
     except ValueError as e:
         raise ValueError(f"unreadable /metrics: {e}") from None
     if RUNNING not in sums or WAITING not in sums:
         raise ValueError("no vLLM request gauges in /metrics")
-    return VllmLoad(sums[RUNNING], sums[WAITING], sums.get(KV_USAGE))
+    kv = sums[KV_USAGE] / engines[KV_USAGE] if KV_USAGE in sums else None  # the engines' mean
+    return VllmLoad(sums[RUNNING], sums[WAITING], None if kv is None else min(kv, 1.0))
 
 
 def is_vllm_models(answer: object) -> bool:

@@ -27,6 +27,7 @@ from epdserve.router.discovery import MAX_HEARTBEAT_S, DnsSource, Leases, is_wor
 from epdserve.router.kv_routing import KVIndex
 from epdserve.router.membership import NotAllowed, WorkerNetworks, prove
 from epdserve.router.pool import Policy, Worker, WorkerPool
+from epdserve.router.vllm_worker import MAX_METRICS_BYTES, parse_vllm_load
 from epdserve.security.peers import sign
 
 log = logging.getLogger(__name__)
@@ -204,8 +205,15 @@ class WorkerPools:
             return await r.content.read(limit) if r.status == 200 else None
 
     async def _poll_load(self, w: Worker) -> None:
-        """A worker's load report (the last one is kept when it cannot say or says nonsense)."""
+        """A worker's load report (the last one is kept when it cannot say or says nonsense); a
+        vLLM worker's from its Prometheus ``/metrics`` (``router.vllm_worker``)."""
+        vllm = self.config.pd_engine == "vllm" and w.url in self.pds.workers
         try:
+            if vllm:
+                raw = await self.get_internal(w, "/metrics", MAX_METRICS_BYTES, 2)
+                if raw is not None:
+                    w.report = parse_vllm_load(raw.decode("utf-8", "replace")).report()
+                return
             raw = await self.get_internal(w, "/v1/load", MAX_LOAD_REPORT_BYTES, 2)
             if raw is not None:
                 w.report = decode_load_report(raw)

@@ -1,0 +1,99 @@
+"""``epdserve up --lm-engine vllm`` as an operator runs it: epdserve's encoder and router beside a
+real ``vllm serve`` (the installed vLLM, its CPU build), started, supervised and stopped by ``up``.
+
+Runs only where vLLM is importable (``scripts/test_vllm.sh``); elsewhere skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from epdserve.launcher import process_tree
+from tests.server_utils import http, internal_headers
+from tests.test_up import alive, image_content, up, wait_for
+from tests.test_vllm_connector import VLLM_ARGS, VLLM_ENV
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
+
+START_S = 900.0  # vLLM's start-up on a busy 2-core machine
+
+
+def greedy(url: str, content: object, max_tokens: int = 24, **extra: object) -> dict:
+    body = {"model": "shapes-qwen2vl", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0.0, **extra}  # fmt: skip
+    status, raw = http("POST", url + "/v1/chat/completions", json.dumps(body).encode(), timeout=600)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def samples(text: str, name: str, **labels: str) -> list[float]:
+    """The values of ``name``'s samples carrying ``labels`` in an exposition."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            found.append(float(line.rsplit(" ", 1)[1]))
+    return found
+
+
+def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path) -> None:
+    content = image_content(3)
+    for run in ("own", "vllm"):
+        (tmp_path / run).mkdir()
+    with up(tmp_path / "own", "--topology", "1e+1pd", "--dtype", "float32", "--max-model-len", "2048") as own:
+        want = greedy(own.wait_ready(), content)["choices"][0]["message"]["content"]
+    secret = tmp_path / "secret"
+    secret.write_text(os.environ["EPD_CLUSTER_SECRET"])  # the test's: it signs the scrapes below
+    secret.chmod(0o600)
+    args = ["--lm-engine", "vllm", "--vllm-args", shlex.join(VLLM_ARGS), "--dtype", "float32"]
+    with up(tmp_path / "vllm", *args, "--cluster-secret-file", str(secret), env=VLLM_ENV) as u:
+        url = u.wait_ready(timeout=START_S)
+        assert "1 encoder(s) + 1 vLLM instance(s) + router ready" in u.out.read_text()
+        pids = process_tree([u.proc.pid])
+        vllm_pid, vllm_url = u.roles()["pd0"]
+        assert len(process_tree([vllm_pid])) >= 3, "the wrapper, vllm serve and its engine core"
+        got = greedy(url, content)["choices"][0]["message"]["content"]
+        assert got == want
+
+        # while a long request runs, the router reads vLLM's load from its /metrics, and
+        # federates vLLM's metrics with its own
+        seen: dict[str, list[float]] = {}
+        long = threading.Thread(target=greedy, args=(url, content, 400), kwargs={"ignore_eos": True})
+        long.start()
+
+        def busy() -> bool:
+            status, raw = http("GET", url + "/metrics", headers=internal_headers())
+            text = raw.decode()
+            seen["ratio"] = samples(text, "epd_router_load_ratio", role="pd")
+            seen["running"] = samples(text, "vllm:num_requests_running", role="pd")
+            if (out := os.environ.get("EPD_VLLM_METRICS_OUT")) and sum(seen["running"]):
+                Path(out).write_bytes(http("GET", vllm_url + "/metrics")[1])  # a real page, for the unit test
+            return status == 200 and sum(seen["running"]) >= 1 and sum(seen["ratio"]) > 0
+
+        assert wait_for(busy, 300, 0.5), seen
+        long.join(timeout=600)
+
+        log = (u.logs / "pd0.log").read_text(errors="replace")
+        lines = [line for line in log.split("\n") if line.strip()]  # a progress bar's \r stays inside its line
+        assert lines and all(line.startswith("[pd0 vllm] ") for line in lines), lines[:5]
+
+        u.proc.send_signal(signal.SIGTERM)
+        assert u.proc.wait(timeout=120) == 0
+        assert wait_for(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
+
+
+def test_up_with_vllm_that_fails_at_start_says_so_in_one_line(tmp_path: Path) -> None:
+    """A flag vLLM refuses: ``up`` names the instance that exited, and starts nothing more."""
+    with up(tmp_path, "--lm-engine", "vllm", "--vllm-args", "--no-such-vllm-flag 1", env=VLLM_ENV) as u:
+        assert u.proc.wait(timeout=START_S) == 1
+        errors = [line for line in u.stderr().splitlines() if "error" in line]
+        assert len(errors) == 1 and "pd0 exited with code" in errors[0] and "during start-up" in errors[0], errors
+        assert "[pd0 vllm] " in (u.logs / "pd0.log").read_text(errors="replace")
+        pids = set(u.seen)
+        assert wait_for(lambda: not any(alive(p) for p in pids), 30)
