@@ -19,6 +19,7 @@ TIERS: dict[str, str] = {
     "test_detokenizer.py": "unit",
     "test_directory.py": "unit",
     "test_dispatch.py": "unit",
+    "test_embedding_cache.py": "unit",
     "test_embeds.py": "unit",
     "test_encoder_batcher.py": "unit",
     "test_encoder_protocol.py": "unit",

@@ -1,10 +1,16 @@
-"""A byte-bounded LRU cache of vision embeddings keyed by media uuid."""
+"""A byte-bounded LRU cache of vision embeddings keyed by media uuid.
+
+Entries are charged the whole pages they take (``cache.pages``): callers store copies made by
+``in_own_pages``, so the bound is what the cache holds in memory.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import torch
+
+from epdserve.cache.pages import held_bytes
 
 
 class EmbeddingCache:
@@ -25,17 +31,17 @@ class EmbeddingCache:
         return t
 
     def put(self, key: str, value: torch.Tensor) -> None:
-        size = value.numel() * value.element_size()
+        size = held_bytes(value)
         if size > self.capacity:
             return
         old = self._items.pop(key, None)
         if old is not None:
-            self.nbytes -= old.numel() * old.element_size()
+            self.nbytes -= held_bytes(old)
         self._items[key] = value
         self.nbytes += size
         while self.nbytes > self.capacity:
             _, evicted = self._items.popitem(last=False)
-            self.nbytes -= evicted.numel() * evicted.element_size()
+            self.nbytes -= held_bytes(evicted)
 
     def __contains__(self, key: str) -> bool:
         return key in self._items

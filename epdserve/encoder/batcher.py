@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from epdserve.cache.embedding_cache import EmbeddingCache
+from epdserve.cache.pages import in_own_pages
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +272,9 @@ class EncodeBatcher:
                 sizes = [self._rows_of(j.grid_thw) for j in batch]
                 if out.shape[0] != sum(sizes):
                     raise EncodeError(f"the vision tower returned {out.shape[0]} rows for {sum(sizes)} embeddings")
-                # own storage per item, so a cached item does not pin the whole batch's output
-                parts = [p.to("cpu").clone() for p in out.split(sizes)]
+                # own storage per item, so a cached item does not pin the whole batch's output,
+                # in pages of its own, so it does not pin the heap around it either
+                parts = [in_own_pages(p.to("cpu")) for p in out.split(sizes)]
         except Exception as e:
             seconds = time.perf_counter() - start
             log.exception("vision forward of %d items (%d patch rows) failed", len(batch), rows)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from epdserve.cache.embedding_cache import EmbeddingCache
+from epdserve.cache.pages import in_own_pages
 from epdserve.common.dtypes import torch_dtype
 from epdserve.engine.attention import PagedAttention, PrefillSlice, StepLayout
 from epdserve.engine.config import EngineConfig
@@ -163,7 +164,8 @@ class ModelRunner:
             for it, e in zip(group, emb.split([it.length for it in group]), strict=True):
                 it.embeddings = e
                 it.pixel_values = None  # pixels are not needed again
-                self.encoder_cache.put(it.uuid, e)
+                # a copy of its own: a view would keep the whole group's output alive in the cache
+                self.encoder_cache.put(it.uuid, in_own_pages(e))
         for it, twin in twins:
             it.embeddings, it.pixel_values = twin.embeddings, None
 
