@@ -2,7 +2,7 @@
 
 Starts ``epdserve up`` (any topology), keeps ``--concurrency`` requests in flight for ``--minutes``
 with a mixed workload (text, fresh images, repeated images, streaming and not), samples the
-resident memory of every role and the bytes in ``/dev/shm`` every ``--sample-s`` seconds, and
+resident memory of every role and the bytes of its files in ``/dev/shm`` every ``--sample-s`` seconds, and
 reports per-status counts, each role's memory at the start of the measured window, at its end and
 at its peak, and its slope (a least-squares line through every sample of the window, in MB per
 hour, beyond what its bounded embedding cache took: fresh images fill an encoder's cache by
@@ -83,10 +83,14 @@ def cache_mb(role: str) -> float:
     return float(m.group(1)) / 2**20 if m else float("nan")
 
 
-def shm_mb() -> float:
-    """Bytes held by files in /dev/shm (every deployment's slabs on this machine)."""
+def shm_mb(pids: dict[str, int]) -> float:
+    """Bytes held by this deployment's files in /dev/shm: those whose name carries the pid of one
+    of its processes (slabs are named ``epd-...-<pid>-...``); other work on the machine is left out."""
     total = 0
+    marks = {f"-{p}-" for p in pids.values()}
     for f in Path("/dev/shm").iterdir():
+        if not any(m in f.name for m in marks):
+            continue
         try:
             total += f.stat().st_blocks * 512
         except OSError:
@@ -99,7 +103,7 @@ def sample(t_s: float, pids: dict[str, int]) -> dict:
         "t_s": round(t_s, 1),
         **{k: rss_mb(p) for k, p in pids.items()},
         "cache": {k: cache_mb(k) for k in pids},
-        "shm": shm_mb(),
+        "shm": shm_mb(pids),
     }
 
 
