@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -148,12 +149,29 @@ def test_decode_attention_reads_the_paged_cache_as_sdpa_over_the_gathered_contex
     assert (out[untouched] == 7.0).all()  # rows of no decode sequence are left alone
 
 
+@pytest.fixture
+def small_source(tmp_path: Path) -> Path:
+    """A C++ source with the ABI entry points of the real one and nothing else: the cache,
+    locking and rebuild tests build it for real with the same compiler and flags, in a fraction
+    of the time the kernels take (the real library is built by the test after this fixture)."""
+    source = tmp_path / "small_kernels.cpp"
+    source.write_text(
+        f'extern "C" {{ int epd_kernels_abi() {{ return {build.ABI}; }} '
+        f"int epd_layer_pointers() {{ return {build.POINTERS_PER_LAYER}; }} }}\n"
+    )
+    return source
+
+
 @needs_compiler
 def test_the_library_is_built_once_per_machine_and_reused(tmp_path: Path) -> None:
+    """The real kernel source: built into the cache, reused from it, loaded with the numbers
+    Python expects (the other cache tests build a small source through the same code)."""
     first = build.library_path(tmp_path)
     stamp = first.stat().st_mtime_ns
     assert build.library_path(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert load_library(tmp_path).epd_kernels_abi() == build.ABI
+    real = load_library(tmp_path)
+    assert (real.epd_kernels_abi(), real.epd_layer_pointers()) == (build.ABI, build.POINTERS_PER_LAYER)
+    assert first.stat().st_mtime_ns == stamp  # loading did not rebuild it either
     assert not list(tmp_path.glob("*.tmp"))  # nothing half-written left behind
 
 
@@ -174,9 +192,8 @@ def test_the_library_is_built_once_per_machine_and_reused(tmp_path: Path) -> Non
 )
 def test_a_library_that_disagrees_on_the_abi_is_refused(tmp_path: Path, exports: str, says: str) -> None:
     """The C++ source and Python each define the ABI and the stack's pointers per layer once; a
-    library whose numbers differ from Python's is refused before any call (the real build agrees)."""
-    real = load_library(tmp_path)
-    assert (real.epd_kernels_abi(), real.epd_layer_pointers()) == (build.ABI, build.POINTERS_PER_LAYER)
+    library whose numbers differ from Python's is refused before any call (the real build agrees:
+    test_the_library_is_built_once_per_machine_and_reused)."""
     source = tmp_path / "other.cpp"
     source.write_text(f'extern "C" {{ {exports} }}')
     lib_path = tmp_path / "other.so"
@@ -186,24 +203,34 @@ def test_a_library_that_disagrees_on_the_abi_is_refused(tmp_path: Path, exports:
 
 
 @needs_compiler
-def test_roles_starting_together_build_one_library(tmp_path: Path) -> None:
-    code = f"from pathlib import Path; from epdserve.kernels.build import load_library as f; f(Path({str(tmp_path)!r}))"
+def test_roles_starting_together_build_one_library(tmp_path: Path, small_source: Path) -> None:
+    """Processes that start at once (the roles of one machine) each build and install a whole
+    file under the one cached name: one library, nothing half-written, all of them load it."""
+    cache = tmp_path / "cache"
+    start = time.time() + 2  # all begin building at the same moment, after their imports
+    code = (
+        "import time; from pathlib import Path; from epdserve.kernels.build import open_library; "
+        f"time.sleep(max(0.0, {start} - time.time())); "
+        f"assert open_library(Path({str(cache)!r}), Path({str(small_source)!r})).epd_kernels_abi() == {build.ABI}"
+    )
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    assert len(list(tmp_path.glob("*.so"))) == 1 and not list(tmp_path.glob("*.tmp"))
+    assert len(list(cache.glob("*.so"))) == 1 and not list(cache.glob("*.tmp"))
 
 
 @needs_compiler
-def test_a_cache_directory_others_may_write_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_directory_others_may_write_is_not_used(
+    tmp_path: Path, small_source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    path = build.library_path(shared)
+    path = build.library_path(shared, source=small_source)
     assert path.parent != shared and not list(shared.iterdir())
     assert path.parent.stat().st_mode & 0o077 == 0  # a private directory instead
     shutil.rmtree(path.parent)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where that one-off build goes
-    assert load_library(shared).epd_kernels_abi() == build.ABI
+    assert build.open_library(shared, small_source).epd_kernels_abi() == build.ABI
     assert not list(tmp_path.glob("epd-kernels-*"))  # loaded, then removed: nothing left per start
 
 
@@ -217,24 +244,26 @@ def test_without_a_compiler_the_engine_runs_the_torch_ops(monkeypatch: pytest.Mo
 
 
 @needs_compiler
-def test_a_corrupt_cached_library_is_rebuilt_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_corrupt_cached_library_is_rebuilt_once(
+    tmp_path: Path, small_source: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cache = tmp_path / "cache"
-    path = build.library_path(cache)
+    path = build.library_path(cache, source=small_source)
     path.write_bytes(b"\x7fELF truncated")  # a half-written or foreign file under the cached name
     with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
-        assert load_library(cache).epd_kernels_abi() == build.ABI
+        assert build.open_library(cache, small_source).epd_kernels_abi() == build.ABI
     assert "rebuilding" in caplog.text
     assert path.stat().st_size > 1000 and len(list(cache.glob("*.so"))) == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
-        assert load_library(cache).epd_kernels_abi() == build.ABI  # and then used, without a word
+        assert build.open_library(cache, small_source).epd_kernels_abi() == build.ABI  # then used, without a word
     assert not caplog.text
 
 
 @needs_compiler
 @pytest.mark.parametrize("layout", ["symlinked leaf", "world-writable parent", "symlinked library"])
 def test_an_unsafe_cache_is_not_used_and_says_how_to_fix_it(
-    tmp_path: Path, layout: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, small_source: Path, layout: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
@@ -251,11 +280,11 @@ def test_an_unsafe_cache_is_not_used_and_says_how_to_fix_it(
     else:
         other = tmp_path / "other.so"
         other.write_bytes(b"not ours to load")
-        built = build.library_path(real)
+        built = build.library_path(real, source=small_source)
         built.unlink()
         built.symlink_to(other)
     with caplog.at_level(logging.WARNING, logger="epdserve.kernels.build"):
-        path = build.library_path(cache)
+        path = build.library_path(cache, source=small_source)
     if layout == "symlinked library":
         assert path.parent == real and not path.is_symlink() and "rebuilding" in caplog.text
         assert other.read_bytes() == b"not ours to load"

@@ -10,6 +10,7 @@ published 12.8-megapixel bound, whose vision forward the memory plan would reser
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -101,6 +102,9 @@ def test_a_cut_depth_keeps_the_widths_and_the_blocks_that_still_exist() -> None:
         published_config("qwen2_vl", layers=29)
 
 
+BUILD_CHECKPOINT = Path(__file__).resolve().parent.parent / "scripts" / "build_checkpoint.py"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -109,13 +113,24 @@ def test_a_cut_depth_keeps_the_widths_and_the_blocks_that_still_exist() -> None:
         (["qwen3_vl", "--size", "2b", "--vision-depth", "25"], "vision_depth must be 1..24"),
     ],
 )
-def test_build_checkpoint_refuses_what_is_not_published(tmp_path: Path, args: list[str], message: str) -> None:
-    script = Path(__file__).resolve().parent.parent / "scripts" / "build_checkpoint.py"
+def test_build_checkpoint_refuses_what_is_not_published(
+    tmp_path: Path, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The script's own main, run in this process (the script as a program: the test below)."""
+    monkeypatch.setattr(sys, "argv", [str(BUILD_CHECKPOINT), args[0], str(tmp_path / "out"), *args[1:]])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(BUILD_CHECKPOINT), run_name="__main__")
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_build_checkpoint_runs_as_a_program_and_refuses_with_exit_status_2(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, str(script), args[0], str(tmp_path / "out"), *args[1:]],
+        [sys.executable, str(BUILD_CHECKPOINT), "qwen2_vl", str(tmp_path / "out"), "--size", "3b"],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert r.returncode == 2 and message in r.stderr
+    assert r.returncode == 2 and "no published 3b size of qwen2_vl" in r.stderr
     assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -14,6 +14,16 @@ from epdserve.training.args import add_arguments
 from epdserve.training.train import _average_gradients, train
 
 
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new checkpoint (seed 5, the default layer count) that tests read or copy, never change."""
+    from epdserve.training.build import build_untrained
+
+    path = tmp_path_factory.mktemp("untrained") / "ckpt"
+    build_untrained(path, seed=5)
+    return path
+
+
 def _args(tmp: Path, *extra: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -22,13 +32,13 @@ def _args(tmp: Path, *extra: str) -> argparse.Namespace:
 
 
 @pytest.mark.timeout(300)
-def test_stop_resume_and_export(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_stop_resume_and_export(tmp_path: Path, untrained: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 
-    train(_args(tmp_path, "--steps", "2", "--stop-at", "1"))
+    train(_args(tmp_path, "--steps", "2", "--stop-at", "1", "--init-from", str(untrained)))
     assert torch.load(tmp_path / "state" / "state.pt", weights_only=False)["step"] == 1
     assert not (tmp_path / "out").exists()
-    train(_args(tmp_path, "--steps", "2"))
+    train(_args(tmp_path, "--steps", "2", "--init-from", str(untrained)))
     assert "resumed at step 1" in capfd.readouterr().out
     log = [json.loads(line) for line in (tmp_path / "state" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2] and set(log[0]["per_type"]) >= {"describe", "which_image", "direction"}
@@ -67,8 +77,8 @@ def test_workers_average_gradients_and_loss(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_two_workers_train_and_export(tmp_path: Path) -> None:
-    train(_args(tmp_path, "--steps", "2", "--workers", "2"))
+def test_two_workers_train_and_export(tmp_path: Path, untrained: Path) -> None:
+    train(_args(tmp_path, "--steps", "2", "--workers", "2", "--init-from", str(untrained)))
     assert (tmp_path / "out" / "model.safetensors").is_file()
     log = [json.loads(line) for line in (tmp_path / "state" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2] and log[0]["loss"] > 0
@@ -166,14 +176,12 @@ def test_where_same_kind_asks_where_one_of_two_same_kind_shapes_is() -> None:
     assert answers == set(LOCATION_PHRASE.values())
 
 
-def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path) -> None:
+def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Path, untrained: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 
-    from epdserve.training.build import build_untrained
     from epdserve.training.train import prepare_init, set_rope_theta
 
-    src = tmp_path / "ckpt"
-    build_untrained(src, seed=5)
+    src = untrained
     # from a checkpoint directory
     prepare_init(tmp_path / "a" / "init", src, seed=99)
     assert (tmp_path / "a" / "init" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
@@ -195,7 +203,7 @@ def test_a_continued_run_takes_the_files_of_what_it_continues_from(tmp_path: Pat
 
 
 @pytest.mark.timeout(300)
-def test_workers_end_when_the_trainer_is_killed(tmp_path: Path) -> None:
+def test_workers_end_when_the_trainer_is_killed(tmp_path: Path, untrained: Path) -> None:
     import os
     import signal
     import subprocess
@@ -204,7 +212,7 @@ def test_workers_end_when_the_trainer_is_killed(tmp_path: Path) -> None:
 
     cmd = [sys.executable, "-m", "epdserve.training.train", "--out", str(tmp_path / "out")]
     cmd += ["--state", str(tmp_path / "state"), "--batch", "2", "--steps", "100000", "--workers", "2"]
-    cmd += ["--early-steps", "0", "--eval-every", "100000"]
+    cmd += ["--early-steps", "0", "--eval-every", "100000", "--init-from", str(untrained)]  # no model to build
     trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def children() -> list[int]:
@@ -242,16 +250,17 @@ def test_layer_sources_spread_the_trained_layers_and_copy_the_one_before() -> No
 
 
 @pytest.mark.timeout(300)
-def test_a_grown_model_answers_exactly_as_the_trained_one(tmp_path: Path) -> None:
+def test_a_grown_model_answers_exactly_as_the_trained_one(tmp_path: Path, untrained: Path) -> None:
+    import shutil
+
     from transformers import Qwen2VLForConditionalGeneration
 
     from epdserve.shapes import ShapesWorld
-    from epdserve.training.build import build_untrained
     from epdserve.training.data import collate
     from epdserve.training.train import load_checkpoint, prepare_init
 
     src = tmp_path / "run" / "init"  # a run's init, with its state file beside it
-    build_untrained(src, seed=5)  # random weights: every block changes the residual stream
+    shutil.copytree(untrained, src)  # random weights: every block changes the residual stream
     trained = Qwen2VLForConditionalGeneration.from_pretrained(src).state_dict()
     torch.save({"model": trained}, tmp_path / "run" / "state.pt")
     for source, name in ((src, "from-dir"), (tmp_path / "run" / "state.pt", "from-state")):

@@ -124,16 +124,16 @@ def _private_file(path: Path) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & _OTHERS_WRITE
 
 
-def library_path(cache_dir: Path | None = None, rebuild: bool = False) -> Path:
-    """Where this machine's build lives (built if it is not there yet, or ``rebuild``);
-    KernelBuildError if it cannot be built."""
+def library_path(cache_dir: Path | None = None, rebuild: bool = False, source: Path = SOURCE) -> Path:
+    """Where this machine's build of ``source`` lives (built if it is not there yet, or
+    ``rebuild``); KernelBuildError if it cannot be built."""
     cxx = _compiler()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cxx} --version failed: {e}") from None
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     directory = cache_dir or default_cache_dir()
@@ -154,7 +154,7 @@ def library_path(cache_dir: Path | None = None, rebuild: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise KernelBuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # atomic: processes building at once each install a whole file
@@ -191,20 +191,27 @@ def _open(path: Path, name: str) -> ctypes.CDLL:
     return lib
 
 
-def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
-    """The built library with its functions' signatures set; KernelBuildError if unavailable.
-    A cached library that fails to load or is of another ABI is rebuilt once."""
-    path = library_path(cache_dir)
+def open_library(cache_dir: Path | None = None, source: Path = SOURCE) -> ctypes.CDLL:
+    """The build of ``source``, checked to be of this module's ABI; KernelBuildError if
+    unavailable. A cached library that fails to load or is of another ABI is rebuilt once."""
+    path = library_path(cache_dir, source=source)
     try:
         lib = _open(path, str(path))
     except KernelBuildError as e:
         if path.parent.name.startswith(_TEMP_PREFIX):
             raise
         log.warning("%s; rebuilding it", e)
-        path = library_path(cache_dir, rebuild=True)
+        path = library_path(cache_dir, rebuild=True, source=source)
         # the dynamic loader hands back a library already loaded under the same name: the
         # rebuilt file is loaded under another spelling of its path
         lib = _open(path, f"{path.parent}/./{path.name}")
+    return lib
+
+
+def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
+    """The built kernel library with its functions' signatures set; KernelBuildError if
+    unavailable (see ``open_library``)."""
+    lib = open_library(cache_dir)
     p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
         "epd_add_rms_norm": [c_int, p, i64, p, i64, p, p, i64, i64, i64, f32],
