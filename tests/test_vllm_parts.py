@@ -339,6 +339,9 @@ def test_the_vllm_wrapper_exits_as_vllm_did() -> None:
     proc = wrapper("sh", "-c", "echo bad flag >&2; exit 3")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 3 and err == "[pd0 vllm] bad flag\n"
+    proc = wrapper("sh", "-c", r"printf 'load 0%%\rload 100%%\r\nready\r\n'")  # a progress bar's redraws
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and err == "[pd0 vllm] load 0%\n[pd0 vllm] load 100%\n[pd0 vllm] ready\n", err
     proc = wrapper("/nonexistent/vllm", "serve")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 127 and err.startswith("[pd0 vllm] could not start /nonexistent/vllm")

@@ -175,7 +175,11 @@ def run_wrapped(name: str, cmd: Sequence[str], log_json: bool = False) -> int:
 
 def _copy(pipe: IO[bytes], name: str, log_json: bool) -> None:
     for raw in pipe:
-        sys.stderr.write(prefixed(name, raw.decode(errors="replace"), log_json))
+        # a progress bar redraws its line after each carriage return: each drawing is a line of
+        # the log, with its prefix, not text that a terminal would draw over the prefix
+        for part in raw.replace(b"\r\n", b"\n").split(b"\r"):
+            if part.strip():
+                sys.stderr.write(prefixed(name, part.decode(errors="replace"), log_json))
         sys.stderr.flush()
 
 
