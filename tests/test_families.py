@@ -13,7 +13,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from epdserve.assets import default_model_dir
@@ -26,6 +25,7 @@ from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
 from tests.checkpoints import build
 from tests.optional import unavailable
+from tests.server_utils import openai_client
 
 MAX_TOKENS = 12
 PD_ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -96,7 +96,7 @@ def transformers_answer(ref: HFReference, req: dict, images: list) -> str:
 
 
 def ask(url: str, model: str, req: dict) -> str:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    c = openai_client(url)
     body = {"max_tokens": MAX_TOKENS, **req}
     if body.get("stream"):
         stream = c.chat.completions.create(model=model, temperature=0, **body)
@@ -179,7 +179,7 @@ def _first_token_logprobs(model: Path, topology: str, dtype: str, part: dict) ->
     )
     d.start()
     try:
-        c = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        c = openai_client(d.url)
         r = c.chat.completions.create(
             model=model.name,
             messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
