@@ -380,6 +380,7 @@ def test_killed_roles_are_restarted_and_killed_up_leaves_nothing(tmp_path: Path)
             status, body = chat(url, "Say hi.")
             assert status == 200, body
             texts += 1
+            time.sleep(0.2)  # a few texts prove it; more would only slow the encoder's restart
             assert time.monotonic() - down_since < STARTUP_S, u.stderr()
         assert texts >= 1
         new_pid, new_url = u.wait_restarted("encoder0", enc_pid)
@@ -414,6 +415,7 @@ def test_killing_an_encoder_under_image_load_fails_no_request(tmp_path: Path) ->
             while not stop.is_set():
                 results.append(chat(url, image_content(1000 + seed)))  # distinct images: no cache hits
                 seed += 2
+                stop.wait(0.2)  # a steady load, not one that slows the encoder's restart
 
         workers = [threading.Thread(target=load, args=(i,)) for i in range(2)]
         for w in workers:
