@@ -25,7 +25,7 @@ from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
 from tests.checkpoints import build
 from tests.optional import unavailable
-from tests.server_utils import openai_client
+from tests.server_utils import counter, openai_client
 
 MAX_TOKENS = 12
 PD_ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -133,6 +133,10 @@ def _assert_same(model: Path, topology: str, reqs: list[dict], expected: list[st
     d = _deploy(model, topology, **kw)
     try:
         got = [ask(d.url, model.name, r) for r in reqs]
+        if d.topology.split:  # the KV went through the connector: the decode worker recomputed none
+            p, dec = (next(r.url for r in d.roles if r.name == name) for name in ("prefill0", "decode0"))
+            assert counter(dec, "kv_fallbacks_total") == 0
+            assert counter(dec, "kv_transfers_in_total") == counter(p, "kv_transfers_out_total") >= 1
     finally:
         d.stop()
     assert got == expected
