@@ -443,11 +443,10 @@ def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[
         ),
         ("1e+1p+1d", "shm", {}),
         ("1p+1d", "shm", {}),  # no encoder: the prefill and decode workers hold the audio tower
-        # the router's other ways with media: audio passes through them unchanged
-        ("1e+2pd", "shm", {"extra_router_args": ["--policy", "kv_aware"]}),
-        ("1e+1pd", "shm", {"extra_router_args": ["--frontend-decode"]}),
+        # the router's other ways with media, together: audio passes through them unchanged
+        ("1e+2pd", "shm", {"extra_router_args": ["--policy", "kv_aware", "--frontend-decode"]}),
     ],
-    ids=["shm", "tcp", "fs", "mooncake", "e-p-d", "p-d", "kv-aware", "frontend-decode"],
+    ids=["shm", "tcp", "fs", "mooncake", "e-p-d", "p-d", "kv-aware-frontend-decode"],
 )
 def test_topologies_answer_input_audio_as_transformers(
     ckpt: Path, hf_tokens, topology: str, connector: str, options: dict
