@@ -96,7 +96,6 @@ TIERS: dict[str, str] = {
     "test_allocator.py": "integration",
     "test_bench_serve.py": "integration",
     "test_core_failure.py": "integration",
-    "test_core_failure.py::test_up_restarts_a_worker_whose_core_died": "e2e",
     "test_encoder.py": "integration",
     "test_engine_client.py": "integration",
     "test_kernels.py": "integration",
