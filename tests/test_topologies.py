@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -98,13 +99,14 @@ def shapes_questions() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def aggregated() -> Iterator[tuple[Deployment, list[str], list[str]]]:
+def aggregated() -> Iterator[tuple[Deployment, list[str], Callable[[], list[str]]]]:
+    """The aggregated server, its answers to ``request_set``, and (asked once, on first call: not
+    every test needs them) its answers to ``shapes_questions``."""
     d = deploy("aggregated")
     try:
         reqs = request_set()
         expected = [ask(d.url, r) for r in reqs]
-        questions = shapes_questions()
-        answers = [ask(d.url, {"messages": q["messages"]}) for q in questions]
+        answers = functools.cache(lambda: [ask(d.url, {"messages": q["messages"]}) for q in shapes_questions()])
         yield d, expected, answers
     finally:
         d.stop()
@@ -124,7 +126,7 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
         reqs = assert_same_answers(d.url, expected)
         # shapes-world answers (hence accuracy) identical to the aggregated server's
         questions = shapes_questions()
-        assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers
+        assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers()
         # the PD worker holds no vision weights: every image went through the encoder
         pd = next(r for r in d.roles if r.name == "pd0")
         assert "epd_vision_tower_loaded 0.0" in http("GET", pd.url + "/metrics")[1].decode()
