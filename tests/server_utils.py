@@ -9,10 +9,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.security.credentials import ClusterCredential
 from epdserve.security.peers import sign
+
+if TYPE_CHECKING:
+    import openai
 
 # scripts/gpu_check.sh runs some tests on a GPU: where the engine runs and at what precision
 TEST_DEVICE = os.environ.get("EPD_TEST_DEVICE", "cpu")
@@ -82,3 +86,13 @@ def counter(url: str, name: str) -> float:
     m = re.search(rf"^epd_{re.escape(name)} (\S+)$", body.decode(), re.MULTILINE)
     assert m is not None, f"epd_{name} not in {url}/metrics"
     return float(m[1])
+
+
+def openai_client(url: str, timeout: float = 120.0, api_key: str = "none") -> openai.OpenAI:
+    """An OpenAI client of ``url`` (a base URL without ``/v1``) that does not retry. The servers
+    under test speak plain HTTP on loopback, so no TLS certificates are loaded: loading them is
+    most of what making a client costs, and the tests make one per request."""
+    import openai
+
+    http_client = openai.DefaultHttpxClient(verify=False, timeout=timeout)
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout, http_client=http_client)

@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
@@ -52,7 +52,23 @@ def start_msg(model_dir: Path) -> CoreStart:
     return CoreStart(str(model_dir), model_dir.name, ENGINE, True, ECConfig())
 
 
-def test_process_core_equals_inprocess_core_and_transformers(model_dir: Path, hf: HFReference) -> None:
+@pytest.fixture(scope="module")
+def core(model_dir: Path) -> Iterator[tuple[asyncio.AbstractEventLoop, MPClient]]:
+    """A core in its own process, its client on an event loop of its own, for the tests that
+    leave it as they found it (every request finished)."""
+    loop = asyncio.new_event_loop()
+    client = MPClient(start_msg(model_dir))
+    loop.run_until_complete(client.start())
+    try:
+        yield loop, client
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+
+
+def test_process_core_equals_inprocess_core_and_transformers(
+    core: tuple[asyncio.AbstractEventLoop, MPClient], model_dir: Path, hf: HFReference
+) -> None:
     reqs = [text_request(hf, f"r{i}", p) for i, p in enumerate(PROMPTS)]
     expected = {
         r.request_id: hf.generate_ids(hf.inputs([{"role": "user", "content": p}]), max_new_tokens=10)
@@ -60,15 +76,20 @@ def test_process_core_equals_inprocess_core_and_transformers(model_dir: Path, hf
     }
 
     async def run(client) -> dict[str, list[int]]:
+        outs = await asyncio.gather(*(collect(client.generate(r)) for r in reqs))
+        return {r.request_id: tokens(o) for r, o in zip(reqs, outs, strict=True)}
+
+    async def in_process() -> dict[str, list[int]]:
+        client = InprocClient(EngineCore.from_pretrained(model_dir, ENGINE))
         await client.start()
         try:
-            outs = await asyncio.gather(*(collect(client.generate(r)) for r in reqs))
-            return {r.request_id: tokens(o) for r, o in zip(reqs, outs, strict=True)}
+            return await run(client)
         finally:
             await client.close()
 
-    inproc = asyncio.run(run(InprocClient(EngineCore.from_pretrained(model_dir, ENGINE))))
-    mp = asyncio.run(run(MPClient(start_msg(model_dir))))
+    inproc = asyncio.run(in_process())
+    loop, mp_client = core
+    mp = loop.run_until_complete(run(mp_client))
     assert mp == inproc
     # the ignore_eos oracle: transformers stops at EOS, so compare the common prefix it produced
     for rid, want in expected.items():
@@ -106,24 +127,24 @@ def test_core_that_cannot_start_says_why(tmp_path: Path) -> None:
         asyncio.run(MPClient(bad, ready_timeout_s=120).start())
 
 
-def test_closing_a_stream_aborts_the_request_in_the_core(model_dir: Path, hf: HFReference) -> None:
-    async def scenario() -> tuple[int, int]:
-        client = MPClient(start_msg(model_dir))
-        await client.start()
-        try:
-            stream = client.generate(text_request(hf, "a", PROMPTS[0], max_tokens=1500))
-            await anext(stream)
-            running = (await client.stats()).running
-            await stream.aclose()  # type: ignore[attr-defined]
-            for _ in range(100):
-                if (await client.stats()).running == 0:
-                    break
-                await asyncio.sleep(0.02)
-            return running, (await client.stats()).running
-        finally:
-            await client.close()
+def test_closing_a_stream_aborts_the_request_in_the_core(
+    core: tuple[asyncio.AbstractEventLoop, MPClient], hf: HFReference
+) -> None:
+    loop, client = core
 
-    assert asyncio.run(scenario()) == (1, 0)
+    async def scenario() -> tuple[int, int]:
+        assert (await client.stats()).running == 0
+        stream = client.generate(text_request(hf, "a", PROMPTS[0], max_tokens=1500))
+        await anext(stream)
+        running = (await client.stats()).running
+        await stream.aclose()  # type: ignore[attr-defined]
+        for _ in range(100):
+            if (await client.stats()).running == 0:
+                break
+            await asyncio.sleep(0.02)
+        return running, (await client.stats()).running
+
+    assert loop.run_until_complete(scenario()) == (1, 0)
 
 
 def test_core_fetches_embeddings_by_handle(model_dir: Path, hf: HFReference) -> None:

@@ -23,8 +23,8 @@ from epdserve.api.errors import Overloaded, Unavailable
 from epdserve.api.quota import QuotaConfig, Quotas
 from epdserve.api.tokenizer import CHUNK_CHARS, FastTokenizer, TooManyTokens
 from epdserve.assets import default_model_dir
-from epdserve.launcher import free_port, start_role, stop
-from epdserve.up import Deployment, Topology, open_api_warning
+from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.up import open_api_warning
 from tests.server_utils import counter, device_args, http, internal_headers, running
 
 MODEL = "shapes-qwen2vl"
@@ -239,28 +239,26 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_the_router_holds_each_key_to_its_share() -> None:
-    d = Deployment(
-        Topology.parse("1e+1pd"),
-        None,
-        port=free_port(),
-        extra_pd_args=["--max-model-len", str(CONTEXT)],
-        extra_router_args=["--max-inflight-per-key", "1"],
-    )
-    d.start()
+def test_the_router_holds_each_key_to_its_share(server: str) -> None:
+    # a router in front of the module's server: the server counts no call of the router's (they
+    # carry the cluster credential), so every 429 here is the router's
+    port = free_port()
+    router = start_role(["router", "--pds", server, "--max-inflight-per-key", "1", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
     try:
+        wait_healthy(url, router)
         slow = chat("Count.", max_tokens=64, min_tokens=64, ignore_eos=True)
         with ThreadPoolExecutor(4) as pool:
-            mine = [pool.submit(post, d.url, slow, "alice") for _ in range(2)]
+            mine = [pool.submit(post, url, slow, "alice") for _ in range(2)]
             time.sleep(0.2)
-            theirs = pool.submit(post, d.url, chat("Hi"), "bob")
+            theirs = pool.submit(post, url, chat("Hi"), "bob")
             results = [f.result() for f in mine]
             assert theirs.result()[0] == 200
         assert sorted(r[0] for r in results) == [200, 429], [r[:2] for r in results]
         refused = next(r for r in results if r[0] == 429)
         assert refused[2]["Retry-After"] == "1" and refused[1]["error"]["type"] == "rate_limit_error"
     finally:
-        d.stop()
+        stop(router)
 
 
 def test_up_on_a_public_interface_without_an_api_key_warns_how_to_fix_it() -> None:

@@ -13,7 +13,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from epdserve.assets import default_model_dir
@@ -26,6 +25,7 @@ from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
 from tests.checkpoints import build
 from tests.optional import unavailable
+from tests.server_utils import counter, openai_client
 
 MAX_TOKENS = 12
 PD_ARGS = ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -35,6 +35,7 @@ MOONCAKE = pytest.param(
 )
 # the vision families; video only where the family takes it through every topology
 VISION_FAMILIES = {"qwen2_5_vl": True, "qwen3_vl": True}
+TopLogprobs = list[tuple[bytes, float]]  # a token's top alternatives: (bytes, logprob)
 
 
 def _deploy(model: Path, topology: str, connector: str = "shm", kv_connector: str = "shm") -> Deployment:
@@ -96,7 +97,7 @@ def transformers_answer(ref: HFReference, req: dict, images: list) -> str:
 
 
 def ask(url: str, model: str, req: dict) -> str:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    c = openai_client(url)
     body = {"max_tokens": MAX_TOKENS, **req}
     if body.get("stream"):
         stream = c.chat.completions.create(model=model, temperature=0, **body)
@@ -106,15 +107,17 @@ def ask(url: str, model: str, req: dict) -> str:
 
 
 @pytest.fixture(scope="module", params=sorted(VISION_FAMILIES))
-def vision_family(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict], list[str]]]:
-    """A family's checkpoint, its requests, and the aggregated server's answers to them, which are
-    transformers' ``generate``'s."""
+def vision_family(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict], list[str], TopLogprobs]]:
+    """A family's checkpoint, its requests, the aggregated server's answers to them, which are
+    transformers' ``generate``'s, and that server's first-token top logprobs for ``_image_part``
+    (float32: what bfloat16 is held to)."""
     model = build(request.param, tmp_path_factory.mktemp("ckpt") / f"{request.param}-tiny")
     cases = vision_requests(VISION_FAMILIES[request.param])
     reqs = [r for r, _ in cases]
     d = _deploy(model, "aggregated")
     try:
         expected = [ask(d.url, model.name, r) for r in reqs]
+        float32 = _top_logprobs(d.url, model.name, _image_part())
     finally:
         d.stop()
     assert len(set(expected)) > 1, "the requests must not all get one answer"
@@ -123,13 +126,17 @@ def vision_family(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict],
         if images is not None:
             assert answer == transformers_answer(ref, req, images)
     del ref
-    yield model, reqs, expected
+    yield model, reqs, expected, float32
 
 
 def _assert_same(model: Path, topology: str, reqs: list[dict], expected: list[str], **kw: str) -> None:
     d = _deploy(model, topology, **kw)
     try:
         got = [ask(d.url, model.name, r) for r in reqs]
+        if d.topology.split:  # the KV went through the connector: the decode worker recomputed none
+            p, dec = (next(r.url for r in d.roles if r.name == name) for name in ("prefill0", "decode0"))
+            assert counter(dec, "kv_fallbacks_total") == 0
+            assert counter(dec, "kv_transfers_in_total") == counter(p, "kv_transfers_out_total") >= 1
     finally:
         d.stop()
     assert got == expected
@@ -137,13 +144,13 @@ def _assert_same(model: Path, topology: str, reqs: list[dict], expected: list[st
 
 @pytest.mark.parametrize("connector", ["shm", "tcp", "fs", MOONCAKE])
 def test_e_pd_equals_aggregated(vision_family, connector: str) -> None:
-    model, reqs, expected = vision_family
+    model, reqs, expected, _ = vision_family
     _assert_same(model, "1e+1pd", reqs, expected, connector=connector)
 
 
 @pytest.mark.parametrize("kv_connector", ["shm", "tcp"])
 def test_e_p_d_equals_aggregated(vision_family, kv_connector: str) -> None:
-    model, reqs, expected = vision_family
+    model, reqs, expected, _ = vision_family
     _assert_same(model, "1e+1p+1d", reqs, expected, kv_connector=kv_connector)
 
 
@@ -169,7 +176,7 @@ def test_an_unrecognised_architecture_fails_at_once_naming_what_is_supported(tmp
     assert "Traceback" not in r.stderr
 
 
-def _first_token_logprobs(model: Path, topology: str, dtype: str, part: dict) -> list[tuple[bytes, float]]:
+def _first_token_logprobs(model: Path, topology: str, dtype: str, part: dict) -> TopLogprobs:
     d = Deployment(
         Topology.parse(topology),
         str(model),
@@ -179,20 +186,28 @@ def _first_token_logprobs(model: Path, topology: str, dtype: str, part: dict) ->
     )
     d.start()
     try:
-        c = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        r = c.chat.completions.create(
-            model=model.name,
-            messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
-            temperature=0,
-            max_tokens=1,
-            logprobs=True,
-            top_logprobs=3,
-        )
+        return _top_logprobs(d.url, model.name, part)
     finally:
         d.stop()
+
+
+def _top_logprobs(url: str, model: str, part: dict) -> TopLogprobs:
+    """The first token's top logprobs of a greedy answer about ``part``."""
+    r = openai_client(url).chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
+        temperature=0,
+        max_tokens=1,
+        logprobs=True,
+        top_logprobs=3,
+    )
     assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content
     # by bytes: several partial UTF-8 tokens all print as U+FFFD
     return [(bytes(t.bytes or []), t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs]
+
+
+def _image_part() -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(ShapesWorld(5).scene().render())}}
 
 
 def _audio_part() -> dict:
@@ -208,25 +223,30 @@ def _audio_part() -> dict:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2_audio"])
-def test_bfloat16_serves_each_family_through_e_pd(family: str, tmp_path: Path) -> None:
+def test_bfloat16_serves_each_family_through_e_pd(vision_family) -> None:
     """In bfloat16 the first token's top logprobs are float32's within bfloat16's rounding, and
-    E+PD (bfloat16 embeddings through the EC connector; DeepStack levels, audio) gives the
-    aggregated server's (rounding apart: other processes, other batch shapes)."""
-    model = build(family, tmp_path / f"{family}-tiny")
-    part = (
-        _audio_part()
-        if family == "qwen2_audio"
-        else {"type": "image_url", "image_url": {"url": data_url(ShapesWorld(5).scene().render())}}
-    )
-    full = _first_token_logprobs(model, "aggregated", "float32", part)
+    E+PD (bfloat16 embeddings through the EC connector; DeepStack levels) gives the aggregated
+    server's (rounding apart: other processes, other batch shapes)."""
+    model, _, _, full = vision_family
+    _assert_bfloat16_serves(model, _image_part(), full)
+
+
+def test_bfloat16_serves_the_audio_family_through_e_pd(tmp_path: Path) -> None:
+    """As for each vision family, with audio embeddings through the EC connector."""
+    model = build("qwen2_audio", tmp_path / "qwen2_audio-tiny")
+    full = _first_token_logprobs(model, "aggregated", "float32", _audio_part())
+    _assert_bfloat16_serves(model, _audio_part(), full)
+
+
+def _assert_bfloat16_serves(model: Path, part: dict, full: TopLogprobs) -> None:
+    """The aggregated server and E+PD in bfloat16 against ``full``, float32's top logprobs."""
     half = _first_token_logprobs(model, "aggregated", "bfloat16", part)
     disaggregated = _first_token_logprobs(model, "1e+1pd", "bfloat16", part)
     _assert_close(full, half, 0.25)
     _assert_close(half, disaggregated, 0.05)
 
 
-def _assert_close(a: list[tuple[bytes, float]], b: list[tuple[bytes, float]], tol: float) -> None:
+def _assert_close(a: TopLogprobs, b: TopLogprobs, tol: float) -> None:
     """Two top-3 lists name mostly the same tokens, with logprobs within ``tol`` (near-ties may swap)."""
     da, db = dict(a), dict(b)
     common = da.keys() & db.keys()

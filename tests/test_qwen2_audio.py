@@ -226,6 +226,16 @@ def hf_generate(hf_model, feature_extractor, tok, messages: list[dict], audios: 
     return gen[0, len(ids) :].tolist()
 
 
+@pytest.fixture(scope="module")
+def hf_tokens(ckpt: Path, hf_model, feature_extractor) -> dict[str, list[int]]:
+    """transformers' greedy tokens for each of ``engine_cases``: what the engine, the server and
+    every topology answer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    return {name: hf_generate(hf_model, feature_extractor, tok, m, a) for name, m, a in engine_cases()}
+
+
 def engine_request(rid: str, builder, proc, messages: list[dict], audios: list[np.ndarray], eos: list[int]):
     from epdserve.common.sampling_params import SamplingParams
     from epdserve.engine.core import request_from
@@ -242,7 +252,7 @@ def engine_request(rid: str, builder, proc, messages: list[dict], audios: list[n
     return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, None, 0, eos))
 
 
-def test_engine_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf_model, feature_extractor) -> None:
+def test_engine_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, hf_model, hf_tokens) -> None:
     from transformers import AutoTokenizer
 
     from epdserve.engine.config import EngineConfig
@@ -255,7 +265,7 @@ def test_engine_greedy_tokens_match_transformers_alone_and_batched(ckpt: Path, h
     tok = AutoTokenizer.from_pretrained(ckpt)
     eos = hf_model.generation_config.eos_token_id
     eos = list(eos) if isinstance(eos, list) else [eos]
-    expected = {name: hf_generate(hf_model, feature_extractor, tok, m, a) for name, m, a in engine_cases()}
+    expected = hf_tokens
     assert len({tuple(v) for v in expected.values()}) == len(expected)  # the audio changes the answer
     # a budget of 24 tokens splits every audio run across prefill chunks
     eng = EngineCore.from_pretrained(
@@ -323,14 +333,14 @@ def server(ckpt: Path):
         yield url
 
 
-def test_server_answers_input_audio_as_transformers(server: str, ckpt: Path, hf_model, feature_extractor) -> None:
+def test_server_answers_input_audio_as_transformers(server: str, ckpt: Path, hf_tokens) -> None:
     import openai
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
     for name, messages, audios in engine_cases():
-        expected = tok.decode(hf_generate(hf_model, feature_extractor, tok, messages, audios), skip_special_tokens=True)
+        expected = tok.decode(hf_tokens[name], skip_special_tokens=True)
         parts = [audio_part(wav_b64(a)) for a in audios]
         content = [*parts, *(p for p in messages[0]["content"] if p["type"] == "text")]
         r = client.chat.completions.create(
@@ -433,29 +443,25 @@ def test_server_refuses_bad_audio_clearly(server: str, name: str, content: list[
         ),
         ("1e+1p+1d", "shm", {}),
         ("1p+1d", "shm", {}),  # no encoder: the prefill and decode workers hold the audio tower
-        # the router's other ways with media: audio passes through them unchanged
-        ("1e+2pd", "shm", {"extra_router_args": ["--policy", "kv_aware"]}),
-        ("1e+1pd", "shm", {"extra_router_args": ["--frontend-decode"]}),
+        # the router's other ways with media, together: audio passes through them unchanged
+        ("1e+2pd", "shm", {"extra_router_args": ["--policy", "kv_aware", "--frontend-decode"]}),
     ],
-    ids=["shm", "tcp", "fs", "mooncake", "e-p-d", "p-d", "kv-aware", "frontend-decode"],
+    ids=["shm", "tcp", "fs", "mooncake", "e-p-d", "p-d", "kv-aware-frontend-decode"],
 )
 def test_topologies_answer_input_audio_as_transformers(
-    ckpt: Path, hf_model, feature_extractor, topology: str, connector: str, options: dict
+    ckpt: Path, hf_tokens, topology: str, connector: str, options: dict
 ) -> None:
     """The encoder encodes the audio (the language-model workers have no audio tower here), the
     embeddings reach them metadata-only as audio_embeds, and the answers are transformers'."""
-    import openai
     from transformers import AutoTokenizer
 
     from epdserve.launcher import free_port
     from epdserve.up import Deployment, Topology
-    from tests.server_utils import http
+    from tests.server_utils import http, openai_client
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     cases = engine_cases()
-    expected = [
-        tok.decode(hf_generate(hf_model, feature_extractor, tok, m, a), skip_special_tokens=True) for _, m, a in cases
-    ]
+    expected = [tok.decode(hf_tokens[name], skip_special_tokens=True) for name, _, _ in cases]
     d = Deployment(
         Topology.parse(topology),
         str(ckpt),
@@ -466,7 +472,7 @@ def test_topologies_answer_input_audio_as_transformers(
     )
     d.start()
     try:
-        client = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai_client(d.url)
         got = []
         for _, messages, audios in cases:
             content = [

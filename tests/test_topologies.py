@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 
 from epdserve.bench.workload import gif_data_url
@@ -20,7 +20,7 @@ from epdserve.shapes import ShapesWorld, render_images
 from epdserve.transfer.shm_slab import SLAB_RE
 from epdserve.up import Deployment, Topology
 from tests.optional import unavailable
-from tests.server_utils import http, internal_headers
+from tests.server_utils import http, internal_headers, openai_client
 
 MODEL = "shapes-qwen2vl"
 PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
@@ -71,7 +71,7 @@ def request_set() -> list[dict]:
 
 
 def ask(url: str, req: dict) -> str:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    c = openai_client(url)
     if req.get("stream"):
         stream = c.chat.completions.create(model=MODEL, temperature=0, **req)
         return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
@@ -79,12 +79,12 @@ def ask(url: str, req: dict) -> str:
     return r.choices[0].message.content or ""
 
 
-def shapes_questions(n: int) -> list[dict]:
+def shapes_questions() -> list[dict]:
+    """One shapes-world question of each kind (a video for ``direction``)."""
     w = ShapesWorld(77)
-    qs = ["describe", "shape", "where_is", "what_at", "describe_nth", "which_image", "direction"]
     out = []
-    for i in range(n):
-        s = w.sample(qs[i % len(qs)])
+    for kind in ("describe", "shape", "where_is", "what_at", "describe_nth", "which_image", "direction"):
+        s = w.sample(kind)
         if s.video is not None:
             parts = [{"type": "video_url", "video_url": {"url": gif_data_url(s.frames)}}]
         else:
@@ -99,13 +99,14 @@ def shapes_questions(n: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def aggregated() -> Iterator[tuple[Deployment, list[str], list[str]]]:
+def aggregated() -> Iterator[tuple[Deployment, list[str], Callable[[], list[str]]]]:
+    """The aggregated server, its answers to ``request_set``, and (asked once, on first call: not
+    every test needs them) its answers to ``shapes_questions``."""
     d = deploy("aggregated")
     try:
         reqs = request_set()
         expected = [ask(d.url, r) for r in reqs]
-        questions = shapes_questions(21)
-        answers = [ask(d.url, {"messages": q["messages"]}) for q in questions]
+        answers = functools.cache(lambda: [ask(d.url, {"messages": q["messages"]}) for q in shapes_questions()])
         yield d, expected, answers
     finally:
         d.stop()
@@ -124,8 +125,8 @@ def test_1e1pd_equals_aggregated(aggregated, connector: str) -> None:
     try:
         reqs = assert_same_answers(d.url, expected)
         # shapes-world answers (hence accuracy) identical to the aggregated server's
-        questions = shapes_questions(21)
-        assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers
+        questions = shapes_questions()
+        assert [ask(d.url, {"messages": q["messages"]}) for q in questions] == answers()
         # the PD worker holds no vision weights: every image went through the encoder
         pd = next(r for r in d.roles if r.name == "pd0")
         assert "epd_vision_tower_loaded 0.0" in http("GET", pd.url + "/metrics")[1].decode()
@@ -271,44 +272,6 @@ def test_topology_parsing() -> None:
             Topology.parse(bad)
 
 
-def test_up_command_stops_everything_on_sigterm() -> None:
-    import subprocess
-    import sys
-
-    from epdserve.launcher import free_port, is_healthy
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epdserve.cli", "up", "--topology", "1e+1pd", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert f"http://127.0.0.1:{port}/v1" in line
-        assert is_healthy(f"http://127.0.0.1:{port}")
-        children = _children(proc.pid)
-        assert len(children) >= 3
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    time.sleep(0.5)
-    assert_clean(children)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                stat = (p / "stat").read_text().split()
-            except OSError:
-                continue
-            if int(stat[3]) == pid:
-                out.append(int(p.name))
-    return out
-
-
 def test_request_waiting_for_embeddings_does_not_stall_others(aggregated) -> None:
     """A metadata-only request whose producer hangs waits outside the engine: other requests keep
     completing; when the producer goes away the waiting request fails alone with 503."""
@@ -380,7 +343,7 @@ def metric(url: str, name: str) -> float:
 
 def ask_logprobs(url: str, req: dict) -> list[tuple[str, float]]:
     """A streamed answer's tokens with their logprobs (what the client sees, token by token)."""
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    c = openai_client(url)
     stream = c.chat.completions.create(
         model=MODEL, temperature=0, stream=True, logprobs=True, top_logprobs=2, max_tokens=8, **req
     )

@@ -333,6 +333,13 @@ def proc_env(pid: int) -> dict[str, str]:
     return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
 
 
+def proc_cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def proc_args(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
@@ -380,6 +387,7 @@ def test_killed_roles_are_restarted_and_killed_up_leaves_nothing(tmp_path: Path)
             status, body = chat(url, "Say hi.")
             assert status == 200, body
             texts += 1
+            time.sleep(0.2)  # a few texts prove it; more would only slow the encoder's restart
             assert time.monotonic() - down_since < STARTUP_S, u.stderr()
         assert texts >= 1
         new_pid, new_url = u.wait_restarted("encoder0", enc_pid)
@@ -395,6 +403,16 @@ def test_killed_roles_are_restarted_and_killed_up_leaves_nothing(tmp_path: Path)
             _, again_url = u.wait_restarted(name, pid)
             assert again_url == role_url
             assert wait_for(lambda: chat(url, image_content(2))[0] == 200, 15, 0.5), f"not serving after {name}"
+
+        # the PD worker's engine core: the worker exits, saying so, and is restarted like any role
+        pid, role_url = u.roles()["pd0"]
+        cores = [p for p in process_tree([pid])[1:] if b"epdserve.engine.core_proc" in proc_cmdline(p)]
+        assert len(cores) == 1, process_tree([pid])
+        restarts = u.stderr().count("restarted pd0")
+        os.kill(cores[0], signal.SIGKILL)
+        _, again_url = u.wait_restarted("pd0", pid)
+        assert again_url == role_url and u.stderr().count("restarted pd0") == restarts + 1
+        assert wait_for(lambda: chat(url, image_content(3))[0] == 200, 15, 0.5), "not serving after the core died"
 
         # up itself, killed: every role (restarted ones too) gets SIGTERM from the kernel and ends
         u.roles()
@@ -414,6 +432,7 @@ def test_killing_an_encoder_under_image_load_fails_no_request(tmp_path: Path) ->
             while not stop.is_set():
                 results.append(chat(url, image_content(1000 + seed)))  # distinct images: no cache hits
                 seed += 2
+                stop.wait(0.2)  # a steady load, not one that slows the encoder's restart
 
         workers = [threading.Thread(target=load, args=(i,)) for i in range(2)]
         for w in workers:

@@ -101,7 +101,6 @@ TIERS: dict[str, str] = {
     "test_allocator.py": "integration",
     "test_bench_serve.py": "integration",
     "test_core_failure.py": "integration",
-    "test_core_failure.py::test_up_restarts_a_worker_whose_core_died": "e2e",
     "test_encoder.py": "integration",
     "test_engine_client.py": "integration",
     "test_kernels.py": "integration",
@@ -152,10 +151,12 @@ SMOKE: set[str] = {
 
 # connector x family combinations that only the full matrix runs (``file::test[params]``): in the
 # default run every connector runs end to end (test_topologies: shm, tcp and fs in 1e+1pd, mooncake
-# in the 2e+1pd deployment on a Mooncake master), and each family once per kind of topology, with
-# the connectors spread over the families; the connectors' own tests (test_transfer) run whole
+# in the 2e+1pd deployment on a Mooncake master; each KV connector through E/P/D in test_families),
+# and each family once per kind of topology, with the connectors spread over the families; the
+# connectors' own tests (test_transfer) run whole
 FULL_MATRIX: set[str] = {
     "test_topologies.py::test_1e1pd_equals_aggregated[mooncake]",
+    "test_topologies.py::test_1e1p1d_equals_aggregated[tcp]",
     "test_families.py::test_e_pd_equals_aggregated[qwen2_5_vl-tcp]",
     "test_families.py::test_e_pd_equals_aggregated[qwen2_5_vl-fs]",
     "test_families.py::test_e_pd_equals_aggregated[qwen2_5_vl-mooncake]",
