@@ -1,13 +1,17 @@
 """``allocator.keep_freed_memory``: the buffers of an image's preprocessing (decoded, resized,
 normalized), freed and allocated again for the next image, are reused from the heap instead of
-being faulted in page by page each time (glibc)."""
+being faulted in page by page each time (glibc); and a role's ``FreeMemoryReturner`` gives the
+free pages between held buffers back to the kernel, so memory follows what is held."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
+
+from epdserve.allocator import FreeMemoryReturner, keep_freed_memory
 
 _PROBE = """
 import io, resource, sys
@@ -42,3 +46,39 @@ def test_an_images_buffers_are_reused_without_page_faults() -> None:
     _, default = _faults("default")
     assert default > 50 * 50  # untuned, every image faults dozens of pages in again
     assert tuned < default / 20
+
+
+MB = 1 << 20
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_free_chunks_between_live_ones_are_given_back() -> None:
+    if not keep_freed_memory():
+        pytest.skip("not glibc: no allocator thresholds to set")
+    # 1 MiB buffers come from the heap (under the mmap threshold); every other one freed leaves
+    # free chunks between live ones, which no trim at the heap's top can reach
+    held = []
+    for _ in range(160):
+        b = bytearray(MB)
+        b[::4096] = b"\x01" * len(range(0, MB, 4096))  # touch every page
+        held.append(b)
+    del held[::2]
+    before = rss_mb()
+    returner = FreeMemoryReturner(interval_s=0.05)
+    assert returner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while returner.returns < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert returner.returns >= 2
+        assert before - rss_mb() > 40, (before, rss_mb())  # of the 80 MiB freed
+    finally:
+        returner.stop()
+    assert len(held) == 80 and all(b[0] == 1 for b in held)  # what was held is intact

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from epdserve.allocator import FreeMemoryReturner
 from epdserve.api import logs
 from epdserve.api.auth import Access, AuthConfig, attest_route, guard
 from epdserve.api.http import Handler, error_middleware
@@ -56,7 +57,9 @@ def role_app(
 
 
 def run_app(app: web.Application, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM; handlers are cancelled when their client disconnects."""
+    """Serve until SIGINT/SIGTERM; handlers are cancelled when their client disconnects. Free
+    heap pages go back to the kernel meanwhile, so that the role's memory follows what it holds."""
+    FreeMemoryReturner().start()
     # a short shutdown grace: a supervisor's SIGTERM must end the role (and unlink its slab) promptly
     web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None, shutdown_timeout=5.0)
 
