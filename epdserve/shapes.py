@@ -1,6 +1,6 @@
 """The shapes world: a seeded generator of images, videos, questions and exact answers.
 
-The spec lives in issue 2 and is reproduced here as code; tests, benchmarks, training and outside
+This module is the specification, as code; tests, benchmarks, training and outside
 checks all generate their data from it. Every draw goes through one ``random.Random`` so a seed
 fixes the whole stream.
 """

@@ -1,4 +1,4 @@
-"""Issue 18's isolation benchmark: the seeds' mixed traffic (half text-only, half 4-image
+"""The isolation benchmark: the seeds' mixed traffic (half text-only, half 4-image
 requests, 16 output tokens) against aggregated, 1e+1pd, and 1e+1pd whose router admits at most
 ``--media-limit`` image requests at once (``--max-inflight-media``; the rest wait in their own
 queue or get 429 after ``--admission-wait-s``), and 1e+1pd whose router finds that limit itself

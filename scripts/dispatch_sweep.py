@@ -1,4 +1,4 @@
-"""Issue 18's dispatch sweep: one E+PD deployment whose workers hold a vision tower, run with each
+"""The dispatch sweep: one E+PD deployment whose workers hold a vision tower, run with each
 ``--dispatch`` policy (always: every image to the encoder; never: every image raw to the worker;
 adaptive: per request, by measured cost) over images per request × output length × load. The
 policies take turns cell by cell within each round (the same requests for each, in an order that

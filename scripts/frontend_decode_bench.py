@@ -1,4 +1,4 @@
-"""Issue 18's frontend media decoding, measured both ways: two 1e+1pd deployments, one whose
+"""Frontend media decoding, measured both ways: two 1e+1pd deployments, one whose
 router fetches and decodes media itself (``--frontend-decode``: encoders get pixels through its
 shm slab) and one whose encoders do, run interleaved (off, on, off, on, ...) on the same requests.
 Each round sends fresh images (its own seed), and the encoders' caches are off, so every item is

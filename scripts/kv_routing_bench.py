@@ -1,4 +1,4 @@
-"""Issue 16's KV-aware routing benchmark: multi-turn image conversations over several PD workers,
+"""The KV-aware routing benchmark: multi-turn image conversations over several PD workers,
 routed by cached prefix (``--policy kv_aware``) vs by load alone (``least_outstanding``). Each
 conversation opens with an image and asks follow-ups whose prompts repeat the whole history;
 conversations run concurrently, turns within one in order; with ``--min-turns`` below ``--turns``

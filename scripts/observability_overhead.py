@@ -1,4 +1,4 @@
-"""Observability overhead (issue 17): epdserve at a commit before the observability work vs at
+"""Observability overhead: epdserve at a commit before the observability work vs at
 HEAD, each from a git worktree (``git worktree add /tmp/ab_before 8448d2b``, ``git worktree add
 /tmp/ab_after HEAD``), 1e+1pd, the same bench, interleaved runs. Prints req/s, TTFT and E2E p50.
 

@@ -1,4 +1,4 @@
-"""Issue 16's reuse benchmark in relative form: two encoders, a workload of repeated images (every
+"""The reuse benchmark in relative form: two encoders, a workload of repeated images (every
 image drawn from a pool of distinct ones, shuffled, concurrent), with and without the shared store
 (Redis, or Mooncake with ``--backend mooncake``: a master started per deployment), under the
 chosen encoder policies. Counts the vision forwards (duplicates = forwards beyond the first of

@@ -1,4 +1,4 @@
-"""Benchmark (issue 5): epdserve vs vLLM 0.32 (CPU build), aggregated and E+PD, same checkpoint,
+"""Benchmark: epdserve vs vLLM 0.32 (CPU build), aggregated and E+PD, same checkpoint,
 same workload, one run on this machine.
 
 vLLM is a measuring stick, never a dependency, and this script is not part of the package: it

@@ -1,4 +1,4 @@
-"""Benchmark (issue 3): epdserve's aggregated server vs transformers ``generate``, same requests.
+"""Benchmark: epdserve's aggregated server vs transformers ``generate``, same requests.
 
 For each concurrency level the same image requests (shapes-world images, fixed output length
 via min_tokens/ignore_eos) go to a freshly started ``epdserve serve`` over HTTP (closed loop, N

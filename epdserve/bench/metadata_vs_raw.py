@@ -1,4 +1,4 @@
-"""Benchmark (issue 4): metadata-only requests vs raw-media forwarding, same 1e+1pd deployment.
+"""Benchmark: metadata-only requests vs raw-media forwarding, same 1e+1pd deployment.
 
 Both runs start ``epdserve up``'s 1e+1pd topology on this machine with the same cores. In
 "metadata-only" the router sends the media to the encoder and forwards grid + uuid + EC handle,
