@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,6 +109,20 @@ def accounts(
     return out
 
 
+def accounts_here(model_dir: Path, settings: Settings, wanted: list[Wanted], free: int) -> list[RoleMemory]:
+    """``accounts`` under ``settings``, in this process (MemoryBudgetError: also for settings a
+    role's config refuses)."""
+    from epdserve.encoder.config import EncoderConfig
+    from epdserve.engine.config import EngineConfig
+
+    try:
+        engine = EngineConfig(**settings.engine)  # type: ignore[arg-type]
+        encoder = EncoderConfig(model=model_dir, **settings.encoder)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise MemoryBudgetError(str(e)) from None
+    return accounts(model_dir, engine, encoder, wanted, free)
+
+
 def accounts_apart(model_dir: Path, settings: Settings, wanted: list[Wanted], free: int) -> list[RoleMemory]:
     """``accounts`` made in a child process; MemoryBudgetError with the child's message when a role
     would refuse to start (its settings, or its memory); ValueError when the child fails."""
@@ -128,21 +143,26 @@ def accounts_apart(model_dir: Path, settings: Settings, wanted: list[Wanted], fr
     return [RoleMemory(**m) for m in answer["accounts"]]
 
 
+Accountant = Callable[[Path, Settings, list[Wanted], int], list[RoleMemory]]
+
+
 def check_fit(
     model_dir: Path,
     settings: Settings,
     encoders: int,
     workers: dict[str, int],
     vision: bool,
+    account: Accountant = accounts_apart,
 ) -> Fit:
     """The topology against this machine; ``TooLargeError`` with the numbers when it does not fit.
     ``workers``: instances of each language-model role ("pd", "prefill", "decode"); ``vision``:
-    whether they load the vision tower (they encode media themselves)."""
+    whether they load the vision tower (they encode media themselves); ``account``: where the
+    accounts are made (``accounts_here`` where torch is welcome)."""
     free = available_memory()
     kinds = [(role, n) for role, n in workers.items() if n]
     wanted: list[Wanted] = [*([("encoder", None)] if encoders else []), *((role, vision) for role, _ in kinds)]
     try:
-        found = accounts_apart(model_dir, settings, wanted, free)
+        found = account(model_dir, settings, wanted, free)
     except MemoryBudgetError as e:
         raise TooLargeError(f"a role of this topology would refuse to start: {e}; or pass --force") from None
     counts = [encoders] * bool(encoders) + [n for _, n in kinds]
@@ -168,23 +188,29 @@ def describe(fit: Fit) -> str:
 
 def main() -> int:
     """The child of ``accounts_apart``: the request on stdin, the accounts on stdout."""
-    from epdserve.encoder.config import EncoderConfig
-    from epdserve.engine.config import EngineConfig
-
     request = json.loads(sys.stdin.read())
-    model = Path(request["model"])
+    settings = Settings(request["engine"], request["encoder"])
     wanted = [(role, vision) for role, vision in request["wanted"]]
     try:
-        engine, encoder = EngineConfig(**request["engine"]), EncoderConfig(model=model, **request["encoder"])
-        found = accounts(model, engine, encoder, wanted, request["free"])
-    except ValueError as e:  # MemoryBudgetError, or settings a role's config refuses
+        found = accounts_here(Path(request["model"]), settings, wanted, request["free"])
+    except MemoryBudgetError as e:
         print(json.dumps({"error": str(e)}))
         return 0
     print(json.dumps({"accounts": [dataclasses.asdict(m) for m in found]}))
     return 0
 
 
-__all__ = ["Fit", "RoleSize", "Settings", "TooLargeError", "accounts", "check_fit", "describe"]
+__all__ = [
+    "Fit",
+    "RoleSize",
+    "Settings",
+    "TooLargeError",
+    "accounts",
+    "accounts_apart",
+    "accounts_here",
+    "check_fit",
+    "describe",
+]
 
 if __name__ == "__main__":
     raise SystemExit(main())
