@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from epdserve.launcher import python_module
 from epdserve.memory import MemoryBudgetError, RoleMemory, available_memory
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def accounts_apart(model_dir: Path, settings: Settings, wanted: list[Wanted], fr
     request = {"model": str(model_dir), "engine": settings.engine, "encoder": settings.encoder}
     request |= {"wanted": wanted, "free": free}
     done = subprocess.run(
-        [sys.executable, "-m", "epdserve.sizing"],
+        python_module("epdserve.sizing"),
         input=json.dumps(request),
         capture_output=True,
         text=True,

@@ -441,7 +441,7 @@ def test_the_estimate_grows_with_the_caches_and_the_roles() -> None:
     with pytest.raises(TooLargeError, match="--force"):
         check_fit(model, huge, 1, {"pd": 1}, False, accounts_here)
     # a role that would refuse to start is refused before anything starts
-    with pytest.raises(TooLargeError, match="cannot hold one request"):
+    with pytest.raises(TooLargeError, match="would refuse to start"):
         check_fit(
             model, Settings({**small.engine, "num_kv_blocks": 8}, small.encoder), 1, {"pd": 1}, False, accounts_here
         )
