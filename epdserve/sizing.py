@@ -1,30 +1,37 @@
 """Whether a topology fits this machine, checked before ``up`` starts anything.
 
-Each role's memory is estimated from the checkpoint (its parameters, read from the safetensors
-headers, in the role's dtype: an encoder holds the media tower, a language-model worker the rest),
-its caches (KV blocks, embedding caches) and the cost of a Python process with torch loaded; the
-sum is held against the memory the kernel calls available. The model processes (encoders and
-language-model engines) are held against the cores. Nothing here imports torch.
+Each role is counted by the account it checks itself against at start-up (``epdserve.memory``:
+weights, activations, the vision tower's peak, the embedding slab, the encoder cache, the KV
+cache), under the settings ``up`` hands it; the sum is held against the memory the kernel calls
+available. The model processes (encoders and language-model engines) are held against the cores.
+
+Counting a role's weights builds its model on torch's meta device, and ``up`` (the supervisor)
+stays free of torch: the accounts are made in a child process (``python -m epdserve.sizing``,
+settings in, accounts out as JSON), the same code the roles and ``epdserve plan --memory`` run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
-import struct
-from dataclasses import dataclass
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from epdserve.models.config import ModelConfig
+from epdserve.launcher import python_module
+from epdserve.memory import MemoryBudgetError, RoleMemory, available_memory
 
-# a role process with torch and its libraries loaded, before any weights or caches
-PROCESS_BYTES = 512 << 20
+if TYPE_CHECKING:
+    from epdserve.encoder.config import EncoderConfig
+    from epdserve.engine.config import EngineConfig
+
 # model processes per core beyond which each gets too little CPU to load in time and to serve
 MAX_PROCESSES_PER_CORE = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# weight names of the media towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: visual; Qwen2-Audio: audio_tower)
-MEDIA_PARTS = ("visual.", "audio_tower.", "multi_modal_projector.")
+ACCOUNT_TIMEOUT_S = 300  # the child imports torch and builds the model on the meta device
 
 
 class TooLargeError(ValueError):
@@ -32,22 +39,22 @@ class TooLargeError(ValueError):
 
 
 @dataclass(frozen=True)
-class Caches:
-    """The settings that size a role's memory besides its weights (``up`` fills in each role's
-    default where a flag was not given)."""
+class Settings:
+    """What sizes the roles ``up`` starts: the flags it hands them (field name -> value); a role's
+    own config supplies the rest, as it does when the role starts."""
 
-    dtype: str  # weights, activations and KV cache of every model role
-    num_kv_blocks: int  # KV blocks of a language-model worker
-    block_size: int  # tokens per KV block
-    encoder_cache_bytes: int  # an encoder's embedding cache
-    engine_cache_bytes: int  # a worker's embedding cache, when it encodes media itself
+    engine: dict[str, object] = field(default_factory=dict)  # EngineConfig fields of the language-model roles
+    encoder: dict[str, object] = field(default_factory=dict)  # EncoderConfig fields of the encoders
 
 
 @dataclass(frozen=True)
 class RoleSize:
-    kind: str  # encoder, language-model worker, router
     count: int
-    bytes_each: int
+    memory: RoleMemory  # one instance's account
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.memory.total
 
 
 @dataclass(frozen=True)
@@ -59,12 +66,12 @@ class Fit:
 
     @property
     def need_bytes(self) -> int:
-        return sum(r.count * r.bytes_each for r in self.roles)
+        return sum(r.bytes for r in self.roles)
 
     def problems(self) -> list[str]:
         out = []
         if self.need_bytes > self.available_bytes:
-            parts = ", ".join(f"{r.count} {r.kind} x {gib(r.bytes_each)}" for r in self.roles)
+            parts = ", ".join(f"{r.count} {r.memory.role} x {gib(r.memory.total)}" for r in self.roles)
             out.append(f"needs about {gib(self.need_bytes)} of memory ({parts}), {gib(self.available_bytes)} available")
         if self.processes > MAX_PROCESSES_PER_CORE * self.cores:
             out.append(
@@ -78,57 +85,133 @@ def gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def parameters(model_dir: Path) -> tuple[int, int]:
-    """(media tower, language model) parameter counts from the safetensors headers."""
-    media = text = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            count = math.prod(t["shape"])
-            if any(part in name for part in MEDIA_PARTS):
-                media += count
-            else:
-                text += count
-    return media, text
+# a role to account: ("encoder", None), or a language-model role ("pd", "prefill", "decode") and
+# whether it loads the vision tower
+Wanted = tuple[str, bool | None]
 
 
-def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("no MemAvailable in /proc/meminfo")
+def accounts(
+    model_dir: Path, engine: EngineConfig, encoder: EncoderConfig, wanted: list[Wanted], free: int
+) -> list[RoleMemory]:
+    """The start-up account of each role of ``wanted``; ``free``: the memory a ``--memory-fraction``
+    takes its share of. Imports torch: ``up`` calls ``accounts_apart``."""
+    from epdserve.engine.memory import fused_attention
+    from epdserve.memory import account_encoder, account_engine
+
+    fused = fused_attention(model_dir, engine)
+    out = []
+    for role, vision in wanted:
+        if vision is None:
+            out.append(
+                account_encoder(model_dir, encoder.dtype, encoder.encode_token_budget, encoder.encoder_cache_bytes)
+            )
+        else:
+            out.append(account_engine(model_dir, engine, role, vision, fused, free))
+    return out
 
 
-def estimate(
-    model_dir: Path, encoders: int, workers: int, workers_encode: bool, caches: Caches, router: bool
-) -> tuple[RoleSize, ...]:
-    """Each kind of role's memory. A language-model worker is two processes (front end and engine
-    core); one that encodes media itself (no encoders, adaptive dispatch) also holds the tower."""
-    width = DTYPE_BYTES.get(caches.dtype, 4)
-    media, text = parameters(model_dir)
-    t = ModelConfig.from_pretrained(model_dir).text
-    kv = caches.num_kv_blocks * caches.block_size * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim
-    worker = 2 * PROCESS_BYTES + (text + (media if workers_encode else 0)) * width + kv * width
-    worker += caches.engine_cache_bytes if workers_encode else 0
-    sizes = [
-        RoleSize("encoder", encoders, PROCESS_BYTES + media * width + caches.encoder_cache_bytes),
-        RoleSize("language-model worker", workers, worker),
-        RoleSize("router", 1 if router else 0, PROCESS_BYTES),
-    ]
-    return tuple(s for s in sizes if s.count)
+def accounts_here(model_dir: Path, settings: Settings, wanted: list[Wanted], free: int) -> list[RoleMemory]:
+    """``accounts`` under ``settings``, in this process (MemoryBudgetError: also for settings a
+    role's config refuses)."""
+    from epdserve.encoder.config import EncoderConfig
+    from epdserve.engine.config import EngineConfig
+
+    try:
+        engine = EngineConfig(**settings.engine)  # type: ignore[arg-type]
+        encoder = EncoderConfig(model=model_dir, **settings.encoder)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise MemoryBudgetError(str(e)) from None
+    return accounts(model_dir, engine, encoder, wanted, free)
 
 
-def check_fit(model_dir: Path, encoders: int, workers: int, workers_encode: bool, caches: Caches, router: bool) -> Fit:
-    """The topology against this machine; ``TooLargeError`` with the numbers when it does not fit."""
-    roles = estimate(model_dir, encoders, workers, workers_encode, caches, router)
-    fit = Fit(roles, available_memory(), len(os.sched_getaffinity(0)), encoders + workers)
+def accounts_apart(model_dir: Path, settings: Settings, wanted: list[Wanted], free: int) -> list[RoleMemory]:
+    """``accounts`` made in a child process; MemoryBudgetError with the child's message when a role
+    would refuse to start (its settings, or its memory); ValueError when the child fails."""
+    request = {"model": str(model_dir), "engine": settings.engine, "encoder": settings.encoder}
+    request |= {"wanted": wanted, "free": free}
+    done = subprocess.run(
+        python_module("epdserve.sizing"),
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=ACCOUNT_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        raise ValueError(f"could not account the roles' memory: {done.stderr.strip()[-2000:]}")
+    answer = json.loads(done.stdout)
+    if "error" in answer:
+        raise MemoryBudgetError(answer["error"])
+    return [RoleMemory(**m) for m in answer["accounts"]]
+
+
+Accountant = Callable[[Path, Settings, list[Wanted], int], list[RoleMemory]]
+
+
+def check_fit(
+    model_dir: Path,
+    settings: Settings,
+    encoders: int,
+    workers: dict[str, int],
+    vision: bool,
+    account: Accountant = accounts_apart,
+) -> Fit:
+    """The topology against this machine; ``TooLargeError`` with the numbers when it does not fit.
+    ``workers``: instances of each language-model role ("pd", "prefill", "decode"); ``vision``:
+    whether they load the vision tower (they encode media themselves); ``account``: where the
+    accounts are made (``accounts_here`` where torch is welcome)."""
+    free = available_memory()
+    kinds = [(role, n) for role, n in workers.items() if n]
+    wanted: list[Wanted] = [*([("encoder", None)] if encoders else []), *((role, vision) for role, _ in kinds)]
+    try:
+        found = account(model_dir, settings, wanted, free)
+    except MemoryBudgetError as e:
+        raise TooLargeError(f"a role of this topology would refuse to start: {e}; or pass --force") from None
+    counts = [encoders] * bool(encoders) + [n for _, n in kinds]
+    roles = tuple(RoleSize(n, m) for n, m in zip(counts, found, strict=True))
+    processes = encoders + sum(workers.values())
+    fit = Fit(roles, free, len(os.sched_getaffinity(0)), processes)
     problems = fit.problems()
     if problems:
         raise TooLargeError(
             "this topology " + "; it ".join(problems) + ": choose a smaller one (or smaller caches), or pass --force"
         )
     return fit
+
+
+def describe(fit: Fit) -> str:
+    """The line ``up`` says when the topology fits."""
+    each = "; ".join(r.memory.line() for r in fit.roles)
+    return (
+        f"fits: about {gib(fit.need_bytes)} of {gib(fit.available_bytes)} available memory, "
+        f"{fit.processes} model process(es) on {fit.cores} core(s) ({each})"
+    )
+
+
+def main() -> int:
+    """The child of ``accounts_apart``: the request on stdin, the accounts on stdout."""
+    request = json.loads(sys.stdin.read())
+    settings = Settings(request["engine"], request["encoder"])
+    wanted = [(role, vision) for role, vision in request["wanted"]]
+    try:
+        found = accounts_here(Path(request["model"]), settings, wanted, request["free"])
+    except MemoryBudgetError as e:
+        print(json.dumps({"error": str(e)}))
+        return 0
+    print(json.dumps({"accounts": [dataclasses.asdict(m) for m in found]}))
+    return 0
+
+
+__all__ = [
+    "Fit",
+    "RoleSize",
+    "Settings",
+    "TooLargeError",
+    "accounts",
+    "accounts_apart",
+    "accounts_here",
+    "check_fit",
+    "describe",
+]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -52,7 +52,7 @@ from epdserve.launcher import (
 )
 from epdserve.models.config import ModelConfig, check_model_dir
 from epdserve.security.credentials import ADMIN_KEY_ENV, API_KEY_ENV, CLUSTER_SECRET_ENV, ClusterCredential
-from epdserve.sizing import Caches, TooLargeError
+from epdserve.sizing import Settings, TooLargeError
 from epdserve.store.mooncake_master import MooncakeMaster, start_master
 from epdserve.supervisor import RestartPolicy, Role, Supervisor, exit_reason
 from epdserve.transfer.config import Connector
@@ -219,7 +219,7 @@ class Deployment:
         verbose: bool = False,
         mooncake_master: bool = False,
         dispatch: Dispatch = "always",
-        caches: Caches | None = None,
+        sizing: Settings | None = None,
         log_json: bool = False,
         lm_engine: str = "epdserve",
         vllm_args: list[str] | None = None,
@@ -254,7 +254,7 @@ class Deployment:
         self.mooncake_master = mooncake_master  # start a Mooncake master: encoders share outputs through it
         self.master: MooncakeMaster | None = None
         self.dispatch = dispatch  # behind encoders: where the router has media encoded
-        self.caches = caches  # what sizes the roles' memory; None: no size check (``up --force``)
+        self.sizing = sizing  # what sizes the roles' memory; None: no size check (``up --force``)
         self.log_json = log_json  # up's own lines as JSON objects (``--log-format json``)
         self.lm_engine = lm_engine  # vllm: ``vllm serve`` instances with epdserve's EC connector
         self.vllm_args = vllm_args or []  # the operator's own ``vllm serve`` flags, verbatim
@@ -372,8 +372,8 @@ class Deployment:
         if self.model_args:  # a model no role can serve fails here, once, before any role starts
             ModelConfig.from_pretrained(self.model_args[1])
             check_model_dir(self.model_args[1], tokenizer=True)
-        if self.caches is not None:
-            self._check_fit(self.caches)
+        if self.sizing is not None:
+            self._check_fit(self.sizing)
         if self.lm_engine == "vllm":
             self.vllm = find_vllm()  # VllmNotFound: nothing is started
         topo = self.topology
@@ -388,19 +388,18 @@ class Deployment:
             raise
         self.startup_s = time.time() - t0
 
-    def _check_fit(self, caches: Caches) -> None:
-        """The topology against this machine's memory and cores (``TooLargeError`` with the numbers)."""
+    def _check_fit(self, sizing: Settings) -> None:
+        """The topology against this machine's memory and cores (``TooLargeError`` with the
+        numbers), each role counted by the account it checks itself against at start-up."""
         from epdserve.assets import default_model_dir
-        from epdserve.sizing import check_fit, gib
+        from epdserve.sizing import check_fit, describe
 
         topo = self.topology
         model = Path(self.model_args[1]) if self.model_args else default_model_dir()
-        encode = topo.aggregated or not topo.encoders or self.dispatch != "always"  # workers hold the tower
-        fit = check_fit(model, topo.encoders, len(topo.workers), encode, caches, router=not topo.aggregated)
-        self._say(
-            f"fits: about {gib(fit.need_bytes)} of {gib(fit.available_bytes)} available memory, "
-            f"{fit.processes} model process(es) on {fit.cores} core(s)"
-        )
+        # behind encoders that encode everything the workers load no vision tower (as started below)
+        vision = topo.aggregated or not topo.encoders or self.dispatch != "always"
+        workers = {"pd": topo.pds, "prefill": topo.prefills, "decode": topo.decodes}
+        self._say(describe(check_fit(model, sizing, topo.encoders, workers, vision)))
 
     def _start_disaggregated(self, topo: Topology) -> None:
         plan = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else CorePlan({}, {})

@@ -21,7 +21,7 @@ from epdserve.api.flags import (
     STATS_INTERVAL,
     add_log_args,
 )
-from epdserve.config_flags import Flag, add_flags, declared_default, to_argv, usage_error
+from epdserve.config_flags import Flag, add_flags, to_argv, usage_error
 from epdserve.encoder.flags import ENCODER
 from epdserve.engine.flags import ENGINE
 from epdserve.media.flags import MEDIA, MEDIA_FLAGS
@@ -32,7 +32,7 @@ from epdserve.store.flags import STORE, STORE_CONSUMER_FLAGS, STORE_FLAGS, STORE
 from epdserve.transfer.flags import EC, EC_PREFIX
 
 if TYPE_CHECKING:
-    from epdserve.sizing import Caches
+    from epdserve.sizing import Settings
     from epdserve.up import Deployment
 
 # what ``up`` hands on to the roles it starts, when given: (the config documenting the flags, the
@@ -116,7 +116,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
             verbose=True,
             mooncake_master=args.mooncake_master,
             **({"dispatch": args.dispatch} if args.dispatch else {}),
-            caches=None if args.force else up_caches(args),
+            sizing=None if args.force else up_sizing(args),
             log_json=args.log_format == "json",
             lm_engine=args.lm_engine,
             vllm_args=vllm_args,
@@ -143,21 +143,20 @@ def vllm_args_of(args: argparse.Namespace) -> list[str]:
     return vllm_args
 
 
-def up_caches(args: argparse.Namespace) -> Caches:
-    """What sizes ``up``'s roles: the flags given, else each role's default as its config declares it."""
-    from epdserve.sizing import Caches
+# the flags that size a role's memory, as ``up`` hands them on (the rest: each role's default)
+SIZING_ENGINE_FLAGS = ("dtype", "kernels", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+SIZING_ENGINE_FLAGS += ("num_kv_blocks", "block_size", "kv_cache_memory", "memory_fraction")
+SIZING_ENCODER_FLAGS = ("dtype", "kernels", "device", "encode_token_budget", "encoder_cache_bytes")
 
-    def given(name: str, config: str, field: str | None = None) -> str:
-        value = getattr(args, name, None)
-        return str(value) if value is not None else str(declared_default(config, field or name))
 
-    return Caches(
-        dtype=given("dtype", ENGINE),
-        num_kv_blocks=int(given("num_kv_blocks", ENGINE)),
-        block_size=int(given("block_size", ENGINE)),
-        encoder_cache_bytes=int(given("encoder_cache_bytes", ENCODER)),
-        engine_cache_bytes=int(declared_default(ENGINE, "encoder_cache_bytes") or 0),
-    )
+def up_sizing(args: argparse.Namespace) -> Settings:
+    """What sizes ``up``'s roles: the flags given (each role's config supplies the rest)."""
+    from epdserve.sizing import Settings
+
+    def given(flags: tuple[str, ...]) -> dict[str, object]:
+        return {name: getattr(args, name) for name in flags if getattr(args, name, None) is not None}
+
+    return Settings(engine=given(SIZING_ENGINE_FLAGS), encoder=given(SIZING_ENCODER_FLAGS))
 
 
 def run_up_command(args: argparse.Namespace) -> int:

@@ -274,3 +274,36 @@ def test_plan_memory_prints_how_many_of_each_role_fit() -> None:
     assert "KV cache 64.0 MiB (512 blocks)" in account  # 512 blocks of 128 KiB
     total = parse_bytes(account.rsplit("total ", 1)[1].replace(" ", ""))
     assert f"-> {min(3, (1 << 30) // total)} instances" in " ".join(pd.split())
+
+
+def test_up_plan_and_each_role_count_the_same_bytes() -> None:
+    """One accounting: what ``up``'s size check sums for each role is what the role states and
+    checks at start-up, and what ``plan --memory`` shows for it."""
+    from epdserve.encoder.config import EncoderConfig
+    from epdserve.engine.memory import plan_encoder, plan_engine
+    from epdserve.plan.host import roles
+    from epdserve.sizing import Settings, accounts_here, check_fit
+
+    model_dir = default_model_dir()
+    engine = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_batched_tokens": 512}
+    fit = check_fit(
+        model_dir, Settings(engine, {"dtype": "float32"}), 2, {"prefill": 1, "decode": 3}, True, accounts_here
+    )
+    config = EngineConfig(**engine)  # type: ignore[arg-type]
+    budget = EncoderConfig(model=model_dir).encode_token_budget
+    started = {
+        "encoder": plan_encoder(
+            model_dir, "float32", "cpu", budget, EncoderConfig(model=model_dir).encoder_cache_bytes
+        ),
+        "prefill": plan_engine(model_dir, config, "prefill", True),
+        "decode": plan_engine(model_dir, config, "decode", True),
+    }
+    assert {r.memory.role: (r.count, r.memory) for r in fit.roles} == {
+        "encoder": (2, started["encoder"]),
+        "prefill": (1, started["prefill"]),
+        "decode": (3, started["decode"]),
+    }
+    assert fit.need_bytes == 2 * started["encoder"].total + started["prefill"].total + 3 * started["decode"].total
+    planned = roles(model_dir, config)
+    assert (planned["encoder"], planned["prefill"]) == (started["encoder"], started["prefill"])
+    assert planned["decode"] == plan_engine(model_dir, config, "decode", False)  # plan's decode: no tower

@@ -427,18 +427,24 @@ def test_a_topology_too_large_for_the_machine_is_refused_with_the_numbers(tmp_pa
 
 
 def test_the_estimate_grows_with_the_caches_and_the_roles() -> None:
-    from epdserve.sizing import Caches, TooLargeError, available_memory, check_fit, estimate
+    from epdserve.memory import available_memory
+    from epdserve.sizing import Settings, TooLargeError, accounts_here, check_fit
 
     model = default_model_dir()
-    small = Caches("float32", 64, 16, 1 << 20, 1 << 20)
-    fit = check_fit(model, 1, 1, False, small, router=True)
+    small = Settings({"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 1024}, {"encoder_cache_bytes": 1 << 20})
+    fit = check_fit(model, small, 1, {"pd": 1}, False, accounts_here)
     assert 0 < fit.need_bytes < fit.available_bytes
-    big_kv = Caches("float32", 1 << 24, 16, 1 << 20, 1 << 20)
-    worker = {r.kind: r.bytes_each for r in estimate(model, 1, 1, False, big_kv, True)}["language-model worker"]
-    assert worker > {r.kind: r.bytes_each for r in fit.roles}["language-model worker"]
-    huge = Caches("float32", 64, 16, available_memory(), 1 << 20)  # one encoder's cache alone fills the memory
+    big_kv = Settings({**small.engine, "num_kv_blocks": 1 << 14}, small.encoder)
+    pd = {r.memory.role: r.memory for r in check_fit(model, big_kv, 1, {"pd": 1}, False, accounts_here).roles}["pd"]
+    assert pd.total > {r.memory.role: r.memory for r in fit.roles}["pd"].total
+    huge = Settings(small.engine, {"encoder_cache_bytes": available_memory()})  # one encoder's cache fills the memory
     with pytest.raises(TooLargeError, match="--force"):
-        check_fit(model, 1, 1, False, huge, router=True)
+        check_fit(model, huge, 1, {"pd": 1}, False, accounts_here)
+    # a role that would refuse to start is refused before anything starts
+    with pytest.raises(TooLargeError, match="would refuse to start"):
+        check_fit(
+            model, Settings({**small.engine, "num_kv_blocks": 8}, small.encoder), 1, {"pd": 1}, False, accounts_here
+        )
 
 
 # ---- optional parts ----------------------------------------------------------------------------------

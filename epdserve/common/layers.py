@@ -19,8 +19,8 @@ LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     ("allocator", "assets", "config_flags", "launcher", "security", "kernels", "cache", "shapes"),
     # media preprocessing, model definitions, role supervision
     ("media", "models", "supervisor"),
-    # connectors (embeddings, KV, pixels); sizing and the transformers reference, over models and media
-    ("transfer", "sizing", "memory", "hf_reference"),
+    # connectors (embeddings, KV, pixels); memory accounting and the transformers reference, over models and media
+    ("transfer", "memory", "hf_reference"),
     # the shared embedding store, over its transports
     ("store",),
     # the engine core, scheduler and model runner
@@ -33,6 +33,8 @@ LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     ("encoder",),
     # the language-model role and the router: independent of each other
     ("pd", "router"),
+    # whether a topology fits the machine: the roles' memory accounts, over both kinds of role
+    ("sizing",),
     # deployment, training and evaluation
     ("up", "training", "evaluate"),
     ("bench",),

@@ -20,7 +20,7 @@ from epdserve.memory import (
 )
 from epdserve.models.config import ModelConfig
 
-__all__ = ["MemoryBudgetError", "lazy_zeros", "plan_encoder", "plan_engine"]
+__all__ = ["MemoryBudgetError", "fused_attention", "lazy_zeros", "plan_encoder", "plan_engine"]
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,18 +38,23 @@ def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, visio
     yet: a configuration that cannot fit is refused before its weights are read), its KV blocks
     sized by the config's budget; MemoryBudgetError when it does not fit the budget or the memory
     free now."""
-    from epdserve.common.dtypes import torch_dtype
-    from epdserve.kernels.ops import CpuKernelOps
-
-    # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner);
-    # they are taken to build where supported (a failed build falls back to the mirror, uncounted)
-    head_dim = ModelConfig.from_pretrained(model_dir).text.head_dim
-    supported = CpuKernelOps.supports(torch_dtype(config.dtype), torch.device(config.device))
-    fused = config.kernels != "torch" and supported and CpuKernelOps.attends(head_dim)
     free = available_memory(config.device)
+    fused = fused_attention(model_dir, config)
     mem = account_engine(model_dir, config, "pd" if role == "both" else role, vision, fused, free)
     check_free(mem, free)
     return mem
+
+
+def fused_attention(model_dir: str | Path, config: EngineConfig) -> bool:
+    """Whether the fused kernels attend in an engine of ``config`` (no decode mirror): taken to
+    build where supported (a failed build falls back to the mirror, uncounted)."""
+    from epdserve.common.dtypes import torch_dtype
+    from epdserve.kernels.ops import CpuKernelOps
+
+    # the decode mirror exists only where the fused kernels do not attend (model_runner.ModelRunner)
+    head_dim = ModelConfig.from_pretrained(model_dir).text.head_dim
+    supported = CpuKernelOps.supports(torch_dtype(config.dtype), torch.device(config.device))
+    return config.kernels != "torch" and supported and CpuKernelOps.attends(head_dim)
 
 
 def plan_encoder(

@@ -3,7 +3,8 @@ cores, from the same account a role checks at start-up (``epdserve.memory``).
 
 Every role counts one core at least (``up --pin-cores`` pins each to cores of its own), so the
 instances that fit are the fewer of ``host memory // role memory`` and ``host cores``. The fused
-CPU kernels are taken to build on the host (no decode mirror) unless ``--kernels torch``.
+CPU kernels are taken to attend where they support the dtype and head size (no decode mirror)
+unless ``--kernels torch``, as a role decides at start-up.
 """
 
 from __future__ import annotations
@@ -14,18 +15,9 @@ from pathlib import Path
 
 from epdserve.common.units import format_bytes, parse_bytes
 from epdserve.engine.config import EngineConfig
-from epdserve.memory import (
-    MemoryBudgetError,
-    RoleMemory,
-    account_encoder,
-    account_engine,
-    host_cores,
-    host_memory,
-)
+from epdserve.memory import MemoryBudgetError, RoleMemory, host_cores, host_memory
+from epdserve.sizing import Wanted, accounts
 from epdserve.up import Topology
-
-ENCODE_TOKEN_BUDGET = 8192  # an encoder's default (encoder.server.EncoderConfig), without importing torch
-ENCODER_CACHE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -42,17 +34,24 @@ class RoleFit:
         return min(self.by_memory, self.by_cores)
 
 
+# what plan --memory shows, as (role, whether it loads the vision tower; None: an encoder)
+ROLES: dict[str, Wanted] = {
+    "pd (vision tower)": ("pd", True),
+    "pd (no vision tower)": ("pd", False),
+    "prefill": ("prefill", True),
+    "decode": ("decode", False),
+    "encoder": ("encoder", None),
+}
+
+
 def roles(model_dir: Path, engine: EngineConfig) -> dict[str, RoleMemory]:
-    """The account of every role of a deployment of ``model_dir`` under ``engine``."""
-    fused = engine.kernels != "torch" and engine.device == "cpu"
-    out = {
-        "pd (vision tower)": account_engine(model_dir, engine, "pd", True, fused, 0),
-        "pd (no vision tower)": account_engine(model_dir, engine, "pd", False, fused, 0),
-        "prefill": account_engine(model_dir, engine, "prefill", True, fused, 0),
-        "decode": account_engine(model_dir, engine, "decode", False, fused, 0),
-        "encoder": account_encoder(model_dir, engine.dtype, ENCODE_TOKEN_BUDGET, ENCODER_CACHE_BYTES),
-    }
-    return out
+    """The account of every role of a deployment of ``model_dir`` under ``engine`` (encoders: in
+    its dtype, otherwise their defaults): the one ``up`` sums and each role checks at start-up."""
+    from epdserve.encoder.config import EncoderConfig
+
+    encoder = EncoderConfig(model=model_dir, dtype=engine.dtype)
+    found = accounts(model_dir, engine, encoder, list(ROLES.values()), 0)
+    return dict(zip(ROLES, found, strict=True))
 
 
 def fit(accounts: dict[str, RoleMemory], memory: int, cores: int) -> list[RoleFit]:
