@@ -2,8 +2,9 @@
 
 Each role is counted by the account it checks itself against at start-up (``epdserve.memory``:
 weights, activations, the vision tower's peak, the embedding slab, the encoder cache, the KV
-cache), under the settings ``up`` hands it; the sum is held against the memory the kernel calls
-available. The model processes (encoders and language-model engines) are held against the cores.
+cache), under the settings ``up`` hands it, plus what each role process holds before any of that
+(``PROCESS_BYTES``: the interpreter with torch and its libraries, which a role's own check finds
+already spent); the sum is held against the memory the kernel calls available. The model processes (encoders and language-model engines) are held against the cores.
 
 Counting a role's weights builds its model on torch's meta device, and ``up`` (the supervisor)
 stays free of torch: the accounts are made in a child process (``python -m epdserve.sizing``,
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from epdserve.encoder.config import EncoderConfig
     from epdserve.engine.config import EngineConfig
 
+# a role process with torch and its libraries loaded, before any weights or caches
+PROCESS_BYTES = 512 << 20
 # model processes per core beyond which each gets too little CPU to load in time and to serve
 MAX_PROCESSES_PER_CORE = 4
 ACCOUNT_TIMEOUT_S = 300  # the child imports torch and builds the model on the meta device
@@ -53,8 +56,13 @@ class RoleSize:
     memory: RoleMemory  # one instance's account
 
     @property
+    def each(self) -> int:
+        """One instance: its account and its process."""
+        return self.memory.total + PROCESS_BYTES
+
+    @property
     def bytes(self) -> int:
-        return self.count * self.memory.total
+        return self.count * self.each
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class Fit:
     def problems(self) -> list[str]:
         out = []
         if self.need_bytes > self.available_bytes:
-            parts = ", ".join(f"{r.count} {r.memory.role} x {gib(r.memory.total)}" for r in self.roles)
+            parts = ", ".join(f"{r.count} {r.memory.role} x {gib(r.each)}" for r in self.roles)
             out.append(f"needs about {gib(self.need_bytes)} of memory ({parts}), {gib(self.available_bytes)} available")
         if self.processes > MAX_PROCESSES_PER_CORE * self.cores:
             out.append(
@@ -182,7 +190,8 @@ def describe(fit: Fit) -> str:
     """The line ``up`` says when the topology fits."""
     each = "; ".join(r.memory.line() for r in fit.roles)
     return (
-        f"fits: about {gib(fit.need_bytes)} of {gib(fit.available_bytes)} available memory, "
+        f"fits: about {gib(fit.need_bytes)} of {gib(fit.available_bytes)} available memory "
+        f"(with {gib(PROCESS_BYTES)} per process for the interpreter and torch), "
         f"{fit.processes} model process(es) on {fit.cores} core(s) ({each})"
     )
 

@@ -282,7 +282,7 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
     from epdserve.encoder.config import EncoderConfig
     from epdserve.engine.memory import plan_encoder, plan_engine
     from epdserve.plan.host import roles
-    from epdserve.sizing import Settings, accounts_here, check_fit
+    from epdserve.sizing import PROCESS_BYTES, Settings, accounts_here, check_fit
 
     model_dir = default_model_dir()
     engine = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_batched_tokens": 512}
@@ -303,7 +303,8 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
         "prefill": (1, started["prefill"]),
         "decode": (3, started["decode"]),
     }
-    assert fit.need_bytes == 2 * started["encoder"].total + started["prefill"].total + 3 * started["decode"].total
+    accounts = 2 * started["encoder"].total + started["prefill"].total + 3 * started["decode"].total
+    assert fit.need_bytes == accounts + 6 * PROCESS_BYTES  # and each process's interpreter with torch
     planned = roles(model_dir, config)
     assert (planned["encoder"], planned["prefill"]) == (started["encoder"], started["prefill"])
     assert planned["decode"] == plan_engine(model_dir, config, "decode", False)  # plan's decode: no tower
