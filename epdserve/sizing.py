@@ -135,7 +135,7 @@ def accounts_here(model_dir: Path, settings: Settings, wanted: list[Wanted], fre
 def accounts_apart(model_dir: Path, settings: Settings, wanted: list[Wanted], free: int) -> list[RoleMemory]:
     """``accounts`` made in a child process; MemoryBudgetError with the child's message when a role
     would refuse to start (its settings, or its memory); ValueError when the child fails."""
-    request = {"model": str(model_dir), "engine": settings.engine, "encoder": settings.encoder}
+    request: dict[str, object] = {"model": str(model_dir), "engine": settings.engine, "encoder": settings.encoder}
     request |= {"wanted": wanted, "free": free}
     done = subprocess.run(
         python_module("epdserve.sizing"),
