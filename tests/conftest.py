@@ -82,9 +82,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"no tier for {', '.join(unknown)}: add each file to TIERS in tests/tiers.py "
             "(unit, integration or e2e; see docs/testing.md)"
         )
+    # files with whole deployments first, unit files last (each file keeps its own order): the
+    # parallel workers take files in this order, so the long ones do not start at the end
+    rank = {"e2e": 0, "integration": 1, "unit": 2}
+    weight: dict[str, int] = {}
     for item in items:
         name = getattr(item, "originalname", item.name)
         tier = tier_of(item.path.name, name)
+        weight[item.path.name] = min(weight.get(item.path.name, rank["unit"]), rank[tier])
         item.add_marker(tier)
         if tier == "unit" or f"{item.path.name}::{name}" in SMOKE:
             item.add_marker("smoke")
@@ -92,13 +97,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("full")
             if not full:
                 item.add_marker(pytest.mark.skip(reason="a combination of the full matrix: scripts/test.sh --full"))
-    # files with whole deployments first, unit files last (each file keeps its own order): the
-    # parallel workers take files in this order, so the long ones do not start at the end
-    rank = {"e2e": 0, "integration": 1, "unit": 2}
-    weight: dict[str, int] = {}
-    for item in items:
-        tier = tier_of(item.path.name, getattr(item, "originalname", item.name))
-        weight[item.path.name] = min(weight.get(item.path.name, 2), rank[tier])
     items.sort(key=lambda item: weight[item.path.name])
 
 
