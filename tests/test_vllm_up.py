@@ -63,8 +63,16 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
 
         # while a long request runs, the router reads vLLM's load from its /metrics, and
         # federates vLLM's metrics with its own
+        # long requests one after another until the router has seen one running: a probe between
+        # two scrapes may miss a request that ends early on a fast machine
         seen: dict[str, list[float]] = {}
-        long = threading.Thread(target=greedy, args=(url, content, 400), kwargs={"ignore_eos": True})
+        done = threading.Event()
+
+        def keep_busy() -> None:
+            while not done.is_set():
+                greedy(url, content, 400, ignore_eos=True)
+
+        long = threading.Thread(target=keep_busy)
         long.start()
 
         def busy() -> bool:
@@ -76,8 +84,11 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
                 Path(out).write_bytes(http("GET", vllm_url + "/metrics")[1])  # a real page, for the unit test
             return status == 200 and sum(seen["running"]) >= 1 and sum(seen["ratio"]) > 0
 
-        assert wait_for(busy, 300, 0.5), seen
-        long.join(timeout=600)
+        try:
+            assert wait_for(busy, 300, 0.5), seen
+        finally:
+            done.set()
+            long.join(timeout=600)
 
         log = (u.logs / "pd0.log").read_text(errors="replace")
         lines = [line for line in log.split("\n") if line.strip()]  # a progress bar's \r stays inside its line
