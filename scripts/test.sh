@@ -14,6 +14,10 @@ for arg in "$@"; do
         *) pytest_args+=("$arg") ;;
     esac
 done
+# every process the tests start (roles, engine cores, test workers) reads the compiled modules the
+# first one wrote, instead of compiling epdserve and the tests again (some environments turn the
+# cache off)
+unset PYTHONDONTWRITEBYTECODE
 python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 # the shared embedding store's tests run a real redis-server, Mooncake's wheel needs the RDMA and
 # NUMA libraries even over TCP, the multi-host test needs ip, the fused CPU kernels a C++
