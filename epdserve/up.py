@@ -41,7 +41,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from epdserve.integrations.vllm.launch import START_TIMEOUT_S as VLLM_START_S
-from epdserve.integrations.vllm.launch import WRAPPER, VllmNotFound, find_vllm, serve_command, wrapper_args
+from epdserve.integrations.vllm.launch import (
+    WRAPPER,
+    VllmNotFound,
+    find_vllm,
+    serve_command,
+    vllm_cpu_binding,
+    wrapper_args,
+)
 from epdserve.launcher import (
     ENGINE_CORE_DIED_EXIT,
     PORT_IN_USE_EXIT,
@@ -305,15 +312,16 @@ class Deployment:
         cpus: list[int] | None,
         public: bool = False,
         module: str = "epdserve.cli",
+        env: dict[str, str] | None = None,
     ) -> Role:
         if self.stop_signal:
             raise Cancelled(name)
         host = self.host if public else INTERNAL_HOST
         log = str(self.log_dir / f"{name}.log") if self.log_dir else None
-        env = self._env(public, router=name == "router")
+        role_env: dict[str, str | None] = {**(env or {}), **self._env(public, router=name == "router")}
         if module == "epdserve.cli":  # a vLLM instance's command line names its address itself
             args = [*args, "--host", host, "--port", str(port)]
-        role = Role(name, f"http://{http_host(host)}:{port}", args, cpus, log, env, module=module)
+        role = Role(name, f"http://{http_host(host)}:{port}", args, cpus, log, role_env, module=module)
         try:
             role.launch()
         except OSError as e:  # e.g. taskset missing for --pin-cores
@@ -433,7 +441,7 @@ class Deployment:
         workers: dict[str, list[Role]] = {"pds": [], "prefills": [], "decodes": []}
         for name in topo.workers:
             if self.lm_engine == "vllm":
-                workers["pds"].append(self._launch_vllm(name, store_args, plan.roles.get(name)))
+                workers["pds"].append(self._launch_vllm(name, store_args, plan))
                 continue
             args = ["serve", *self.model_args, *self.extra_pd_args, *vision, *fs_args, *store_args, "--internal-only"]
             kind = "pds"
@@ -459,9 +467,11 @@ class Deployment:
         counts = {"encoders": len(encoders), **{kind: len(roles) for kind, roles in workers.items()}}
         self._wait([*encoders, *(r for rs in workers.values() for r in rs), router], router, counts)
 
-    def _launch_vllm(self, name: str, store_args: list[str], cpus: list[int] | None) -> Role:
+    def _launch_vllm(self, name: str, store_args: list[str], plan: CorePlan) -> Role:
         """``vllm serve`` with epdserve's connector, under the name the encoders sign handles with
-        (their served name), behind the wrapper that prefixes its lines and takes it down."""
+        (their served name), behind the wrapper that prefixes its lines and takes it down. Pinned,
+        vLLM's process gets the worker's cores and its CPU build's model worker the cores an
+        engine core would get (``VLLM_CPU_OMP_THREADS_BIND``)."""
         from epdserve.assets import default_model_dir
 
         model = Path(self.model) if self.model else default_model_dir()
@@ -469,7 +479,10 @@ class Deployment:
         port = free_port()
         served = self.served_model_name or model.name
         cmd = serve_command(self.vllm, str(model), served, INTERNAL_HOST, port, extra, self.vllm_args)
-        return self._launch(name, wrapper_args(name, cmd, self.log_json), port, cpus, module=WRAPPER)
+        front, engine = plan.roles.get(name), plan.engines.get(name)
+        cpus = sorted({*(front or []), *(engine or [])}) or None
+        env = vllm_cpu_binding(engine, self.vllm_args)
+        return self._launch(name, wrapper_args(name, cmd, self.log_json), port, cpus, module=WRAPPER, env=env)
 
     def supervise(self) -> None:
         """Restart roles that die, until ``request_stop``."""

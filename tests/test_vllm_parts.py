@@ -268,6 +268,21 @@ def test_the_vllm_command_line_carries_the_connector_and_the_operator_s_flags_la
             launch.check_vllm_args(["--enforce-eager", owned])
 
 
+def test_a_pinned_vllm_binds_its_model_worker_to_the_engine_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdserve.up import Topology, plan_cores
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    plan = plan_cores(Topology.parse("1e+2pd"), [0, 1, 2, 3])
+    assert plan.engines == {"pd0": [1, 3], "pd1": [2]}  # the encoder and the front ends share core 0
+    assert launch.vllm_cpu_binding(plan.engines["pd0"], ["--enforce-eager"]) == {"VLLM_CPU_OMP_THREADS_BIND": "1,3"}
+    assert launch.vllm_cpu_binding(plan.engines["pd1"], []) == {"VLLM_CPU_OMP_THREADS_BIND": "2"}
+    assert launch.vllm_cpu_binding(None, []) == {}  # not pinned
+    for parallel in (["--tensor-parallel-size", "2"], ["-tp=2"], ["--pipeline-parallel-size=2"]):
+        assert launch.vllm_cpu_binding([2, 3], parallel) == {}  # each rank needs its own list
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert launch.vllm_cpu_binding([2], []) == {}  # the operator's own binding stands
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "epdserve.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})

@@ -33,6 +33,7 @@ CONNECTOR = {
 # flags of ``vllm serve`` that ``up`` sets itself: given in --vllm-args they would move vLLM
 # away from where the router and the encoders expect it
 OWNED_FLAGS = ("--host", "--port", "--ec-transfer-config", "--served-model-name")
+PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
 START_TIMEOUT_S = 900.0  # vLLM loads, profiles and warms up before its /health answers
 STOP_GRACE_S = 20.0  # how long vLLM has to shut down after a stop before its group is killed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -64,6 +65,17 @@ def serve_command(
     if connector:
         cmd += ["--ec-transfer-config", ec_transfer_config(ec_extra)]
     return [*cmd, *vllm_args]
+
+
+def vllm_cpu_binding(cores: Sequence[int] | None, vllm_args: Sequence[str]) -> dict[str, str]:
+    """The environment that binds the model worker of vLLM's CPU build to ``cores``
+    (``VLLM_CPU_OMP_THREADS_BIND``; GPU builds ignore it). Nothing when no cores are planned,
+    when the operator set the variable, or with tensor or pipeline parallelism, whose ranks each
+    need a list of their own."""
+    parallel = any(a.split("=", 1)[0] in PARALLEL_FLAGS for a in vllm_args)
+    if not cores or parallel or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)}
 
 
 def check_vllm_args(args: Sequence[str]) -> None:
