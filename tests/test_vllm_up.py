@@ -17,7 +17,7 @@ import pytest
 
 from epdserve.launcher import process_tree
 from tests.server_utils import http, internal_headers
-from tests.test_up import alive, image_content, up, wait_for
+from tests.test_up import alive, image_content, proc_cmdline, up, wait_for
 from tests.test_vllm_connector import VLLM_ARGS, VLLM_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
@@ -94,6 +94,33 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
         lines = [line for line in log.split("\n") if line.strip()]  # a progress bar's \r stays inside its line
         bare = [line for line in lines if not line.startswith("[pd0 vllm] ")]
         assert lines and not bare, bare[:5]
+
+        # vLLM killed in the middle of a request: that request ends with an error, the others
+        # are not lost, ``up`` starts vLLM again on its port, and it answers as before
+        answers: list[tuple[int, bytes]] = []
+
+        def long_request() -> None:
+            body = {"model": "shapes-qwen2vl", "messages": [{"role": "user", "content": content}],
+                    "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+            answers.append(http("POST", url + "/v1/chat/completions", json.dumps(body).encode(), timeout=600))
+
+        in_flight = threading.Thread(target=long_request)
+        in_flight.start()
+        running = lambda: sum(samples(http("GET", vllm_url + "/metrics")[1].decode(), "vllm:num_requests_running"))  # noqa: E731
+        assert wait_for(lambda: running() >= 1, 120, 0.05), "the long request never ran"
+        serve = [p for p in process_tree([vllm_pid])[1:] if b"\0serve\0" in proc_cmdline(p)]
+        assert serve, process_tree([vllm_pid])
+        os.kill(serve[0], signal.SIGKILL)
+        in_flight.join(timeout=120)
+        assert len(answers) == 1, "the request in flight hung"
+        status, raw = answers[0]
+        assert status >= 500 and "error" in json.loads(raw), (status, raw[:300])
+        _, new_url = u.wait_restarted("pd0", vllm_pid, timeout=START_S)
+        assert new_url == vllm_url and "restarted pd0" in u.stderr()
+        assert wait_for(lambda: http("GET", url + "/health")[0] == 200, 60, 0.5)
+        assert greedy(url, content)["choices"][0]["message"]["content"] == want
+        assert not alive(serve[0])
+        pids = process_tree([u.proc.pid])
 
         u.proc.send_signal(signal.SIGTERM)
         assert u.proc.wait(timeout=120) == 0
