@@ -8,6 +8,13 @@ time to healthy, resident memory of the whole process tree after the run, and th
 (request throughput, TTFT p50/p99, TPOT p50).
 
     LAB=~/vllm-peer python scripts/vs_vllm.py --requests 64 --concurrency 4 --output-len 64 --image-size 448
+
+A third system, ``epdvllm``, is epdserve's encoders and router in front of vLLM language-model
+instances (``epdserve up --lm-engine vllm``): it needs a ``vllm`` that can import epdserve, found
+beside this interpreter or on ``PATH`` (docs/vllm.md), and gets the flags vLLM's own instances get.
+
+    PATH=$PATH:~/.cache/epdserve-vllm-env/bin LAB=~/vllm-peer python scripts/vs_vllm.py \
+        --systems epdvllm:1e+1pd,vllm:1e+1pd,vllm:aggregated --images-per-request 10 --concurrency 4 16
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -63,10 +71,32 @@ def tree_memory_mb(pids: list[int]) -> tuple[float, float]:
     return rss / 1024, pss / 1024
 
 
-def start_epdserve(topology: str, pin: bool, dtype: str) -> Running:
+def vllm_flags(images: int) -> list[str]:
+    """The flags the peer recipe gives each of vLLM's instances, with room for ``images`` per prompt."""
+    return [
+        "--enforce-eager",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": images, "video": 0}, separators=(",", ":")),
+    ]
+
+
+def start_epdserve(topology: str, pin: bool, dtype: str, model: Path, lm_engine: str, images: int) -> Running:
     models = ["--dtype", dtype]  # every encoder and language-model instance
+    extra: dict = {"extra_pd_args": models}
+    if lm_engine == "vllm":  # vLLM's instances as the recipe starts its own: bfloat16, 1 GiB of KV
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        extra = {
+            "lm_engine": "vllm",
+            "vllm_args": ["--dtype", "bfloat16", "--max-model-len", "2048", *vllm_flags(images)],
+        }
     d = Deployment(
-        Topology.parse(topology), None, port=free_port(), pin=pin, extra_pd_args=models, extra_encoder_args=models
+        Topology.parse(topology),
+        str(model) if model != default_model_dir() else None,
+        port=free_port(),
+        pin=pin,
+        extra_encoder_args=models,
+        extra_args=["--limit-mm-per-prompt", json.dumps({"image": images})],  # as many as vLLM is given
+        **extra,
     )
     d.start()
     return Running(d.url, [r.proc.pid for r in d.roles], d.stop, d.startup_s)
@@ -81,20 +111,21 @@ def _wait(url: str, timeout: float) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 
-def start_vllm(topology: str, model: Path) -> Running:
+def start_vllm(topology: str, model: Path, images: int) -> Running:
     lab = os.environ.get("LAB")
     if not lab:
         raise SystemExit("set LAB to the folder of the vLLM peer install (shared/peers/vllm-cpu/setup.sh)")
-    env = dict(os.environ, MODEL=str(model))
+    # the recipe's own flags come first; a flag given again in EXTRA (or after) takes its place
+    env = dict(os.environ, MODEL=str(model), EXTRA=" ".join(vllm_flags(images)))
     t0 = time.time()
     if topology == "aggregated":
         port = 8110
         subprocess.run(
-            ["bash", str(PEER / "serve_single.sh"), str(model), str(port), "--enforce-eager"], env=env, check=True
+            ["bash", str(PEER / "serve_single.sh"), str(model), str(port), *vllm_flags(images)], env=env, check=True
         )
         names, url = [f"serve_{port}"], f"http://127.0.0.1:{port}"
     else:
-        subprocess.run(["bash", str(PEER / "start_epd.sh")], env=env, check=True, cwd=lab)
+        _start_vllm_epd(Path(lab), model, images)
         names, url = ["epd_E", "epd_PD", "epd_proxy"], "http://127.0.0.1:8300"
         _replace_proxy(Path(lab))
     _wait(url, 400)
@@ -102,15 +133,54 @@ def start_vllm(topology: str, model: Path) -> Running:
     pids = [int((Path(lab) / "logs" / f"{n}.pid").read_text()) for n in names]
 
     def stop() -> None:
+        tree = process_tree(pids)  # vLLM's engine cores too
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        time.sleep(3)
-        for pid in pids:
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.5)
+        for pid in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
     return Running(url, pids, stop, startup)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_vllm_epd(lab: Path, model: Path, images: int) -> None:
+    """vLLM's own 1E+1PD as the recipe's ``start_epd.sh`` starts it (an encoder-only instance on
+    core 0 saving embeddings through ECExampleConnector, a PD instance on core 1 reading them),
+    with room for ``images`` per prompt, which the recipe fixes at one."""
+    ec = lab / "ec_cache"
+    shutil.rmtree(ec, ignore_errors=True)
+    ec.mkdir(parents=True)
+    (lab / "logs").mkdir(exist_ok=True)
+    vllm = str(lab / "venv" / "bin" / "vllm")
+    base = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1")
+    base |= {"VLLM_CACHE_ROOT": str(lab / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(lab / "inductor-cache")}
+    common = ["--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "2048", "--served-model-name", "tiny"]
+    common += ["--enable-request-id-headers", *vllm_flags(images)]
+    for name, port, core, role, extra in (
+        ("epd_E", 8201, 0, "ec_producer", ["--mm-encoder-only", "--no-enable-prefix-caching"]),
+        ("epd_PD", 8202, 1, "ec_consumer", []),
+    ):
+        config = {"ec_connector": "ECExampleConnector", "ec_role": role}
+        config["ec_connector_extra_config"] = {"shared_storage_path": str(ec)}
+        cmd = [vllm, "serve", str(model), "--port", str(port), *common, *extra]
+        cmd += ["--ec-transfer-config", json.dumps(config)]
+        log = open(lab / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = dict(base, VLLM_CPU_OMP_THREADS_BIND=str(core))
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+        (lab / "logs" / f"{name}.pid").write_text(str(proc.pid))
+    for port in (8201, 8202):
+        _wait(f"http://127.0.0.1:{port}", 400)
 
 
 def _replace_proxy(lab: Path) -> None:
@@ -133,7 +203,12 @@ def _replace_proxy(lab: Path) -> None:
 
 def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model: Path) -> list[dict]:
     """Start one system, measure it at every concurrency, stop it; one row per concurrency."""
-    run = start_vllm(topology, model) if system == "vllm" else start_epdserve(topology, args.pin_cores, args.dtype)
+    images = args.images_per_request
+    if system == "vllm":
+        run = start_vllm(topology, model, images)
+    else:
+        engine = "vllm" if system == "epdvllm" else "epdserve"
+        run = start_epdserve(topology, args.pin_cores, args.dtype, model, engine, images)
     rows = []
     try:
         for conc in args.concurrency:
@@ -172,26 +247,32 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per run, topology and concurrency: epdserve over vLLM (req/s, TTFT p50, startup, RSS, PSS)."""
+    """Per run and concurrency, each epdserve system (``epdserve``, ``epdvllm``) over each of vLLM's
+    topologies measured beside it: req/s, TTFT p50 and p99, TPOT p50, startup, RSS, PSS."""
     out = []
-    key = lambda r: (r["run"], r["topology"], r["concurrency"])  # noqa: E731
-    vllm = {key(r): r for r in rows if r["system"] == "vllm"}
     for r in rows:
-        v = vllm.get(key(r))
-        if r["system"] != "epdserve" or v is None:
+        if r["system"] == "vllm":
             continue
-        out.append(
-            {
-                "run": r["run"],
-                "topology": r["topology"],
-                "concurrency": r["concurrency"],
-                "req_per_s": r["req_per_s"] / v["req_per_s"],
-                "ttft_p50": r["ttft_p50_ms"] / v["ttft_p50_ms"],
-                "startup": r["startup_s"] / v["startup_s"],
-                "rss": r["rss_mb"] / v["rss_mb"],
-                "pss": r["pss_mb"] / v["pss_mb"],
-            }
-        )
+        for v in rows:
+            if v["system"] != "vllm" or (v["run"], v["concurrency"]) != (r["run"], r["concurrency"]):
+                continue
+            if not (r["ok"] and v["ok"]):  # a cell where one side served nothing has no ratio
+                continue
+            out.append(
+                {
+                    "run": r["run"],
+                    "system": f"{r['system']}:{r['topology']}",
+                    "baseline": f"vllm:{v['topology']}",
+                    "concurrency": r["concurrency"],
+                    "req_per_s": r["req_per_s"] / v["req_per_s"],
+                    "ttft_p50": r["ttft_p50_ms"] / v["ttft_p50_ms"],
+                    "ttft_p99": r["ttft_p99_ms"] / v["ttft_p99_ms"],
+                    "tpot_p50": r["tpot_p50_ms"] / v["tpot_p50_ms"],
+                    "startup": r["startup_s"] / v["startup_s"],
+                    "rss": r["rss_mb"] / v["rss_mb"],
+                    "pss": r["pss_mb"] / v["pss_mb"],
+                }
+            )
     return out
 
 
@@ -201,8 +282,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4])
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--images-per-request", type=int, default=1)
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
-    ap.add_argument("--systems", default="epdserve:aggregated,vllm:aggregated,epdserve:1e+1pd,vllm:1e+1pd")
+    ap.add_argument(
+        "--systems",
+        default="epdserve:aggregated,vllm:aggregated,epdserve:1e+1pd,vllm:1e+1pd",
+        help="system:topology, comma-separated; systems: epdserve, vllm, epdvllm (epdserve's encoders, vLLM's LM)",
+    )
     ap.add_argument("--pin-cores", action="store_true", help="pin epdserve's encoder and PD to separate cores")
     ap.add_argument(
         "--dtype",
@@ -212,15 +299,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    model = default_model_dir()
-    workload = WorkloadConfig(images_per_request=1, image_size=args.image_size, output_len=args.output_len)
+    model = args.model or default_model_dir()
+    workload = WorkloadConfig(
+        images_per_request=args.images_per_request, image_size=args.image_size, output_len=args.output_len
+    )
     rows = []
     for run in range(args.runs):
         for spec in args.systems.split(","):  # the systems interleaved within each run
             system, topology = spec.split(":")
             rows += [{"run": run, **r} for r in bench_one(system, topology, args, workload, model)]
     print(
-        f"\n{args.requests} requests per cell, 1 image of {args.image_size} px, {args.output_len} output tokens "
+        f"\n{args.requests} requests per cell, {args.images_per_request} image(s) of {args.image_size} px, {args.output_len} output tokens "
         f"(exact), {args.runs} run(s); epdserve in {args.dtype}, vLLM in bfloat16 (its recipe)\n"
     )
     print(
@@ -235,19 +324,20 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['startup_s']:.1f} | {r['rss_mb']:.0f} | {r['pss_mb']:.0f} |"
         )
     rat = ratios(rows)
-    print("\nepdserve / vLLM, median over runs (each run's ratio in brackets)\n")
-    print("| topology | conc | req/s | TTFT p50 | startup | RSS | PSS |")
-    print("|---|---|---|---|---|---|---|")
-    cells = sorted({(r["topology"], r["concurrency"]) for r in rat})
-    for topo, conc in cells:
-        mine = [r for r in rat if (r["topology"], r["concurrency"]) == (topo, conc)]
+    print("\nover vLLM, median over runs (each run's ratio in brackets)\n")
+    print("| system | over | conc | req/s | TTFT p50 | TTFT p99 | TPOT p50 | startup | RSS | PSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    cells = sorted({(r["system"], r["baseline"], r["concurrency"]) for r in rat})
+    for system, baseline, conc in cells:
+        mine = [r for r in rat if (r["system"], r["baseline"], r["concurrency"]) == (system, baseline, conc)]
 
         def med(k: str, mine: list[dict] = mine) -> str:
             vals = [r[k] for r in mine]
             return f"{statistics.median(vals):.2f}x [{', '.join(f'{v:.2f}' for v in vals)}]"
 
         print(
-            f"| {topo} | {conc} | {med('req_per_s')} | {med('ttft_p50')} | {med('startup')} | {med('rss')} | {med('pss')} |"
+            f"| {system} | {baseline} | {conc} | {med('req_per_s')} | {med('ttft_p50')} | {med('ttft_p99')} | "
+            f"{med('tpot_p50')} | {med('startup')} | {med('rss')} | {med('pss')} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": rat}, indent=2))
