@@ -470,8 +470,9 @@ class Deployment:
     def _launch_vllm(self, name: str, store_args: list[str], plan: CorePlan) -> Role:
         """``vllm serve`` with epdserve's connector, under the name the encoders sign handles with
         (their served name), behind the wrapper that prefixes its lines and takes it down. Pinned,
-        vLLM's process gets the worker's cores and its CPU build's model worker the cores an
-        engine core would get (``VLLM_CPU_OMP_THREADS_BIND``)."""
+        all of vLLM runs on the cores an engine core would get, and its CPU build's model worker
+        is bound to them (``VLLM_CPU_OMP_THREADS_BIND``): vLLM's processes poll busily, and on
+        the encoders' cores they would take the time the encoders need."""
         from epdserve.assets import default_model_dir
 
         model = Path(self.model) if self.model else default_model_dir()
@@ -479,9 +480,8 @@ class Deployment:
         port = free_port()
         served = self.served_model_name or model.name
         cmd = serve_command(self.vllm, str(model), served, INTERNAL_HOST, port, extra, self.vllm_args)
-        front, engine = plan.roles.get(name), plan.engines.get(name)
-        cpus = sorted({*(front or []), *(engine or [])}) or None
-        env = vllm_cpu_binding(engine, self.vllm_args)
+        cpus = plan.engines.get(name) or plan.roles.get(name)
+        env = vllm_cpu_binding(plan.engines.get(name), self.vllm_args)
         return self._launch(name, wrapper_args(name, cmd, self.log_json), port, cpus, module=WRAPPER, env=env)
 
     def supervise(self) -> None:
