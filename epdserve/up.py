@@ -73,6 +73,10 @@ TOPOLOGY = re.compile(
     r"^(?:(?P<agg>aggregated)|(?P<e>\d+)e\+(?P<pd>\d+)pd|(?:(?P<pe>\d+)e\+)?(?P<p>\d+)p\+(?P<d>\d+)d)$"
 )
 TOPOLOGIES_HELP = "aggregated | <N>e+<M>pd | <N>e+<P>p+<D>d | <P>p+<D>d"
+# what ``up`` says of the memory of vLLM instances, which it does not count
+VLLM_SIZES_ITSELF = (
+    "which size their own memory (VLLM_CPU_KVCACHE_SPACE on CPUs, --gpu-memory-utilization on GPUs; docs/vllm.md)"
+)
 LM_ENGINES = ("epdserve", "vllm")  # what runs the language-model instances behind the encoders
 INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable from this machine only
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -407,6 +411,10 @@ class Deployment:
         # behind encoders that encode everything the workers load no vision tower (as started below)
         vision = topo.aggregated or not topo.encoders or self.dispatch != "always"
         workers = {"pd": topo.pds, "prefill": topo.prefills, "decode": topo.decodes}
+        if self.lm_engine == "vllm":  # vLLM sizes itself, by its own flags and environment
+            line = describe(check_fit(model, sizing, topo.encoders, {}, vision))
+            self._say(f"{line}; not counted: {topo.pds} vLLM instance(s), {VLLM_SIZES_ITSELF}")
+            return
         self._say(describe(check_fit(model, sizing, topo.encoders, workers, vision)))
 
     def _start_disaggregated(self, topo: Topology) -> None:

@@ -283,6 +283,19 @@ def test_a_pinned_vllm_binds_its_model_worker_to_the_engine_cores(monkeypatch: p
     assert launch.vllm_cpu_binding([2], []) == {}  # the operator's own binding stands
 
 
+def test_up_counts_its_encoders_and_leaves_vllm_to_size_itself() -> None:
+    from epdserve.sizing import Settings
+    from epdserve.up import Deployment, Topology
+
+    d = Deployment(Topology.parse("2e+3pd"), None, port=free_port(), lm_engine="vllm", verbose=True)
+    lines: list[str] = []
+    d.line = lambda text, *args, **kwargs: lines.append(text)  # type: ignore[method-assign]
+    d._check_fit(Settings())
+    assert len(lines) == 1 and lines[0].startswith("fits: "), lines
+    assert "2 model process(es)" in lines[0] and "(encoder memory: " in lines[0] and "pd memory" not in lines[0]
+    assert "not counted: 3 vLLM instance(s), which size their own memory" in lines[0]
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "epdserve.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
