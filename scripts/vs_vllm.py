@@ -80,9 +80,11 @@ def vllm_flags(images: int) -> list[str]:
     ]
 
 
-def start_epdserve(topology: str, pin: bool, dtype: str, model: Path, lm_engine: str, images: int) -> Running:
+def start_epdserve(
+    topology: str, pin: bool, dtype: str, model: Path, lm_engine: str, images: int, threads: int
+) -> Running:
     models = ["--dtype", dtype]  # every encoder and language-model instance
-    extra: dict = {"extra_pd_args": models}
+    extra: dict = {"extra_pd_args": [*models, *(["--threads", str(threads)] if threads else [])]}
     if lm_engine == "vllm":  # vLLM's instances as the recipe starts its own: bfloat16, 1 GiB of KV
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         extra = {
@@ -208,7 +210,7 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
         run = start_vllm(topology, model, images)
     else:
         engine = "vllm" if system == "epdvllm" else "epdserve"
-        run = start_epdserve(topology, args.pin_cores, args.dtype, model, engine, images)
+        run = start_epdserve(topology, args.pin_cores, args.dtype, model, engine, images, args.threads)
     rows = []
     try:
         for conc in args.concurrency:
@@ -283,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=448)
     ap.add_argument("--images-per-request", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="epdserve engines' torch threads (0: their default)")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
     ap.add_argument(
