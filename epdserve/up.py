@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from epdserve.integrations.vllm.launch import SIZES_ITSELF as VLLM_SIZES_ITSELF
 from epdserve.integrations.vllm.launch import START_TIMEOUT_S as VLLM_START_S
 from epdserve.integrations.vllm.launch import (
     WRAPPER,
@@ -73,10 +74,6 @@ TOPOLOGY = re.compile(
     r"^(?:(?P<agg>aggregated)|(?P<e>\d+)e\+(?P<pd>\d+)pd|(?:(?P<pe>\d+)e\+)?(?P<p>\d+)p\+(?P<d>\d+)d)$"
 )
 TOPOLOGIES_HELP = "aggregated | <N>e+<M>pd | <N>e+<P>p+<D>d | <P>p+<D>d"
-# what ``up`` says of the memory of vLLM instances, which it does not count
-VLLM_SIZES_ITSELF = (
-    "which size their own memory (VLLM_CPU_KVCACHE_SPACE on CPUs, --gpu-memory-utilization on GPUs; docs/vllm.md)"
-)
 LM_ENGINES = ("epdserve", "vllm")  # what runs the language-model instances behind the encoders
 INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable from this machine only
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

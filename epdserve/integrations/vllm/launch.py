@@ -34,6 +34,8 @@ CONNECTOR = {
 # away from where the router and the encoders expect it
 OWNED_FLAGS = ("--host", "--port", "--ec-transfer-config", "--served-model-name")
 PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+# what ``up`` says of the memory of vLLM instances, which its fit check does not count
+SIZES_ITSELF = "which size their own memory (VLLM_CPU_KVCACHE_SPACE on CPUs, --gpu-memory-utilization on GPUs)"
 START_TIMEOUT_S = 900.0  # vLLM loads, profiles and warms up before its /health answers
 STOP_GRACE_S = 20.0  # how long vLLM has to shut down after a stop before its group is killed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
