@@ -142,6 +142,37 @@ def test_the_amx_matmul_equals_f_linear_at_any_row_count(amx: AmxMatmul, k: int,
     assert amx.linear(torch.empty(0, k, dtype=torch.bfloat16), packed, n, b).shape == (0, n)
 
 
+@pytest.mark.parametrize(("m", "k", "n", "bias"), [(300, 1536, 8960, False), (1024, 1280, 3 * 1280 + 16, True)])
+def test_a_large_amx_matmul_split_over_threads_equals_one_call(
+    amx: AmxMatmul, m: int, k: int, n: int, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large enough to be split by output columns over torch's threads (an N that is no multiple
+    of the split's 64 columns too): every column exactly as one call computes it."""
+    from epdserve.kernels import amx as amx_module
+
+    assert m * k * n >= amx_module.PARALLEL_MACS
+    torch.manual_seed(m)
+    w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(m, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    packed = amx.pack(w)
+    calls: list[int] = []
+    real = amx._columns
+    monkeypatch.setattr(amx, "_columns", lambda *a: calls.append(a[-1] - a[-2]) or real(*a))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = amx.linear(x, packed, n, b)
+        assert calls == [n]
+        torch.set_num_threads(3)
+        split = amx.linear(x, packed, n, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 4 and sum(calls[1:]) == n and all(c % 64 == 0 for c in calls[1:-1]), calls
+    assert torch.equal(split, one)
+    assert AmxMatmul._shares(100, 8) == [(0, 64), (64, 100)]  # never a share without columns
+    assert AmxMatmul._shares(n, 1) == [(0, n)]
+
+
 def test_the_amx_matmul_refuses_what_does_not_fit_its_weight(amx: AmxMatmul) -> None:
     packed = amx.pack(torch.randn(32, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 rows"):

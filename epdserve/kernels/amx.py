@@ -12,7 +12,9 @@ keep oneDNN then.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,9 +23,21 @@ from epdserve.kernels.build import KernelBuildError, load_library
 log = logging.getLogger(__name__)
 
 
+# a product with fewer multiply-adds than this runs on the calling thread: splitting it would cost
+# more in hand-offs than it saves (one hand-off is tens of microseconds)
+PARALLEL_MACS = 1 << 25
+BLOCK = 64  # output columns a thread's share is a multiple of: the kernel's four 16-column tiles
+
+
 class AmxMatmul:
+    """The compiled AMX matmul. A large product is split by output columns over torch's
+    intra-op threads (``torch.set_num_threads``; the compiled call lets go of the interpreter),
+    each column computed exactly as one call would: the result does not depend on the split."""
+
     def __init__(self, lib) -> None:
         self.lib = lib
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     @staticmethod
     def packed_size(out_features: int, in_features: int) -> int:
@@ -55,13 +69,57 @@ class AmxMatmul:
         m = rows.shape[0]
         out = torch.empty((m, out_features), dtype=torch.bfloat16)
         if m:
-            b = bias.contiguous().data_ptr() if bias is not None else None
-            status = self.lib.epd_amx_linear(
-                rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), out_features, b, out.data_ptr(), out_features
-            )
-            if status != 0:
-                raise RuntimeError("the AMX matmul refused its operands")
+            if bias is not None:
+                bias = bias.contiguous()
+            threads = torch.get_num_threads() if m * k * out_features >= PARALLEL_MACS else 1
+            shares = self._shares(out_features, threads)
+            if len(shares) == 1:
+                self._columns(rows, packed, out_features, bias, out, 0, out_features)
+            else:
+                pool = self._executor(len(shares) - 1)
+                futures = [
+                    pool.submit(self._columns, rows, packed, out_features, bias, out, a, b) for a, b in shares[1:]
+                ]
+                self._columns(rows, packed, out_features, bias, out, *shares[0])
+                for f in futures:
+                    f.result()
         return out.reshape(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def _shares(n: int, threads: int) -> list[tuple[int, int]]:
+        """``[start, end)`` output columns for each of up to ``threads`` threads, in BLOCK columns."""
+        blocks = -(-n // BLOCK)
+        parts = max(1, min(threads, blocks))
+        bounds = [min(n, blocks * i // parts * BLOCK) for i in range(parts + 1)]
+        return [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
+
+    def _columns(
+        self,
+        rows: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+        a: int,
+        b: int,
+    ) -> None:
+        """Output columns ``[a, b)`` (``a`` a multiple of 16): their weight tiles start at tile
+        block ``a / 16``, each block holding ceil(k / 32) tiles of 512 elements."""
+        m, k = rows.shape
+        kb, el = -(-k // 32), packed.element_size()
+        w = packed.data_ptr() + a // 16 * kb * 512 * el
+        bias_ptr = bias.data_ptr() + a * el if bias is not None else None
+        status = self.lib.epd_amx_linear(rows.data_ptr(), rows.stride(0), m, k, w, b - a, bias_ptr,
+                                         out.data_ptr() + a * el, n)  # fmt: skip
+        if status != 0:
+            raise RuntimeError("the AMX matmul refused its operands")
+
+    def _executor(self, workers: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_size < workers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool, self._pool_size = ThreadPoolExecutor(workers, thread_name_prefix="epd-amx"), workers
+        return self._pool
 
 
 def load_amx() -> AmxMatmul | None:

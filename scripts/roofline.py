@@ -1,0 +1,205 @@
+"""Benchmark: the engine's steps against what this machine allows, on one checkpoint.
+
+    python scripts/roofline.py --model /tmp/qwen2-vl-2b --dtype bfloat16 --threads 1 2
+
+Measures, in this process, for each thread count:
+
+- the machine: memory bandwidth (reading a 1 GiB tensor) and the peak matmul rate in the dtype
+  (a square 2048 matmul, and the language model's widest linear at 1,024 rows);
+- a decode step at batch 1 (the engine core, a short text prompt already prefilled) against its
+  bound: the bytes one step must read (the language model's weights and the output projection,
+  the KV of the context) over the best bandwidth measured at any of the thread counts;
+- prefill of a text prompt of ``--prompt-tokens`` tokens, in one engine step, against the peak
+  matmul rate: 2 x (linear weights) x tokens floating-point operations, attention not counted;
+- the vision tower over one image of ``--image-size`` pixels a side, the same way.
+
+Prints one table; ``--json`` keeps every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from epdserve.common.dtypes import torch_dtype
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core import EngineCore
+from epdserve.engine.request import Request
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.models.config import ModelConfig
+from epdserve.shapes import ShapesWorld
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    """The fastest of ``repeat`` timed calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bandwidth_gbs(repeat: int = 5) -> float:
+    x = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
+    return x.numel() * 4 / best_of(lambda: x.sum(), repeat) / 1e9
+
+
+def matmul_tflops(m: int, k: int, n: int, dtype: torch.dtype, repeat: int = 5) -> float:
+    a, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    return 2 * m * k * n / best_of(lambda: torch.nn.functional.linear(a, w), repeat) / 1e12
+
+
+def weights(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Parameters a decode step reads (the language model, with the output projection: the
+    embedding table when tied), those a prefill token multiplies (the language model's layers),
+    and the vision tower's. Packed linear weights are parameters too, so counting them works
+    whatever layout the kernels chose."""
+    named = dict(model.named_parameters())
+    lm = {n: p.numel() for n, p in named.items() if not n.startswith("visual")}
+    embed = sum(v for n, v in lm.items() if "embed_tokens" in n)
+    head = sum(v for n, v in lm.items() if "lm_head" in n)
+    total = sum(lm.values())
+    step = total if not head else total - embed
+    vision = sum(p.numel() for n, p in named.items() if n.startswith("visual"))
+    return step, total - embed - head, vision
+
+
+def text_request(rid: str, tokens: int, out: int, seed: int) -> Request:
+    """A prompt of ``tokens`` ids no other request shares (the prefix cache is off anyway)."""
+    from epdserve.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    return Request(rid, [1000 + (i * 7919 + seed * 104729) % 50000 for i in range(tokens)], params)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    dtype = torch_dtype(args.dtype)
+    cfg = ModelConfig.from_pretrained(args.model)
+    text = cfg.text
+    config = EngineConfig(
+        dtype=args.dtype,
+        num_kv_blocks=512,
+        max_num_batched_tokens=max(2048, args.prompt_tokens),
+        enable_prefix_caching=False,
+        threads=0,
+    )
+    engine = EngineCore.from_pretrained(args.model, config)
+    model = engine.runner.model
+    visual = model.visual
+    step_params, layer_params, vision_params = weights(model)
+    elem = torch.finfo(dtype).bits // 8
+    step_weight_bytes = step_params * elem
+    kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * elem
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(args.model))
+    image = ShapesWorld(0).scene().render().resize((args.image_size, args.image_size), Image.Resampling.BICUBIC)
+    v = proc.image(image)
+    pixels = torch.as_tensor(v.pixel_values).to(dtype)
+    patches = pixels.shape[0]
+
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        bw = bandwidth_gbs()
+        peak = matmul_tflops(2048, 2048, 2048, dtype)
+        widest = matmul_tflops(1024, text.hidden_size, text.intermediate_size, dtype)
+
+        # decode at batch 1: a short prompt prefilled, then steps timed one by one
+        ctx = 64
+        engine.add_request(text_request(f"d{threads}", ctx, args.decode_steps + 8, threads))
+        engine.step()  # the prefill
+        for _ in range(3):
+            engine.step()
+        steps = []
+        for _ in range(args.decode_steps):
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        decode_s = statistics.median(steps)
+        while engine.has_work:
+            engine.step()
+        decode_bytes = step_weight_bytes + kv_per_token * (ctx + args.decode_steps)
+
+        # prefill: the whole prompt in one step (the first step of a fresh request)
+        prefill = []
+        for i in range(3):
+            rid = f"p{threads}-{i}"
+            engine.add_request(text_request(rid, args.prompt_tokens, 1, 100 * threads + i + 1))
+            t0 = time.perf_counter()
+            out = engine.step()
+            prefill.append(time.perf_counter() - t0)
+            if not any(o.request_id == rid and o.token_ids for o in out):
+                raise SystemExit("the prompt did not fit one step: raise --prompt-tokens' step budget")
+            while engine.has_work:
+                engine.step()
+        prefill_s = min(prefill)
+        prefill_flops = 2 * layer_params * args.prompt_tokens
+
+        with torch.inference_mode():
+            vision_s = best_of(lambda: visual(pixels, [v.grid_thw]), 2)
+        vision_flops = 2 * vision_params * patches
+
+        row = {
+            "threads": threads,
+            "bandwidth_gbs": bw,
+            "peak_tflops": peak,
+            "widest_linear_tflops": widest,
+            "decode_ms": decode_s * 1e3,
+            "decode_bytes": decode_bytes,
+            "prefill_tokens": args.prompt_tokens,
+            "prefill_s": prefill_s,
+            "prefill_tflops": prefill_flops / prefill_s / 1e12,
+            "vision_patches": patches,
+            "vision_s": vision_s,
+            "vision_tflops": vision_flops / vision_s / 1e12,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # the bound of a decode step is the machine's: the best bandwidth any thread count reached
+    best_bw = max(r["bandwidth_gbs"] for r in rows)
+    for r in rows:
+        r["decode_bound_ms"] = r["decode_bytes"] / (best_bw * 1e9) * 1e3
+    print(
+        f"\n{args.model.name}, {args.dtype}: language-model layers {layer_params / 1e9:.2f} B parameters "
+        f"(a decode step reads {step_weight_bytes / 1e9:.2f} GB), vision tower {vision_params / 1e9:.2f} B\n"
+    )
+    print(
+        "| threads | bandwidth GB/s | peak matmul TFLOP/s | decode step ms | bound ms | step/bound | "
+        "prefill TFLOP/s | of peak | vision TFLOP/s | of peak |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['threads']} | {r['bandwidth_gbs']:.1f} | {r['peak_tflops']:.2f} | {r['decode_ms']:.0f} | "
+            f"{r['decode_bound_ms']:.0f} | {r['decode_ms'] / r['decode_bound_ms']:.2f}x | {r['prefill_tflops']:.2f} | "
+            f"{r['prefill_tflops'] / r['peak_tflops']:.0%} | {r['vision_tflops']:.2f} | "
+            f"{r['vision_tflops'] / r['peak_tflops']:.0%} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"args": {**vars(args), "model": str(args.model), "json": str(args.json)},
+                                         "rows": rows}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
