@@ -219,7 +219,7 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
                 model="tiny" if system == "vllm" else "",  # the recipe's served name; its E+PD proxy has no /v1/models
                 workload=workload,
                 num_requests=args.requests,
-                warmup=8,
+                warmup=args.warmup,
                 concurrency=conc,
                 seed=conc,  # fresh images per cell: no cell is served from an earlier one's caches
             )
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=448)
     ap.add_argument("--images-per-request", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=8, help="unmeasured requests before each cell")
     ap.add_argument("--threads", type=int, default=0, help="epdserve engines' torch threads (0: their default)")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{med('tpot_p50')} | {med('startup')} | {med('rss')} | {med('pss')} |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": rat}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": rat}, indent=2, default=str))
 
 
 if __name__ == "__main__":
