@@ -408,11 +408,9 @@ class Deployment:
         # behind encoders that encode everything the workers load no vision tower (as started below)
         vision = topo.aggregated or not topo.encoders or self.dispatch != "always"
         workers = {"pd": topo.pds, "prefill": topo.prefills, "decode": topo.decodes}
-        if self.lm_engine == "vllm":  # vLLM sizes itself, by its own flags and environment
-            line = describe(check_fit(model, sizing, topo.encoders, {}, vision))
-            self._say(f"{line}; not counted: {topo.pds} vLLM instance(s), {VLLM_SIZES_ITSELF}")
-            return
-        self._say(describe(check_fit(model, sizing, topo.encoders, workers, vision)))
+        vllm = self.lm_engine == "vllm"  # vLLM sizes itself, by its own flags and environment
+        line = describe(check_fit(model, sizing, topo.encoders, {} if vllm else workers, vision))
+        self._say(f"{line}; not counted: {topo.pds} vLLM instance(s), {VLLM_SIZES_ITSELF}" if vllm else line)
 
     def _start_disaggregated(self, topo: Topology) -> None:
         plan = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else CorePlan({}, {})

@@ -31,6 +31,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from epdserve.bench.transfer_bench import timed
 from epdserve.common.dtypes import torch_dtype
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
@@ -40,25 +41,18 @@ from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld
 
 
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    """The fastest of ``repeat`` timed calls, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    return min(timed(fn, repeat))
 
 
 def bandwidth_gbs(repeat: int = 5) -> float:
     x = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
-    return x.numel() * 4 / best_of(lambda: x.sum(), repeat) / 1e9
+    return x.numel() * 4 / _best(lambda: x.sum(), repeat) / 1e9
 
 
 def matmul_tflops(m: int, k: int, n: int, dtype: torch.dtype, repeat: int = 5) -> float:
     a, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-    return 2 * m * k * n / best_of(lambda: torch.nn.functional.linear(a, w), repeat) / 1e12
+    return 2 * m * k * n / _best(lambda: torch.nn.functional.linear(a, w), repeat) / 1e12
 
 
 def weights(model: torch.nn.Module) -> tuple[int, int, int]:
@@ -76,12 +70,12 @@ def weights(model: torch.nn.Module) -> tuple[int, int, int]:
     return step, total - embed - head, vision
 
 
-def text_request(rid: str, tokens: int, out: int, seed: int) -> Request:
-    """A prompt of ``tokens`` ids no other request shares (the prefix cache is off anyway)."""
+def text_request(rid: str, tokens: int, out: int, seed: int, vocab: int) -> Request:
+    """A prompt of ``tokens`` ids below ``vocab`` no other request shares (the prefix cache is off anyway)."""
     from epdserve.common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-    return Request(rid, [1000 + (i * 7919 + seed * 104729) % 50000 for i in range(tokens)], params)
+    return Request(rid, [(i * 7919 + seed * 104729) % (vocab // 2) for i in range(tokens)], params)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # decode at batch 1: a short prompt prefilled, then steps timed one by one
         ctx = 64
-        engine.add_request(text_request(f"d{threads}", ctx, args.decode_steps + 8, threads))
+        engine.add_request(text_request(f"d{threads}", ctx, args.decode_steps + 8, threads, text.vocab_size))
         engine.step()  # the prefill
         for _ in range(3):
             engine.step()
@@ -144,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         prefill = []
         for i in range(3):
             rid = f"p{threads}-{i}"
-            engine.add_request(text_request(rid, args.prompt_tokens, 1, 100 * threads + i + 1))
+            engine.add_request(text_request(rid, args.prompt_tokens, 1, 100 * threads + i + 1, text.vocab_size))
             t0 = time.perf_counter()
             out = engine.step()
             prefill.append(time.perf_counter() - t0)
@@ -156,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         prefill_flops = 2 * layer_params * args.prompt_tokens
 
         with torch.inference_mode():
-            vision_s = best_of(lambda: visual(pixels, [v.grid_thw]), 2)
+            vision_s = _best(lambda: visual(pixels, [v.grid_thw]), 2)
         vision_flops = 2 * vision_params * patches
 
         row = {

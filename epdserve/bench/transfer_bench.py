@@ -106,12 +106,13 @@ def bench_memcpy(sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
         src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
         dst = torch.empty(size, dtype=torch.uint8)
         dst.fill_(1)
-        fresh[size] = _gbps(size, _timed(src.copy, repeats))
-        warm[size] = _gbps(size, _timed(partial(dst.copy_, torch.from_numpy(src)), repeats))
+        fresh[size] = _gbps(size, timed(src.copy, repeats))
+        warm[size] = _gbps(size, timed(partial(dst.copy_, torch.from_numpy(src)), repeats))
     return {"numpy copy (fresh dst)": fresh, "torch copy_ (warm dst)": warm}
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    """The wall time of each of ``repeats`` calls of ``fn``, after one untimed call."""
     fn()
     spans = []
     for _ in range(repeats):

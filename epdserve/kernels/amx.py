@@ -23,8 +23,8 @@ from epdserve.kernels.build import KernelBuildError, load_library
 log = logging.getLogger(__name__)
 
 
-# a product with fewer multiply-adds than this runs on the calling thread: splitting it would cost
-# more in hand-offs than it saves (one hand-off is tens of microseconds)
+# a product with fewer multiply-adds than this runs on the calling thread: handing shares to other
+# threads would cost more than it saves
 PARALLEL_MACS = 1 << 25
 BLOCK = 64  # output columns a thread's share is a multiple of: the kernel's four 16-column tiles
 

@@ -72,8 +72,8 @@ def serve_command(
 def vllm_cpu_binding(cores: Sequence[int] | None, vllm_args: Sequence[str]) -> dict[str, str]:
     """The environment that binds the model worker of vLLM's CPU build to ``cores``
     (``VLLM_CPU_OMP_THREADS_BIND``; GPU builds ignore it). Nothing when no cores are planned,
-    when the operator set the variable, or with tensor or pipeline parallelism, whose ranks each
-    need a list of their own."""
+    when the operator set the variable, or with tensor, pipeline or data parallelism, whose ranks
+    each need a list of their own."""
     parallel = any(a.split("=", 1)[0] in PARALLEL_FLAGS for a in vllm_args)
     if not cores or parallel or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
