@@ -20,6 +20,7 @@ from epdserve.kernels.cpu_linear import (
     row_bucket,
 )
 from epdserve.kernels.ops import TorchOps
+from epdserve.kernels.parallel import shares
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
 
@@ -167,12 +168,12 @@ def test_a_large_amx_matmul_split_over_threads_equals_one_call(
         split = amx.linear(x, packed, n, b)
     finally:
         torch.set_num_threads(threads)
-    shares = sorted(calls[1:])  # the threads end in any order
-    assert len(shares) == 3 and shares[0][0] == 0 and shares[-1][1] == n, calls
-    assert all(a % 64 == 0 and a == before[1] for (a, _), before in zip(shares[1:], shares, strict=False)), calls
+    parts = sorted(calls[1:])  # the threads end in any order
+    assert len(parts) == 3 and parts[0][0] == 0 and parts[-1][1] == n, calls
+    assert all(a % 64 == 0 and a == before[1] for (a, _), before in zip(parts[1:], parts, strict=False)), calls
     assert torch.equal(split, one)
-    assert AmxMatmul._shares(100, 8) == [(0, 64), (64, 100)]  # never a share without columns
-    assert AmxMatmul._shares(n, 1) == [(0, n)]
+    assert shares(100, 8, 64) == [(0, 64), (64, 100)]  # never a share without columns
+    assert shares(n, 1, 64) == [(0, n)]
 
 
 def test_the_amx_matmul_refuses_what_does_not_fit_its_weight(amx: AmxMatmul) -> None:

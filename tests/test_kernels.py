@@ -87,6 +87,35 @@ def test_elementwise_kernels_equal_the_torch_ops(kernels: CpuKernelOps, dtype: t
     assert_close_rel(kernels.quick_gelu(h).float(), ref.quick_gelu(h).float(), REL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_elementwise_calls_split_over_threads_equal_one_call(
+    kernels: CpuKernelOps, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call over enough elements runs in shares on torch's threads; every element is computed
+    as one call computes it, over strided rows too."""
+    from epdserve.kernels import ops as ops_module
+
+    monkeypatch.setattr(ops_module, "PARALLEL_ELEMENTS", 1000)
+    torch.manual_seed(1)
+    h = (4 * torch.randn(37, 211)).to(dtype)  # ragged: no share boundary falls on a row
+    wide = (3 * torch.randn(37, 2 * 211 + 5)).to(dtype)
+    gate_up = wide[:, : 2 * 211]  # rows a stride apart
+    threads = torch.get_num_threads()
+    spans: list[int] = []
+    real = kernels.workers.run
+    monkeypatch.setattr(kernels.workers, "run", lambda fn, s: spans.append(len(s)) or real(fn, s))
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quick_gelu(h), kernels.silu_mul(gate_up)
+        torch.set_num_threads(3)
+        split = kernels.quick_gelu(h), kernels.silu_mul(gate_up)
+    finally:
+        torch.set_num_threads(threads)
+    assert spans == [1, 1, 3, 3]
+    for a, b in zip(one, split, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_kernels_refuse_a_layout_they_cannot_read(kernels: CpuKernelOps) -> None:
     x = torch.randn(8, 4)
     with pytest.raises(ValueError, match="contiguous"):

@@ -12,13 +12,12 @@ keep oneDNN then.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from epdserve.kernels.build import KernelBuildError, load_library
+from epdserve.kernels.parallel import Workers, shares
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +35,7 @@ class AmxMatmul:
 
     def __init__(self, lib) -> None:
         self.lib = lib
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
+        self.workers = Workers("epd-amx")
 
     @staticmethod
     def packed_size(out_features: int, in_features: int) -> int:
@@ -71,27 +69,12 @@ class AmxMatmul:
         if m:
             if bias is not None:
                 bias = bias.contiguous()
-            threads = torch.get_num_threads() if m * k * out_features >= PARALLEL_MACS else 1
-            shares = self._shares(out_features, threads)
-            if len(shares) == 1:
-                self._columns(rows, packed, out_features, bias, out, 0, out_features)
-            else:
-                pool = self._executor(len(shares) - 1)
-                futures = [
-                    pool.submit(self._columns, rows, packed, out_features, bias, out, a, b) for a, b in shares[1:]
-                ]
-                self._columns(rows, packed, out_features, bias, out, *shares[0])
-                for f in futures:
-                    f.result()
+            threads = Workers.threads(m * k * out_features, PARALLEL_MACS)
+            self.workers.run(
+                lambda a, b: self._columns(rows, packed, out_features, bias, out, a, b),
+                shares(out_features, threads, BLOCK),
+            )
         return out.reshape(*x.shape[:-1], out_features)
-
-    @staticmethod
-    def _shares(n: int, threads: int) -> list[tuple[int, int]]:
-        """``[start, end)`` output columns for each of up to ``threads`` threads, in BLOCK columns."""
-        blocks = -(-n // BLOCK)
-        parts = max(1, min(threads, blocks))
-        bounds = [min(n, blocks * i // parts * BLOCK) for i in range(parts + 1)]
-        return [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
 
     def _columns(
         self,
@@ -113,13 +96,6 @@ class AmxMatmul:
                                          out.data_ptr() + a * el, n)  # fmt: skip
         if status != 0:
             raise RuntimeError("the AMX matmul refused its operands")
-
-    def _executor(self, workers: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_size < workers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool, self._pool_size = ThreadPoolExecutor(workers, thread_name_prefix="epd-amx"), workers
-        return self._pool
 
 
 def load_amx() -> AmxMatmul | None:

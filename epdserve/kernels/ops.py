@@ -22,11 +22,13 @@ import torch.nn.functional as F
 
 from epdserve.kernels import KernelChoice
 from epdserve.kernels.build import KernelBuildError, load_library
+from epdserve.kernels.parallel import Workers, shares
 
 log = logging.getLogger(__name__)
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 CHUNK_ROWS_BUDGET = 64 * 1024  # new tokens x context of a prefill chunk the row-wise attention takes
+PARALLEL_ELEMENTS = 1 << 18  # an elementwise call smaller than this runs on the calling thread
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,6 +131,7 @@ class CpuKernelOps:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        self.workers = Workers("epd-ops")  # the large elementwise calls, split over torch's threads
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -201,7 +204,12 @@ class CpuKernelOps:
     def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.lib.epd_quick_gelu(_DTYPE_CODE[x.dtype], x.data_ptr(), out.data_ptr(), x.numel())
+        code, n, el = _DTYPE_CODE[x.dtype], x.numel(), x.element_size()
+        xp, op = x.data_ptr(), out.data_ptr()
+        self.workers.run(
+            lambda a, b: self.lib.epd_quick_gelu(code, xp + a * el, op + a * el, b - a),
+            shares(n, Workers.threads(n, PARALLEL_ELEMENTS), 64),
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -210,8 +218,11 @@ class CpuKernelOps:
             raise ValueError("gate_up must hold two halves")
         n = two_n // 2
         out = torch.empty((rows, n), dtype=gate_up.dtype)
-        self.lib.epd_silu_mul(
-            _DTYPE_CODE[gate_up.dtype], gate_up.data_ptr(), _rows(gate_up, two_n), out.data_ptr(), n, rows, n
+        code, stride, el = _DTYPE_CODE[gate_up.dtype], _rows(gate_up, two_n), gate_up.element_size()
+        gp, op = gate_up.data_ptr(), out.data_ptr()
+        self.workers.run(
+            lambda a, b: self.lib.epd_silu_mul(code, gp + a * stride * el, stride, op + a * n * el, n, b - a, n),
+            shares(rows, Workers.threads(rows * n, PARALLEL_ELEMENTS), 1),
         )
         return out
 
