@@ -13,6 +13,7 @@ from epdserve.kernels import KernelChoice
 from epdserve.kernels.amx import AmxMatmul, load_amx
 from epdserve.kernels.cpu_linear import (
     EXACT_ROWS,
+    TOWER_ONEDNN_WEIGHT,
     AmxLinear,
     PackedLinear,
     packing_supported,
@@ -67,6 +68,27 @@ def test_half_precision_linears_are_prepacked_where_the_cpu_runs_them(
         assert_close_rel(got.float(), y.float(), rel=1e-2)  # one bf16/fp16 rounding of the same sums
     three_d = torch.randn(2, 5, 256, dtype=dtype)  # any leading shape, as F.linear takes
     assert_close_rel(model(three_d).float(), model(three_d.reshape(10, 256)).reshape(2, 5, 96).float(), rel=1e-2)
+
+
+def test_large_linears_of_a_media_tower_go_to_onednn() -> None:
+    """A tower multiplies whole items' patches per call: its large linears go to oneDNN's kernels,
+    its small ones and every linear outside it stay on the compiled AMX matmul."""
+    if load_amx() is None or not packing_supported(torch.bfloat16):
+        pytest.skip("needs AMX and oneDNN bfloat16")
+    big = TOWER_ONEDNN_WEIGHT // 512
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "visual": nn.Sequential(nn.Linear(512, big), nn.Linear(big, 8)),
+            "language_model": nn.Sequential(nn.Linear(512, big)),
+        }
+    ).to(torch.bfloat16)
+    x = torch.randn(300, 512, dtype=torch.bfloat16)
+    want = model["visual"](x)
+    prepare_linears(model, torch.bfloat16, torch.device("cpu"), towers=("visual",))
+    assert [type(m) for m in model["visual"]] == [PackedLinear, AmxLinear]
+    assert type(model["language_model"][0]) is AmxLinear
+    assert_close_rel(model["visual"](x).float(), want.float(), rel=1e-2)
 
 
 def test_other_devices_and_dtypes_keep_the_weights_as_loaded() -> None:

@@ -10,6 +10,10 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   ``kernels.amx``), the weight packed once at load: no per-call setup and nothing compiled per row
   count; at or under oneDNN's time at the row counts measured (docs/benchmarks.md) but for one
   shape at 192 rows and more.
+- **bfloat16 in a media tower** (``towers``), where every call multiplies a whole item's
+  patches (hundreds of rows): oneDNN's own AMX kernels (``PackedLinear``) once the weight is as
+  large as ``TOWER_ONEDNN_WEIGHT`` elements, the compiled tile matmul below that - at hundreds of
+  rows oneDNN leads on large weights and trails on small ones (docs/benchmarks.md).
 - **bfloat16 without AMX, float16**: oneDNN (AVX-512 where the CPU has it) reorders the weight
   into its blocked layout on every call; ``PackedLinear`` does it once, at load, as vLLM's CPU
   backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
@@ -36,6 +40,7 @@ from epdserve.kernels.amx import AmxMatmul, load_amx
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
 EXACT_ROWS = 16  # row counts up to this run as they are; larger ones are rounded up (row_bucket)
+TOWER_ONEDNN_WEIGHT = 1 << 20  # weight elements from which a tower's linear goes to oneDNN
 
 
 def row_bucket(rows: int) -> int:
@@ -103,18 +108,27 @@ class AmxLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device, kernels: KernelChoice = "auto") -> None:
+def prepare_linears(
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: KernelChoice = "auto",
+    towers: tuple[str, ...] = (),
+) -> None:
     """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above);
-    bfloat16 ones go to the compiled AMX matmul where the CPU has AMX (``kernels`` "auto")."""
+    bfloat16 ones go to the compiled AMX matmul where the CPU has AMX (``kernels`` "auto"), but
+    for the large ones of the submodules named in ``towers`` (media towers: many rows per call)."""
     if device.type != "cpu":
         return
     amx = load_amx() if dtype == torch.bfloat16 and kernels == "auto" else None
     pack = packing_supported(dtype)
-    for module in list(model.modules()):
+    for path, module in list(model.named_modules()):
+        in_tower = any(path == t or path.startswith(t + ".") for t in towers)
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            if amx is not None:
+            many_rows = in_tower and child.weight.numel() >= TOWER_ONEDNN_WEIGHT
+            if amx is not None and not (many_rows and pack):
                 setattr(module, name, AmxLinear(child, amx))
             elif pack:
                 setattr(module, name, PackedLinear(child))

@@ -117,7 +117,9 @@ def load_model(
     if missing:
         raise CheckpointError(f"{model_dir}: no tensor for {len(missing)} parameters, e.g. {sorted(missing)[:5]}")
     loadable.init_buffers()
-    prepare_linears(model, dtype, torch.device(device), kernels)
+    # every top-level part but the language model is a media tower: whole items' patches per call
+    towers = tuple(name for name, _ in model.named_children() if name != "language_model")
+    prepare_linears(model, dtype, torch.device(device), kernels, towers)
     model.eval().requires_grad_(False)
     report = LoadReport(
         model_dir=str(model_dir),
