@@ -75,6 +75,37 @@ def test_greedy_tokens_are_the_same_with_and_without_the_fused_stack(model_dir: 
     assert outs[0] == outs[1]
 
 
+def test_with_threads_to_split_large_matmuls_the_stack_yields_to_the_layer_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stack runs on one thread; where torch has more and the matmuls are large enough to
+    split over them (reading a large weight is the work of a decode step), the layer-by-layer
+    path, whose matmuls split, runs the row-wise steps instead."""
+    from epdserve.kernels import amx as amx_module
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        small = bf16_engine(model_dir).runner.model.language_model.fused
+        assert small is not None and not small.splits and small.preferred()  # too small to split
+        monkeypatch.setattr(amx_module, "PARALLEL_WEIGHT", 1)  # as if every weight were large
+        eng = bf16_engine(model_dir)
+        lm = eng.runner.model.language_model
+        assert lm.fused is not None and lm.fused.splits and not lm.fused.preferred()
+        calls: list[int] = []
+        real = lm.fused.__call__
+        monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or real(*a))
+        builder = InputBuilder(HFReference(model_dir).tok, ModelConfig.from_pretrained(model_dir))
+        proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+        name, messages, images, videos = cases()[1]  # an image: a prompt, then decode steps
+        eng.add_request(engine_request(name, builder, proc, messages, images, videos, frozenset()))
+        assert drain(eng)[name] and not calls
+        torch.set_num_threads(1)
+        assert lm.fused.preferred()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_an_index_out_of_range_is_refused_before_the_cache_is_touched(model_dir: Path) -> None:
     eng = bf16_engine(model_dir)
     lm = eng.runner.model.language_model

@@ -6,6 +6,8 @@
       ├─ yes: every layer the plain Qwen2 shape, its matmuls packed for AMX?
       │         ├─ yes ─► fused stack: all layers in one call (kernels.fused) on the steps whose
       │         │         every token attends row by row, the per-layer kernels on the others
+      │         │         (and on all steps when torch has more than one thread and the matmuls
+      │         │         are large enough to split over them: FusedDecoder.preferred)
       │         └─ no ──► per-layer kernels: KV write and row-wise attention reading the paged
       │                   cache in place (kernels.ops)
       └─ no ──► torch: PyTorch SDPA over views of a contiguous mirror of the decoding sequences'

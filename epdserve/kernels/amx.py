@@ -22,9 +22,11 @@ from epdserve.kernels.parallel import Workers, shares
 log = logging.getLogger(__name__)
 
 
-# a product with fewer multiply-adds than this runs on the calling thread: handing shares to other
-# threads would cost more than it saves
+# a product with fewer multiply-adds than this, and a weight of fewer elements than that, runs on
+# the calling thread: handing shares to other threads would cost more than it saves (at a few rows
+# reading the weight is the work, so a large weight splits whatever the row count)
 PARALLEL_MACS = 1 << 25
+PARALLEL_WEIGHT = 1 << 20
 BLOCK = 64  # output columns a thread's share is a multiple of: the kernel's four 16-column tiles
 
 
@@ -69,12 +71,17 @@ class AmxMatmul:
         if m:
             if bias is not None:
                 bias = bias.contiguous()
-            threads = Workers.threads(m * k * out_features, PARALLEL_MACS)
+            threads = torch.get_num_threads() if self.splits(m, k, out_features) else 1
             self.workers.run(
                 lambda a, b: self._columns(rows, packed, out_features, bias, out, a, b),
                 shares(out_features, threads, BLOCK),
             )
         return out.reshape(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def splits(m: int, k: int, n: int) -> bool:
+        """Whether a product of [m, k] rows by a [n, k] weight is split over torch's threads."""
+        return m * k * n >= PARALLEL_MACS or k * n >= PARALLEL_WEIGHT
 
     def _columns(
         self,

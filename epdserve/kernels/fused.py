@@ -94,9 +94,17 @@ class FusedDecoder:
             rows.append([p if isinstance(p, int) else p.data_ptr() for p in ptrs])
         _check(final_norm, h, "final norm")
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(len(layers), POINTERS_PER_LAYER)
+        # the stack runs on one thread; matmuls this large split over torch's threads layer by layer
+        self.splits = any(AmxMatmul.splits(1, k, n) for k, n in ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h)))
         # the tensors whose addresses the table holds stay alive as long as it does
         self._held = (list(layers), list(k_cache), list(v_cache))
         self.final_norm = final_norm
+
+    def preferred(self) -> bool:
+        """Whether the stack is the faster path for a row-wise step now: always on one thread;
+        with more, only when its matmuls are too small to split (``AmxMatmul.splits``), since the
+        layer-by-layer path reads a large weight on every thread at once."""
+        return not self.splits or torch.get_num_threads() == 1
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: RowWise) -> torch.Tensor:
         """x [N, hidden] (the embeddings; overwritten: the residual stream) → final-normed hidden

@@ -84,8 +84,9 @@ class Qwen2LanguageModel(nn.Module):
         if positions.shape != (3, inputs_embeds.shape[0]):
             raise ValueError(f"positions must be [3, {inputs_embeds.shape[0]}], got {list(positions.shape)}")
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
-        if self.fused is not None and deepstack is None and attention.row_wise is not None:
-            return self.fused(inputs_embeds.clone(memory_format=torch.contiguous_format), cos, sin, attention.row_wise)
+        stack = self.fused
+        if stack is not None and stack.preferred() and deepstack is None and attention.row_wise is not None:
+            return stack(inputs_embeds.clone(memory_format=torch.contiguous_format), cos, sin, attention.row_wise)
         ops = self.ops
         x = inputs_embeds.clone()  # the residual stream, updated in place
         delta: torch.Tensor | None = None
