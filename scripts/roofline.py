@@ -11,6 +11,7 @@ Measures, in this process, for each thread count:
   the KV of the context) over the best bandwidth measured at any of the thread counts;
 - prefill of a text prompt of ``--prompt-tokens`` tokens, in one engine step, against the peak
   matmul rate: 2 x (linear weights) x tokens floating-point operations, attention not counted;
+  and the rate of the linear layers alone (their operations over the time spent inside them);
 - the vision tower over one image of ``--image-size`` pixels a side, the same way.
 
 Prints one table; ``--json`` keeps every figure.
@@ -70,6 +71,38 @@ def weights(model: torch.nn.Module) -> tuple[int, int, int]:
     return step, total - embed - head, vision
 
 
+class LinearClock:
+    """Time spent inside every linear layer of a model (whatever layout the kernels chose) and
+    the floating-point operations done there, while ``on``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.on, self.seconds, self.flops = False, 0.0, 0
+        for m in model.modules():
+            if type(m).__name__.endswith("Linear"):
+                m.forward = self._timed(m, m.forward)  # type: ignore[method-assign]
+
+    def _timed(self, m: torch.nn.Module, forward: Callable) -> Callable:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not self.on:
+                return forward(x)
+            t0 = time.perf_counter()
+            y = forward(x)
+            self.seconds += time.perf_counter() - t0
+            self.flops += 2 * x.numel() * int(m.out_features)  # type: ignore[arg-type]
+            return y
+
+        return run
+
+    def rate(self, fn: Callable[[], object]) -> float:
+        """TFLOP/s of the linear layers during one call of ``fn``."""
+        self.on, self.seconds, self.flops = True, 0.0, 0
+        try:
+            fn()
+        finally:
+            self.on = False
+        return self.flops / self.seconds / 1e12
+
+
 def text_request(rid: str, tokens: int, out: int, seed: int, vocab: int) -> Request:
     """A prompt of ``tokens`` ids below ``vocab`` no other request shares (the prefix cache is off anyway)."""
     from epdserve.common.sampling_params import SamplingParams
@@ -100,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine = EngineCore.from_pretrained(args.model, config)
     model = engine.runner.model
+    clock = LinearClock(model)
     visual = model.visual
     step_params, layer_params, vision_params = weights(model)
     elem = torch.finfo(dtype).bits // 8
@@ -148,9 +182,14 @@ def main(argv: list[str] | None = None) -> None:
                 engine.step()
         prefill_s = min(prefill)
         prefill_flops = 2 * layer_params * args.prompt_tokens
+        engine.add_request(text_request(f"l{threads}", args.prompt_tokens, 1, 1000 + threads, text.vocab_size))
+        prefill_linears = clock.rate(engine.step)
+        while engine.has_work:
+            engine.step()
 
         with torch.inference_mode():
             vision_s = _best(lambda: visual(pixels, [v.grid_thw]), 2)
+            vision_linears = clock.rate(lambda: visual(pixels, [v.grid_thw]))
         vision_flops = 2 * vision_params * patches
 
         row = {
@@ -163,9 +202,11 @@ def main(argv: list[str] | None = None) -> None:
             "prefill_tokens": args.prompt_tokens,
             "prefill_s": prefill_s,
             "prefill_tflops": prefill_flops / prefill_s / 1e12,
+            "prefill_linears_tflops": prefill_linears,
             "vision_patches": patches,
             "vision_s": vision_s,
             "vision_tflops": vision_flops / vision_s / 1e12,
+            "vision_linears_tflops": vision_linears,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -180,15 +221,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| threads | bandwidth GB/s | peak matmul TFLOP/s | decode step ms | bound ms | step/bound | "
-        "prefill TFLOP/s | of peak | vision TFLOP/s | of peak |"
+        "prefill TFLOP/s | of peak | its linears | of peak | vision TFLOP/s | of peak | its linears | of peak |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        peak = r["peak_tflops"]
+        rates = " | ".join(
+            f"{r[key]:.2f} | {r[key] / peak:.0%}"
+            for key in ("prefill_tflops", "prefill_linears_tflops", "vision_tflops", "vision_linears_tflops")
+        )
         print(
-            f"| {r['threads']} | {r['bandwidth_gbs']:.1f} | {r['peak_tflops']:.2f} | {r['decode_ms']:.0f} | "
-            f"{r['decode_bound_ms']:.0f} | {r['decode_ms'] / r['decode_bound_ms']:.2f}x | {r['prefill_tflops']:.2f} | "
-            f"{r['prefill_tflops'] / r['peak_tflops']:.0%} | {r['vision_tflops']:.2f} | "
-            f"{r['vision_tflops'] / r['peak_tflops']:.0%} |"
+            f"| {r['threads']} | {r['bandwidth_gbs']:.1f} | {peak:.2f} | {r['decode_ms']:.0f} | "
+            f"{r['decode_bound_ms']:.0f} | {r['decode_ms'] / r['decode_bound_ms']:.2f}x | {rates} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"args": {**vars(args), "model": str(args.model), "json": str(args.json)},
