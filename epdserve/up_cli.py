@@ -47,8 +47,9 @@ UP_FORWARDED = (
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("kernels", "threads", "device", "dtype"), "models"),
     (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
-    (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "kv_cache_memory", "memory_fraction"), "lm"),
-    (ENCODER, ("encode_token_budget", "encoder_cache_bytes"), "encoders"),
+    (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "vision_step_s"), "lm"),
+    (ENGINE, ("kv_cache_memory", "memory_fraction"), "lm"),
+    (ENCODER, ("encode_token_budget", "encode_forward_s", "encoder_cache_bytes"), "encoders"),
     (MEDIA, MEDIA_FLAGS, "all"),
     (SERVER, (STATS_INTERVAL, OTLP), "all"),
 )

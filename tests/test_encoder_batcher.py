@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -79,6 +80,34 @@ def test_concurrent_items_share_a_forward_within_the_budget() -> None:
         assert b.batches == 4
 
     asyncio.run(main())
+
+
+def test_a_slow_tower_runs_what_fits_its_time_bound_per_forward() -> None:
+    """Once a forward was timed, a batch takes the rows that fit ``forward_s`` at that rate (the
+    oldest job always runs): a large tower answers a burst's items in turn."""
+
+    class SlowTower(FakeTower):
+        def __call__(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.01 * pixels.shape[0])  # 10 ms a row at least: 4-row items take 40 ms
+            return super().__call__(pixels, grid)
+
+    async def main(forward_s: float) -> list[int]:
+        tower = SlowTower()
+        b = make(tower, token_budget=8, forward_s=forward_s)
+        b.start()
+        first = asyncio.ensure_future(b.encode("u0", *item(0)))
+        await _wait_for(lambda: len(tower.calls) == 1)
+        rest = [asyncio.ensure_future(b.encode(f"u{i}", *item(i))) for i in range(1, 6)]
+        await _wait_for(lambda: b.queue_depth == 5)
+        tower.gate.set()
+        results = await asyncio.gather(first, *rest)
+        b.close()
+        for i, r in enumerate(results):
+            assert torch.equal(r.embeddings, expected(item(i)[1]))
+        return [len(c) for c in tower.calls]
+
+    assert asyncio.run(main(0.06)) == [1, 1, 1, 1, 1, 1]  # 6 rows fit 60 ms; two items are 8
+    assert asyncio.run(main(0.0)) == [1, 2, 2, 1]  # no time bound: the token budget alone
 
 
 def test_an_item_larger_than_the_budget_runs_alone() -> None:

@@ -163,3 +163,41 @@ def test_a_media_request_that_waited_long_is_not_passed_by_text() -> None:
     sch.add(old)
     sch.add(text)
     assert [s.request.request_id for s in sch.schedule().scheduled] == ["m"]
+
+
+def test_a_burst_of_media_takes_the_vision_budget_in_turn() -> None:
+    """While the step's vision work (as the runner estimates it) stays within ``vision_step_s``
+    new media requests join; past it they wait, in order, but the first always joins, and text and
+    media the tower need not encode join anyway."""
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=256, max_num_batched_tokens=256, max_model_len=64, media_max_wait_s=0
+    )
+    sch = Scheduler(cfg)
+    seconds = {"m0": 0.4, "m1": 0.4, "m2": 0.05, "m3": 0.0, "big": 2.0}  # the tower's estimate per request
+    # each request's image is prompt positions 2-5; the runner counts only items a chunk reaches
+    sch.vision_cost = lambda req, start, end: seconds.get(req.request_id, 0.0) if start < 6 and end > 2 else 0.0
+    for i, rid in enumerate(["big", "m0", "m1", "m2", "m3"]):
+        sch.add(make_request(rid, 8, mm=[image(f"img-{rid}", 2, 4)], base=100 * i))
+    sch.add(make_request("t", 8, base=900))
+
+    def step() -> list[str]:
+        out = sch.schedule()
+        joined = [s.request.request_id for s in out.scheduled if s.start == 0]
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        return joined
+
+    # over the budget alone, the first joins; the rest wait except what costs the tower nothing
+    assert step() == ["big", "m3", "t"]
+    assert step() == ["m0"]  # 0.4 fits; 0.4 more would not
+    assert step() == ["m1", "m2"]  # 0.45 in all
+    assert not sch.waiting
+
+
+def test_without_a_vision_bound_a_burst_joins_at_once() -> None:
+    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=256, max_model_len=64, vision_step_s=0)
+    sch = Scheduler(cfg)
+    sch.vision_cost = lambda req, start, end: 5.0
+    for i in range(3):
+        sch.add(make_request(f"m{i}", 8, mm=[image(f"img{i}", 2, 4)], base=100 * i))
+    assert len(sch.schedule().scheduled) == 3

@@ -206,3 +206,34 @@ def test_a_step_encodes_each_image_once_and_a_bad_item_fails_only_its_request(
     assert outs["a"] == alone["a"] and outs["b"] == alone["b"]
     batched = [r for r in caplog.records if r.name == "epdserve.engine.model_runner" and "one batch" in r.message]
     assert len(batched) == 1 and batched[0].levelname == "WARNING" and "patches" in batched[0].message
+
+
+def test_the_vision_estimate_counts_only_what_the_tower_would_run(model_dir: Path, ref: HFReference) -> None:
+    """What the scheduler's vision budget reads: the patches of the items a chunk reaches that
+    the tower must encode (none cached, none with embeddings), at the rate last timed."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
+    builder = InputBuilder(ref.tok, cfg)
+    world = ShapesWorld(12)
+    va, vb = proc.image(world.scene().render()), proc.image(world.scene().render())
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+
+    def request(rid: str, uuid: str, v) -> Request:
+        p = builder.build(msgs, [MediaInput(uuid, "image", v.grid_thw, v.pixel_values)])
+        pos = WireTensor.of(p.mrope_positions) if p.mrope_positions is not None else None
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        return request_from(AddRequest(rid, p.token_ids, params, p.mm_items, pos, p.mrope_delta))
+
+    eng = EngineCore.from_pretrained(model_dir, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256))
+    runner = eng.runner
+    first = request("a", "img-a", va)
+    assert runner.vision_cost(first, 0, first.prompt_len) == 0  # nothing timed yet: no estimate
+    eng.add_request(first)
+    drain(eng)
+    assert runner.seconds_per_patch > 0
+    fresh = request("b", "img-b", vb)
+    want = vb.pixel_values.shape[0] * runner.seconds_per_patch
+    assert runner.vision_cost(fresh, 0, fresh.prompt_len) == pytest.approx(want)
+    assert runner.vision_cost(fresh, 0, fresh.mm_items[0].offset) == 0  # a chunk that stops before it
+    again = request("a2", "img-a", va)
+    assert runner.vision_cost(again, 0, again.prompt_len) == 0  # in the encoder cache

@@ -4,7 +4,8 @@ The event loop submits preprocessed items; ONE worker thread owns the vision tow
 
     queue (FIFO of jobs, one per distinct uuid in flight)
       └─ take the oldest job, then the next ones while their patch rows fit the token budget
-         (a single job larger than the budget runs alone)
+         and the forward's time, at the rate timed so far, fits ``forward_s`` (a single job
+         larger than either runs alone: a large tower answers a burst's requests in turn)
           └─ one ``visual(pixels, grids)`` call → split per job → cache → resolve every waiter
 
 Invariants, kept under ``_lock``:
@@ -57,13 +58,16 @@ class BatcherConfig:
 
     token_budget: int = 8192  # most patch rows (sum of t*h*w) per vision forward; larger items run alone
     max_wait_ms: float = 0.0  # after the first item arrives, wait this long for more before running
+    forward_s: float = 0.5  # most seconds of one forward at the rate timed so far (0: no bound)
     max_queued_items: int = 1024  # queued (not yet running) items beyond which submissions are refused
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
             raise ValueError(f"BatcherConfig.token_budget must be >= 1, got {self.token_budget}")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"BatcherConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_wait_ms < 0 or self.forward_s < 0:
+            raise ValueError(
+                f"BatcherConfig.max_wait_ms and forward_s must be >= 0, got {self.max_wait_ms}, {self.forward_s}"
+            )
         if self.max_queued_items < 1:
             raise ValueError(f"BatcherConfig.max_queued_items must be >= 1, got {self.max_queued_items}")
 
@@ -145,6 +149,7 @@ class EncodeBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="epd-encoder-forward", daemon=True)
         self.batches = 0  # forwards run (worker thread writes, others read)
+        self.seconds_per_row = 0.0  # of the recent forwards, per patch row (0: none timed yet; worker thread)
         self.coalesced = 0  # submissions that joined an in-flight job of the same uuid
 
     # ---- event-loop side -------------------------------------------------------------------
@@ -240,9 +245,12 @@ class EncodeBatcher:
                     return None
             batch: list[_Job] = []
             rows = 0
+            # the rows one forward may take in forward_s at the rate timed so far
+            timed = self.seconds_per_row and self.config.forward_s
+            within = self.config.forward_s / self.seconds_per_row if timed else float("inf")
             while self._queue:
                 job = self._queue[0]
-                if batch and rows + job.rows > budget:
+                if batch and (rows + job.rows > budget or rows + job.rows > within):
                     break
                 self._queue.popleft()
                 if job.abandoned():  # every waiter gave up (client gone): skip the compute
@@ -287,6 +295,8 @@ class EncodeBatcher:
             self._report(BatchReport(len(batch), rows, seconds, str(err)))
             return
         seconds = time.perf_counter() - start
+        rate = seconds / max(rows, 1)
+        self.seconds_per_row = rate if not self.seconds_per_row else 0.7 * self.seconds_per_row + 0.3 * rate
         with self._lock:
             for job, emb in zip(batch, parts, strict=True):
                 self.cache.put(job.uuid, emb)

@@ -26,6 +26,7 @@ class EncoderConfig:
     host: str = "127.0.0.1"  # listen address
     port: int = 8100  # listen port (0: any free port)
     encode_token_budget: int = 8192  # most patch rows per vision forward (items of concurrent requests batch up to it)
+    encode_forward_s: float = 0.5  # most seconds (as timed) of one vision forward; 1 item at least; 0: no bound
     batch_wait_ms: float = 0.0  # extra wait for more items before a forward (0: batch what is queued)
     max_queued_items: int = 1024  # items waiting for a forward beyond which requests get 429
     encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
@@ -68,6 +69,7 @@ class EncoderConfig:
     def batcher(self) -> BatcherConfig:
         return BatcherConfig(
             token_budget=self.encode_token_budget,
+            forward_s=self.encode_forward_s,
             max_wait_ms=self.batch_wait_ms,
             max_queued_items=self.max_queued_items,
         )

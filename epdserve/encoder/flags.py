@@ -11,6 +11,7 @@ ENCODER_FLAGS = (
     "host",
     "port",
     "encode_token_budget",
+    "encode_forward_s",
     Flag("batch_wait_ms", "--encode-batch-wait-ms"),
     "encoder_cache_bytes",
     "kernels",

@@ -23,6 +23,8 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + output tokens per request
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
+    # a large vision tower then gives each request of a burst its first token in turn:
+    vision_step_s: float = 0.5  # vision seconds (as timed) of new requests a step admits; 1 at least; 0: no bound
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
@@ -42,8 +44,8 @@ class EngineConfig:
             raise ValueError("give kv_cache_memory or memory_fraction, not both")
         if not self.sized_by_memory and self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
-        if self.media_max_wait_s < 0:
-            raise ValueError("media_max_wait_s must be >= 0")
+        if self.media_max_wait_s < 0 or self.vision_step_s < 0:
+            raise ValueError("media_max_wait_s and vision_step_s must be >= 0")
         cpu_list(self.cpus)
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")

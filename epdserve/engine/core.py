@@ -48,6 +48,7 @@ class EngineCore:
         self.runner = ModelRunner(model, config)
         self.scheduler = Scheduler(config)
         self.scheduler.media_needed = self._media_needed
+        self.scheduler.vision_cost = self.runner.vision_cost
         self.fetches_skipped = 0  # media items not fetched: their KV was cached here
         self.requests: dict[str, Request] = {}
         self.num_steps = 0

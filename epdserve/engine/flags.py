@@ -15,6 +15,7 @@ ENGINE_FLAGS = (
     "memory_fraction",
     "enable_prefix_caching",
     "media_max_wait_s",
+    "vision_step_s",
     "kernels",
     Flag("cpus", "--engine-cpus"),
     "threads",

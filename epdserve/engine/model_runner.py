@@ -92,6 +92,7 @@ class ModelRunner:
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
         self.vision_patches = 0  # patches this instance encoded itself (raw media)
         self.vision_seconds = 0.0  # and the seconds those forwards took
+        self.seconds_per_patch = 0.0  # of the recent vision forwards (0: none timed yet)
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
@@ -159,8 +160,13 @@ class ModelRunner:
                 # what a raw image or video costs this instance (the router's adaptive dispatch reads it)
                 if emb.is_cuda:
                     torch.cuda.synchronize(emb.device)  # the forward's time, not its launch
+                seconds = time.perf_counter() - t0
                 self.vision_patches += values.shape[0]
-                self.vision_seconds += time.perf_counter() - t0
+                self.vision_seconds += seconds
+                rate = seconds / values.shape[0]
+                self.seconds_per_patch = (
+                    rate if not self.seconds_per_patch else 0.7 * self.seconds_per_patch + 0.3 * rate
+                )
             for it, e in zip(group, emb.split([it.length for it in group]), strict=True):
                 it.embeddings = e
                 it.pixel_values = None  # pixels are not needed again
@@ -168,6 +174,18 @@ class ModelRunner:
                 self.encoder_cache.put(it.uuid, in_own_pages(e))
         for it, twin in twins:
             it.embeddings, it.pixel_values = twin.embeddings, None
+
+    def vision_cost(self, req: Request, start: int, end: int) -> float:
+        """Seconds the vision tower would spend on the items of prompt positions [start, end) of
+        ``req`` (those without embeddings, not cached here), at the recent rate; 0 before any
+        forward was timed."""
+        patches = sum(
+            it.pixel_values.shape[0]
+            for it in req.mm_items
+            if it.offset < end and it.end > start and it.embeddings is None and it.pixel_values is not None
+            and _ENCODERS.get(it.modality) == "visual" and it.uuid not in self.encoder_cache
+        )  # fmt: skip
+        return patches * self.seconds_per_patch
 
     def _check_width(self, items: list[MediaItem]) -> None:
         """Every item's embeddings carry all of the model's feature levels (connectors and the

@@ -2,7 +2,9 @@
 
 Each step: running requests first (a decode token each, or their next prefill chunk), then
 waiting requests join while the token budget, the sequence limit and the KV cache allow —
-text-only requests before those with media, unless one with media has waited too long. When a
+text-only requests before those with media, unless one with media has waited too long — and,
+among those whose media the vision tower must encode here, while the step's vision work stays
+within ``vision_step_s`` (the first always joins). When a
 running request cannot get a block, the most recently admitted running request is preempted
 (blocks freed, recomputed later) — the engine never crashes for lack of memory.
 
@@ -60,6 +62,9 @@ class Scheduler:
         # set by the engine core: starts fetching media an admitted request's cached prefix does
         # not cover after all, True when the request must wait for them
         self.media_needed: Callable[[Request], bool] | None = None
+        # set by the engine core: seconds the vision tower would spend on a request's prompt
+        # positions [start, end)
+        self.vision_cost: Callable[[Request, int, int], float] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -93,6 +98,8 @@ class Scheduler:
         #    that has waited ``media_max_wait_s`` joins the first group (nothing starves).
         now = time.perf_counter()
         order = sorted(self.waiting, key=lambda r: not self._first(r, now))  # stable: FIFO within
+        vision = sum(self._vision(s.request, s.start, s.end) for s in out.scheduled)
+        vision_full = False  # a request was held back for the vision budget: later media wait too
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or out.preempted:
                 break
@@ -108,10 +115,18 @@ class Scheduler:
                     req.num_computed_tokens = req.num_cached_tokens = 0
                     continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            cost = self._vision(req, req.num_computed_tokens, req.num_computed_tokens + n) if req.kv_rows is None else 0
+            if cost and (vision_full or (vision and vision + cost > self.config.vision_step_s)):
+                # the step's vision work is full: it waits (with the media behind it) for the next
+                vision_full = True
+                self.blocks.free(req)
+                req.num_computed_tokens = req.num_cached_tokens = 0
+                continue
             if not self.blocks.allocate(req, n):
                 self.blocks.free(req)
                 req.num_computed_tokens = 0
                 break
+            vision += cost
             self.waiting.remove(req)
             req.status = Status.RUNNING
             req.t_admitted = req.t_admitted or time.perf_counter()
@@ -119,6 +134,11 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return out
+
+    def _vision(self, req: Request, start: int, end: int) -> float:
+        if self.vision_cost is None or not self.config.vision_step_s or not req.mm_items:
+            return 0.0
+        return self.vision_cost(req, start, end)
 
     def _first(self, req: Request, now: float) -> bool:
         """Whether a waiting request is admitted in the first group: text-only, or waited long."""
