@@ -58,6 +58,29 @@ def scrape(url: str, operator: bool = True) -> dict[str, list]:
     return out
 
 
+def test_an_access_line_is_written_after_the_handler_returns(caplog: pytest.LogCaptureFixture) -> None:
+    """In a role's event loop the access line waits for the loop's next turn (the answer is on
+    its way by then); outside one it is written at once. Either way every field is in it."""
+    import asyncio
+
+    from epdserve.api import logs
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "epdserve.access"]
+
+    async def handler() -> list[str]:
+        logs.access(id="r1", status=200, e2e_ms=1.25)
+        during = lines()
+        await asyncio.sleep(0)
+        return during
+
+    with caplog.at_level("INFO", logger="epdserve.access"):
+        assert asyncio.run(handler()) == []
+        assert lines() == ["id=r1 status=200 e2e_ms=1.2"]
+        logs.access(id="r2", status=400, error="bad")
+        assert lines()[-1] == "id=r2 status=400 error=bad"
+
+
 def test_server_timing_round_trips() -> None:
     value = server_timing({"a": 0.0123, "b_c": 1.5}, {"media": "1 computed"})
     assert parse_server_timing(value) == pytest.approx({"a": 0.0123, "b_c": 1.5})

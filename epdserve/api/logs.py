@@ -64,7 +64,20 @@ def gib(n: int) -> str:
 
 
 def access(**fields: Any) -> None:
-    """One request's access line: ``fields`` in order (text), or as JSON keys."""
+    """One request's access line: ``fields`` in order (text), or as JSON keys. Inside a role's
+    event loop it is formatted and written when the loop next turns, which is after the handler
+    that called this has handed its answer to the socket: the line is off the request's path."""
+    if not ACCESS.isEnabledFor(logging.INFO):
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        _write_access(fields)
+        return
+    loop.call_soon(_write_access, fields)
+
+
+def _write_access(fields: dict[str, Any]) -> None:
     ACCESS.info(_text(fields), extra={"fields": fields})
 
 
