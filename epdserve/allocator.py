@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-MMAP_THRESHOLD_BYTES = (
-    4 << 20
-)  # allocations below this come from the heap (larger ones, e.g. a KV cache, stay lazily mapped)
+# allocations below this come from the heap (larger ones, e.g. a KV cache, stay lazily mapped):
+# glibc's largest, so that the activations of a real-size model's step are reused, not faulted in
+MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_BYTES = 64 << 20  # free memory at the heap's top kept before it goes back to the kernel
 RETURN_INTERVAL_S = 10.0  # how often a role server gives free heap pages back to the kernel
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
