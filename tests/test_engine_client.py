@@ -241,6 +241,9 @@ def test_the_serve_front_end_never_loads_torch(model_dir: Path) -> None:
         assert [_allowed_cpus(c) for c in children] == [{str(core)}]
         if len(os.sched_getaffinity(0)) > 1:
             assert _allowed_cpus(proc.pid) != {str(core)}
+        # the core gives what its heap holds free back to the kernel, as every role server does
+        threads = {(t / "comm").read_text().strip() for t in Path(f"/proc/{children[0]}/task").iterdir()}
+        assert "epd-free-memory" in threads
     finally:
         stop(proc)
 

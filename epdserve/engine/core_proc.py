@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 
-from epdserve.allocator import keep_freed_memory
+from epdserve.allocator import FreeMemoryReturner, keep_freed_memory
 from epdserve.common import logs
 from epdserve.engine.config import cpu_list
 from epdserve.engine.core import EngineCore
@@ -105,6 +105,8 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         _pin(start.engine.cpus)
+        # what loading and each step's buffers leave free in the heap goes back to the kernel
+        FreeMemoryReturner().start()
         import torch
 
         if start.engine.threads:
