@@ -364,6 +364,45 @@ class TestFallback:
         assert wait_released(encoder) == 0
 
 
+# --------------------------------------------------------------------------- Qwen3-VL (DeepStack)
+
+
+class TestDeepStack:
+    """Qwen3-VL's embeddings hold its DeepStack feature levels side by side (the merger's output,
+    then each tap's in order), which vLLM splits to feed its first layers: read in another order,
+    every answer would change. A tiny Qwen3-VL checkpoint of transformers' own architecture."""
+
+    @pytest.fixture(scope="class")
+    def qwen3(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        from tests.checkpoints import build
+
+        return build("qwen3_vl", tmp_path_factory.mktemp("qwen3-vl") / "tiny-qwen3-vl")
+
+    def test_vllm_fed_by_epdserve_answers_as_epdserve_and_as_vllm(self, qwen3: Path) -> None:
+        named = ["--model", str(qwen3), "--served-model-name", MODEL, "--device", DEVICE, "--dtype", "float32"]
+        with running(["encoder", *named]) as enc, vllm_serve(qwen3, {"local_encode": False}) as strict_q3:
+            with running(["serve", *named, "--max-model-len", "2048"]) as own:
+                for case in ("image", "multi-image"):
+                    media = CASES[case]
+                    status, want = chat(own, media)
+                    assert status == 200, want
+                    status, got = chat(strict_q3, media, encode(enc, media))
+                    assert status == 200, got
+                    # a random model may end on part of a UTF-8 sequence: epdserve shows it as U+FFFD,
+                    # vLLM holds it back; the text before it is the comparison
+                    ours, theirs = (r["choices"][0]["message"]["content"] for r in (want, got))
+                    assert theirs.rstrip("\ufffd") == ours.rstrip("\ufffd") and ours, case
+            with vllm_serve(qwen3) as plain:
+                for case in ("image", "multi-image"):
+                    media = CASES[case]
+                    status, want = chat(plain, media)
+                    assert status == 200, want
+                    status, got = chat(strict_q3, media, encode(enc, media))
+                    assert status == 200, got
+                    assert tokens(got) == tokens(want), case
+            assert wait_released(enc) == 0
+
+
 def release(encoder: str, handle: dict) -> bool:
     """Give a lease back as the router does (False, so it reads as a filter's no)."""
     body = {"version": ENCODER_PROTOCOL_VERSION, "handles": [handle]}
