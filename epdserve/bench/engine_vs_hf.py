@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    reqs = make_requests(args.requests, args.seed, args.image_size or None)
+    # new images for every concurrency level (the same for both systems): a level never hits the
+    # prefix or encoder cache a previous level filled
+    reqs = {c: make_requests(args.requests, args.seed + 100 * (i + 1), args.image_size or None)
+            for i, c in enumerate(args.concurrency)}  # fmt: skip
     warm = make_requests(4, args.seed + 1, args.image_size or None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -137,14 +140,14 @@ def main(argv: list[str] | None = None) -> None:
         name = args.model.name
         asyncio.run(closed_loop(url, server_payloads(name, warm, args.output_len), 4))
         for c in args.concurrency:
-            res, wall = asyncio.run(closed_loop(url, server_payloads(name, reqs, args.output_len), c))
+            res, wall = asyncio.run(closed_loop(url, server_payloads(name, reqs[c], args.output_len), c))
             rows.append({"system": "epdserve", "concurrency": c, **summarize(res, wall)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stop(proc)
     run_hf(args.model, warm, args.output_len, 4, args.device, args.dtype)
     for c in args.concurrency:
-        res, wall = run_hf(args.model, reqs, args.output_len, c, args.device, args.dtype)
+        res, wall = run_hf(args.model, reqs[c], args.output_len, c, args.device, args.dtype)
         rows.append({"system": "transformers", "concurrency": c, **summarize(res, wall)})
         print(json.dumps(rows[-1]), flush=True)
     print(f"\nepdserve startup to healthy: {startup:.1f}s; {args.requests} requests, {args.output_len} output tokens\n")
