@@ -10,7 +10,8 @@ import msgspec
 import pytest
 from PIL import Image
 
-from epdserve.api.load import CostRate, LoadReport, decode_load_report
+from epdserve.api.load import LoadReport, decode_load_report
+from epdserve.common.rates import CostRate
 from epdserve.encoder.protocol import EncodedItem, ItemTimings
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.router.dispatch import DispatchModel, Side

@@ -230,9 +230,9 @@ def test_the_vision_estimate_counts_only_what_the_tower_would_run(model_dir: Pat
     assert runner.vision_cost(first, 0, first.prompt_len) == 0  # nothing timed yet: no estimate
     eng.add_request(first)
     drain(eng)
-    assert runner.seconds_per_patch > 0
+    assert runner.vision_rate.value > 0
     fresh = request("b", "img-b", vb)
-    want = vb.pixel_values.shape[0] * runner.seconds_per_patch
+    want = vb.pixel_values.shape[0] * runner.vision_rate.value
     assert runner.vision_cost(fresh, 0, fresh.prompt_len) == pytest.approx(want)
     assert runner.vision_cost(fresh, 0, fresh.mm_items[0].offset) == 0  # a chunk that stops before it
     again = request("a2", "img-a", va)

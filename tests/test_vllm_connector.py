@@ -380,25 +380,27 @@ class TestDeepStack:
 
     def test_vllm_fed_by_epdserve_answers_as_epdserve_and_as_vllm(self, qwen3: Path) -> None:
         named = ["--model", str(qwen3), "--served-model-name", MODEL, "--device", DEVICE, "--dtype", "float32"]
+
+        def answers(reference: str, fed: str, enc: str, case: str) -> tuple[dict, dict]:
+            """The reference's answer to ``case``, and the one vLLM gives fed by the encoder."""
+            media = CASES[case]
+            status, want = chat(reference, media)
+            assert status == 200, want
+            status, got = chat(fed, media, encode(enc, media))
+            assert status == 200, got
+            return want, got
+
         with running(["encoder", *named]) as enc, vllm_serve(qwen3, {"local_encode": False}) as strict_q3:
             with running(["serve", *named, "--max-model-len", "2048"]) as own:
                 for case in ("image", "multi-image"):
-                    media = CASES[case]
-                    status, want = chat(own, media)
-                    assert status == 200, want
-                    status, got = chat(strict_q3, media, encode(enc, media))
-                    assert status == 200, got
+                    want, got = answers(own, strict_q3, enc, case)
                     # a random model may end on part of a UTF-8 sequence: epdserve shows it as U+FFFD,
                     # vLLM holds it back; the text before it is the comparison
                     ours, theirs = (r["choices"][0]["message"]["content"] for r in (want, got))
                     assert theirs.rstrip("\ufffd") == ours.rstrip("\ufffd") and ours, case
             with vllm_serve(qwen3) as plain:
                 for case in ("image", "multi-image"):
-                    media = CASES[case]
-                    status, want = chat(plain, media)
-                    assert status == 200, want
-                    status, got = chat(strict_q3, media, encode(enc, media))
-                    assert status == 200, got
+                    want, got = answers(plain, strict_q3, enc, case)
                     assert tokens(got) == tokens(want), case
             assert wait_released(enc) == 0
 

@@ -56,24 +56,6 @@ def decode_load_report(raw: bytes) -> LoadReport:
     return report
 
 
-class CostRate:
-    """Seconds per unit of work, from a pair of ever-growing totals (seconds, units) sampled now
-    and then: an exponential average over the intervals that did work, so it follows the current
-    conditions (contention, batch sizes) rather than the whole lifetime."""
-
-    def __init__(self, weight: float = 0.3) -> None:
-        self.weight = weight
-        self.value = 0.0  # 0 until an interval with work was seen
-        self._last: tuple[float, float] | None = None
-
-    def update(self, seconds: float, units: float) -> float:
-        last, self._last = self._last, (seconds, units)
-        if last is not None and units > last[1] and seconds >= last[0]:
-            rate = (seconds - last[0]) / (units - last[1])
-            self.value = rate if not self.value else (1 - self.weight) * self.value + self.weight * rate
-        return self.value
-
-
 class RateWindow:
     """Sums of a quantity over the last ``window_s`` seconds."""
 

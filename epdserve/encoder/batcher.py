@@ -33,6 +33,7 @@ import torch
 
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.cache.pages import in_own_pages
+from epdserve.common.rates import CostRate
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class EncodeBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="epd-encoder-forward", daemon=True)
         self.batches = 0  # forwards run (worker thread writes, others read)
-        self.seconds_per_row = 0.0  # of the recent forwards, per patch row (0: none timed yet; worker thread)
+        self.row_rate = CostRate()  # seconds per patch row of the recent forwards (0: none timed yet; worker thread)
         self.coalesced = 0  # submissions that joined an in-flight job of the same uuid
 
     # ---- event-loop side -------------------------------------------------------------------
@@ -246,8 +247,8 @@ class EncodeBatcher:
             batch: list[_Job] = []
             rows = 0
             # the rows one forward may take in forward_s at the rate timed so far
-            timed = self.seconds_per_row and self.config.forward_s
-            within = self.config.forward_s / self.seconds_per_row if timed else float("inf")
+            timed = self.row_rate.value and self.config.forward_s
+            within = self.config.forward_s / self.row_rate.value if timed else float("inf")
             while self._queue:
                 job = self._queue[0]
                 if batch and (rows + job.rows > budget or rows + job.rows > within):
@@ -295,8 +296,7 @@ class EncodeBatcher:
             self._report(BatchReport(len(batch), rows, seconds, str(err)))
             return
         seconds = time.perf_counter() - start
-        rate = seconds / max(rows, 1)
-        self.seconds_per_row = rate if not self.seconds_per_row else 0.7 * self.seconds_per_row + 0.3 * rate
+        self.row_rate.add(seconds, rows)
         with self._lock:
             for job, emb in zip(batch, parts, strict=True):
                 self.cache.put(job.uuid, emb)

@@ -46,10 +46,11 @@ from epdserve.api.errors import (
     Unavailable,
     from_media_error,
 )
-from epdserve.api.load import CostRate, EncoderLoad
+from epdserve.api.load import EncoderLoad
 from epdserve.api.media import MediaResolver
 from epdserve.api.role_app import RoleBasics
 from epdserve.cache.embedding_cache import EmbeddingCache
+from epdserve.common.rates import CostRate
 from epdserve.encoder.batcher import BatcherClosed, BatchReport, EncodeBatcher, EncodeError, QueueFull
 from epdserve.encoder.config import EncoderConfig
 from epdserve.encoder.protocol import (

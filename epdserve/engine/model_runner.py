@@ -26,6 +26,7 @@ import torch
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.cache.pages import in_own_pages
 from epdserve.common.dtypes import torch_dtype
+from epdserve.common.rates import CostRate
 from epdserve.engine.attention import PagedAttention, PrefillSlice, StepLayout
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.decode_path import choose_decode_path
@@ -92,7 +93,7 @@ class ModelRunner:
         self.encoder_cache = EmbeddingCache(config.encoder_cache_bytes)
         self.vision_patches = 0  # patches this instance encoded itself (raw media)
         self.vision_seconds = 0.0  # and the seconds those forwards took
-        self.seconds_per_patch = 0.0  # of the recent vision forwards (0: none timed yet)
+        self.vision_rate = CostRate()  # seconds per patch of the recent vision forwards (0: none timed yet)
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
@@ -163,10 +164,7 @@ class ModelRunner:
                 seconds = time.perf_counter() - t0
                 self.vision_patches += values.shape[0]
                 self.vision_seconds += seconds
-                rate = seconds / values.shape[0]
-                self.seconds_per_patch = (
-                    rate if not self.seconds_per_patch else 0.7 * self.seconds_per_patch + 0.3 * rate
-                )
+                self.vision_rate.add(seconds, values.shape[0])
             for it, e in zip(group, emb.split([it.length for it in group]), strict=True):
                 it.embeddings = e
                 it.pixel_values = None  # pixels are not needed again
@@ -179,13 +177,15 @@ class ModelRunner:
         """Seconds the vision tower would spend on the items of prompt positions [start, end) of
         ``req`` (those without embeddings, not cached here), at the recent rate; 0 before any
         forward was timed."""
+        if not self.vision_rate.value:
+            return 0.0
         patches = sum(
             it.pixel_values.shape[0]
             for it in req.mm_items
             if it.offset < end and it.end > start and it.embeddings is None and it.pixel_values is not None
             and _ENCODERS.get(it.modality) == "visual" and it.uuid not in self.encoder_cache
         )  # fmt: skip
-        return patches * self.seconds_per_patch
+        return patches * self.vision_rate.value
 
     def _check_width(self, items: list[MediaItem]) -> None:
         """Every item's embeddings carry all of the model's feature levels (connectors and the

@@ -136,8 +136,8 @@ class Scheduler:
         return out
 
     def _vision(self, req: Request, start: int, end: int) -> float:
-        if self.vision_cost is None or not self.config.vision_step_s or not req.mm_items:
-            return 0.0
+        if self.vision_cost is None or not self.config.vision_step_s or not req.mm_items or start >= req.prompt_len:
+            return 0.0  # (a decode token reaches no media)
         return self.vision_cost(req, start, end)
 
     def _first(self, req: Request, now: float) -> bool:

@@ -18,7 +18,7 @@ from typing import get_args
 from epdserve.api import logs
 from epdserve.api.chat_messages import template_messages
 from epdserve.api.errors import BadRequest, NotFound, context_too_long
-from epdserve.api.load import CostRate, LoadReport, worker_ratio
+from epdserve.api.load import LoadReport, worker_ratio
 from epdserve.api.media import MediaResolver
 from epdserve.api.protocol import (
     ChatRequest,
@@ -35,6 +35,7 @@ from epdserve.api.quota import Quotas, check_max_tokens
 from epdserve.api.responses import new_completion_id
 from epdserve.api.role_app import RoleBasics
 from epdserve.api.tokenizer import FastTokenizer, TooManyTokens
+from epdserve.common.rates import CostRate
 from epdserve.engine.client import EngineCoreClient, InprocClient, MPClient
 from epdserve.engine.config import cpu_list
 from epdserve.engine.inputs import InputBuilder, PromptError
