@@ -65,6 +65,7 @@ from epdserve.encoder.protocol import (
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.memory import plan_encoder
 from epdserve.kernels.ops import kernels_in_use, select_ops
+from epdserve.kernels.parallel import threads_for
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig, audio_format_of
 from epdserve.media.budget import run_decode
@@ -146,6 +147,8 @@ class EncoderService:
             visual = getattr(model, "audio", None)
         if not isinstance(visual, torch.nn.Module):
             raise ValueError(f"{config.model}: the model has no media encoder")
+        self.threads = config.threads or threads_for(visual)
+        torch.set_num_threads(self.threads)
         tower: Any = visual  # a vision tower runs its rotary and activation with these ops (an audio tower has none)
         self.kernels = "torch (the tower has no fused ops)"
         if hasattr(tower, "ops"):
@@ -226,6 +229,7 @@ class EncoderService:
             dtype=cfg.dtype,
             device=cfg.device,
             kernels=self.kernels,
+            threads=self.threads,
             cache_bytes=logs.gib(cfg.encoder_cache_bytes),
             ec_connector=cfg.ec.connector,
             store=cfg.ec.store.url.split(":", 1)[0] or None,  # its kind: the address stays out of logs

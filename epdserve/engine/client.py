@@ -163,10 +163,9 @@ class InprocClient:
         return self._streams.stream(add.request_id, q, lambda rid: self._steps.post(AbortRequests([rid])))
 
     def _run(self) -> None:
-        if self.core.config.threads:
-            import torch
+        import torch
 
-            torch.set_num_threads(self.core.config.threads)
+        torch.set_num_threads(self.core.threads)
         self._steps.run()
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:

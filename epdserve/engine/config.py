@@ -28,7 +28,7 @@ class EngineConfig:
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
-    threads: int = 1  # torch intra-op threads for the engine (0: torch's default); 1 suits small models
+    threads: int = 0  # torch intra-op threads (0: every core it may run on for a model with large weights, else 1)
     device: str = "cpu"  # torch device of the model and KV cache: cpu | cuda | cuda:N
     dtype: DType = "float32"  # weights, activations and KV cache: float32 | bfloat16 | float16
 
@@ -44,8 +44,8 @@ class EngineConfig:
             raise ValueError("give kv_cache_memory or memory_fraction, not both")
         if not self.sized_by_memory and self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
-        if self.media_max_wait_s < 0 or self.vision_step_s < 0:
-            raise ValueError("media_max_wait_s and vision_step_s must be >= 0")
+        if self.media_max_wait_s < 0 or self.vision_step_s < 0 or self.threads < 0:
+            raise ValueError("media_max_wait_s, vision_step_s and threads must be >= 0")
         cpu_list(self.cpus)
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")

@@ -23,6 +23,7 @@ from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, Erro
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
+from epdserve.kernels.parallel import threads_for
 from epdserve.transfer import signing
 from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import ECConfig
@@ -46,6 +47,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.runner = ModelRunner(model, config)
+        self.threads = config.threads or threads_for(model)  # torch intra-op threads of the steps
         self.scheduler = Scheduler(config)
         self.scheduler.media_needed = self._media_needed
         self.scheduler.vision_cost = self.runner.vision_cost

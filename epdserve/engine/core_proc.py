@@ -122,8 +122,11 @@ def main(argv: list[str]) -> int:
         log.exception("engine core failed to start")
         channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return 1
+    torch.set_num_threads(core.threads)
     runner = core.runner
-    ready = CoreReady(os.getpid(), core.vision, core.config.num_kv_blocks, runner.kernels, runner.kv_bytes)
+    ready = CoreReady(
+        os.getpid(), core.vision, core.config.num_kv_blocks, runner.kernels, runner.kv_bytes, core.threads
+    )
     channel.send(ready)
     try:
         CoreLoop(channel, core).run()

@@ -174,6 +174,7 @@ class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
     num_kv_blocks: int
     kernels: str = ""  # the layer ops in use and why (kernels_in_use)
     kv_bytes: int = 0  # bytes of the KV cache
+    threads: int = 0  # torch intra-op threads of the steps
     version: int = ENGINE_PROTOCOL_VERSION
 
 

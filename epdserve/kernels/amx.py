@@ -17,16 +17,15 @@ import logging
 import torch
 
 from epdserve.kernels.build import KernelBuildError, load_library
-from epdserve.kernels.parallel import Workers, shares
+from epdserve.kernels.parallel import PARALLEL_WEIGHT, Workers, shares
 
 log = logging.getLogger(__name__)
 
 
-# a product with fewer multiply-adds than this, and a weight of fewer elements than that, runs on
-# the calling thread: handing shares to other threads would cost more than it saves (at a few rows
-# reading the weight is the work, so a large weight splits whatever the row count)
+# a product with fewer multiply-adds than this, and a weight of fewer than PARALLEL_WEIGHT elements,
+# runs on the calling thread: handing shares to other threads would cost more than it saves (at a
+# few rows reading the weight is the work, so a large weight splits whatever the row count)
 PARALLEL_MACS = 1 << 25
-PARALLEL_WEIGHT = 1 << 20
 BLOCK = 64  # output columns a thread's share is a multiple of: the kernel's four 16-column tiles
 
 

@@ -4,15 +4,34 @@ The compiled kernels are single-threaded and called through ctypes, which lets g
 interpreter for the call: a large call is cut into shares (output columns of a matmul, spans of
 an elementwise op), the calling thread runs the first and a small pool the others. Every share is
 computed exactly as in one call, so the result does not depend on the split or the thread count.
+
+``threads_for`` is how many threads a model's engine or tower gets when the operator leaves it to
+the server: every core the process may run on where its weights are large enough to split (reading
+such a weight is most of a step's work, at any row count), else one.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+# a weight of this many elements is worth reading on several threads at once, whatever the rows
+PARALLEL_WEIGHT = 1 << 20
+
+
+def threads_for(model: torch.nn.Module, cores: int | None = None) -> int:
+    """Intra-op threads for ``model``: ``cores`` (default: the cores this process may run on) when
+    a weight outside its embedding tables has ``PARALLEL_WEIGHT`` elements or more, else one (the
+    products of a small model cost less than handing their shares to other threads)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    large = any(p.numel() >= PARALLEL_WEIGHT and id(p) not in tables for p in model.parameters())
+    return max(1, cores) if large else 1
 
 
 def shares(n: int, parts: int, align: int) -> list[tuple[int, int]]:

@@ -148,6 +148,7 @@ class ChatService:
             dtype=cfg.engine.dtype,
             device=cfg.engine.device,
             kernels=ready.kernels if ready else None,
+            threads=ready.threads if ready else None,
             kv_blocks=cfg.engine.num_kv_blocks,
             kv_bytes=logs.gib(ready.kv_bytes) if ready else None,
             vision_tower="loaded" if cfg.vision else "not loaded",
