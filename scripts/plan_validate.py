@@ -32,6 +32,7 @@ from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import SLO, BenchConfig, Summary
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, Environment, parse_topologies
 from epdserve.bench.workload import WorkloadConfig
+from epdserve.common.dtypes import DTYPES
 from epdserve.launcher import free_port
 from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies
 from epdserve.plan.model import Load, Prediction, Unsupported, predict
@@ -158,7 +159,8 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
             args.model,
             port=free_port(),
             pin=True,
-            extra_pd_args=list(MEDIA_LIMIT_ARGS),
+            extra_encoder_args=["--dtype", args.dtype],
+            extra_pd_args=[*MEDIA_LIMIT_ARGS, "--dtype", args.dtype],
             extra_router_args=list(MEDIA_LIMIT_ARGS),
             log_dir=Path(args.log_dir) / name.replace("+", "_"),
         )
@@ -239,6 +241,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--cores", type=int, default=0, help="cores to plan on (default: the profile's machine)")
     ap.add_argument("--model", default=None, help="checkpoint (default: embedded)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="of every encoder and language model")
     ap.add_argument("--sweep", action="append", default=[], help="also predict every cell of this sweep.json")
     ap.add_argument("--log-dir", default="bench-results/plan/logs")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
@@ -259,6 +262,7 @@ def main() -> int:
             args.model,
             Path(args.log_dir) / "calibration",
             say,
+            args.dtype,
         )
         if args.save_profile:
             say(f"wrote {save_profile(profile, Path(args.save_profile))}")

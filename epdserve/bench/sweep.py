@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import SLO, BenchConfig, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
+from epdserve.common.dtypes import DType, check_dtype
 from epdserve.config_flags import Flag, add_flags, field_doc, values
 from epdserve.launcher import free_port
 from epdserve.transfer.config import CONNECTORS, Connector
@@ -125,6 +126,7 @@ class SweepConfig:
     slo: SLO = field(default_factory=SLO)  # bounds for goodput; none set: no goodput
     mixed: bool = False  # also run 50:50 text/image cells, one per images value at the shortest output length
     model: str | None = None  # checkpoint directory (unset: the embedded model)
+    dtype: DType = "float32"  # weights and activations of every encoder and language model
     pin_cores: bool = False  # pin roles to cores as 'epdserve up --pin-cores' does
     ec_connector: Connector = "shm"  # how embeddings travel from encoders to PD workers
     pd_args: tuple[str, ...] = ()  # extra flags of every PD worker and of the aggregated server
@@ -133,6 +135,7 @@ class SweepConfig:
     command: str = ""  # the command line that asked for the sweep, quoted for a shell (for the report)
 
     def __post_init__(self) -> None:
+        check_dtype(self.dtype)
         if not self.topologies:
             raise ValueError("give at least one topology")
         object.__setattr__(self, "topologies", tuple(topology_name(Topology.parse(t)) for t in self.topologies))
@@ -338,7 +341,8 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
             port=free_port(),
             pin=config.pin_cores,
             ec_connector=config.ec_connector,
-            extra_pd_args=[*MEDIA_LIMIT_ARGS, *config.pd_args],
+            extra_encoder_args=["--dtype", config.dtype],
+            extra_pd_args=[*MEDIA_LIMIT_ARGS, "--dtype", config.dtype, *config.pd_args],
             log_dir=config.log_dir / name.replace("+", "_") if config.log_dir else None,
             extra_router_args=list(MEDIA_LIMIT_ARGS),
         )
@@ -385,6 +389,7 @@ SWEEP_FLAGS = (
     "seed",
     "mixed",
     "model",
+    "dtype",
     "pin_cores",
     "ec_connector",
     Flag("timeout_s", "--timeout"),

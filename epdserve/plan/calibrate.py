@@ -197,9 +197,11 @@ def calibrate_topologies(
     model: str | None = None,
     log_dir: Path | None = None,
     say: Callable[[str], None] = lambda s: None,
+    dtype: str = "float32",
 ) -> Profile:
-    """Start each topology on this machine in turn (roles pinned as ``up --pin-cores`` pins them),
-    calibrate it, stop it. Role logs go to ``log_dir`` (default: a new temporary directory)."""
+    """Start each topology on this machine in turn (roles pinned as ``up --pin-cores`` pins them,
+    every model in ``dtype``), calibrate it, stop it. Role logs go to ``log_dir`` (default: a new
+    temporary directory)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="epd-plan-"))
     say(f"role logs in {log_dir}")
     samples: list[Sample] = []
@@ -209,7 +211,8 @@ def calibrate_topologies(
             model,
             port=free_port(),
             pin=True,
-            extra_pd_args=list(MEDIA_LIMIT_ARGS),
+            extra_encoder_args=["--dtype", dtype],
+            extra_pd_args=[*MEDIA_LIMIT_ARGS, "--dtype", dtype],
             extra_router_args=list(MEDIA_LIMIT_ARGS),
             log_dir=log_dir / name.replace("+", "_"),
         )

@@ -306,7 +306,7 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
         profile = calibrate_urls(calibration, [u.rstrip("/") for u in args.calibrate], say)
     else:
         profile = calibrate_topologies(
-            calibration, list(parse_topologies(args.calibrate_topologies)), args.model, say=say
+            calibration, list(parse_topologies(args.calibrate_topologies)), args.model, say=say, dtype=args.dtype
         )
     if args.save_profile:
         say(f"wrote {save_profile(profile, Path(args.save_profile))}")
