@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from epdserve.bench.client import as_operator
 from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import SLO, BenchConfig, Summary
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, Environment, parse_topologies
@@ -179,7 +180,8 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
                     seed=1000 + 100 * i,
                     slo=load.slo,
                 )
-                summary = asyncio.run(run_bench(bench)).summary
+                with as_operator(d.cluster):
+                    summary = asyncio.run(run_bench(bench)).summary
                 rows.append(Row(describe(load), name, pred, summary, note, load.request_rate == 0))
                 print(
                     f"[validate] {name} {describe(load)}: measured TTFT p50 {_ms(summary.ttft.p50)} ms, "

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -409,11 +410,13 @@ def test_cli_calibrating_a_server_without_stage_timing_says_so(capsys: pytest.Ca
 # ---- calibration against a real deployment ---------------------------------------------------------
 
 
-def test_calibration_against_a_started_deployment(tmp_path: Path) -> None:
+def test_calibration_against_a_started_deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """1e+1pd started pinned, a few requests of each shape: the E+PD path is recognised from its
-    stage timing, and its costs come out positive where the work is."""
+    stage timing (the router tells it to the calibrating process, which proves the credential the
+    deployment made for itself), and its costs come out positive where the work is."""
     from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies
 
+    monkeypatch.delenv("EPD_CLUSTER_SECRET")  # the deployment makes its own, as under a bare shell
     config = CalibrationConfig(images=(1, 4), image_sides=(0,), concurrencies=(1, 2), requests=2, decode_output_len=16)
     p = calibrate_topologies(config, ["1e+1pd"], log_dir=tmp_path / "logs")
     assert set(p.paths) == {"epd"}
@@ -424,3 +427,4 @@ def test_calibration_against_a_started_deployment(tmp_path: Path) -> None:
     pred = predict(p, "1e+1pd", 2, image_load(1.0, images=4))
     assert pred.stable and pred.ttft_p50_s is not None and 0 < pred.ttft_p50_s < 5
     assert load_profile(save_profile(p, tmp_path / "p.json")) == p
+    assert "EPD_CLUSTER_SECRET" not in os.environ  # lent for the calibration only

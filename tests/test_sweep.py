@@ -213,13 +213,13 @@ def test_cells_grid_then_mixed_at_the_shortest_output() -> None:
 
 def test_flags_make_the_config(tmp_path: Path) -> None:
     flags = "--topologies aggregated,2e+1pd --images 1,10 --output-lens 8 --request-rate 2.5 --slo ttft=500ms"
-    flags += " --pin-cores --mixed '--pd-args=--threads 1'"
+    flags += " --pin-cores --mixed '--pd-args=--threads 1' --dtype bfloat16"
     args = build_parser().parse_args(["sweep", "--out", str(tmp_path), *shlex.split(flags)])
     c = config_from_args(args)
     assert c.topologies == ("aggregated", "2e+1pd") and c.images == (1, 10) and c.output_lens == (8,)
     assert c.request_rate == 2.5 and c.arrival == "Poisson 2.5 req/s"
     assert c.slo == SLO(ttft=0.5) and c.pin_cores and c.mixed
-    assert c.pd_args == ("--threads", "1")
+    assert c.pd_args == ("--threads", "1") and c.dtype == "bfloat16"
     assert c.log_dir == tmp_path / "logs"
     with pytest.raises(SystemExit):  # closed and open loop at once
         build_parser().parse_args(["sweep", "--out", "x", "--concurrency", "2", "--request-rate", "1"])
@@ -276,6 +276,7 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     """aggregated and 1e+1pd started once each; one cell; every request served; the report written."""
     out = tmp_path / "sweep"
     flags = "--topologies aggregated,1e+1pd --images 1 --output-lens 4 --requests 4 --concurrency 2 --warmup 1"
+    flags += " --dtype bfloat16"  # every model of every topology
     rc = main(["sweep", "--out", str(out), *shlex.split(flags), "--pin-cores", "--no-progress"])
     assert rc == 0
     data = json.loads((out / "sweep.json").read_text())
@@ -292,6 +293,13 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     assert "## Machine" in md and "## Results per cell" in md and "ttft_gain_1e_1pd.png" in md
     assert (out / "ttft_gain_1e_1pd.png").is_file() and (out / "e2e_gain_1e_1pd.png").is_file()
     assert (out / "logs" / "1e_1pd" / "router.log").is_file()
+    started = [
+        line
+        for log in (out / "logs").glob("*/*.log")
+        for line in log.read_text().splitlines()
+        if " started: model=" in line
+    ]
+    assert len(started) == 3 and all(" dtype=bfloat16 " in line for line in started)  # pd, encoder, pd
 
 
 def test_every_cell_has_its_own_payloads() -> None:

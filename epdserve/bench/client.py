@@ -7,15 +7,18 @@ so that JSON and data-URL encoding happen before the benchmark clock starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
 
 from epdserve.api.timing import SERVER_TIMING, TIMING_HEADER, parse_server_timing
-from epdserve.security.credentials import ClusterCredential, CredentialError
+from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential, CredentialError
 from epdserve.security.peers import sign
 
 
@@ -59,6 +62,21 @@ class RequestResult:
 def encode_request(payload: dict) -> bytes:
     """The JSON body of a streaming request that reports usage in its last event."""
     return json.dumps(dict(payload, stream=True, stream_options={"include_usage": True})).encode()
+
+
+@contextlib.contextmanager
+def as_operator(cluster: ClusterCredential) -> Iterator[None]:
+    """While inside, this process's load clients prove ``cluster``, the credential of a deployment
+    it started itself (as an operator's shell that exports ``EPD_CLUSTER_SECRET`` does), so that
+    they are told the router's and encoders' stages; a credential already in the environment wins."""
+    if os.environ.get(CLUSTER_SECRET_ENV, "").strip():
+        yield
+        return
+    os.environ[CLUSTER_SECRET_ENV] = cluster.secret.decode()
+    try:
+        yield
+    finally:
+        os.environ.pop(CLUSTER_SECRET_ENV, None)
 
 
 def _headers(url: str, body: bytes) -> dict[str, str]:

@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from epdserve.bench.client import as_operator
 from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import SLO, BenchConfig, Summary, summarize
 from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
@@ -355,10 +356,11 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
                 runs.append(TopologyRun(name, 0.0, plan, error=f"did not start: {e}"))
                 continue
             _say(progress, f"{name} ready in {deployment.startup_s:.1f} s at {deployment.url}")
-            for cell in config.cells:
-                result = run_cell(config, name, cell, deployment.url)
-                cells.append(result)
-                _say(progress, _cell_line(result))
+            with as_operator(deployment.cluster):  # told every stage's timing, the router's too
+                for cell in config.cells:
+                    result = run_cell(config, name, cell, deployment.url)
+                    cells.append(result)
+                    _say(progress, _cell_line(result))
             runs.append(TopologyRun(name, deployment.startup_s, plan))
         except KeyboardInterrupt:
             interrupted = True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from epdserve.bench.client import RequestResult
+from epdserve.bench.client import RequestResult, as_operator
 from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import BenchConfig
 from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, _cpu_model
@@ -219,7 +219,8 @@ def calibrate_topologies(
         say(f"starting {name}")
         try:
             deployment.start()
-            samples += calibrate_url(config, deployment.url, say)
+            with as_operator(deployment.cluster):
+                samples += calibrate_url(config, deployment.url, say)
         finally:
             deployment.stop()
     return calibrate(samples, "calibration of " + ", ".join(topologies) + " started pinned", native_pixels(config.seed))
