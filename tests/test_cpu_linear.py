@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch import nn
 
 from epdserve.assets import default_model_dir
 from epdserve.kernels import KernelChoice
+from epdserve.kernels import cpu_linear as cpu_linear_module
 from epdserve.kernels.amx import AmxMatmul, load_amx
 from epdserve.kernels.cpu_linear import (
     EXACT_ROWS,
@@ -89,6 +92,30 @@ def test_large_linears_of_a_media_tower_go_to_onednn() -> None:
     assert [type(m) for m in model["visual"]] == [PackedLinear, AmxLinear]
     assert type(model["language_model"][0]) is AmxLinear
     assert_close_rel(model["visual"](x).float(), want.float(), rel=1e-2)
+
+
+def test_each_checkpoint_weight_is_freed_as_its_layout_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading never holds a model's linear weights twice: by the time a linear is laid out, the
+    checkpoint weights of those laid out before it (outside its own parent) are gone."""
+    if load_amx() is None and not packing_supported(torch.bfloat16):
+        pytest.skip("this CPU keeps bfloat16 weights as loaded")
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(8)))
+    model = model.to(torch.bfloat16)
+    checkpoint = [weakref.ref(m.weight) for m in model.modules() if type(m) is nn.Linear]
+    alive: list[int] = []
+    module = cpu_linear_module
+    for cls in (module.AmxLinear, module.PackedLinear):
+        original = cls.__init__
+
+        def counting(self, linear, *args, _original=original) -> None:  # type: ignore[no-untyped-def]
+            alive.append(sum(ref() is not None for ref in checkpoint))
+            _original(self, linear, *args)
+
+        monkeypatch.setattr(cls, "__init__", counting)
+    prepare_linears(model, torch.bfloat16, torch.device("cpu"))
+    # at each layout: the weights not laid out yet, and those of its own parent; none from before
+    assert alive == [16 - 2 * (i // 2) for i in range(16)]
+    assert all(ref() is None for ref in checkpoint)
 
 
 def test_other_devices_and_dtypes_keep_the_weights_as_loaded() -> None:

@@ -122,7 +122,10 @@ def prepare_linears(
         return
     amx = load_amx() if dtype == torch.bfloat16 and kernels == "auto" else None
     pack = packing_supported(dtype)
-    for path, module in list(model.named_modules()):
+    # the linears themselves stay out of the list: each checkpoint weight is freed as soon as its
+    # layout replaces it, so loading never holds the weights twice
+    parents = [(path, module) for path, module in model.named_modules() if type(module) is not nn.Linear]
+    for path, module in parents:
         in_tower = any(path == t or path.startswith(t + ".") for t in towers)
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
