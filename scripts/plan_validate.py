@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import statistics
 import sys
@@ -195,8 +196,6 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
 
 
 def from_sweep(profile: Profile, path: Path, cores: int) -> tuple[list[Row], str]:
-    import json
-
     data = json.loads(path.read_text())
     c, env = data["config"], data["environment"]
     slo = SLO(**{k: v for k, v in c["slo"].items() if v is not None})
@@ -257,7 +256,14 @@ def main() -> int:
     if args.profile:
         profile = load_profile(Path(args.profile))
     else:
-        calibration = CalibrationConfig(requests=args.calibration_requests)
+        # images are calibrated at every side the checks will send, as well as the defaults: an
+        # unmeasured side would be predicted with the token count of the nearest measured one
+        wanted = {
+            *CalibrationConfig().image_sides,
+            *(parse_workload(w, SLO()).workload.image_size for w in args.workload),
+        }
+        wanted |= {json.loads(Path(f).read_text())["config"].get("image_size", 0) for f in args.sweep}
+        calibration = CalibrationConfig(requests=args.calibration_requests, image_sides=tuple(sorted(wanted)))
         profile = calibrate_topologies(
             calibration,
             list(parse_topologies(args.calibrate_topologies)),
