@@ -32,7 +32,7 @@ from pathlib import Path
 from epdserve.bench.client import as_operator
 from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import SLO, BenchConfig, Summary
-from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, Environment, parse_topologies
+from epdserve.bench.sweep import Environment, parse_topologies, role_args
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.common.dtypes import DTYPES
 from epdserve.launcher import free_port
@@ -161,10 +161,8 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
             args.model,
             port=free_port(),
             pin=True,
-            extra_encoder_args=["--dtype", args.dtype],
-            extra_pd_args=[*MEDIA_LIMIT_ARGS, "--dtype", args.dtype],
-            extra_router_args=list(MEDIA_LIMIT_ARGS),
             log_dir=Path(args.log_dir) / name.replace("+", "_"),
+            **role_args(args.dtype),
         )
         print(f"[validate] starting {name}", file=sys.stderr, flush=True)
         try:

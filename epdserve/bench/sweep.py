@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypedDict
 
 from epdserve.bench.client import as_operator
 from epdserve.bench.loadgen import run_bench
@@ -45,6 +45,22 @@ DEFAULT_TOPOLOGIES = ("aggregated", "1e+1pd", "2e+1pd")
 MIXED_TEXT_FRACTION = 0.5  # the mixed cells' share of text-only requests
 # every role that checks media (router, PD workers, the aggregated server) must accept the grid's largest image count
 MEDIA_LIMIT_ARGS = ("--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES_PER_REQUEST, "video": 2}))
+
+
+class RoleArgs(TypedDict):
+    extra_encoder_args: list[str]
+    extra_pd_args: list[str]
+    extra_router_args: list[str]
+
+
+def role_args(dtype: str, pd_args: tuple[str, ...] = ()) -> RoleArgs:
+    """The extra flags of a harness's own deployment (``Deployment`` keywords): every model in
+    ``dtype``, the PD workers and router taking as many media items as a workload sends."""
+    return {
+        "extra_encoder_args": ["--dtype", dtype],
+        "extra_pd_args": [*MEDIA_LIMIT_ARGS, "--dtype", dtype, *pd_args],
+        "extra_router_args": list(MEDIA_LIMIT_ARGS),
+    }
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -342,10 +358,8 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
             port=free_port(),
             pin=config.pin_cores,
             ec_connector=config.ec_connector,
-            extra_encoder_args=["--dtype", config.dtype],
-            extra_pd_args=[*MEDIA_LIMIT_ARGS, "--dtype", config.dtype, *config.pd_args],
             log_dir=config.log_dir / name.replace("+", "_") if config.log_dir else None,
-            extra_router_args=list(MEDIA_LIMIT_ARGS),
+            **role_args(config.dtype, config.pd_args),
         )
         _say(progress, f"starting {name}")
         try:

@@ -28,8 +28,9 @@ from pathlib import Path
 from epdserve.bench.client import RequestResult, as_operator
 from epdserve.bench.loadgen import run_bench
 from epdserve.bench.report import BenchConfig
-from epdserve.bench.sweep import MEDIA_LIMIT_ARGS, _cpu_model
+from epdserve.bench.sweep import _cpu_model, role_args
 from epdserve.bench.workload import WorkloadConfig
+from epdserve.common.dtypes import DType
 from epdserve.launcher import free_port
 from epdserve.plan.model import path_of
 from epdserve.plan.profile import PATHS, PathCosts, Profile, ProfileError, Sample, fit_path, fit_token_counts
@@ -197,7 +198,7 @@ def calibrate_topologies(
     model: str | None = None,
     log_dir: Path | None = None,
     say: Callable[[str], None] = lambda s: None,
-    dtype: str = "float32",
+    dtype: DType = "float32",
 ) -> Profile:
     """Start each topology on this machine in turn (roles pinned as ``up --pin-cores`` pins them,
     every model in ``dtype``), calibrate it, stop it. Role logs go to ``log_dir`` (default: a new
@@ -211,10 +212,8 @@ def calibrate_topologies(
             model,
             port=free_port(),
             pin=True,
-            extra_encoder_args=["--dtype", dtype],
-            extra_pd_args=[*MEDIA_LIMIT_ARGS, "--dtype", dtype],
-            extra_router_args=list(MEDIA_LIMIT_ARGS),
             log_dir=log_dir / name.replace("+", "_"),
+            **role_args(dtype),
         )
         say(f"starting {name}")
         try:
