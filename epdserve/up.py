@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from epdserve.common.core_board import make_board
 from epdserve.integrations.vllm.launch import SIZES_ITSELF as VLLM_SIZES_ITSELF
 from epdserve.integrations.vllm.launch import START_TIMEOUT_S as VLLM_START_S
 from epdserve.integrations.vllm.launch import (
@@ -170,6 +171,11 @@ def plan_cores(topo: Topology, cores: list[int]) -> CorePlan:
     return CorePlan({**encoders, **dict.fromkeys(workers, shared)}, _spread(workers, cores[n_enc:]))
 
 
+def cpu_spec(cores: list[int]) -> str:
+    """``cores`` as taskset and ``--engine-cpus`` write them."""
+    return ",".join(map(str, cores))
+
+
 def _spread(names: list[str], cores: list[int]) -> dict[str, list[int]]:
     """Each name a share of ``cores``: one core each (round robin) when there are fewer cores."""
     n = len(names)
@@ -233,6 +239,7 @@ class Deployment:
         vllm_args: list[str] | None = None,
         vllm_ec_extra: dict | None = None,
         served_model_name: str = "",
+        lend_cores: bool = True,
     ) -> None:
         if lm_engine not in LM_ENGINES:
             raise ValueError(f"unknown language-model engine {lm_engine!r}; choose from {LM_ENGINES}")
@@ -268,6 +275,9 @@ class Deployment:
         self.vllm_args = vllm_args or []  # the operator's own ``vllm serve`` flags, verbatim
         self.vllm_ec_extra = vllm_ec_extra or {}  # the connector's ec_connector_extra_config
         self.served_model_name = served_model_name
+        # pinned behind encoders: roles borrow the cores of idle roles through a board (kernels.lending)
+        self.lend_cores = lend_cores
+        self.board: Path | None = None
         self.vllm = ""  # the ``vllm`` executable, found at start
         self.roles: list[Role] = []
         self.fs_dir: Path | None = None
@@ -412,8 +422,20 @@ class Deployment:
         line = describe(check_fit(model, sizing, topo.encoders, {} if vllm else workers, vision))
         self._say(f"{line}; not counted: {topo.pds} vLLM instance(s), {VLLM_SIZES_ITSELF}" if vllm else line)
 
+    def _lending(self, plan: CorePlan, cores: list[int]) -> list[str]:
+        """The flags that put encoders and engine cores on a new core board (none: each role keeps
+        to its pinned cores). Each then runs on every core, by its own count of threads, and
+        borrows the cores of the roles that are idle."""
+        if not (self.lend_cores and plan.engines and self.lm_engine == "epdserve"):
+            return []
+        self.board = make_board()
+        self._say(f"roles lend idle cores through {self.board}")
+        return ["--core-board", str(self.board)]
+
     def _start_disaggregated(self, topo: Topology) -> None:
-        plan = plan_cores(topo, sorted(os.sched_getaffinity(0))) if self.pin else CorePlan({}, {})
+        cores = sorted(os.sched_getaffinity(0))
+        plan = plan_cores(topo, cores) if self.pin else CorePlan({}, {})
+        lending = self._lending(plan, cores)
         fs_args: list[str] = []
         if self.ec_connector == "fs":
             # private (0700) and unpredictable: nobody else can plant or read embeddings there
@@ -433,8 +455,12 @@ class Deployment:
             args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector, *fs_args, *store_args]
             if self.ec_connector == "tcp":
                 args += ["--ec-tcp-port", str(free_port())]
+            pinned = plan.roles.get(f"encoder{i}")
+            if pinned and lending:
+                args += [*lending, "--threads", str(len(pinned))]
+                pinned = cores
             args += [*self.extra_encoder_args, *self.extra_args]
-            encoders.append(self._launch(f"encoder{i}", args, free_port(), plan.roles.get(f"encoder{i}")))
+            encoders.append(self._launch(f"encoder{i}", args, free_port(), pinned))
         # behind encoders that encode everything the language-model workers only see
         # metadata-only media: no vision weights; with raw media to them (no encoders, adaptive
         # dispatch, the metadata-only baseline) they encode it themselves
@@ -453,8 +479,10 @@ class Deployment:
                 args += ["--role", kind[:-1], "--kv-connector", self.kv_connector]
                 if kind == "prefills" and self.kv_connector == "tcp":
                     args += ["--kv-tcp-port", str(free_port())]
-            if name in plan.engines:
-                args += ["--engine-cpus", ",".join(map(str, plan.engines[name]))]
+            if name in plan.engines and lending:
+                args += [*lending, "--threads", str(len(plan.engines[name])), "--engine-cpus", cpu_spec(cores)]
+            elif name in plan.engines:
+                args += ["--engine-cpus", cpu_spec(plan.engines[name])]
             role = self._launch(name, [*args, *self.extra_args], free_port(), plan.roles.get(name))
             workers[kind].append(role)
         # the router starts beside them (their addresses are known) and is healthy once it has
@@ -521,6 +549,9 @@ class Deployment:
         if self.fs_dir is not None:
             shutil.rmtree(self.fs_dir, ignore_errors=True)
             self.fs_dir = None
+        if self.board is not None:
+            self.board.unlink(missing_ok=True)
+            self.board = None
         if self.master is not None:  # after its members: they leave it cleanly
             self.master.stop()
             self.master = None

@@ -91,6 +91,7 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
             host=args.host,
             port=args.port,
             pin=args.pin_cores,
+            lend_cores=args.lend_cores,
             ec_connector=args.ec_connector,
             kv_connector=args.kv_connector,
             extra_pd_args=[
@@ -176,6 +177,13 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
     s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
+    s.add_argument(
+        "--no-lend-cores",
+        dest="lend_cores",
+        action="store_false",
+        help="with --pin-cores: each role computes on its own cores only (by default a computing encoder or "
+        "engine also borrows the cores of the roles that are idle)",
+    )
     s.add_argument(
         "--force",
         action="store_true",

@@ -10,6 +10,7 @@ published 12.8-megapixel bound, whose vision forward the memory plan would reser
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -19,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from epdserve.hf_reference import HFReference
+from epdserve.launcher import free_port
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
+from epdserve.up import Deployment, Topology
 from tests.checkpoints.published import build_published, published_config
-from tests.test_families import _deploy, ask, transformers_answer
+from tests.test_families import PD_ARGS, _deploy, ask, transformers_answer
 from tests.test_families import data_url as image_url
 
 MAX_PIXELS = 448 * 448
@@ -134,3 +137,24 @@ def test_build_checkpoint_runs_as_a_program_and_refuses_with_exit_status_2(tmp_p
     )
     assert r.returncode == 2 and "no published 3b size of qwen2_vl" in r.stderr
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_e_pd_pinned_with_cores_lent_answers_what_aggregated_answers(
+    checkpoint: Path, aggregated: list[str], tmp_path: Path
+) -> None:
+    """Pinned, the encoder and the engine core borrow each other's core while the other is idle:
+    their thread counts change from layer to layer, their answers do not."""
+    d = Deployment(
+        Topology.parse("1e+1pd"), str(checkpoint), port=free_port(), pin=True, extra_pd_args=PD_ARGS, log_dir=tmp_path
+    )
+    d.start()
+    try:
+        board = d.board
+        got = [ask(d.url, checkpoint.name, r) for r, _ in requests()]
+    finally:
+        d.stop()
+    assert got == aggregated
+    if len(os.sched_getaffinity(0)) >= 2:  # fewer cores: nothing is pinned, nothing lent
+        assert board is not None and not board.exists(), "the board is removed with the deployment"
+        for role in ("encoder0", "pd0"):
+            assert 'borrows="idle roles\' cores"' in (tmp_path / f"{role}.log").read_text(), role

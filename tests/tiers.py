@@ -47,6 +47,7 @@ TIERS: dict[str, str] = {
     "test_shapes.py": "unit",
     "test_tokenizer.py": "unit",
     "test_threads.py": "unit",
+    "test_lending.py": "integration",
     "test_tiers.py": "unit",
     "test_transfer_security.py": "unit",
     "test_vllm_parts.py": "unit",

@@ -58,6 +58,11 @@ def auth_mode(auth: AuthConfig) -> str:
     return "api key" if auth.api_key else "off"
 
 
+def lending(lends: bool) -> str | None:
+    """A start-up line's ``borrows`` field: what a role computes on besides its own threads."""
+    return "idle roles' cores" if lends else None
+
+
 def gib(n: int) -> str:
     """Bytes for a start-up line."""
     return f"{n / (1 << 30):.2f}GiB"

@@ -35,6 +35,7 @@ class EncoderConfig:
     preprocess_threads: int = 0  # threads hashing, decoding and preprocessing media (0: one per core it may run on)
     kernels: KernelChoice = "auto"  # auto: the tower's rotary in the fused C++ kernels (CPU, float32/bfloat16); torch
     threads: int = 0  # torch intra-op threads of the tower (0: every core it may run on for large weights, else 1)
+    core_board: str = ""  # core-lending board of the host's roles (up --pin-cores makes one): borrow idle roles' cores
     device: str = "cpu"  # torch device of the vision tower
     dtype: DType = "float32"  # weights and activations: float32 | bfloat16 | float16
     limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send

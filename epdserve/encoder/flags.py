@@ -16,6 +16,7 @@ ENCODER_FLAGS = (
     "encoder_cache_bytes",
     "kernels",
     "threads",
+    "core_board",
     "device",
     "dtype",
     STATS_INTERVAL,

@@ -64,6 +64,7 @@ from epdserve.encoder.protocol import (
 )
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.memory import plan_encoder
+from epdserve.kernels.lending import CoreLender
 from epdserve.kernels.ops import kernels_in_use, select_ops
 from epdserve.kernels.parallel import threads_for
 from epdserve.kernels.resample import load_resampler
@@ -175,8 +176,15 @@ class EncoderService:
         )
         self.metrics, self.tracing = self.role.metrics, self.role.tracing
         self.window = self.role.window  # requests and items since the last stats line
+        # on a core board, forwards also run on the cores of the host's idle roles
+        lends = bool(config.core_board) and threads_for(visual) > 1  # weights large enough to split
+        self.lender = CoreLender(config.core_board, self.threads) if lends else None
+        forward: Any = visual
+        if self.lender is not None:
+            self.lender.attach(visual)
+            forward = self.lender.wrap(visual)
         self.batcher = EncodeBatcher(
-            visual,
+            forward,
             config.batcher,
             EmbeddingCache(config.encoder_cache_bytes),
             rows_of=prompt_layout(model_config).num_placeholders,
@@ -230,6 +238,7 @@ class EncoderService:
             device=cfg.device,
             kernels=self.kernels,
             threads=self.threads,
+            borrows=logs.lending(self.lender is not None),
             cache_bytes=logs.gib(cfg.encoder_cache_bytes),
             ec_connector=cfg.ec.connector,
             store=cfg.ec.store.url.split(":", 1)[0] or None,  # its kind: the address stays out of logs
@@ -251,6 +260,8 @@ class EncoderService:
         if self.resolver is not None and self.resolver.session is not None:
             await self.resolver.session.close()
         self.batcher.close()
+        if self.lender is not None:
+            self.lender.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.put_executor.shutdown(wait=True)
         self.producer.close()

@@ -133,7 +133,15 @@ class InprocClient:
 
         self.core = core
         runner = core.runner
-        self.ready = CoreReady(os.getpid(), core.vision, runner.config.num_kv_blocks, runner.kernels, runner.kv_bytes)
+        self.ready = CoreReady(
+            os.getpid(),
+            core.vision,
+            runner.config.num_kv_blocks,
+            runner.kernels,
+            runner.kv_bytes,
+            core.threads,
+            core.lender is not None,
+        )
         self._streams = _Streams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._steps = StepLoop(core, self._deliver)

@@ -29,6 +29,7 @@ class EngineConfig:
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 0  # torch intra-op threads (0: every core it may run on for a model with large weights, else 1)
+    core_board: str = ""  # core-lending board of the host's roles (up --pin-cores makes one): borrow idle roles' cores
     device: str = "cpu"  # torch device of the model and KV cache: cpu | cuda | cuda:N
     dtype: DType = "float32"  # weights, activations and KV cache: float32 | bfloat16 | float16
 

@@ -8,6 +8,7 @@ scheduler, not ready, so a slow fetch never stalls the running batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -23,6 +24,7 @@ from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, Erro
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
+from epdserve.kernels.lending import CoreLender
 from epdserve.kernels.parallel import threads_for
 from epdserve.transfer import signing
 from epdserve.transfer.base import InvalidHandle, TransferError
@@ -48,6 +50,12 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(model, config)
         self.threads = config.threads or threads_for(model)  # torch intra-op threads of the steps
+        # on a core board, steps also run on the cores of the host's idle roles (where the
+        # model's weights are large enough to split over them)
+        lends = bool(config.core_board) and threads_for(model) > 1
+        self.lender = CoreLender(config.core_board, self.threads) if lends else None
+        if self.lender is not None:
+            self.lender.attach(model)
         self.scheduler = Scheduler(config)
         self.scheduler.media_needed = self._media_needed
         self.scheduler.vision_cost = self.runner.vision_cost
@@ -250,7 +258,8 @@ class EngineCore:
         if not plan.scheduled:
             return outputs
         try:
-            result = self.runner.execute(plan)
+            with self.lender.computing() if self.lender is not None else contextlib.nullcontext():
+                result = self.runner.execute(plan)
         except Exception as e:  # never let one bad step kill the engine: fail this step's requests
             log.exception("engine step failed")
             return outputs + [self._fail(s.request, f"internal error: {e}", "internal") for s in plan.scheduled]
@@ -436,6 +445,8 @@ class EngineCore:
             self._kv_fetcher.close()
         if self.kv_producer is not None:
             self.kv_producer.close()
+        if self.lender is not None:
+            self.lender.close()
 
 
 def kv_prompt(req: Request) -> str:

@@ -125,7 +125,13 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(core.threads)
     runner = core.runner
     ready = CoreReady(
-        os.getpid(), core.vision, core.config.num_kv_blocks, runner.kernels, runner.kv_bytes, core.threads
+        os.getpid(),
+        core.vision,
+        core.config.num_kv_blocks,
+        runner.kernels,
+        runner.kv_bytes,
+        core.threads,
+        core.lender is not None,
     )
     channel.send(ready)
     try:

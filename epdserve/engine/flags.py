@@ -19,6 +19,7 @@ ENGINE_FLAGS = (
     "kernels",
     Flag("cpus", "--engine-cpus"),
     "threads",
+    "core_board",
     "device",
     "dtype",
 )

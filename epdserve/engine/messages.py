@@ -175,6 +175,7 @@ class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
     kernels: str = ""  # the layer ops in use and why (kernels_in_use)
     kv_bytes: int = 0  # bytes of the KV cache
     threads: int = 0  # torch intra-op threads of the steps
+    lends: bool = False  # on a core board: steps also run on the cores of the host's idle roles
     version: int = ENGINE_PROTOCOL_VERSION
 
 

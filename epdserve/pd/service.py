@@ -149,6 +149,7 @@ class ChatService:
             device=cfg.engine.device,
             kernels=ready.kernels if ready else None,
             threads=ready.threads if ready else None,
+            borrows=logs.lending(ready.lends) if ready else None,
             kv_blocks=cfg.engine.num_kv_blocks,
             kv_bytes=logs.gib(ready.kv_bytes) if ready else None,
             vision_tower="loaded" if cfg.vision else "not loaded",

@@ -1,0 +1,104 @@
+"""Lending idle cores between the roles that share a host.
+
+Pinned, each role of a small E+PD deployment computes on cores of its own, so that a decode step
+never waits for an encode. But each is idle much of the time: the encoder between images, the
+language model while it waits for them. Through a core board (``common.core_board``) a computing
+role borrows the cores of those that are not: it marks itself computing around each unit of work,
+and before each layer reads the board and runs on its own cores plus its share of the idle ones.
+A role that starts computing takes its cores back at the borrowers' next layer.
+
+The board is advisory: what is read from it only sets a thread count, clamped to the cores the
+process may run on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import torch
+
+from epdserve.common.core_board import Board
+
+# a role that stopped computing this recently is about to compute again (the gap between steps)
+GRACE_S = 0.02
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class CoreLender:
+    """This process's seat on a board: ``computing`` around each unit of work, ``attach`` to a model
+    so that every layer runs on the cores available when it starts."""
+
+    def __init__(self, path: str | Path, own: int, cores: int | None = None) -> None:
+        """Claims a slot of the board at ``path`` for ``own`` cores; ``cores``: the most threads it
+        runs on (default: the cores this process may run on)."""
+        self.board = Board(path)
+        self.board.claim(own)
+        self.own = own
+        self.cores = cores or _cores()
+        self.threads = own  # the thread count set last (on the computing thread)
+
+    def available(self, now: float | None = None) -> int:
+        """Cores to compute on now: this role's own, and its share (by own cores, among the roles
+        computing) of those of the roles that are idle."""
+        now = time.monotonic() if now is None else now
+        idle = busy = 0
+        for seat in self.board.others():
+            if seat.computing or now - seat.last < GRACE_S:
+                busy += seat.own
+            else:
+                idle += seat.own
+        share = idle * self.own // (self.own + busy)
+        return max(1, min(self.own + share, self.cores))
+
+    def refresh(self) -> int:
+        """Set torch's intra-op threads of the calling thread to ``available()``."""
+        n = self.available()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        self.threads = n
+        return n
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[int]:
+        """Marks this role computing for the block (its own cores are then not lent), which runs
+        on the cores available at its start (``attach`` updates them layer by layer)."""
+        self.board.mark(self.own, True, time.monotonic())
+        try:
+            yield self.refresh()
+        finally:
+            self.board.mark(self.own, False, time.monotonic())
+
+    def wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """``fn`` run inside ``computing``."""
+
+        def computing_fn(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self.computing():
+                return fn(*args, **kwargs)
+
+        return computing_fn
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Refresh the thread count before each layer of ``model`` (every element of its module
+        lists: decoder layers, vision blocks)."""
+        for m in model.modules():
+            if isinstance(m, torch.nn.ModuleList):
+                for layer in m:
+                    layer.register_forward_pre_hook(self._before_layer)
+
+    def _before_layer(self, module: torch.nn.Module, args: object) -> None:
+        self.refresh()
+
+    def close(self) -> None:
+        """Give the slot back."""
+        self.board.close()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,118 @@
+"""Roles lending idle cores through a core board: how many threads a computing role gets, layer by
+layer, and what the board refuses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from epdserve.common.core_board import SIZE, Board, make_board
+from epdserve.kernels.lending import GRACE_S, CoreLender
+
+
+@pytest.fixture
+def board(tmp_path: Path) -> Iterator[Path]:
+    threads = torch.get_num_threads()
+    path = make_board(tmp_path)
+    yield path
+    torch.set_num_threads(threads)  # lenders set this thread's count
+
+
+def test_a_board_is_private_to_its_user(board: Path) -> None:
+    assert board.stat().st_mode & 0o777 == 0o600 and board.stat().st_size == SIZE
+    board.chmod(0o644)
+    with pytest.raises(ValueError, match="not a core board"):
+        Board(board)
+    board.chmod(0o600)
+    with board.open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="not a core board"):
+        Board(board)
+
+
+def test_a_computing_role_borrows_the_cores_of_idle_ones_only(board: Path) -> None:
+    enc, pd = CoreLender(board, 1, cores=8), CoreLender(board, 1, cores=8)
+    assert enc.available() == pd.available() == 2  # nobody computes: each may take both
+    with pd.computing() as n:
+        assert n == 2  # the encoder is idle
+        assert enc.available() == 1  # the language model computes: its core is not lent
+    assert enc.available() == 1, "a role that just stopped is about to step again"
+    assert enc.available(now=time.monotonic() + 2 * GRACE_S) == 2
+    pd.close()
+    assert enc.available() == 1  # a role that stopped gave its slot back: nothing is on the board to lend
+
+
+def test_idle_cores_are_shared_by_own_cores_among_the_roles_computing(board: Path) -> None:
+    a, b, idle = CoreLender(board, 1, cores=16), CoreLender(board, 3, cores=16), CoreLender(board, 4, cores=16)
+    with b.computing():
+        assert a.available() == 1 + 4 * 1 // 4  # a's share of the 4 idle cores, beside b's 3
+        assert idle.available() == 4 + 1 * 4 // 7  # the idle a's one core, shared with b
+    capped = CoreLender(board, 2, cores=3)
+    assert capped.available(now=time.monotonic() + 1) == 3  # never more than the process may run on
+
+
+def test_every_layer_runs_on_the_cores_available_when_it_starts(board: Path) -> None:
+    enc, pd = CoreLender(board, 1, cores=2), CoreLender(board, 1, cores=2)
+    seen: list[int] = []
+
+    class Layer(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            if self.i == 1:  # an encode starts while the second layer runs
+                enc.board.mark(enc.own, True, time.monotonic())
+            return x + 1
+
+    model = nn.Sequential(nn.ModuleList([Layer(i) for i in range(4)]))
+    pd.attach(model)
+    with pd.computing():
+        x = torch.zeros(2)
+        for layer in model[0]:
+            x = layer(x)
+    assert seen == [2, 2, 1, 1]
+    assert x.tolist() == [4.0, 4.0]
+
+
+def test_a_killed_role_lends_its_cores_and_its_slot_is_taken_again(board: Path) -> None:
+    code = (
+        "import sys, time; from epdserve.kernels.lending import CoreLender\n"
+        f"l = CoreLender({str(board)!r}, 1, cores=2)\n"
+        "l.board.mark(1, True, time.monotonic()); print(l.board.slot, flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        slot = int(child.stdout.readline())
+        pd = CoreLender(board, 1, cores=2)
+        assert pd.available() == 1  # the child computes
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        assert pd.available() == 2  # killed while computing: its core is free
+        assert CoreLender(board, 1, cores=2).board.slot == slot  # a restarted role takes the slot
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_board_is_full_at_its_slots(board: Path) -> None:
+    from epdserve.common.core_board import SLOTS
+
+    seats = [Board(board) for _ in range(SLOTS)]
+    for s in seats:
+        s.claim(1)
+    with pytest.raises(ValueError, match="full"):
+        Board(board).claim(1)
+    with pytest.raises(ValueError, match="between 1 and"):
+        Board(board).claim(0)
