@@ -6,9 +6,7 @@ OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>&1 | grep -v " INFO \|Warning\|warn(" | tee "$OUT/$name.txt"; }
 run engine_vs_hf python -m epdserve.bench.engine_vs_hf --requests 32 --output-len 64 --concurrency 1 4 16 --image-size 448 --json "$OUT/engine_vs_hf.json"
-for i in 1 2 3; do
-  run "engine_vs_hf16-$i" python -m epdserve.bench.engine_vs_hf --requests 64 --output-len 64 --concurrency 16 --image-size 448 --json "$OUT/engine_vs_hf16-$i.json"
-done
+run engine_vs_hf16 python -m epdserve.bench.engine_vs_hf --requests 64 --output-len 64 --concurrency 16 --image-size 448 --runs 3 --json "$OUT/engine_vs_hf16.json"
 run profile_engine python scripts/profile_engine.py --requests 16 --output-len 256 --top 15 --out "$OUT/profile-engine.txt"
 run metadata_vs_raw python -m epdserve.bench.metadata_vs_raw --requests 48 --images 4 --image-size 448 --output-len 16 --concurrency 8 --pin-cores --json "$OUT/metadata_vs_raw.json"
 run transfer python -m epdserve.bench.transfer_bench

@@ -3,7 +3,8 @@
 For each concurrency level the same image requests (shapes-world images, fixed output length
 via min_tokens/ignore_eos) go to a freshly started ``epdserve serve`` over HTTP (closed loop, N
 clients) and to transformers in this process (batches of N, left-padded, greedy). Prints request
-throughput, output tokens/s, TTFT p50/p99 and TPOT p50 side by side.
+throughput, output tokens/s, TTFT p50/p99 and TPOT p50 side by side; with ``--runs`` the two
+systems take turns, and the summary is each ratio's median over the runs.
 
     python -m epdserve.bench.engine_vs_hf --requests 32 --output-len 64 --concurrency 1 4 16
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -26,21 +28,21 @@ from epdserve.bench.workload import image_payload
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.shapes import SIDES, ShapesWorld
 
+Request = tuple[str, list[Image.Image]]  # a question and its images
 
-def make_requests(n: int, seed: int, size: int | None) -> list[tuple[str, Image.Image]]:
+
+def make_requests(n: int, seed: int, size: int | None, images: int = 1) -> list[Request]:
     world = ShapesWorld(seed)
     out = []
     for _ in range(n):
         s = world.sample("describe")
-        img = s.scenes[0].render()
-        if size:
-            img = img.resize((size, size))
-        out.append((s.question, img))
+        imgs = [s.scenes[0].render() if i == 0 else world.scene().render() for i in range(images)]
+        out.append((s.question, [img.resize((size, size)) if size else img for img in imgs]))
     return out
 
 
-def server_payloads(model: str, reqs: list[tuple[str, Image.Image]], out_len: int) -> list[tuple[str, dict]]:
-    return [("image", image_payload(model, q, [img], out_len)) for q, img in reqs]
+def server_payloads(model: str, reqs: list[Request], out_len: int) -> list[tuple[str, dict]]:
+    return [("image", image_payload(model, q, imgs, out_len)) for q, imgs in reqs]
 
 
 def run_hf(
@@ -68,7 +70,7 @@ def run_hf(
     t_start = time.perf_counter()
     for i in range(0, len(reqs), conc):
         batch = reqs[i : i + conc]
-        inputs = [ref.inputs([_msg(q)], images=[img]) for q, img in batch]
+        inputs = [ref.inputs([_msg(q, len(imgs))], images=imgs) for q, imgs in batch]
         merged = {k: v.to(device) for k, v in _left_pad(inputs, ref.tok.pad_token_id).items()}
         merged["pixel_values"] = merged["pixel_values"].to(torch_dtype(dtype))
         ft = FirstToken()
@@ -93,8 +95,8 @@ def run_hf(
     return results, time.perf_counter() - t_start
 
 
-def _msg(q: str) -> dict:
-    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}
+def _msg(q: str, images: int) -> dict:
+    return {"role": "user", "content": [*[{"type": "image"}] * images, {"type": "text", "text": q}]}
 
 
 def _left_pad(inputs: list[dict], pad_id: int) -> dict:
@@ -116,24 +118,67 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument(
-        "--image-size", type=int, default=0, help=f"resize images to this side (default: spec sizes {SIDES})"
+        "--image-size", type=int, default=0, help=f"resize images to this square side (0: native {SIDES} sizes)"
     )
+    ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both the server and transformers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu | cuda: where both systems run")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 for both systems")
+    ap.add_argument("--runs", type=int, default=1, help="repeat both systems in turn; the summary is the median ratio")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    # new images for every concurrency level (the same for both systems): a level never hits the
-    # prefix or encoder cache a previous level filled
-    reqs = {c: make_requests(args.requests, args.seed + 100 * (i + 1), args.image_size or None)
-            for i, c in enumerate(args.concurrency)}  # fmt: skip
-    warm = make_requests(4, args.seed + 1, args.image_size or None)
+    rows, startups = [], []
+    for run in range(args.runs):
+        # new images for every run and concurrency level (the same for both systems): a level
+        # never hits the prefix or encoder cache a previous one filled
+        reqs = {
+            c: make_requests(
+                args.requests, args.seed + 1000 * run + 100 * (i + 1), args.image_size or None, args.images_per_request
+            )
+            for i, c in enumerate(args.concurrency)
+        }
+        warm = make_requests(4, args.seed + 1000 * run + 1, args.image_size or None, args.images_per_request)
+        startup, served = _serve(args, reqs, warm)
+        startups.append(startup)
+        rows += [{"run": run, "system": "epdserve", **r} for r in served]
+        run_hf(args.model, warm, args.output_len, 4, args.device, args.dtype)
+        for c in args.concurrency:
+            res, wall = run_hf(args.model, reqs[c], args.output_len, c, args.device, args.dtype)
+            rows.append({"run": run, "system": "transformers", "concurrency": c, **summarize(res, wall)})
+            print(json.dumps(rows[-1]), flush=True)
+    print(
+        f"\nepdserve startup to healthy: {statistics.median(startups):.1f}s (median); {args.requests} requests of "
+        f"{args.images_per_request} image(s), {args.output_len} output tokens, {args.runs} run(s)\n"
+    )
+    print("| run | system | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['run']} | {r['system']} | {r['concurrency']} | {r['req_per_s']:.3f} | {r['out_tok_per_s']:.0f} | "
+            f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} |"
+        )
+    print("\nepdserve over transformers, median over runs (each run's ratio in brackets)\n")
+    print("| conc | req/s | TTFT p50 | TTFT p99 | TPOT p50 |")
+    print("|---|---|---|---|---|")
+    for c in args.concurrency:
+        cells = [_ratios(rows, run, c) for run in range(args.runs)]
+        print(f"| {c} | " + " | ".join(_median_cell([x[k] for x in cells]) for k in RATIOS) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"startup_s": startups, "rows": rows}, indent=2))
+
+
+RATIOS = ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
+
+
+def _serve(args: argparse.Namespace, reqs: dict[int, list[Request]], warm: list[Request]) -> tuple[float, list[dict]]:
+    """A fresh ``epdserve serve``: warm it, then each concurrency level's requests."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = ["serve", "--model", str(args.model), "--port", str(port), "--threads", str(args.threads)]
-    proc = start_role([*serve, "--device", args.device, "--dtype", args.dtype])
+    limit = ["--limit-mm-per-prompt", json.dumps({"image": args.images_per_request})]
+    proc = start_role([*serve, "--device", args.device, "--dtype", args.dtype, *limit])
     rows = []
     try:
         startup = wait_healthy(url, proc)
@@ -141,25 +186,21 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(closed_loop(url, server_payloads(name, warm, args.output_len), 4))
         for c in args.concurrency:
             res, wall = asyncio.run(closed_loop(url, server_payloads(name, reqs[c], args.output_len), c))
-            rows.append({"system": "epdserve", "concurrency": c, **summarize(res, wall)})
+            rows.append({"concurrency": c, **summarize(res, wall)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stop(proc)
-    run_hf(args.model, warm, args.output_len, 4, args.device, args.dtype)
-    for c in args.concurrency:
-        res, wall = run_hf(args.model, reqs[c], args.output_len, c, args.device, args.dtype)
-        rows.append({"system": "transformers", "concurrency": c, **summarize(res, wall)})
-        print(json.dumps(rows[-1]), flush=True)
-    print(f"\nepdserve startup to healthy: {startup:.1f}s; {args.requests} requests, {args.output_len} output tokens\n")
-    print("| system | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['system']} | {r['concurrency']} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.0f} | "
-            f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"startup_s": startup, "rows": rows}, indent=2))
+    return startup, rows
+
+
+def _ratios(rows: list[dict], run: int, conc: int) -> dict[str, float]:
+    ours, theirs = ({**r} for s in ("epdserve", "transformers") for r in rows
+                    if (r["run"], r["system"], r["concurrency"]) == (run, s, conc))  # fmt: skip
+    return {k: ours[k] / theirs[k] if theirs[k] else float("nan") for k in RATIOS}
+
+
+def _median_cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x [" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
 if __name__ == "__main__":
