@@ -161,6 +161,7 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
             args.model,
             port=free_port(),
             pin=True,
+            lend_cores=False,  # the model counts a role's own cores as its servers, at any load
             log_dir=Path(args.log_dir) / name.replace("+", "_"),
             **role_args(args.dtype),
         )

@@ -145,6 +145,7 @@ class SweepConfig:
     model: str | None = None  # checkpoint directory (unset: the embedded model)
     dtype: DType = "float32"  # weights and activations of every encoder and language model
     pin_cores: bool = False  # pin roles to cores as 'epdserve up --pin-cores' does
+    lend_cores: bool = True  # pinned: a computing encoder or engine also borrows idle roles' cores (as up does)
     ec_connector: Connector = "shm"  # how embeddings travel from encoders to PD workers
     pd_args: tuple[str, ...] = ()  # extra flags of every PD worker and of the aggregated server
     timeout_s: float = 600.0  # time allowed per request
@@ -357,6 +358,7 @@ def run_sweep(config: SweepConfig, progress: TextIO | None = None) -> SweepResul
             config.model,
             port=free_port(),
             pin=config.pin_cores,
+            lend_cores=config.lend_cores,
             ec_connector=config.ec_connector,
             log_dir=config.log_dir / name.replace("+", "_") if config.log_dir else None,
             **role_args(config.dtype, config.pd_args),
@@ -407,6 +409,7 @@ SWEEP_FLAGS = (
     "model",
     "dtype",
     "pin_cores",
+    "lend_cores",
     "ec_connector",
     Flag("timeout_s", "--timeout"),
 )

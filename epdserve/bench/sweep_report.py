@@ -21,7 +21,7 @@ from typing import Any
 
 from epdserve.bench.plots import pyplot
 from epdserve.bench.report import Summary
-from epdserve.bench.sweep import Cell, CellResult, SweepResult
+from epdserve.bench.sweep import Cell, CellResult, SweepConfig, SweepResult
 
 AGGREGATED = "aggregated"
 GAIN_METRICS = {"ttft": "TTFT p50", "e2e": "E2E p50"}  # latency -> its label; gains compare p50s
@@ -200,8 +200,7 @@ def format_markdown(result: SweepResult, figures: dict[str, Path]) -> str:
         "",
         "## Settings",
         "",
-        f"- topologies: {', '.join(c.topologies)}; cores pinned: {'yes' if c.pin_cores else 'no'}; "
-        f"EC connector: {c.ec_connector}",
+        f"- topologies: {', '.join(c.topologies)}; cores pinned: {_pinning(c)}; EC connector: {c.ec_connector}",
         f"- per cell: {c.requests} measured requests after {c.warmup} warm-up, {c.arrival}, seed {c.seed} "
         "(the same request bytes in every topology)",
         f"- images: {'spec sizes 84–168 px' if c.image_size == 0 else f'{c.image_size} px square'}; "
@@ -360,3 +359,9 @@ def write_report(result: SweepResult, out_dir: Path, plots: bool = True) -> list
     report = out_dir / "report.md"
     report.write_text(format_markdown(result, figures))
     return [report, data, *figures.values()]
+
+
+def _pinning(c: SweepConfig) -> str:
+    if not c.pin_cores:
+        return "no"
+    return "yes, idle cores lent" if c.lend_cores else "yes, each role on its own cores only"

@@ -212,6 +212,7 @@ def calibrate_topologies(
             model,
             port=free_port(),
             pin=True,
+            lend_cores=False,  # the model counts a role's own cores as its servers, at any load
             log_dir=log_dir / name.replace("+", "_"),
             **role_args(dtype),
         )
