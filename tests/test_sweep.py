@@ -221,6 +221,9 @@ def test_flags_make_the_config(tmp_path: Path) -> None:
     assert c.slo == SLO(ttft=0.5) and c.pin_cores and c.mixed
     assert c.pd_args == ("--threads", "1") and c.dtype == "bfloat16"
     assert c.log_dir == tmp_path / "logs"
+    assert c.lend_cores, "pinned roles lend idle cores unless told not to, as up's do"
+    strict = build_parser().parse_args(["sweep", "--out", str(tmp_path), "--pin-cores", "--no-lend-cores"])
+    assert not config_from_args(strict).lend_cores
     with pytest.raises(SystemExit):  # closed and open loop at once
         build_parser().parse_args(["sweep", "--out", "x", "--concurrency", "2", "--request-rate", "1"])
 
