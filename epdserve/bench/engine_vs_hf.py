@@ -1,8 +1,9 @@
-"""Benchmark: epdserve's aggregated server vs transformers ``generate``, same requests.
+"""Benchmark: epdserve (aggregated, or a split topology) vs transformers ``generate``, same requests.
 
 For each concurrency level the same image requests (shapes-world images, fixed output length
-via min_tokens/ignore_eos) go to a freshly started ``epdserve serve`` over HTTP (closed loop, N
-clients) and to transformers in this process (batches of N, left-padded, greedy). Prints request
+via min_tokens/ignore_eos) go to a freshly started ``epdserve serve`` (or ``up`` of each of
+``--topologies``, roles pinned) over HTTP (closed loop, N clients) and to transformers in this
+process (batches of N, left-padded, greedy). Prints request
 throughput, output tokens/s, TTFT p50/p99 and TPOT p50 side by side; with ``--runs`` the two
 systems take turns, and the summary is each ratio's median over the runs.
 
@@ -16,6 +17,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ from epdserve.bench.closed_loop import closed_loop, summarize
 from epdserve.bench.workload import image_payload
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.shapes import SIDES, ShapesWorld
+from epdserve.up import Deployment, Topology
 
 Request = tuple[str, list[Image.Image]]  # a question and its images
 
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu | cuda: where both systems run")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 for both systems")
+    ap.add_argument("--topologies", default="aggregated", help="epdserve's, comma-separated (split ones start pinned)")
     ap.add_argument("--runs", type=int, default=1, help="repeat both systems in turn; the summary is the median ratio")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -140,9 +144,10 @@ def main(argv: list[str] | None = None) -> None:
             for i, c in enumerate(args.concurrency)
         }
         warm = make_requests(4, args.seed + 1000 * run + 1, args.image_size or None, args.images_per_request)
-        startup, served = _serve(args, reqs, warm)
-        startups.append(startup)
-        rows += [{"run": run, "system": "epdserve", **r} for r in served]
+        for topology in args.topologies.split(","):
+            startup, served = _serve(args, topology, reqs, warm)
+            startups.append(startup)
+            rows += [{"run": run, "system": f"epdserve:{topology}", **r} for r in served]
         run_hf(args.model, warm, args.output_len, 4, args.device, args.dtype)
         for c in args.concurrency:
             res, wall = run_hf(args.model, reqs[c], args.output_len, c, args.device, args.dtype)
@@ -160,11 +165,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} |"
         )
     print("\nepdserve over transformers, median over runs (each run's ratio in brackets)\n")
-    print("| conc | req/s | TTFT p50 | TTFT p99 | TPOT p50 |")
-    print("|---|---|---|---|---|")
-    for c in args.concurrency:
-        cells = [_ratios(rows, run, c) for run in range(args.runs)]
-        print(f"| {c} | " + " | ".join(_median_cell([x[k] for x in cells]) for k in RATIOS) + " |")
+    print("| topology | conc | req/s | TTFT p50 | TTFT p99 | TPOT p50 |")
+    print("|---|---|---|---|---|---|")
+    for topology in args.topologies.split(","):
+        for c in args.concurrency:
+            cells = [_ratios(rows, f"epdserve:{topology}", run, c) for run in range(args.runs)]
+            medians = " | ".join(_median_cell([x[k] for x in cells]) for k in RATIOS)
+            print(f"| {topology} | {c} | {medians} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"startup_s": startups, "rows": rows}, indent=2))
 
@@ -172,16 +179,13 @@ def main(argv: list[str] | None = None) -> None:
 RATIOS = ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 
 
-def _serve(args: argparse.Namespace, reqs: dict[int, list[Request]], warm: list[Request]) -> tuple[float, list[dict]]:
-    """A fresh ``epdserve serve``: warm it, then each concurrency level's requests."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = ["serve", "--model", str(args.model), "--port", str(port), "--threads", str(args.threads)]
-    limit = ["--limit-mm-per-prompt", json.dumps({"image": args.images_per_request})]
-    proc = start_role([*serve, "--device", args.device, "--dtype", args.dtype, *limit])
+def _serve(
+    args: argparse.Namespace, topology: str, reqs: dict[int, list[Request]], warm: list[Request]
+) -> tuple[float, list[dict]]:
+    """A fresh ``epdserve`` of ``topology``: warm it, then each concurrency level's requests."""
+    url, startup, end = _start(args, topology)
     rows = []
     try:
-        startup = wait_healthy(url, proc)
         name = args.model.name
         asyncio.run(closed_loop(url, server_payloads(name, warm, args.output_len), 4))
         for c in args.concurrency:
@@ -189,12 +193,35 @@ def _serve(args: argparse.Namespace, reqs: dict[int, list[Request]], warm: list[
             rows.append({"concurrency": c, **summarize(res, wall)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        stop(proc)
+        end()
     return startup, rows
 
 
-def _ratios(rows: list[dict], run: int, conc: int) -> dict[str, float]:
-    ours, theirs = ({**r} for s in ("epdserve", "transformers") for r in rows
+def _start(args: argparse.Namespace, topology: str) -> tuple[str, float, Callable[[], None]]:
+    """``epdserve serve`` with ``--threads`` for aggregated, else ``up`` of the topology with its
+    roles pinned: its URL, its start-up seconds and how to stop it."""
+    limit = ["--limit-mm-per-prompt", json.dumps({"image": args.images_per_request})]
+    models = ["--device", args.device, "--dtype", args.dtype]
+    if topology != "aggregated":
+        d = Deployment(
+            Topology.parse(topology), str(args.model), port=free_port(), pin=True, extra_encoder_args=models,
+            extra_pd_args=models, extra_args=limit,
+        )  # fmt: skip
+        d.start()
+        return d.url, d.startup_s, d.stop
+    port = free_port()
+    serve = ["serve", "--model", str(args.model), "--port", str(port), "--threads", str(args.threads)]
+    proc = start_role([*serve, *models, *limit])
+    try:
+        startup = wait_healthy(f"http://127.0.0.1:{port}", proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return f"http://127.0.0.1:{port}", startup, lambda: stop(proc)
+
+
+def _ratios(rows: list[dict], system: str, run: int, conc: int) -> dict[str, float]:
+    ours, theirs = ({**r} for s in (system, "transformers") for r in rows
                     if (r["run"], r["system"], r["concurrency"]) == (run, s, conc))  # fmt: skip
     return {k: ours[k] / theirs[k] if theirs[k] else float("nan") for k in RATIOS}
 
