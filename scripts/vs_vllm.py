@@ -120,33 +120,48 @@ def start_vllm(topology: str, model: Path, images: int) -> Running:
     # the recipe's own flags come first; a flag given again in EXTRA (or after) takes its place
     env = dict(os.environ, MODEL=str(model), EXTRA=" ".join(vllm_flags(images)))
     t0 = time.time()
-    if topology == "aggregated":
-        port = 8110
-        subprocess.run(
-            ["bash", str(PEER / "serve_single.sh"), str(model), str(port), *vllm_flags(images)], env=env, check=True
-        )
-        names, url = [f"serve_{port}"], f"http://127.0.0.1:{port}"
-    else:
-        _start_vllm_epd(Path(lab), model, images)
+    port = 8110
+    names, url = [f"serve_{port}"], f"http://127.0.0.1:{port}"
+    if topology != "aggregated":
         names, url = ["epd_E", "epd_PD", "epd_proxy"], "http://127.0.0.1:8300"
-        _replace_proxy(Path(lab))
-    _wait(url, 400)
+    try:
+        if topology == "aggregated":
+            cmd = ["bash", str(PEER / "serve_single.sh"), str(model), str(port), *vllm_flags(images)]
+            subprocess.run(cmd, env=env, check=True)
+        else:
+            _start_vllm_epd(Path(lab), model, images)
+            _replace_proxy(Path(lab))
+        _wait(url, 400)
+    except BaseException:  # what did start must not outlive the failure (it holds gigabytes)
+        _stop_pids(_pids(Path(lab), names))
+        raise
     startup = time.time() - t0
-    pids = [int((Path(lab) / "logs" / f"{n}.pid").read_text()) for n in names]
+    pids = _pids(Path(lab), names)
 
-    def stop() -> None:
-        tree = process_tree(pids)  # vLLM's engine cores too
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.time() + 20
-        while time.time() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.5)
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    return Running(url, pids, lambda: _stop_pids(pids), startup)
 
-    return Running(url, pids, stop, startup)
+
+def _pids(lab: Path, names: list[str]) -> list[int]:
+    """The pids the recipe's processes wrote (those that started)."""
+    out = []
+    for n in names:
+        with contextlib.suppress(OSError, ValueError):
+            out.append(int((lab / "logs" / f"{n}.pid").read_text()))
+    return out
+
+
+def _stop_pids(pids: list[int]) -> None:
+    """SIGTERM, then SIGKILL for what is left of their process trees (vLLM's engine cores too)."""
+    tree = process_tree(pids)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + 20
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.5)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
