@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import time
@@ -51,12 +52,21 @@ def server_payloads(model: str, reqs: list[Request], out_len: int) -> list[tuple
 def run_hf(
     model_dir: Path, reqs, out_len: int, conc: int, device: str = "cpu", dtype: str = "float32"
 ) -> tuple[list[RequestResult], float]:
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    from epdserve.common.dtypes import torch_dtype
     from epdserve.hf_reference import HFReference
 
     ref = HFReference(model_dir)
+    try:
+        return _generate(ref, reqs, out_len, conc, device, dtype)
+    finally:  # the model's reference cycles would keep every load of it resident
+        del ref
+        gc.collect()
+
+
+def _generate(ref, reqs, out_len: int, conc: int, device: str, dtype: str) -> tuple[list[RequestResult], float]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from epdserve.common.dtypes import torch_dtype
+
     ref.model.to(device=device, dtype=torch_dtype(dtype))
     ref.tok.padding_side = "left"
 
