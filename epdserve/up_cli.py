@@ -170,7 +170,7 @@ def run_up_command(args: argparse.Namespace) -> int:
 def add_up_args(s: argparse.ArgumentParser) -> None:
     """Flags of ``epdserve up``: its own, and role flags it hands on (read from the roles' configs
     without importing them: the supervisor stays free of torch)."""
-    from epdserve.up import TOPOLOGIES_HELP, topology_arg
+    from epdserve.topology import TOPOLOGIES_HELP, topology_arg
 
     s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default: 1e+1pd)")
     add_flags(s, SERVER, [MODEL], defaults=False)

@@ -30,7 +30,8 @@ from epdserve.bench.closed_loop import closed_loop, summarize
 from epdserve.bench.workload import image_payload
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.shapes import SIDES, ShapesWorld
-from epdserve.up import Deployment, Topology
+from epdserve.topology import Topology
+from epdserve.up import Deployment
 
 Request = tuple[str, list[Image.Image]]  # a question and its images
 

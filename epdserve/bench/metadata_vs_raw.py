@@ -20,7 +20,8 @@ from epdserve.bench.workload import image_payload
 from epdserve.launcher import free_port
 from epdserve.router.dispatch import Dispatch
 from epdserve.shapes import ShapesWorld
-from epdserve.up import Deployment, Topology
+from epdserve.topology import Topology
+from epdserve.up import Deployment
 
 MODES: dict[str, Dispatch] = {"metadata-only": "always", "raw-media": "never"}
 

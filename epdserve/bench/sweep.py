@@ -38,8 +38,9 @@ from epdserve.bench.workload import MAX_IMAGES_PER_REQUEST, WorkloadConfig
 from epdserve.common.dtypes import DType, check_dtype
 from epdserve.config_flags import Flag, add_flags, field_doc, values
 from epdserve.launcher import free_port
+from epdserve.topology import Topology, plan_cores
 from epdserve.transfer.config import CONNECTORS, Connector
-from epdserve.up import Deployment, Topology, plan_cores
+from epdserve.up import Deployment
 
 DEFAULT_TOPOLOGIES = ("aggregated", "1e+1pd", "2e+1pd")
 MIXED_TEXT_FRACTION = 0.5  # the mixed cells' share of text-only requests

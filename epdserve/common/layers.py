@@ -15,8 +15,8 @@ from typing import Final
 LAYERS: Final[tuple[tuple[str, ...], ...]] = (
     # leaf wire types and helpers: dtypes, sampling parameters, prefix hashing, the store config, log setup
     ("common", "__init__"),
-    # process plumbing, credentials, kernels, the embedding cache, synthetic shapes
-    ("allocator", "assets", "config_flags", "launcher", "security", "kernels", "cache", "shapes"),
+    # process plumbing, credentials, kernels, the embedding cache, synthetic shapes, topologies
+    ("allocator", "assets", "config_flags", "launcher", "security", "kernels", "cache", "shapes", "topology"),
     # media preprocessing, model definitions, role supervision
     ("media", "models", "supervisor"),
     # connectors (embeddings, KV, pixels); memory accounting and the transformers reference, over models and media

@@ -35,7 +35,8 @@ from epdserve.launcher import free_port
 from epdserve.plan.model import path_of
 from epdserve.plan.profile import PATHS, PathCosts, Profile, ProfileError, Sample, fit_path, fit_token_counts
 from epdserve.shapes import ShapesWorld
-from epdserve.up import Deployment, Topology
+from epdserve.topology import Topology
+from epdserve.up import Deployment
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from epdserve.common.units import format_bytes, parse_bytes
 from epdserve.engine.config import EngineConfig
 from epdserve.memory import MemoryBudgetError, RoleMemory, host_cores, host_memory
 from epdserve.sizing import Wanted, accounts
-from epdserve.up import Topology
+from epdserve.topology import Topology
 
 
 @dataclass(frozen=True)

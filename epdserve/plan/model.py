@@ -1,7 +1,7 @@
 """The analytic model: what one topology does under one workload, predicted from a profile.
 
 Each role is a pool of servers; a server is a core (roles are pinned as ``up --pin-cores`` pins
-them, ``up.plan_cores``), so replicas that share a core add no capacity. Engines pinned to one
+them, ``topology.plan_cores``), so replicas that share a core add no capacity. Engines pinned to one
 core share it as the kernel does, equally among those that want it: each runs at
 1 / (1 + the others' busy shares), solved together with the loads those speeds give.
 
@@ -41,7 +41,7 @@ from epdserve.bench.sweep import topology_name
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
-from epdserve.up import Topology, plan_cores
+from epdserve.topology import Topology, plan_cores
 
 MAX_BATCH = EngineConfig().max_num_seqs  # an engine never decodes more sequences at once
 
@@ -168,7 +168,7 @@ class Pool(NamedTuple):
     """The language-model instances of one role."""
 
     role: str  # "engines" (prefill and decode), "prefill workers" or "decode workers"
-    prefix: str  # their process names' prefix in ``up.plan_cores``: "pd", "prefill", "decode"
+    prefix: str  # their process names' prefix in ``topology.plan_cores``: "pd", "prefill", "decode"
     n: int  # instances
     prefill: bool  # they prefill
     decode: bool  # they decode

@@ -31,7 +31,7 @@ from epdserve.memory import format_bytes
 from epdserve.plan import host
 from epdserve.plan.model import Load, Prediction, Unsupported, predict
 from epdserve.plan.profile import Profile, ProfileError, load_profile, save_profile
-from epdserve.up import Topology
+from epdserve.topology import Topology
 
 TIE = 0.02  # relative difference below which two predictions rank as equal
 
