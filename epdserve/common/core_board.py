@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from epdserve.common.pids import pid_alive
+
 SLOTS = 64  # roles one board holds
 _SLOT = struct.Struct("<iiid")  # pid (0: free), own cores, computing (0/1), when it last stopped computing
 SIZE = SLOTS * _SLOT.size
@@ -63,7 +65,7 @@ class Board:
         with self._locked():
             for i in range(SLOTS):
                 pid = _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
-                if pid <= 0 or not _alive(pid):
+                if pid <= 0 or not pid_alive(pid):
                     self.slot = i
                     _SLOT.pack_into(self._map, i * _SLOT.size, os.getpid(), own, 0, 0.0)
                     return i
@@ -80,7 +82,7 @@ class Board:
                 continue
             pid, own, computing, last = _SLOT.unpack_from(self._map, i * _SLOT.size)
             if pid > 0 and 0 < own <= MAX_OWN:
-                yield Seat(own, bool(computing), last) if _alive(pid) else Seat(own, False, 0.0)
+                yield Seat(own, bool(computing), last) if pid_alive(pid) else Seat(own, False, 0.0)
 
     def close(self) -> None:
         """Give the slot back."""
@@ -98,13 +100,3 @@ class Board:
             yield
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -14,7 +14,6 @@ process may run on.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from epdserve.common.core_board import Board
+from epdserve.kernels.parallel import affinity_cores
 
 # a role that stopped computing this recently is about to compute again (the gap between steps)
 GRACE_S = 0.02
@@ -41,8 +41,7 @@ class CoreLender:
         self.board = Board(path)
         self.board.claim(own)
         self.own = own
-        self.cores = cores or _cores()
-        self.threads = own  # the thread count set last (on the computing thread)
+        self.cores = cores or affinity_cores()
 
     def available(self, now: float | None = None) -> int:
         """Cores to compute on now: this role's own, and its share (by own cores, among the roles
@@ -62,7 +61,6 @@ class CoreLender:
         n = self.available()
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
-        self.threads = n
         return n
 
     @contextlib.contextmanager
@@ -98,7 +96,3 @@ class CoreLender:
     def close(self) -> None:
         """Give the slot back."""
         self.board.close()
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -28,10 +28,15 @@ def threads_for(model: torch.nn.Module, cores: int | None = None) -> int:
     a weight outside its embedding tables has ``PARALLEL_WEIGHT`` elements or more, else one (the
     products of a small model cost less than handing their shares to other threads)."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = affinity_cores()
     tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     large = any(p.numel() >= PARALLEL_WEIGHT and id(p) not in tables for p in model.parameters())
     return max(1, cores) if large else 1
+
+
+def affinity_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def shares(n: int, parts: int, align: int) -> list[tuple[int, int]]:

@@ -39,11 +39,11 @@ import torch
 import xxhash
 
 from epdserve.common.dtypes import torch_dtype
+from epdserve.common.pids import pid_alive
 from epdserve.transfer import header as wire
 from epdserve.transfer import signing
 from epdserve.transfer.base import Handle, InvalidHandle, ProducerFull, TransferError
 from epdserve.transfer.config import ECConfig
-from epdserve.transfer.owners import pid_alive
 
 _NAME = r"epd-ec-(?P<instance>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-(?P<id>[0-9a-f]+)\.safetensors"
 FILE_RE = re.compile(_NAME)

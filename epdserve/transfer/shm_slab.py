@@ -28,10 +28,10 @@ from pathlib import Path
 
 import msgspec
 
+from epdserve.common.pids import pid_alive
 from epdserve.transfer import header as wire
 from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import ECConfig
-from epdserve.transfer.owners import pid_alive
 
 ALIGN = 64
 SLAB_MAGIC = b"EPDECSLB"

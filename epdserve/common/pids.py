@@ -1,5 +1,5 @@
-"""Who owns a slab or file a producer left behind: the liveness test behind stale-resource
-cleanup at producer start."""
+"""Whether a process is alive on this host: behind the cleanup of what a dead producer left
+behind (slabs, files) and the core board's reclaiming of a killed role's slot."""
 
 from __future__ import annotations
 
