@@ -190,8 +190,9 @@ def test_slab_cleanup_removes_only_unlocked_slabs_of_our_roles(tmp_path: Path) -
 
 # A stand-in role for the start-up rules: a real process with a real /health. Each start appends a
 # line to its ``lives`` file; ``plan`` says, per life, how it ends: "serve" (forever), "exit N" (at
-# once, with code N), "serve-then-exit N" (healthy for a second, then code N). A "router" answers
-# /health with {"pds": 1} only once the file ``lives`` of its target has two lines.
+# once, with code N), "serve-then-exit N" (healthy for a second, then code N); each life that serves
+# appends a line to ``serving`` once it listens. A "router" answers /health with {"pds": 1} only
+# once its target's second life serves, as the real router counts only healthy roles.
 ROLE_SCRIPT = """
 import http.server, json, pathlib, sys, threading, time
 port, lives, plan, target = int(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
@@ -211,6 +212,8 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 server = http.server.HTTPServer(("127.0.0.1", port), Health)
 threading.Thread(target=server.serve_forever, daemon=True).start()
+with lives.with_suffix(".serving").open("a") as f:
+    f.write("life\\n")
 if life.startswith("serve-then-exit"):
     time.sleep(1.0)
     sys.exit(int(life.split()[1]))
@@ -237,7 +240,7 @@ def script_deployment(tmp_path: Path, **plans: str) -> tuple[Deployment, dict[st
     deployment.startup_timeout_s = 60.0
     roles: dict[str, ScriptRole] = {}
     for name, plan in plans.items():
-        target = str(tmp_path / f"{plan.split(':')[1]}.lives") if plan.startswith("router:") else "-"
+        target = str(tmp_path / f"{plan.split(':')[1]}.serving") if plan.startswith("router:") else "-"
         role = ScriptRole(name, f"http://127.0.0.1:{free_port()}", [], lives=tmp_path / f"{name}.lives")
         role.plan, role.target = plan.split(":")[0], target
         role.launch()
