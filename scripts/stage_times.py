@@ -6,6 +6,8 @@ of fresh images, prints, stops. A development tool for A/B runs, not part of the
 
     python scripts/stage_times.py --topology 1e+1pd --concurrency 16 --seed 7
     python scripts/stage_times.py --topology 1e+1pd --encoder-arg=--threads --encoder-arg=1
+    python scripts/stage_times.py --model DIR --topology aggregated --concurrency 1 --requests 4 \
+        --warmup 1 --image-size 224
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="a new seed per run: images a server has cached are faster")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
+    ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--encoder-arg", action="append", default=[], help="an extra encoder flag (repeat)")
     ap.add_argument("--pd-arg", action="append", default=[], help="an extra PD/aggregated flag (repeat)")
     args = ap.parse_args()
@@ -53,7 +58,7 @@ def main() -> None:
     models = ["--dtype", args.dtype]
     d = Deployment(
         topo,
-        None,
+        args.model,
         port=free_port(),
         pin=True,
         extra_pd_args=[*models, *args.pd_arg],
@@ -61,13 +66,13 @@ def main() -> None:
     )
     d.start()
     try:
-        workload = WorkloadConfig(image_size=448, output_len=64)
+        workload = WorkloadConfig(image_size=args.image_size, output_len=64)
         cfg = BenchConfig(
             url=d.url,
             model="",
             workload=workload,
             num_requests=args.requests,
-            warmup=8,
+            warmup=args.warmup,
             concurrency=args.concurrency,
             seed=args.seed,
         )
