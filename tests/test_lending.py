@@ -116,3 +116,19 @@ def test_a_board_is_full_at_its_slots(board: Path) -> None:
         Board(board).claim(1)
     with pytest.raises(ValueError, match="between 1 and"):
         Board(board).claim(0)
+
+
+def test_a_new_board_removes_those_whose_up_was_killed_and_nothing_else(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"epd-cores-{dead.pid}-0123456789ab"
+    live = tmp_path / f"epd-cores-{os.getpid()}-0123456789ab"
+    unrelated = tmp_path / f"epd-cores-{dead.pid}"  # no random part: still a board name of a dead pid
+    other = tmp_path / "epd-slab-1-x"
+    for p in (stale, live, unrelated, other):
+        p.write_bytes(b"\0" * SIZE)
+    linked = tmp_path / f"epd-cores-{dead.pid}-link"
+    linked.symlink_to(other)
+    made = make_board(tmp_path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([live.name, other.name, made.name, linked.name])

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,16 +26,36 @@ SIZE = SLOTS * _SLOT.size
 MAX_OWN = 4096  # a slot claiming more cores than this is not read
 
 
+PREFIX = "epd-cores-"
+
+
 def make_board(directory: str | Path = "/dev/shm") -> Path:
-    """A new empty board, readable and writable by this user only; the caller removes it."""
+    """A new empty board, readable and writable by this user only; the caller removes it. Boards
+    of this user that an ``up`` killed outright left behind (its pid, in the name, gone) are
+    removed first."""
     base = Path(directory) if Path(directory).is_dir() else Path("/tmp")
-    path = base / f"epd-cores-{os.getpid()}-{os.urandom(6).hex()}"
+    remove_stale_boards(base)
+    path = base / f"{PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, SIZE)
     finally:
         os.close(fd)
     return path
+
+
+def remove_stale_boards(directory: Path) -> list[Path]:
+    """Remove the boards in ``directory`` that this user made and whose maker is no longer alive;
+    the paths removed. Another user's file, or one not named as a board, is never touched."""
+    removed = []
+    for path in directory.glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if pid.isdigit() and st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode) and not pid_alive(int(pid)):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 @dataclass(frozen=True)
