@@ -24,9 +24,7 @@ SLOTS = 64  # roles one board holds
 _SLOT = struct.Struct("<iiid")  # pid (0: free), own cores, computing (0/1), when it last stopped computing
 SIZE = SLOTS * _SLOT.size
 MAX_OWN = 4096  # a slot claiming more cores than this is not read
-
-
-PREFIX = "epd-cores-"
+PREFIX = "epd-cores-"  # a board's name: PREFIX, its maker's pid, "-", a random part
 
 
 def make_board(directory: str | Path = "/dev/shm") -> Path:
@@ -50,9 +48,11 @@ def remove_stale_boards(directory: Path) -> list[Path]:
     removed = []
     for path in directory.glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
         with contextlib.suppress(OSError):
             st = path.lstat()
-            if pid.isdigit() and st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode) and not pid_alive(int(pid)):
+            if st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode):
                 path.unlink()
                 removed.append(path)
     return removed
