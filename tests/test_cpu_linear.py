@@ -13,18 +13,22 @@ from torch import nn
 from epdserve.assets import default_model_dir
 from epdserve.kernels import KernelChoice
 from epdserve.kernels import cpu_linear as cpu_linear_module
-from epdserve.kernels.amx import AmxMatmul, load_amx
+from epdserve.kernels import tiles as tiles_module
+from epdserve.kernels.build import KernelBuildError, load_library
 from epdserve.kernels.cpu_linear import (
     EXACT_ROWS,
     TOWER_ONEDNN_WEIGHT,
-    AmxLinear,
     PackedLinear,
+    TileEmbedding,
+    TileLinear,
     packing_supported,
     prepare_linears,
     row_bucket,
+    tie_head,
 )
 from epdserve.kernels.ops import TorchOps
 from epdserve.kernels.parallel import shares
+from epdserve.kernels.tiles import TileMatmul, load_amx, load_tiles
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
 
@@ -62,8 +66,9 @@ def test_half_precision_linears_are_prepacked_where_the_cpu_runs_them(
     xs = [torch.randn(n, 256, dtype=dtype) for n in ROWS]
     want = [model(x) for x in xs]
     prepare_linears(model, dtype, torch.device("cpu"), kernels)
-    # bfloat16 on an AMX CPU: the compiled tile matmul, unless the kernels are turned off; else oneDNN
-    kind = AmxLinear if dtype == torch.bfloat16 and kernels == "auto" and load_amx() is not None else PackedLinear
+    # bfloat16 on a CPU with AMX or AVX-512 bfloat16: the compiled tile matmul, unless the kernels
+    # are turned off; else oneDNN
+    kind = TileLinear if dtype == torch.bfloat16 and kernels == "auto" and load_tiles() is not None else PackedLinear
     assert [type(m) for m in model] == [kind, nn.SiLU, kind]
     for x, y in zip(xs, want, strict=True):
         got = model(x)
@@ -75,36 +80,40 @@ def test_half_precision_linears_are_prepacked_where_the_cpu_runs_them(
 
 def test_large_linears_of_a_media_tower_go_to_onednn() -> None:
     """A tower multiplies whole items' patches per call: its large linears go to oneDNN's kernels,
-    its small ones and every linear outside it stay on the compiled AMX matmul."""
-    if load_amx() is None or not packing_supported(torch.bfloat16):
-        pytest.skip("needs AMX and oneDNN bfloat16")
+    its small ones and every linear outside it stay on the compiled tile matmul."""
+    if load_tiles() is None or not packing_supported(torch.bfloat16):
+        pytest.skip("needs AMX or AVX-512 bfloat16, and oneDNN bfloat16")
     big = TOWER_ONEDNN_WEIGHT // 512
     torch.manual_seed(0)
-    model = nn.ModuleDict(
-        {
-            "visual": nn.Sequential(nn.Linear(512, big), nn.Linear(big, 8)),
-            "language_model": nn.Sequential(nn.Linear(512, big)),
-        }
-    ).to(torch.bfloat16)
+    model = (
+        nn.ModuleDict(
+            {
+                "visual": nn.Sequential(nn.Linear(512, big), nn.Linear(big, 8)),
+                "language_model": nn.Sequential(nn.Linear(512, big)),
+            }
+        )
+        .to(torch.bfloat16)
+        .requires_grad_(False)
+    )
     x = torch.randn(300, 512, dtype=torch.bfloat16)
     want = model["visual"](x)
     prepare_linears(model, torch.bfloat16, torch.device("cpu"), towers=("visual",))
-    assert [type(m) for m in model["visual"]] == [PackedLinear, AmxLinear]
-    assert type(model["language_model"][0]) is AmxLinear
+    assert [type(m) for m in model["visual"]] == [PackedLinear, TileLinear]
+    assert type(model["language_model"][0]) is TileLinear
     assert_close_rel(model["visual"](x).float(), want.float(), rel=1e-2)
 
 
 def test_each_checkpoint_weight_is_freed_as_its_layout_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading never holds a model's linear weights twice: by the time a linear is laid out, the
     checkpoint weights of those laid out before it (outside its own parent) are gone."""
-    if load_amx() is None and not packing_supported(torch.bfloat16):
+    if load_tiles() is None and not packing_supported(torch.bfloat16):
         pytest.skip("this CPU keeps bfloat16 weights as loaded")
     model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(8)))
     model = model.to(torch.bfloat16)
     checkpoint = [weakref.ref(m.weight) for m in model.modules() if type(m) is nn.Linear]
     alive: list[int] = []
     module = cpu_linear_module
-    for cls in (module.AmxLinear, module.PackedLinear):
+    for cls in (module.TileLinear, module.PackedLinear):
         original = cls.__init__
 
         def counting(self, linear, *args, _original=original) -> None:  # type: ignore[no-untyped-def]
@@ -164,43 +173,62 @@ def test_padded_row_counts_give_exactly_the_unpadded_products(dtype: torch.dtype
         assert_close_rel(got.float(), model[0](x).float(), rel=1e-2)
 
 
+def _engine(engine: str) -> TileMatmul | None:
+    """The tile matmul's ``engine`` where this CPU runs it (an AMX CPU runs both)."""
+    if engine == "amx":
+        return load_amx()
+    try:
+        lib = load_library()
+    except KernelBuildError:
+        return None
+    return TileMatmul(lib, "avx512") if lib.epd_dot_available() == 1 else None
+
+
+@pytest.fixture(scope="module", params=["amx", "avx512"])
+def tiles(request: pytest.FixtureRequest) -> TileMatmul:
+    t = _engine(request.param)
+    if t is None:
+        pytest.skip(f"no {request.param} tile matmul here (CPU, compiler or operating system)")
+    return t
+
+
 @pytest.fixture(scope="module")
-def amx() -> AmxMatmul:
+def amx() -> TileMatmul:
     a = load_amx()
     if a is None:
         pytest.skip("no AMX here (CPU, compiler or operating system)")
     return a
 
 
-@pytest.mark.parametrize(("k", "n", "bias"), [(256, 1536, False), (768, 256, False), (1176, 128, True), (40, 24, True)])
-def test_the_amx_matmul_equals_f_linear_at_any_row_count(amx: AmxMatmul, k: int, n: int, bias: bool) -> None:
-    """Whole and partial 16-row blocks, K a multiple of 32 or not, N a multiple of 16 or not:
+@pytest.mark.parametrize(
+    ("k", "n", "bias"), [(256, 1536, False), (768, 256, False), (1176, 128, True), (40, 24, True), (37, 33, True)]
+)
+def test_the_tile_matmul_equals_f_linear_at_any_row_count(tiles: TileMatmul, k: int, n: int, bias: bool) -> None:
+    """Whole and partial row blocks, K a multiple of 32 or not (odd too), N a multiple of 16 or not:
     float32 sums of the same products rounded once, so within a bfloat16 rounding of F.linear
     (oneDNN's sums, in their own order)."""
     torch.manual_seed(k + n)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16) if bias else None
-    packed = amx.pack(w)
+    packed = tiles.pack(w)
     for rows in (1, 5, 16, 17, 46, 64, 300):
         x = torch.randn(rows, k, dtype=torch.bfloat16)
-        got = amx.linear(x, packed, n, b)
+        got = tiles.linear(x, packed, n, b)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         assert_close_rel(got.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), rel=1e-2)
     strided = torch.randn(7, k + 9, dtype=torch.bfloat16)[:, 3 : 3 + k]  # rows with a stride of their own
-    assert torch.equal(amx.linear(strided, packed, n, b), amx.linear(strided.contiguous(), packed, n, b))
-    assert amx.linear(torch.randn(2, 3, k, dtype=torch.bfloat16), packed, n, b).shape == (2, 3, n)
-    assert amx.linear(torch.empty(0, k, dtype=torch.bfloat16), packed, n, b).shape == (0, n)
+    assert torch.equal(tiles.linear(strided, packed, n, b), tiles.linear(strided.contiguous(), packed, n, b))
+    assert tiles.linear(torch.randn(2, 3, k, dtype=torch.bfloat16), packed, n, b).shape == (2, 3, n)
+    assert tiles.linear(torch.empty(0, k, dtype=torch.bfloat16), packed, n, b).shape == (0, n)
 
 
 @pytest.mark.parametrize(("m", "k", "n", "bias"), [(300, 1536, 8960, False), (1024, 1280, 3 * 1280 + 16, True)])
 def test_a_large_amx_matmul_split_over_threads_equals_one_call(
-    amx: AmxMatmul, m: int, k: int, n: int, bias: bool, monkeypatch: pytest.MonkeyPatch
+    amx: TileMatmul, m: int, k: int, n: int, bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Large enough to be split by output columns over torch's threads (an N that is no multiple
     of the split's 64 columns too): every column exactly as one call computes it."""
-    from epdserve.kernels import amx as amx_module
-
-    assert m * k * n >= amx_module.PARALLEL_MACS
+    assert m * k * n >= tiles_module.PARALLEL_MACS
     torch.manual_seed(m)
     w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(m, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16) if bias else None
@@ -225,13 +253,76 @@ def test_a_large_amx_matmul_split_over_threads_equals_one_call(
     assert shares(n, 1, 64) == [(0, n)]
 
 
-def test_the_amx_matmul_refuses_what_does_not_fit_its_weight(amx: AmxMatmul) -> None:
-    packed = amx.pack(torch.randn(32, 64, dtype=torch.bfloat16))
+def test_the_tile_matmul_refuses_what_does_not_fit_its_weight(tiles: TileMatmul) -> None:
+    packed = tiles.pack(torch.randn(32, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 rows"):
-        amx.linear(torch.randn(4, 64), packed, 32)  # float32
+        tiles.linear(torch.randn(4, 64), packed, 32)  # float32
     with pytest.raises(ValueError, match="bfloat16 rows"):
-        amx.linear(torch.randn(4, 96, dtype=torch.bfloat16), packed, 32)  # another K
+        tiles.linear(torch.randn(4, 96, dtype=torch.bfloat16), packed, 32)  # another K
     with pytest.raises(ValueError, match="bias"):
-        amx.linear(torch.randn(4, 64, dtype=torch.bfloat16), packed, 32, torch.randn(31, dtype=torch.bfloat16))
+        tiles.linear(torch.randn(4, 64, dtype=torch.bfloat16), packed, 32, torch.randn(31, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="2-D bfloat16"):
-        amx.pack(torch.randn(32, 64))
+        tiles.pack(torch.randn(32, 64))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 8960), (300, 1280, 3 * 1280 + 16), (5, 8960, 1536)])
+def test_the_avx512_matmul_split_over_threads_equals_one_call(m: int, k: int, n: int) -> None:
+    """The AVX-512 engine splits inside its call, on torch's OpenMP threads: every column exactly
+    as one thread computes it, whatever the thread count (an N that is no multiple of 64 too)."""
+    tiles = _engine("avx512")
+    if tiles is None:
+        pytest.skip("no AVX-512 bfloat16 here")
+    assert tiles.splits(m, k, n)
+    torch.manual_seed(n)
+    w, x, b = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((n, k), (m, k), (n,)))
+    packed = tiles.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(tiles.linear(x, packed, n, b))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_a_tied_table_is_held_once_in_the_tile_layout_for_lookups_and_logits() -> None:
+    """Where the AVX-512 engine runs, a tied bfloat16 table becomes a ``TileEmbedding``: lookups
+    give exactly the table's rows (any id shape, the last rows of a partial 16-row block too),
+    the projection is F.linear's within a bfloat16 rounding, and an id outside the table is an
+    IndexError as with nn.Embedding. Elsewhere, in float32 or with the kernels off, the table
+    stays as it is."""
+    torch.manual_seed(0)
+    table = nn.Embedding(1000, 72).to(torch.bfloat16)  # 1000 rows: 62.5 blocks of 16; 72: a ragged K
+    assert tie_head(table, "torch") is table
+    assert tie_head(nn.Embedding(1000, 72), "auto").__class__ is nn.Embedding  # float32
+    tied = tie_head(table, "auto")
+    if _engine("avx512") is None or load_amx() is not None:
+        assert tied is table
+        pytest.skip("the tied table is laid out only where the AVX-512 engine is this CPU's tile matmul")
+    assert isinstance(tied, TileEmbedding)
+    ids = torch.tensor([[0, 15, 16, 999], [998, 992, 500, 1]])
+    assert torch.equal(tied(ids), table(ids))
+    assert tied(torch.tensor([], dtype=torch.long)).shape == (0, 72)
+    hidden = torch.randn(3, 72, dtype=torch.bfloat16)
+    assert_close_rel(tied.project(hidden).float(), F.linear(hidden.float(), table.weight.float()), rel=1e-2)
+    for bad in (1000, 1007, -1):  # past the table, inside the layout's padding, negative
+        with pytest.raises(IndexError):
+            tied(torch.tensor([3, bad]))
+
+
+def test_a_loaded_tied_model_answers_with_its_table_in_the_tile_layout() -> None:
+    """The embedded checkpoint ties its table: in bfloat16 with the AVX-512 engine the table is
+    laid out once, and the logits equal those of the kernels turned off within bfloat16 roundings."""
+    if _engine("avx512") is None or load_amx() is not None:
+        pytest.skip("needs the AVX-512 engine as this CPU's tile matmul")
+    tiled, _ = load_model(default_model_dir(), frozenset({"language"}), torch.bfloat16)
+    plain, _ = load_model(default_model_dir(), frozenset({"language"}), torch.bfloat16, kernels="torch")
+    lm, ref = tiled.language_model, plain.language_model
+    assert lm.lm_head is None and isinstance(lm.embed_tokens, TileEmbedding)
+    assert type(ref.embed_tokens) is nn.Embedding
+    ids = torch.arange(0, lm.config.vocab_size, 7)
+    assert torch.equal(lm.embed_tokens(ids), ref.embed_tokens(ids))
+    hidden = torch.randn(5, lm.config.hidden_size, dtype=torch.bfloat16)
+    assert_close_rel(lm.compute_logits(hidden).float(), ref.compute_logits(hidden).float(), rel=2e-2)

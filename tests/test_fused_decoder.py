@@ -12,8 +12,8 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.inputs import InputBuilder
 from epdserve.hf_reference import HFReference
-from epdserve.kernels.amx import load_amx
 from epdserve.kernels.fused import FusedDecoder, RowWise
+from epdserve.kernels.tiles import load_amx
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from tests.engine_utils import cases, drain

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # The two numbers Python and the C++ source must agree on, defined once on each side and checked
 # at load (``load_library``): the ABI of the signatures below (epd_kernels_abi()) and the length
 # of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
-ABI = 9
+ABI = 10
 POINTERS_PER_LAYER = 9
 FLAGS = (
     "-O3",
@@ -40,7 +40,7 @@ FLAGS = (
     "-ffp-contract=off",
     "-fno-trapping-math",
     "-fno-math-errno",
-    "-fopenmp-simd",
+    "-fopenmp",
     "-fPIC",
     "-shared",
     "-std=c++17",
@@ -221,6 +221,8 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_amx_available": [],
         "epd_amx_pack": [p, i64, i64, p],
         "epd_amx_linear": [p, i64, i64, i64, p, i64, p, p, i64],
+        "epd_dot_available": [],
+        "epd_dot_linear": [p, i64, i64, i64, p, i64, p, p, i64, i64],
         "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
@@ -233,6 +235,8 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_resize_bicubic_u8",
         "epd_amx_available",
         "epd_amx_linear",
+        "epd_dot_available",
+        "epd_dot_linear",
         "epd_decoder_stack",
     }
     for name, args in signatures.items():

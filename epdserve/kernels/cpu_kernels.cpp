@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) || defined(__AMX_BF16__)
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__AMX_BF16__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_BF16__)
@@ -610,6 +613,88 @@ int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t h
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// The tile layout of ``epd_amx_pack`` read by AVX-512 bfloat16 dot products, for CPUs without
+// AMX: in a block of 16 output columns, input pair p holds 16 columns x 2 inputs (64 bytes), so
+// one load and a broadcast pair of x make 16 float32 sums. R rows of x against B blocks, the
+// weight read once for all R rows; the bias added in float32, one rounding (as amx_linear).
+
+// one input pair of R rows (``xp[r]``: its two bfloat16 values) into the sums of B column blocks
+template <int R, int B>
+inline void dot_pair(__m512 (&acc)[R][B], const bf16* w, int64_t kb, int64_t p, const uint32_t (&xp)[R]) {
+    __m512bh wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * kb * 512 + p * 32);
+    for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xb, wv[b]);
+    }
+}
+
+template <int R, int B>
+void dot_tile(const bf16* x, int64_t sx, int64_t k, const bf16* w, int64_t kb, const bf16* bias, bf16* out,
+              int64_t so, int64_t cols) {
+    __m512 acc[R][B];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    uint32_t xp[R];
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+        for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x + r * sx + 2 * p, 4);
+        dot_pair<R, B>(acc, w, kb, p, xp);
+    }
+    if (k % 2) {  // a half pair: the weight's other half is the layout's zero padding
+        for (int r = 0; r < R; ++r) xp[r] = x[r * sx + k - 1];
+        dot_pair<R, B>(acc, w, kb, pairs, xp);
+    }
+    for (int b = 0; b < B; ++b) {
+        const int64_t left = cols - b * 16;
+        const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias)
+            bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + b * 16)), 16));
+        for (int r = 0; r < R; ++r) {
+            const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bv));
+            _mm256_mask_storeu_epi16(out + r * so + b * 16, mask, (__m256i)v);
+        }
+    }
+}
+
+template <int B>
+void dot_rows(int64_t rows, const bf16* x, int64_t sx, int64_t k, const bf16* w, int64_t kb, const bf16* bias,
+              bf16* out, int64_t so, int64_t cols) {
+    switch (rows) {
+        case 1: dot_tile<1, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        case 2: dot_tile<2, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        case 3: dot_tile<3, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        case 4: dot_tile<4, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        case 5: dot_tile<5, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        case 6: dot_tile<6, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        case 7: dot_tile<7, B>(x, sx, k, w, kb, bias, out, so, cols); break;
+        default: dot_tile<8, B>(x, sx, k, w, kb, bias, out, so, cols);
+    }
+}
+
+// out [m, n] (row stride so) = x [m, k] (row stride sx) . w^T (+ bias), w in the tile layout:
+// two column blocks at a time against every group of up to 8 rows (the blocks stay in cache)
+void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp, int64_t n, const bf16* bias,
+                bf16* out, int64_t so) {
+    const int64_t kb = (k + 31) / 32, nb = (n + 15) / 16;
+    for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+        const bf16* w = wp + b0 * kb * 512;
+        const bf16* bb = bias ? bias + b0 * 16 : nullptr;
+        const int64_t cols = n - b0 * 16 < 32 ? n - b0 * 16 : 32;
+        for (int64_t r = 0; r < m; r += 8) {
+            const int64_t rows = m - r < 8 ? m - r : 8;
+            if (nb - b0 >= 2)
+                dot_rows<2>(rows, x + r * sx, sx, k, w, kb, bb, out + r * so + b0 * 16, so, cols);
+            else
+                dot_rows<1>(rows, x + r * sx, sx, k, w, kb, bb, out + r * so + b0 * 16, so, cols);
+        }
+    }
+}
+#endif
+
 }  // namespace
 
 
@@ -620,7 +705,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 9; }
+int epd_kernels_abi() { return 10; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -715,6 +800,46 @@ int epd_amx_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so;
+    return -1;
+#endif
+}
+
+// The same product on the same layout by AVX-512 bfloat16 dot products (CPUs without AMX); -1
+// where the CPU has neither
+int epd_dot_available() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// On up to ``threads`` threads of the OpenMP runtime the process already runs (torch's, which the
+// library shares when built by GCC), each taking a span of 64-column groups: torch's own threads
+// would otherwise spin on the cores a second pool needs. A column's sums do not depend on the split.
+int epd_dot_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const uint16_t* wp, int64_t n,
+                   const uint16_t* bias, uint16_t* out, int64_t so, int64_t threads) {
+#if defined(__AVX512BF16__)
+    if (m < 1 || k < 1 || n < 1 || sx < k || so < n || threads < 1) return -1;
+    const int64_t groups = (n + 63) / 64, kb = (k + 31) / 32;
+    const int parts = static_cast<int>(threads < groups ? threads : groups);
+    auto span = [&](int t) {
+        const int64_t a = groups * t / parts * 64, b0 = groups * (t + 1) / parts * 64, b = b0 < n ? b0 : n;
+        if (a < b) dot_linear(x, sx, m, k, wp + a / 16 * kb * 512, b - a, bias ? bias + a : nullptr, out + a, so);
+    };
+    if (parts == 1) {
+        span(0);
+        return 0;
+    }
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(parts)
+    span(omp_get_thread_num());
+#else
+    for (int t = 0; t < parts; ++t) span(t);
+#endif
+    return 0;
+#else
+    (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;
     return -1;
 #endif
 }

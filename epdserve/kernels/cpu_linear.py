@@ -6,15 +6,17 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   it packs again on every call; stored column-major (the same values, ``weight`` still
   ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]`` matrix and that copy is
   gone. Same kernels, same results.
-- **bfloat16 on a CPU with AMX**: the compiled kernels' tile matmul (``AmxLinear``,
-  ``kernels.amx``), the weight packed once at load: no per-call setup and nothing compiled per row
-  count; at or under oneDNN's time at the row counts measured (docs/benchmarks.md) but for one
-  shape at 192 rows and more.
+- **bfloat16 on a CPU with AMX or with AVX-512 bfloat16**: the compiled kernels' tile matmul
+  (``TileLinear``, ``kernels.tiles``), the weight packed once at load: no per-call setup and
+  nothing compiled per row count. With AMX it is at or under oneDNN's time at the row counts
+  measured but for one shape at 192 rows and more; with AVX-512 bfloat16 alone it reads the
+  weight of a decode step faster than oneDNN and keeps level with it at hundreds of rows
+  (docs/benchmarks.md).
 - **bfloat16 in a media tower** (``towers``), where every call multiplies a whole item's
   patches (hundreds of rows): oneDNN's own AMX kernels (``PackedLinear``) once the weight is as
   large as ``TOWER_ONEDNN_WEIGHT`` elements, the compiled tile matmul below that - at hundreds of
   rows oneDNN leads on large weights and trails on small ones (docs/benchmarks.md).
-- **bfloat16 without AMX, float16**: oneDNN (AVX-512 where the CPU has it) reorders the weight
+- **bfloat16 without either, float16**: oneDNN (AVX-512 where the CPU has it) reorders the weight
   into its blocked layout on every call; ``PackedLinear`` does it once, at load, as vLLM's CPU
   backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
 
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels import KernelChoice
-from epdserve.kernels.amx import AmxMatmul, load_amx
+from epdserve.kernels.tiles import TileMatmul, load_tiles
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
 EXACT_ROWS = 16  # row counts up to this run as they are; larger ones are rounded up (row_bucket)
@@ -90,22 +92,62 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class AmxLinear(nn.Module):
-    """A loaded bfloat16 ``nn.Linear`` multiplied on AMX tiles by the compiled kernels
-    (``kernels.amx``): ``weight`` holds the tile layout (1-D), packed once at load."""
+class TileLinear(nn.Module):
+    """A loaded bfloat16 ``nn.Linear`` multiplied by the compiled tile matmul (``kernels.tiles``,
+    on AMX or AVX-512 bfloat16): ``weight`` holds the tile layout (1-D), packed once at load."""
 
-    def __init__(self, linear: nn.Linear, amx: AmxMatmul) -> None:
+    def __init__(self, linear: nn.Linear, matmul: TileMatmul) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.amx = amx
-        self.weight = nn.Parameter(amx.pack(linear.weight), requires_grad=False)
+        self.matmul = matmul
+        self.weight = nn.Parameter(matmul.pack(linear.weight), requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.amx.linear(x, self.weight, self.out_features, self.bias)
+        return self.matmul.linear(x, self.weight, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class TileEmbedding(nn.Module):
+    """An embedding table that is also the output projection (tied weights), held once, in the
+    tile layout: the projection is the tile matmul (a decode step reads the whole table, which
+    ``F.linear`` would first lay out again on every call) and a lookup gathers its rows from the
+    layout, the same values as the table's. Made by ``tie_head``."""
+
+    def __init__(self, embedding: nn.Embedding, matmul: TileMatmul) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.matmul = matmul
+        self.weight = nn.Parameter(matmul.pack(embedding.weight), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        k = self.embedding_dim
+        # per 16 rows: pairs of inputs, each 16 rows x 2 values (see kernels.tiles)
+        blocks = self.weight.view(-1, -(-k // 32) * 16, 16, 2)
+        rows = blocks[flat // 16, :, flat % 16, :].reshape(flat.numel(), blocks.shape[1] * 2)[:, :k]
+        return rows.reshape(*ids.shape, k)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., dim] → [..., num_embeddings]: ``F.linear(hidden, table)``."""
+        return self.matmul.linear(hidden, self.weight, self.num_embeddings)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+def tie_head(embedding: nn.Embedding, kernels: KernelChoice = "auto") -> nn.Embedding | TileEmbedding:
+    """The tied table of a language model laid out for its projection: a ``TileEmbedding`` where
+    its bfloat16 linears go to the AVX-512 bfloat16 tile matmul, else ``embedding`` as it is.
+    (On AMX the tied projection stays ``F.linear``: it has not been measured there.)"""
+    if embedding.weight.dtype != torch.bfloat16 or embedding.weight.device.type != "cpu" or kernels != "auto":
+        return embedding
+    tiles = load_tiles()
+    return TileEmbedding(embedding, tiles) if tiles is not None and tiles.engine == "avx512" else embedding
 
 
 def prepare_linears(
@@ -116,11 +158,12 @@ def prepare_linears(
     towers: tuple[str, ...] = (),
 ) -> None:
     """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above);
-    bfloat16 ones go to the compiled AMX matmul where the CPU has AMX (``kernels`` "auto"), but
+    bfloat16 ones go to the compiled tile matmul where the CPU has AMX or AVX-512 bfloat16
+    (``kernels`` "auto"), but
     for the large ones of the submodules named in ``towers`` (media towers: many rows per call)."""
     if device.type != "cpu":
         return
-    amx = load_amx() if dtype == torch.bfloat16 and kernels == "auto" else None
+    tiles = load_tiles() if dtype == torch.bfloat16 and kernels == "auto" else None
     pack = packing_supported(dtype)
     # the linears themselves stay out of the list: each checkpoint weight is freed as soon as its
     # layout replaces it, so loading never holds the weights twice
@@ -131,8 +174,8 @@ def prepare_linears(
             if type(child) is not nn.Linear:
                 continue
             many_rows = in_tower and child.weight.numel() >= TOWER_ONEDNN_WEIGHT
-            if amx is not None and not (many_rows and pack):
-                setattr(module, name, AmxLinear(child, amx))
+            if tiles is not None and not (many_rows and pack):
+                setattr(module, name, TileLinear(child, tiles))
             elif pack:
                 setattr(module, name, PackedLinear(child))
             elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():

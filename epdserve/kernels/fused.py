@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from epdserve.kernels.amx import AmxMatmul
 from epdserve.kernels.build import POINTERS_PER_LAYER
+from epdserve.kernels.tiles import TileMatmul
 
 
 class StackShape(NamedTuple):
@@ -74,7 +74,7 @@ class FusedDecoder:
         if hkv < 1 or hq % hkv or d % 8 or len(k_cache) != len(layers) or len(v_cache) != len(layers):
             raise ValueError("unsupported attention shape, or not one K and one V cache per layer")
         qkvw = (hq + 2 * hkv) * d
-        size = AmxMatmul.packed_size
+        size = TileMatmul.packed_size
         self.lib, self.shape = lib, shape
         self.blocks, self.block_size = k_cache[0].shape[0], k_cache[0].shape[1]
         rows = []
@@ -95,14 +95,14 @@ class FusedDecoder:
         _check(final_norm, h, "final norm")
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(len(layers), POINTERS_PER_LAYER)
         # the stack runs on one thread; matmuls this large split over torch's threads layer by layer
-        self.splits = any(AmxMatmul.splits(1, k, n) for k, n in ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h)))
+        self.splits = any(TileMatmul.splits(1, k, n) for k, n in ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h)))
         # the tensors whose addresses the table holds stay alive as long as it does
         self._held = (list(layers), list(k_cache), list(v_cache))
         self.final_norm = final_norm
 
     def preferred(self) -> bool:
         """Whether the stack is the faster path for a row-wise step now: always on one thread;
-        with more, only when its matmuls are too small to split (``AmxMatmul.splits``), since the
+        with more, only when its matmuls are too small to split (``TileMatmul.splits``), since the
         layer-by-layer path reads a large weight on every thread at once."""
         return not self.splits or torch.get_num_threads() == 1
 

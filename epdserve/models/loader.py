@@ -21,6 +21,7 @@ from torch import nn
 from epdserve.kernels import KernelChoice
 from epdserve.kernels.cpu_linear import prepare_linears
 from epdserve.models.config import ALL_PARTS, ModelConfig
+from epdserve.models.layers.decoder import Qwen2LanguageModel
 from epdserve.models.registry import model_class
 
 
@@ -120,6 +121,9 @@ def load_model(
     # every top-level part but the language model is a media tower: whole items' patches per call
     towers = tuple(name for name, _ in model.named_children() if name != "language_model")
     prepare_linears(model, dtype, torch.device(device), kernels, towers)
+    for module in model.modules():
+        if isinstance(module, Qwen2LanguageModel):
+            module.lay_out_tied_head(kernels)
     model.eval().requires_grad_(False)
     report = LoadReport(
         model_dir=str(model_dir),

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.kernels.cpu_linear import AmxLinear
+from epdserve.kernels import KernelChoice
+from epdserve.kernels.cpu_linear import TileEmbedding, TileLinear, tie_head
 from epdserve.kernels.fused import FusedDecoder, LayerWeights, StackShape
 from epdserve.kernels.ops import LayerOps, TorchOps
 from epdserve.models.base import AttentionBackend, DeepStack
@@ -56,7 +57,7 @@ class Qwen2LanguageModel(nn.Module):
         self.config = config
         # given its weight, Embedding skips its random init (on the meta device that init would
         # import torch's compiler stack: seconds of startup); the checkpoint fills it anyway
-        self.embed_tokens = nn.Embedding(
+        self.embed_tokens: nn.Embedding | TileEmbedding = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -113,12 +114,8 @@ class Qwen2LanguageModel(nn.Module):
             layer = cast(DecoderLayer, module)
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-            if not (
-                isinstance(qkv, AmxLinear)
-                and isinstance(o, AmxLinear)
-                and isinstance(gate_up, AmxLinear)
-                and isinstance(down, AmxLinear)
-            ):
+            linears = (qkv, o, gate_up, down)
+            if not all(isinstance(m, TileLinear) and m.matmul.engine == "amx" for m in linears):
                 return None
             if attn.q_norm is not None or mlp.act is not F.silu or any(m.bias is not None for m in (o, gate_up, down)):
                 return None
@@ -129,4 +126,13 @@ class Qwen2LanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""
-        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if isinstance(self.embed_tokens, TileEmbedding):
+            return self.embed_tokens.project(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)
+
+    def lay_out_tied_head(self, kernels: KernelChoice) -> None:
+        """A tied table in the layout its projection reads fastest on this CPU (``tie_head``)."""
+        if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
+            self.embed_tokens = tie_head(self.embed_tokens, kernels)
