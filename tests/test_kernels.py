@@ -321,3 +321,25 @@ def test_an_unsafe_cache_is_not_used_and_says_how_to_fix_it(
     assert path.parent != cache and not list(cache.iterdir())
     assert "chmod 700" in caplog.text and build.CACHE_ENV in caplog.text
     shutil.rmtree(path.parent)
+
+
+@needs_compiler
+def test_a_compiler_without_an_openmp_runtime_still_builds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, small_source: Path
+) -> None:
+    """A compiler that refuses ``-fopenmp`` (clang without libomp) builds without it: the
+    kernels then split nothing over threads, but they load."""
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "cxx-without-openmp"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "unsupported option -fopenmp" >&2; exit 1; }; done\n'
+        f'exec {COMPILER} "$@"\n'
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    assert build.open_library(tmp_path / "cache", small_source).epd_kernels_abi() == build.ABI
+    builds = [line.split() for line in calls.read_text().splitlines() if "-o" in line.split()]
+    assert len(builds) == 2 and "-fopenmp" in builds[0] and "-fopenmp" not in builds[1], builds
+    assert "-fopenmp-simd" in builds[1]

@@ -33,6 +33,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
 ABI = 10
 POINTERS_PER_LAYER = 9
+# -fopenmp: the AVX-512 tile matmul splits its columns on the OpenMP runtime the process already
+# runs, torch's (GCC's libgomp, loaded by soname before this library); a compiler whose OpenMP
+# runtime is missing builds without it (NO_OPENMP), and that matmul then runs on one thread
 FLAGS = (
     "-O3",
     "-march=native",
@@ -45,6 +48,7 @@ FLAGS = (
     "-shared",
     "-std=c++17",
 )
+NO_OPENMP = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)
 
 
 _TEMP_PREFIX = "epd-kernels-"  # a private one-off build directory, when the cache cannot be used
@@ -154,7 +158,10 @@ def library_path(cache_dir: Path | None = None, rebuild: bool = False, source: P
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        for flags in (FLAGS, NO_OPENMP):
+            done = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             raise KernelBuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # atomic: processes building at once each install a whole file
