@@ -124,13 +124,11 @@ class TileEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        k = self.embedding_dim
-        # per 16 rows: pairs of inputs, each 16 rows x 2 values (see kernels.tiles)
-        blocks = self.weight.view(-1, -(-k // 32) * 16, 16, 2)
-        rows = blocks[flat // 16, :, flat % 16, :].reshape(flat.numel(), blocks.shape[1] * 2)[:, :k]
-        return rows.reshape(*ids.shape, k)
+        if flat.numel():
+            low, high = torch.aminmax(flat)
+            if int(low) < 0 or int(high) >= self.num_embeddings:
+                raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        return self.matmul.rows(self.weight, flat, self.embedding_dim).reshape(*ids.shape, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., dim] → [..., num_embeddings]: ``F.linear(hidden, table)``."""
@@ -140,14 +138,14 @@ class TileEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-def tie_head(embedding: nn.Embedding, kernels: KernelChoice = "auto") -> nn.Embedding | TileEmbedding:
+def tie_head(embedding: nn.Embedding, tiles: TileMatmul | None) -> nn.Embedding | TileEmbedding:
     """The tied table of a language model laid out for its projection: a ``TileEmbedding`` where
-    its bfloat16 linears go to the AVX-512 bfloat16 tile matmul, else ``embedding`` as it is.
-    (On AMX the tied projection stays ``F.linear``: it has not been measured there.)"""
-    if embedding.weight.dtype != torch.bfloat16 or embedding.weight.device.type != "cpu" or kernels != "auto":
+    ``tiles`` (what ``prepare_linears`` chose for the model's linears; None: none) is the AVX-512
+    bfloat16 engine, else ``embedding`` as it is. (On AMX the tied projection stays ``F.linear``:
+    it has not been measured there.)"""
+    if tiles is None or tiles.engine != "avx512" or embedding.weight.dtype != torch.bfloat16:
         return embedding
-    tiles = load_tiles()
-    return TileEmbedding(embedding, tiles) if tiles is not None and tiles.engine == "avx512" else embedding
+    return TileEmbedding(embedding, tiles)
 
 
 def prepare_linears(
@@ -156,13 +154,13 @@ def prepare_linears(
     device: torch.device,
     kernels: KernelChoice = "auto",
     towers: tuple[str, ...] = (),
-) -> None:
+) -> TileMatmul | None:
     """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above);
     bfloat16 ones go to the compiled tile matmul where the CPU has AMX or AVX-512 bfloat16
-    (``kernels`` "auto"), but
-    for the large ones of the submodules named in ``towers`` (media towers: many rows per call)."""
+    (``kernels`` "auto"), but for the large ones of the submodules named in ``towers`` (media
+    towers: many rows per call). Returns that tile matmul, or None where none is used."""
     if device.type != "cpu":
-        return
+        return None
     tiles = load_tiles() if dtype == torch.bfloat16 and kernels == "auto" else None
     pack = packing_supported(dtype)
     # the linears themselves stay out of the list: each checkpoint weight is freed as soon as its
@@ -180,3 +178,4 @@ def prepare_linears(
                 setattr(module, name, PackedLinear(child))
             elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
+    return tiles

@@ -67,6 +67,14 @@ class TileMatmul:
         self.lib.epd_amx_pack(w.data_ptr(), n, k, out.data_ptr())
         return out
 
+    @staticmethod
+    def rows(packed: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
+        """Rows ``index`` (1-D) of the [out, in] weight ``packed`` holds, exactly: per 16 rows, the
+        input pairs of 16 rows x 2 values each, the inputs zero-padded to a multiple of 32."""
+        blocks = packed.view(-1, -(-in_features // 32) * 16, 16, 2)
+        picked = blocks[index // 16, :, index % 16, :]
+        return picked.reshape(index.numel(), blocks.shape[1] * 2)[:, :in_features]
+
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -120,10 +120,10 @@ def load_model(
     loadable.init_buffers()
     # every top-level part but the language model is a media tower: whole items' patches per call
     towers = tuple(name for name, _ in model.named_children() if name != "language_model")
-    prepare_linears(model, dtype, torch.device(device), kernels, towers)
+    tiles = prepare_linears(model, dtype, torch.device(device), kernels, towers)
     for module in model.modules():
         if isinstance(module, Qwen2LanguageModel):
-            module.lay_out_tied_head(kernels)
+            module.lay_out_tied_head(tiles)
     model.eval().requires_grad_(False)
     report = LoadReport(
         model_dir=str(model_dir),

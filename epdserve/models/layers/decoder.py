@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.kernels import KernelChoice
 from epdserve.kernels.cpu_linear import TileEmbedding, TileLinear, tie_head
 from epdserve.kernels.fused import FusedDecoder, LayerWeights, StackShape
 from epdserve.kernels.ops import LayerOps, TorchOps
+from epdserve.kernels.tiles import TileMatmul
 from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import TextConfig
 from epdserve.models.layers.attention import Attention
@@ -132,7 +132,8 @@ class Qwen2LanguageModel(nn.Module):
             return self.embed_tokens.project(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def lay_out_tied_head(self, kernels: KernelChoice) -> None:
-        """A tied table in the layout its projection reads fastest on this CPU (``tie_head``)."""
+    def lay_out_tied_head(self, tiles: TileMatmul | None) -> None:
+        """A tied table in the layout its projection reads fastest with the tile matmul the
+        model's linears got (``tie_head``)."""
         if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
-            self.embed_tokens = tie_head(self.embed_tokens, kernels)
+            self.embed_tokens = tie_head(self.embed_tokens, tiles)
