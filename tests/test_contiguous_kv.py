@@ -5,8 +5,10 @@ list) and outgrow the mirror's capacity; and its memory is resident only as far 
 
 from __future__ import annotations
 
+import os
 import random
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -143,12 +145,19 @@ def test_a_row_of_a_sequence_that_stopped_decoding_is_reused_first() -> None:
 
 
 def test_lazy_zeros_are_zero_and_resident_only_where_touched() -> None:
-    def resident_mb() -> float:
-        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+    def resident_mb(t: torch.Tensor) -> float:
+        """The resident memory of ``t``'s own pages (/proc/self/pagemap: bit 63 of a page's entry
+        is set while it is in memory), not the whole process's, which other threads of a test
+        worker may grow meanwhile."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        first, end = t.data_ptr() // page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page)
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((end - first) * 8), dtype=np.uint64)
+        return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page / 2**20
 
-    before = resident_mb()
     t = lazy_zeros((64, 1024, 1024), torch.float32, CPU)  # 256 MiB
-    assert resident_mb() - before < 32
+    assert resident_mb(t) < 32
     t[3, 5, 7] = 1.5
     assert t.dtype == torch.float32 and float(t[3].sum()) == 1.5 and float(t[0].abs().sum()) == 0.0
     assert lazy_zeros((2, 3), torch.bfloat16, CPU).dtype == torch.bfloat16
