@@ -107,6 +107,7 @@ TIERS: dict[str, str] = {
     "test_encoder.py": "integration",
     "test_engine_client.py": "integration",
     "test_kernels.py": "integration",
+    "test_isa.py": "integration",
     "test_logprobs.py": "integration",
     "test_mooncake_store.py": "integration",
     "test_router.py": "integration",
