@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from epdserve.kernels import build
+
 COMPILER = shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")
 ROOT = Path(__file__).resolve().parents[1]
 # the tests that exercise every kernel and every linear layout, then the engine's greedy tokens
@@ -23,16 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITES = ("test_kernels.py", "test_resample.py", "test_cpu_linear.py", "test_fused_decoder.py", "test_engine_oracle.py")
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(line.startswith("flags") and flag in line.split() for line in text.splitlines())
-
-
 pytestmark = pytest.mark.skipif(
-    not COMPILER or platform.machine() != "x86_64" or not _cpu_has("avx2"),
+    not COMPILER or platform.machine() != "x86_64" or "avx2" not in build._cpu_flags().split(),
     reason="needs a C++ compiler on an x86-64 CPU with AVX2",
 )
 
@@ -76,7 +70,7 @@ def test_an_avx2_build_reports_no_avx512_engines_and_passes_the_kernel_and_oracl
 
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(f"tests/{s}" for s in SUITES)],
-        env={**env, "EPD_TEST_WORKERS": "0"},
+        env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
