@@ -10,12 +10,14 @@ import json
 import os
 import shlex
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from epdserve.launcher import process_tree
+from epdserve.launcher import free_port, port_available, process_tree
 from tests.server_utils import http, internal_headers
 from tests.test_up import alive, image_content, proc_cmdline, up, wait_for
 from tests.test_vllm_connector import VLLM_ARGS, VLLM_ENV
@@ -140,3 +142,33 @@ def test_up_with_vllm_that_fails_at_start_says_so_in_one_line(tmp_path: Path) ->
         assert "[pd0 vllm] " in (u.logs / "pd0.log").read_text(errors="replace")
         pids = set(u.seen)
         assert wait_for(lambda: not any(alive(p) for p in pids), 30)
+
+
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports no server listens on."""
+    while True:
+        first = free_port()
+        if first + n < 65536 and all(port_available("127.0.0.1", first + i) for i in range(n)):
+            return first
+
+
+def test_the_gpu_check_s_vllm_part_runs_on_the_cpu(tmp_path: Path) -> None:
+    """``scripts/gpu_check.sh --vllm-only`` rehearsed with vLLM's CPU build (``EPD_CHECK_DEVICE=cpu``):
+    ``up --lm-engine vllm`` answers, then the benchmark runs through the router to an encoder and a
+    vLLM with epdserve's connector, and against a plain vLLM; nothing is left running."""
+    out = tmp_path / "out"
+    first = _free_ports(5)
+    env = dict(os.environ, EPD_CHECK_DEVICE="cpu", EPD_CHECK_PORT=str(first), OUT=str(out), VLLM_GPU_ENV=sys.prefix)
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--vllm-only"], cwd=Path(__file__).resolve().parents[1],
+                         env=env, capture_output=True, text=True, timeout=3 * START_S)  # fmt: skip
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "rehearsal on cpu" in log and "gpu_check: all steps passed" in log
+    assert (out / "vllm-up-answer.txt").read_text().startswith("up --lm-engine vllm: ")
+    for bench in ("bench-epd-encoder-vllm", "bench-vllm-aggregated"):
+        summary = json.loads((out / bench).read_text())["summary"]
+        assert summary["completed"] == summary["requests"] == 64 and not summary["errors"], (bench, summary)
+    stages = json.loads((out / "bench-epd-encoder-vllm").read_text())["summary"]["stages"]
+    assert "router_encode" in stages and "encoder_compute" in stages, stages  # the images went to the encoder
+    # the script stopped every server it started: none of its ports has a listener
+    assert wait_for(lambda: all(port_available("127.0.0.1", first + i) for i in range(5)), 30)

@@ -119,6 +119,7 @@ TIERS: dict[str, str] = {
     "test_fairness.py": "e2e",
     "test_families.py": "e2e",
     "test_families.py::test_an_unrecognised_architecture_fails_at_once_naming_what_is_supported": "integration",
+    "test_gpu_check.py": "e2e",
     "test_media_attacks.py": "e2e",
     "test_multihost.py": "e2e",
     "test_newcomer.py": "e2e",
