@@ -432,15 +432,19 @@ class Deployment:
 
     def stop(self) -> None:
         self.stopping = True
-        # the public endpoint first, then the workers behind it; SIGTERM lets each close its EC producer
+        # the router first, on its own: as it closes it gives the encoders back the leases of its
+        # last requests, which needs them up (for at most half the grace); then the workers behind
+        # it, together (SIGTERM lets each close its EC producer)
         roles = list(reversed(self.roles))
-        for r in roles:
-            if r.proc.poll() is None:
-                r.kill_group(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for r in roles:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        front = [r for r in roles if r.name == "router"]
+        start = time.monotonic()
+        for group, grace in ((front, STOP_TIMEOUT_S / 2), ([r for r in roles if r not in front], STOP_TIMEOUT_S)):
+            for r in group:
+                if r.proc.poll() is None:
+                    r.kill_group(signal.SIGTERM)
+            for r in group:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    r.proc.wait(timeout=max(0.0, start + grace - time.monotonic()))
         for r in roles:
             r.kill_group(signal.SIGKILL)  # a role past its grace, and anything a role left in its group
             r.proc.wait()

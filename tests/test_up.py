@@ -29,7 +29,7 @@ from epdserve.bench.workload import image_data_url
 from epdserve.launcher import ENGINE_CORE_DIED_EXIT, free_port, is_healthy, process_tree
 from epdserve.shapes import ShapesWorld
 from epdserve.supervisor import RestartPolicy, Role
-from epdserve.up import Deployment, StartupError, Topology
+from epdserve.up import STOP_TIMEOUT_S, Deployment, StartupError, Topology
 from tests.server_utils import http
 
 READY = re.compile(r"ready in [\d.]+s at (?P<url>http://\S+)/v1")
@@ -277,6 +277,69 @@ def test_a_role_dying_after_it_was_healthy_is_restarted_while_the_router_looks(t
         assert len(roles["pd0"].pids) == 2 and is_healthy(roles["pd0"].url)
     finally:
         deployment.stop()
+
+
+# A stand-in role for the stop order: on SIGTERM it writes when the signal came, lingers ``linger``
+# seconds (a router giving back leases as it closes), writes when it exits, and exits.
+STOP_SCRIPT = """
+import pathlib, signal, sys, time
+out, linger = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+def stop(*_):
+    out.write_text(f"{time.monotonic()}\\n")
+    time.sleep(linger)
+    with out.open("a") as f:
+        f.write(f"{time.monotonic()}\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+out.with_suffix(".ready").touch()
+while True:
+    time.sleep(1)
+"""
+
+
+@dataclass
+class StopRole(Role):
+    out: Path = Path()
+    linger: float = 0.0
+
+    def launch(self) -> None:
+        argv = [sys.executable, "-c", STOP_SCRIPT, str(self.out), str(self.linger)]
+        self.proc = subprocess.Popen(argv, start_new_session=True)
+        self.pids.append(self.proc.pid)
+
+
+def stop_times(tmp_path: Path, router_linger: float) -> tuple[dict[str, list[float]], float]:
+    """Stop a deployment of stand-ins (started encoder, PD worker, router, as ``up`` starts them);
+    per role the monotonic times of its SIGTERM (and of its exit, when it exited by itself), and how
+    long ``stop`` took."""
+    deployment = Deployment(Topology.parse("1e+1pd"), None)
+    lingers = {"encoder0": 0.0, "pd0": 0.0, "router": router_linger}
+    for name, linger in lingers.items():
+        role = StopRole(name, f"http://127.0.0.1:{free_port()}", [], out=tmp_path / f"{name}.stop", linger=linger)
+        role.launch()
+        deployment.roles.append(role)
+    assert wait_for(lambda: all((tmp_path / f"{n}.ready").exists() for n in lingers), 30)
+    t0 = time.monotonic()
+    deployment.stop()
+    took = time.monotonic() - t0
+    times = {n: [float(x) for x in (tmp_path / f"{n}.stop").read_text().split()] for n in lingers}
+    return times, took
+
+
+def test_stop_ends_the_router_before_the_roles_behind_it(tmp_path: Path) -> None:
+    # the router closing gives the encoders back its last requests' leases: they must still be up
+    times, took = stop_times(tmp_path, router_linger=1.0)
+    router_exit = times["router"][1]
+    assert times["encoder0"][0] >= router_exit and times["pd0"][0] >= router_exit, times
+    assert took < STOP_TIMEOUT_S
+
+
+def test_a_router_that_does_not_stop_holds_the_others_back_half_the_grace(tmp_path: Path) -> None:
+    times, took = stop_times(tmp_path, router_linger=60.0)
+    assert len(times["router"]) == 1  # killed at the end of its grace, not exited
+    waited = times["encoder0"][0] - times["router"][0]
+    assert STOP_TIMEOUT_S / 2 - 0.5 <= waited <= STOP_TIMEOUT_S / 2 + 2.0, times
+    assert took < STOP_TIMEOUT_S + 5.0
 
 
 def test_busy_port_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:

@@ -138,6 +138,8 @@ TIERS: dict[str, str] = {
     "test_up.py::test_restart_backoff_doubles_to_the_cap": "unit",
     "test_up.py::test_pinned_engine_cores_get_cores_of_their_own": "unit",
     "test_up.py::test_engine_cpus_are_a_core_list": "unit",
+    "test_up.py::test_stop_ends_the_router_before_the_roles_behind_it": "integration",
+    "test_up.py::test_a_router_that_does_not_stop_holds_the_others_back_half_the_grace": "integration",
 }
 
 # quick tests beyond the unit tier that, with it, reach every subsystem: a role of each kind on its
