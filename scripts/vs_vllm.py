@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -81,10 +82,10 @@ def vllm_flags(images: int) -> list[str]:
 
 
 def start_epdserve(
-    topology: str, pin: bool, dtype: str, model: Path, lm_engine: str, images: int, threads: int
+    topology: str, pin: bool, dtype: str, model: Path, lm_engine: str, images: int, threads: int, pd_args: list[str]
 ) -> Running:
     models = ["--dtype", dtype]  # every encoder and language-model instance
-    extra: dict = {"extra_pd_args": [*models, *(["--threads", str(threads)] if threads else [])]}
+    extra: dict = {"extra_pd_args": [*models, *(["--threads", str(threads)] if threads else []), *pd_args]}
     if lm_engine == "vllm":  # vLLM's instances as the recipe starts its own: bfloat16, 1 GiB of KV
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         extra = {
@@ -225,7 +226,8 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
         run = start_vllm(topology, model, images)
     else:
         engine = "vllm" if system == "epdvllm" else "epdserve"
-        run = start_epdserve(topology, args.pin_cores, args.dtype, model, engine, images, args.threads)
+        pd_args = shlex.split(args.pd_args)
+        run = start_epdserve(topology, args.pin_cores, args.dtype, model, engine, images, args.threads, pd_args)
     rows = []
     try:
         for conc in args.concurrency:
@@ -302,6 +304,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=8, help="unmeasured requests before each cell")
     ap.add_argument("--threads", type=int, default=0, help="epdserve engines' torch threads (0: their default)")
+    ap.add_argument(
+        "--pd-args",
+        default="",
+        help="more flags for epdserve's own language-model workers and aggregated server, e.g. '--vision-step-s 0'",
+    )
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
     ap.add_argument(
