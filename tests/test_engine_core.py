@@ -194,40 +194,6 @@ def test_a_burst_of_media_takes_the_vision_budget_in_turn() -> None:
     assert not sch.waiting
 
 
-def test_a_request_s_images_are_encoded_over_as_many_steps_as_the_bound_needs() -> None:
-    """A chunk ends before the first image that would take the step past ``vision_step_s``; the
-    rest follow in later steps, beside the running decodes, and a later media request waits for
-    room behind them."""
-    cfg = EngineConfig(
-        block_size=4, num_kv_blocks=256, max_num_batched_tokens=256, max_model_len=64, media_max_wait_s=0
-    )
-    sch = Scheduler(cfg)
-    seconds = {"r": 0.4, "m": 0.05}  # the tower's estimate per image
-
-    def cost(req: Request, start: int, end: int) -> float:
-        return sum(seconds.get(req.request_id, 0.0) for it in req.mm_items if it.offset < end and it.end > start)
-
-    sch.vision_cost = cost
-    sch.add(make_request("d", 6, max_tokens=8, base=900))
-    sch.add(make_request("r", 20, mm=[image("r0", 2, 4), image("r1", 8, 4), image("r2", 14, 4)]))
-    sch.add(make_request("m", 8, mm=[image("m0", 2, 4)], base=500))
-
-    def step() -> dict[str, tuple[int, int]]:
-        out = sch.schedule()
-        chunks = {s.request.request_id: (s.start, s.end) for s in out.scheduled}
-        for s in out.scheduled:
-            sampled = s.samples
-            s.request.num_computed_tokens += s.num_new_tokens
-            if sampled:
-                s.request.output_token_ids.append(1)
-        return chunks
-
-    assert step() == {"d": (0, 6), "r": (0, 8)}  # r's second image would make 0.8 s; m waits behind it
-    assert step() == {"d": (6, 7), "r": (8, 14), "m": (0, 8)}  # 0.4 + 0.05
-    assert step() == {"d": (7, 8), "r": (14, 20), "m": (8, 9)}
-    assert step() == {"d": (8, 9), "r": (20, 21), "m": (9, 10)}  # every prompt done: decodes only
-
-
 def test_without_a_vision_bound_a_burst_joins_at_once() -> None:
     cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=256, max_model_len=64, vision_step_s=0)
     sch = Scheduler(cfg)

@@ -48,21 +48,17 @@ def engine_request(rid: str, builder: InputBuilder, proc: VisionProcessor, messa
 
 
 @pytest.mark.parametrize(
-    ("kernels", "chunk_budget", "vision_step_s"),
-    [("auto", None, 0.5), ("auto", 0, 0.5), ("torch", None, 0.5), ("auto", None, 1e-9)],
-    ids=["fused-kernels", "fused-kernels-sdpa-prefill", "torch-mirrored-decode-kv", "one-media-item-a-step"],
+    ("kernels", "chunk_budget"),
+    [("auto", None), ("auto", 0), ("torch", None)],
+    ids=["fused-kernels", "fused-kernels-sdpa-prefill", "torch-mirrored-decode-kv"],
 )
 def test_greedy_tokens_match_transformers_alone_and_batched(
     model_dir: Path,
     ref: HFReference,
     kernels: KernelChoice,
     chunk_budget: int | None,
-    vision_step_s: float,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Greedy tokens as transformers gives them, each request alone and all at once. With a vision
-    bound no item fits beside another, a step encodes one media item: prompts are cut before each
-    item after the first (once the tower has been timed), across the requests of the batch."""
     if chunk_budget is not None:  # prompt chunks through SDPA, not the kernels' row-wise attention
         monkeypatch.setattr(kernel_ops, "CHUNK_ROWS_BUDGET", chunk_budget)
     cfg = ModelConfig.from_pretrained(model_dir)
@@ -74,7 +70,6 @@ def test_greedy_tokens_match_transformers_alone_and_batched(
             max_num_batched_tokens=64,
             num_kv_blocks=256,
             kernels=kernels,
-            vision_step_s=vision_step_s,
         ),
     )
     if kernels == "torch":  # the one path without the kernels

@@ -2,11 +2,9 @@
 
 Each step: running requests first (a decode token each, or their next prefill chunk), then
 waiting requests join while the token budget, the sequence limit and the KV cache allow —
-text-only requests before those with media, unless one with media has waited too long. The
-step's vision work (the media items its chunks reach that the tower must encode here) stays
-within ``vision_step_s``: a chunk ends before the first item that would not fit, so a request's
-images are encoded over as many steps as the bound needs, and a waiting request whose first
-such item does not fit waits; the step's first item always runs. When a
+text-only requests before those with media, unless one with media has waited too long — and,
+among those whose media the vision tower must encode here, while the step's vision work stays
+within ``vision_step_s`` (the first always joins). When a
 running request cannot get a block, the most recently admitted running request is preempted
 (blocks freed, recomputed later) — the engine never crashes for lack of memory.
 
@@ -78,16 +76,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        vision = 0.0  # seconds of vision work the step holds so far
         # 1. running requests, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            want = min(req.num_tokens - req.num_computed_tokens, budget)
-            n, cost = self._fit_vision(req, req.num_computed_tokens, want, vision)
-            if n < want and not n:  # its next item waits for a step with room for it
-                i += 1
-                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.blocks.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -97,7 +90,6 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 continue  # preempted itself; the list shrank
-            vision += cost
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
@@ -106,6 +98,7 @@ class Scheduler:
         #    that has waited ``media_max_wait_s`` joins the first group (nothing starves).
         now = time.perf_counter()
         order = sorted(self.waiting, key=lambda r: not self._first(r, now))  # stable: FIFO within
+        vision = sum(self._vision(s.request, s.start, s.end) for s in out.scheduled)
         vision_full = False  # a request was held back for the vision budget: later media wait too
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or out.preempted:
@@ -121,16 +114,14 @@ class Scheduler:
                     self.blocks.free(req)
                     req.num_computed_tokens = req.num_cached_tokens = 0
                     continue
-            start = req.num_computed_tokens
-            want = min(req.num_tokens - start, budget)
-            n, cost = self._fit_vision(req, start, want, vision)
-            if self._vision(req, start, start + want) and (vision_full or not cost):
-                # the step has no room for its first item: it waits (with the media behind it)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            cost = self._vision(req, req.num_computed_tokens, req.num_computed_tokens + n) if req.kv_rows is None else 0
+            if cost and (vision_full or (vision and vision + cost > self.config.vision_step_s)):
+                # the step's vision work is full: it waits (with the media behind it) for the next
                 vision_full = True
                 self.blocks.free(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
                 continue
-            vision_full = vision_full or n < want  # the rest of its items wait: so do later ones
             if not self.blocks.allocate(req, n):
                 self.blocks.free(req)
                 req.num_computed_tokens = 0
@@ -147,25 +138,7 @@ class Scheduler:
     def _vision(self, req: Request, start: int, end: int) -> float:
         if self.vision_cost is None or not self.config.vision_step_s or not req.mm_items or start >= req.prompt_len:
             return 0.0  # (a decode token reaches no media)
-        if req.kv_rows is not None:
-            return 0.0  # its prompt's KV came from a prefill instance
         return self.vision_cost(req, start, end)
-
-    def _fit_vision(self, req: Request, start: int, n: int, spent: float) -> tuple[int, float]:
-        """The chunk of ``req`` from ``start`` (``n`` tokens at most) a step that holds ``spent``
-        seconds of vision work can take, and the vision seconds it adds: it ends before the first
-        item that would take the step past ``vision_step_s`` (the step's first item always fits)."""
-        cost = 0.0
-        if not self._vision(req, start, start + n):
-            return n, cost
-        for it in sorted(req.mm_items, key=lambda m: m.offset):
-            if it.offset >= start + n or it.end <= start:
-                continue
-            c = self._vision(req, it.offset, it.offset + 1)  # this item alone
-            if c and (spent or cost) and spent + cost + c > self.config.vision_step_s:
-                return max(it.offset, start) - start, cost  # (0: the chunk would begin inside it)
-            cost += c
-        return n, cost
 
     def _first(self, req: Request, now: float) -> bool:
         """Whether a waiting request is admitted in the first group: text-only, or waited long."""
