@@ -21,6 +21,8 @@ VENV=${VLLM_GPU_ENV:-$PWD/.vllm-gpu-env}
 PY="$VENV/bin/python"
 DEVICE=${EPD_CHECK_DEVICE:-cuda}
 PORT=${EPD_CHECK_PORT:-8300}  # the first of five consecutive ports the servers below take
+ENC_URL=http://127.0.0.1:$((PORT + 1)) VE_URL=http://127.0.0.1:$((PORT + 2))
+RT_URL=http://127.0.0.1:$((PORT + 3)) VP_URL=http://127.0.0.1:$((PORT + 4))
 case "$DEVICE" in
   cuda) VLLM_ARGS="--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.35" ;;
   cpu) VLLM_ARGS="--dtype bfloat16 --max-model-len 4096 --enforce-eager"
@@ -91,22 +93,22 @@ EC='{"ec_connector": "EpdserveECConnector", "ec_connector_module_path": "epdserv
 setsid "$VENV/bin/vllm" serve "$MODEL" --served-model-name shapes-qwen2vl --port $((PORT + 2)) $VLLM_ARGS \
   --ec-transfer-config "$EC" >"$OUT/vllm-epd.log" 2>&1 &
 VE=$!; PIDS+=("$VE")
-wait_healthy http://127.0.0.1:$((PORT + 1)) "$ENC" encoder
-wait_healthy http://127.0.0.1:$((PORT + 2)) "$VE" vllm-epd
-setsid "$PY" -m epdserve.cli router --encoders http://127.0.0.1:$((PORT + 1)) --pds http://127.0.0.1:$((PORT + 2)) \
+wait_healthy $ENC_URL "$ENC" encoder
+wait_healthy $VE_URL "$VE" vllm-epd
+setsid "$PY" -m epdserve.cli router --encoders $ENC_URL --pds $VE_URL \
   --pd-engine vllm --port $((PORT + 3)) >"$OUT/router.log" 2>&1 &
 RT=$!; PIDS+=("$RT")
-wait_healthy http://127.0.0.1:$((PORT + 3)) "$RT" router
+wait_healthy $RT_URL "$RT" router
 BENCH=(--num-requests 64 --concurrency 8 --output-len 64 --image-size 448 --no-progress)
-"$PY" -m epdserve.cli bench --url http://127.0.0.1:$((PORT + 3)) "${BENCH[@]}" --out "$OUT/bench-epd-encoder-vllm" \
+"$PY" -m epdserve.cli bench --url $RT_URL "${BENCH[@]}" --out "$OUT/bench-epd-encoder-vllm" \
   2>&1 | tee "$OUT/bench-epd-encoder-vllm.txt"
 cleanup; PIDS=()
 # shellcheck disable=SC2086
 setsid "$VENV/bin/vllm" serve "$MODEL" --served-model-name shapes-qwen2vl --port $((PORT + 4)) $VLLM_ARGS \
   >"$OUT/vllm-plain.log" 2>&1 &
 VP=$!; PIDS+=("$VP")
-wait_healthy http://127.0.0.1:$((PORT + 4)) "$VP" vllm-plain
-"$PY" -m epdserve.cli bench --url http://127.0.0.1:$((PORT + 4)) "${BENCH[@]}" --out "$OUT/bench-vllm-aggregated" \
+wait_healthy $VP_URL "$VP" vllm-plain
+"$PY" -m epdserve.cli bench --url $VP_URL "${BENCH[@]}" --out "$OUT/bench-vllm-aggregated" \
   2>&1 | tee "$OUT/bench-vllm-aggregated.txt"
 if [ "$DEVICE" = cuda ]; then
   echo "gpu_check_vllm: parity, up --lm-engine vllm and the benchmark done; results in $OUT/"

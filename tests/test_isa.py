@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,16 @@ import pytest
 
 from epdserve.kernels import build
 
-COMPILER = shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")
+
+def _compiler() -> str | None:
+    """The compiler the kernel build would use (None: there is none)."""
+    try:
+        return build._compiler()
+    except build.KernelBuildError:
+        return None
+
+
+COMPILER = _compiler()
 ROOT = Path(__file__).resolve().parents[1]
 # the tests that exercise every kernel and every linear layout, then the engine's greedy tokens
 # against transformers' on the embedded checkpoint
