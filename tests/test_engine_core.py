@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from epdserve.common.sampling_params import SamplingParams
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
@@ -203,60 +201,3 @@ def test_without_a_vision_bound_a_burst_joins_at_once() -> None:
     for i in range(3):
         sch.add(make_request(f"m{i}", 8, mm=[image(f"img{i}", 2, 4)], base=100 * i))
     assert len(sch.schedule().scheduled) == 3
-
-
-def _ahead_scheduler() -> Scheduler:
-    """A bound of 1 s and a tower that takes 0.6 s for each item it has not encoded yet."""
-    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=256, max_model_len=64, vision_step_s=1)
-    sch = Scheduler(cfg)
-    sch.vision_cost = lambda req, start, end: sum(
-        0.6 for it in req.mm_items if it.offset < end and it.end > start and it.embeddings is None
-    )
-    return sch
-
-
-def test_media_past_the_bound_is_encoded_ahead_while_others_run() -> None:
-    """A request whose images exceed ``vision_step_s`` while another runs waits; the tower takes
-    its items ahead, in order, as many a step as the bound allows (the step's first always), the
-    running request decodes in each of those steps, and it joins once what is left fits."""
-    sch = _ahead_scheduler()
-    text = make_request("t", 8, max_tokens=20, base=900)
-    sch.add(text)
-    assert [s.request for s in sch.schedule().scheduled] == [text]
-    text.num_computed_tokens = 8
-    text.output_token_ids.append(1)  # its first token
-    media = make_request("m", 20, mm=[image(f"img{k}", 2 + 5 * k, 4) for k in range(3)])
-    sch.add(media)
-    encoded: list[list[str]] = []
-    while True:
-        out = sch.schedule()
-        assert out.scheduled[0].request is text and out.scheduled[0].num_new_tokens == 1  # it decodes each step
-        text.num_computed_tokens += 1
-        text.output_token_ids.append(1)
-        if media not in sch.waiting:
-            break
-        assert [a.request for a in out.ahead] == [media]
-        encoded.append([it.uuid for it in out.ahead[0].items])
-        for it in out.ahead[0].items:  # what the runner does with them
-            it.embeddings = torch.zeros(it.length, 1)
-    assert encoded == [["img0"], ["img1"]]  # one a step: two would take 1.2 s
-    # the last (0.6 s) fits: it joins with its whole prompt
-    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(text, 1), (media, 20)] and not out.ahead
-
-
-def test_media_in_a_cached_prefix_is_not_encoded_ahead() -> None:
-    sch = _ahead_scheduler()
-
-    def request(rid: str) -> Request:  # an image early on, and two one-row items in the last block
-        return make_request(rid, 36, max_tokens=20, mm=[image("a", 2, 4), image("b", 33, 1), image("c", 34, 1)])
-
-    first = request("m1")
-    sch.add(first)
-    assert [s.num_new_tokens for s in sch.schedule().scheduled] == [36]  # alone: it joins whole
-    first.num_computed_tokens = 36
-    sch.blocks.commit(first)  # 9 blocks of it in the prefix cache
-    again = request("m2")
-    sch.add(again)
-    out = sch.schedule()
-    # 32 of its tokens are cached (a token is always left to compute): "a" lies in them
-    assert again in sch.waiting and [it.uuid for a in out.ahead for it in a.items] == ["b"]

@@ -13,7 +13,6 @@ from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, WireTensor
 from epdserve.engine.request import Request
-from epdserve.engine.scheduler import SchedulerOutput
 from epdserve.hf_reference import HFReference
 from epdserve.kernels import KernelChoice
 from epdserve.kernels import ops as kernel_ops
@@ -238,43 +237,3 @@ def test_the_vision_estimate_counts_only_what_the_tower_would_run(model_dir: Pat
     assert runner.vision_cost(fresh, 0, fresh.mm_items[0].offset) == 0  # a chunk that stops before it
     again = request("a2", "img-a", va)
     assert runner.vision_cost(again, 0, again.prompt_len) == 0  # in the encoder cache
-
-
-def test_media_held_back_by_the_vision_bound_is_encoded_ahead_and_exact(model_dir: Path, ref: HFReference) -> None:
-    """With a bound no image fits, requests that arrive while others run are not admitted with
-    their media: the tower encodes one item per step ahead of them while the running requests go
-    on, then each joins with its whole prompt in one chunk; every answer equals transformers'."""
-    cfg = ModelConfig.from_pretrained(model_dir)
-    proc = VisionProcessor(ProcessorConfig.from_pretrained(model_dir))
-    eng = EngineCore.from_pretrained(
-        model_dir, EngineConfig(device=TEST_DEVICE, num_kv_blocks=256, vision_step_s=1e-9, encoder_cache_bytes=0)
-    )
-    builder = InputBuilder(ref.tok, cfg)
-    eos = frozenset(ref.model.generation_config.eos_token_id)
-    expected = {}
-    for name, messages, images, videos in cases():
-        expected[name] = ref.generate_ids(ref.inputs(messages, images=images, videos=videos), max_new_tokens=MAX_NEW)
-    plans: list[SchedulerOutput] = []
-    joined: list[tuple[bool, bool]] = []  # per media request joining: (media all encoded, whole prompt)
-    seen: set[str] = set()
-    schedule = eng.scheduler.schedule
-
-    def recorded() -> SchedulerOutput:
-        plan = schedule()
-        plans.append(plan)
-        for s in plan.scheduled:
-            req = s.request
-            if req.mm_items and req.request_id.endswith("#b") and req.request_id not in seen:
-                seen.add(req.request_id)
-                joined.append((all(it.embeddings is not None for it in req.mm_items), s.end == req.prompt_len))
-        return plan
-
-    eng.scheduler.schedule = recorded  # type: ignore[method-assign]
-    assert_alone_then_batched(
-        eng, lambda sfx: [engine_request(n + sfx, builder, proc, m, i, v, eos) for n, m, i, v in cases()], expected
-    )
-    media = {n + "#b" for n, _, images, videos in cases() if images or videos}
-    ahead = [p for p in plans if p.ahead]
-    assert {a.request.request_id for p in ahead for a in p.ahead} == media  # every one was encoded ahead
-    assert all(sum(len(a.items) for a in p.ahead) == 1 and p.scheduled for p in ahead)  # an item a step, beside others
-    assert joined == [(True, True)] * len(media)  # each joined with nothing left to encode, in one chunk

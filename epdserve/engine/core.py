@@ -254,8 +254,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         for req in plan.preempted:  # a decode request that loaded its KV recomputes: it needs its media now
             self._fetch_media(req)
-        self.last_step_idle = plan.empty
-        if plan.empty:
+        self.last_step_idle = not plan.scheduled
+        if not plan.scheduled:
             return outputs
         try:
             with self.lender.computing() if self.lender is not None else contextlib.nullcontext():

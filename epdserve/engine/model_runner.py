@@ -201,15 +201,9 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Run ``plan``: the media it encodes ahead, and a token for every request whose chunk
-        reached its end; a request whose media failed is reported in ``failed`` and left out of
-        the step."""
-        needed = [(a.request, a.items) for a in plan.ahead] + [
-            (s.request, [it for it in s.request.mm_items if it.offset < s.end and it.end > s.start])
-            for s in plan.scheduled
-        ]
-        failed = self._encode_media(needed)
-        scheduled = [s for s in plan.scheduled if s.request.request_id not in failed]
+        """Run ``plan``: a token for every request whose chunk reached its end; a request whose
+        media failed is reported in ``failed`` and left out of the step."""
+        scheduled, failed = self._encode_media(plan.scheduled)
         if not scheduled:
             return StepResult({}, failed)
         step = self._lay_out(scheduled)
@@ -218,18 +212,21 @@ class ModelRunner:
         hidden = self._forward(step, embeds, deepstack)
         return StepResult(self._sample(scheduled, hidden), failed)
 
-    def _encode_media(self, needed: list[tuple[Request, list[MediaItem]]]) -> dict[str, str]:
-        """Embeddings for the step's media: each request's items. Returns the errors of the
-        requests whose media failed (only they fail; the step goes on)."""
+    def _encode_media(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], dict[str, str]]:
+        """Embeddings for every media item the step's chunks reach. Returns the requests that run
+        and the errors of those whose media failed (only they fail; the step goes on)."""
         failed: dict[str, str] = {}
-        if sum(len(items) for _, items in needed) > 1:
+        needed = [[it for it in s.request.mm_items if it.offset < s.end and it.end > s.start] for s in scheduled]
+        if sum(map(len, needed)) > 1:
             # the whole step's media in one forward per encoder; should some item fail it, each
             # request's items are encoded again below on their own, failing only that request
             try:
-                self._ensure_embeddings([it for _, items in needed for it in items])
+                self._ensure_embeddings([it for items in needed for it in items])
             except Exception as e:  # the request it belongs to is found, and told, below
                 log.warning("encoding the step's media in one batch failed, encoding per request: %s", e)
-        for req, items in needed:
+        ready = []
+        for s, items in zip(scheduled, needed, strict=True):
+            req = s.request
             try:
                 self._ensure_embeddings(items)
                 self._check_width(items)
@@ -239,7 +236,9 @@ class ModelRunner:
             except Exception as e:  # a bad item must not take the batch down
                 log.exception("vision encoding failed for %s", req.request_id)
                 failed[req.request_id] = f"vision encoding failed: {e}"
-        return failed
+                continue
+            ready.append(s)
+        return ready, failed
 
     def _lay_out(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """The step's tokens, positions, KV slots and attention layout: each request's chunk is a

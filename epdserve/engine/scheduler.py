@@ -4,11 +4,8 @@ Each step: running requests first (a decode token each, or their next prefill ch
 waiting requests join while the token budget, the sequence limit and the KV cache allow —
 text-only requests before those with media, unless one with media has waited too long — and,
 among those whose media the vision tower must encode here, while the step's vision work stays
-within ``vision_step_s`` (one that would exceed it joins only a step that has nothing else to
-do). The tower works ahead on the media of the requests the bound held back, item by item, in the
-room the step's bound leaves (the step's first item always runs): a request of many images joins
-once what is left of its media fits, and its prompt is prefilled in one chunk, while the running
-requests keep decoding between its images. When a running request cannot get a block, the most recently admitted running request is preempted
+within ``vision_step_s`` (the first always joins). When a
+running request cannot get a block, the most recently admitted running request is preempted
 (blocks freed, recomputed later) — the engine never crashes for lack of memory.
 
 The plan (``SchedulerOutput``) holds request references and token counts only, no tensors.
@@ -23,7 +20,7 @@ from dataclasses import dataclass, field
 
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.request import MediaItem, Request, Status
+from epdserve.engine.request import Request, Status
 
 
 @dataclass
@@ -46,23 +43,9 @@ class ScheduledRequest:
 
 
 @dataclass
-class VisionAhead:
-    """Media items of a waiting request that the vision tower encodes this step, ahead of its
-    admission."""
-
-    request: Request
-    items: list[MediaItem]
-
-
-@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    ahead: list[VisionAhead] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled and not self.ahead
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +100,6 @@ class Scheduler:
         order = sorted(self.waiting, key=lambda r: not self._first(r, now))  # stable: FIFO within
         vision = sum(self._vision(s.request, s.start, s.end) for s in out.scheduled)
         vision_full = False  # a request was held back for the vision budget: later media wait too
-        held: list[tuple[Request, int]] = []  # (held back for it, its first position to compute)
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or out.preempted:
                 break
@@ -134,10 +116,9 @@ class Scheduler:
                     continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             cost = self._vision(req, req.num_computed_tokens, req.num_computed_tokens + n) if req.kv_rows is None else 0
-            if cost and (vision_full or (vision + cost > self.config.vision_step_s and (vision or out.scheduled))):
+            if cost and (vision_full or (vision and vision + cost > self.config.vision_step_s)):
                 # the step's vision work is full: it waits (with the media behind it) for the next
                 vision_full = True
-                held.append((req, req.num_computed_tokens))
                 self.blocks.free(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
                 continue
@@ -152,25 +133,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-        # 3. the tower works ahead on the media of those the bound held back, in their order
-        self._encode_ahead(out, held, vision)
         return out
-
-    def _encode_ahead(self, out: SchedulerOutput, held: list[tuple[Request, int]], vision: float) -> None:
-        """Add items of ``held`` requests to ``out.ahead`` while the step's vision work stays within
-        the bound (the step's first item always goes)."""
-        for req, start in held:
-            for it in req.mm_items:
-                cost = self._vision(req, it.offset, it.end) if it.end > start else 0.0
-                if not cost:
-                    continue  # in its cached prefix, encoded already, or nothing for the tower
-                if vision and vision + cost > self.config.vision_step_s:
-                    return
-                if not out.ahead or out.ahead[-1].request is not req:
-                    out.ahead.append(VisionAhead(req, []))
-                    req.t_admitted = req.t_admitted or time.perf_counter()  # work on it has begun
-                out.ahead[-1].items.append(it)
-                vision += cost
 
     def _vision(self, req: Request, start: int, end: int) -> float:
         if self.vision_cost is None or not self.config.vision_step_s or not req.mm_items or start >= req.prompt_len:
