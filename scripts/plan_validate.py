@@ -8,6 +8,12 @@ Two checks, each printed as a markdown table (prediction | measurement, side by 
 2. ``--sweep FILE``: every cell of an ``epdserve sweep`` result (closed loop) predicted with the
    profile — no new measurement. A sweep run on another machine or commit is a weaker check: the
    table says where each side was measured.
+3. ``--vs-vllm FILE``: every epdserve cell of a ``scripts/vs_vllm.py`` result (its ``--json``),
+   the median over its runs, predicted with and without core lending (those runs lend, as ``up``
+   does by default) — no new measurement.
+
+Topologies are started, and predicted, with roles lending each other idle cores as ``up`` starts
+them (``--no-lend-cores``: each on its own cores only).
 
     python scripts/plan_validate.py --calibrate-topologies aggregated,1e+1pd,1e+1p+1d \\
         --save-profile docs/results/plan/profile.json --measure aggregated,1e+1pd,2e+1pd,1e+2pd,1e+1p+1d \\
@@ -146,9 +152,9 @@ def agreement(rows: list[Row]) -> str:
     return "Agreement (stable predictions): " + ("; ".join(parts) or "none to compare")
 
 
-def _predict(profile: Profile, topology: str, cores: int, load: Load) -> tuple[Prediction | None, str]:
+def _predict(profile: Profile, topology: str, cores: int, load: Load, lend: bool) -> tuple[Prediction | None, str]:
     try:
-        return predict(profile, topology, cores, load), ""
+        return predict(profile, topology, cores, load, lend), ""
     except Unsupported as e:
         return None, str(e)
 
@@ -161,7 +167,7 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
             args.model,
             port=free_port(),
             pin=True,
-            lend_cores=False,  # the model counts a role's own cores as its servers, at any load
+            lend_cores=args.lend_cores,
             log_dir=Path(args.log_dir) / name.replace("+", "_"),
             **role_args(args.dtype),
         )
@@ -169,7 +175,7 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
         try:
             d.start()
             for i, load in enumerate(loads):
-                pred, note = _predict(profile, name, args.cores or profile.nproc, load)
+                pred, note = _predict(profile, name, args.cores or profile.nproc, load, args.lend_cores)
                 bench = BenchConfig(
                     url=d.url,
                     workload=load.workload,
@@ -211,11 +217,57 @@ def from_sweep(profile: Profile, path: Path, cores: int) -> tuple[list[Row], str
             text_fraction=0.5 if cc["mixed"] else 0.0,
         )
         load = Load(workload, request_rate=c["request_rate"], concurrency=c["concurrency"], slo=slo)
-        pred, note = _predict(profile, cell["topology"], cores or env["nproc"], load)
+        # sweeps from before lending record no setting: their roles kept to their own cores
+        pred, note = _predict(profile, cell["topology"], cores or env["nproc"], load, c.get("lend_cores", False))
         measured = Summary(**_summary(cell["summary"]))
         rows.append(Row(describe(load), cell["topology"], pred, measured, note, load.request_rate == 0))
     where = f"measured {env['date']} on {env['nproc']} × {env['cpu_model']} at commit {env['commit']}"
     return rows, where
+
+
+def from_vs_vllm(profile: Profile, path: Path, cores: int) -> str:
+    """Every epdserve cell of a vs_vllm.py result (median over its runs) beside the predictions
+    with and without core lending, as a markdown table."""
+    data = json.loads(path.read_text())
+    a = data["args"]
+    workload = WorkloadConfig(
+        images_per_request=a["images_per_request"], image_size=a["image_size"], output_len=a["output_len"]
+    )
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for row in data["rows"]:
+        if row["system"] == "epdserve" and row["ok"] == row["sent"]:
+            cells.setdefault((row["topology"], row["concurrency"]), []).append(row)
+    lines = [
+        "| workload | topology | conc | TTFT p50 ms pred lent / own / meas | err lent / own | "
+        "req/s pred lent / own / meas | err lent / own |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    errors: dict[bool, list[float]] = {True: [], False: []}
+    for (topology, conc), runs in cells.items():
+        ttft = statistics.median(r["ttft_p50_ms"] for r in runs) / 1e3
+        rps = statistics.median(r["req_per_s"] for r in runs)
+        load = Load(workload, concurrency=conc)
+        preds = {lend: _predict(profile, topology, cores or profile.nproc, load, lend)[0] for lend in (True, False)}
+        t = {k: (p.ttft_p50_s if p is not None and p.stable else None) for k, p in preds.items()}
+        q = {k: (p.throughput_rps if p is not None else None) for k, p in preds.items()}
+        for lend, v in t.items():
+            if v is not None:
+                errors[lend].append(abs(v - ttft) / ttft)
+        lines.append(
+            f"| {a['images_per_request']} img × {a['image_size']} px × {a['output_len']} tok | {topology} | {conc} | "
+            f"{_ms(t[True])} / {_ms(t[False])} / {_ms(ttft)} | {_err(t[True], ttft)} / {_err(t[False], ttft)} | "
+            f"{_num(q[True])} / {_num(q[False])} / {rps:.3f} | {_err(q[True], rps)} / {_err(q[False], rps)} |"
+        )
+    summary = "; ".join(
+        f"{'lent' if lend else 'own cores'}: TTFT p50 median error {100 * statistics.median(e):.0f}%"
+        for lend, e in errors.items()
+        if e
+    )
+    return "\n".join([*lines, "", summary])
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _summary(s: dict) -> dict:
@@ -243,6 +295,15 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="checkpoint (default: embedded)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES, help="of every encoder and language model")
     ap.add_argument("--sweep", action="append", default=[], help="also predict every cell of this sweep.json")
+    ap.add_argument(
+        "--vs-vllm", action="append", default=[], help="also predict every epdserve cell of this vs_vllm.py --json"
+    )
+    ap.add_argument(
+        "--lend-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="roles lend each other idle cores when started (calibration measures the speed-up) and predicted",
+    )
     ap.add_argument("--log-dir", default="bench-results/plan/logs")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args()
@@ -262,6 +323,7 @@ def main() -> int:
             *(parse_workload(w, SLO()).workload.image_size for w in args.workload),
         }
         wanted |= {json.loads(Path(f).read_text())["config"].get("image_size", 0) for f in args.sweep}
+        wanted |= {json.loads(Path(f).read_text())["args"]["image_size"] for f in args.vs_vllm}
         calibration = CalibrationConfig(requests=args.calibration_requests, image_sides=tuple(sorted(wanted)))
         profile = calibrate_topologies(
             calibration,
@@ -270,6 +332,7 @@ def main() -> int:
             Path(args.log_dir) / "calibration",
             say,
             args.dtype,
+            lending=args.lend_cores,
         )
         if args.save_profile:
             say(f"wrote {save_profile(profile, Path(args.save_profile))}")
@@ -290,6 +353,8 @@ def main() -> int:
             f"### {path} ({where})",
             table(rows, any(r.measured and r.measured.goodput is not None for r in rows)),
         ]
+    for path in args.vs_vllm:
+        blocks += [f"### {path}", from_vs_vllm(profile, Path(path), args.cores)]
     text = "\n\n".join(blocks)
     print(text)
     if args.out:

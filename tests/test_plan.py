@@ -25,6 +25,7 @@ from epdserve.plan.profile import (
     Sample,
     fit_path,
     fit_token_counts,
+    lending_speedups,
     load_profile,
     save_profile,
 )
@@ -149,6 +150,35 @@ def test_token_counts_from_usage() -> None:
     assert per_image == {0: pytest.approx(17.0), 224: pytest.approx(20.0)}
 
 
+def lent_samples(own: list[Sample], encode: float, prefill: float, decode: float) -> list[Sample]:
+    """``own`` as measured on lent cores: every encode, prefill and decode step so many times faster."""
+    out = []
+    for s in own:
+        stages = dict(s.stages)
+        if "router_encode" in stages:
+            stages["router_encode"] /= encode
+        if "pd_prefill" in stages:
+            stages["pd_prefill"] /= prefill
+        out.append(dataclasses.replace(s, stages=stages, tpot_s=s.tpot_s / decode))
+    return out
+
+
+def test_lending_speedups_from_the_same_runs_on_lent_cores() -> None:
+    own = samples_of(costs())
+    got = lending_speedups(own, lent_samples(own, 1.6, 1.8, 1.4))
+    assert got == {
+        "lend_encode_x": pytest.approx(1.6),
+        "lend_prefill_x": pytest.approx(1.8),
+        "lend_decode_x": pytest.approx(1.4),
+    }
+    # only the runs both measured count: the lent calibration repeats a subset
+    subset = [s for s in lent_samples(own, 1.6, 1.8, 1.4) if s.images in (0, 4) and s.concurrency == 1]
+    assert lending_speedups(own, subset)["lend_encode_x"] == pytest.approx(1.6)
+    # roles too small to borrow (or noise): no speed-up, not a spurious few per cent
+    assert set(lending_speedups(own, lent_samples(own, 1.05, 0.97, 1.0)).values()) == {1.0}
+    assert set(lending_speedups(own, []).values()) == {1.0}
+
+
 # ---- the model -------------------------------------------------------------------------------------
 
 
@@ -188,6 +218,41 @@ def test_engines_sharing_a_core_share_its_capacity() -> None:
     alone = costs().decode_step_s
     assert quiet.itl_s is not None and busy.itl_s is not None
     assert alone < quiet.itl_s < 1.1 * alone < busy.itl_s
+
+
+def lending_profile() -> Profile:
+    return profile(epd=costs(overhead_s=0.011, lend_encode_x=1.6, lend_prefill_x=1.8, lend_decode_x=1.4))
+
+
+def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
+    """Nearly unloaded, each stage runs at its lent speed-up (the other role idles); the more the
+    other role computes, the less it lends, and a deployment that does not lend is predicted as
+    before. A text-only load never wakes the encoder: the engine always has the encoder's core."""
+    p = lending_profile()
+    c = p.paths["epd"]
+    quiet = image_load(0.01, images=4, out=16)
+    lent, own = predict(p, "1e+1pd", 2, quiet), predict(p, "1e+1pd", 2, quiet, lend=False)
+    tokens = p.text_tokens + 4 * p.image_tokens[0]
+    alone = c.overhead(4) + c.encode(4, p.native_pixels) + c.prefill(tokens, 4)
+    fast = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4) / 1.8
+    assert own.ttft_by_kind_s["image"] == pytest.approx(alone, rel=0.01)
+    assert lent.ttft_by_kind_s["image"] == pytest.approx(fast, rel=0.01)
+    assert lent.capacity_rps > own.capacity_rps
+    # under load the engine idles less: the encoders' speed (their busy share without lending over
+    # that with it) shrinks from the full speed-up toward none
+    encode_speed = [
+        predict(p, "1e+1pd", 2, image_load(f * own.capacity_rps, images=4), lend=False).utilization["encoders"]
+        / predict(p, "1e+1pd", 2, image_load(f * own.capacity_rps, images=4)).utilization["encoders"]
+        for f in (0.01, 0.5, 0.9)
+    ]
+    assert 1.6 > encode_speed[0] > encode_speed[1] > encode_speed[2] > 1
+    assert encode_speed[0] == pytest.approx(1.6, rel=0.02)
+    text = Load(WorkloadConfig(images_per_request=0, output_len=64), request_rate=1.0)
+    per_request = c.prefill(p.text_tokens, 0) / 1.8 + 64 * c.decode_seq_s / 1.4
+    assert predict(p, "1e+1pd", 2, text).utilization["engines"] == pytest.approx(per_request)
+    # nothing to lend in one process, and nothing measured: the same predictions either way
+    assert predict(p, "aggregated", 2, quiet) == predict(p, "aggregated", 2, quiet, lend=False)
+    assert predict(profile(), "1e+1pd", 2, quiet) == predict(profile(), "1e+1pd", 2, quiet, lend=False)
 
 
 def test_over_capacity_is_unstable_not_a_number(capsys: pytest.CaptureFixture[str]) -> None:
@@ -276,6 +341,7 @@ def test_profile_round_trip(tmp_path: Path) -> None:
         (lambda d: d["paths"]["epd"].pop("decode_step_s"), "lacks decode_step_s"),
         (lambda d: d["paths"]["epd"].update(prefill_s=-1), "negative"),
         (lambda d: d["paths"].update(gpu={}), "unknown path"),
+        (lambda d: d["paths"]["epd"].update(lend_decode_x=0.5), "lending speed-up below 1"),
     ],
 )
 def test_a_bad_profile_is_refused_clearly(tmp_path: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -285,6 +351,18 @@ def test_a_bad_profile_is_refused_clearly(tmp_path: Path, edit, message: str) ->
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match=message):
         load_profile(path)
+
+
+def test_a_profile_without_lending_reads_as_none(tmp_path: Path) -> None:
+    """Lending speed-ups are optional: a profile calibrated without them has none, not an error."""
+    data = lending_profile().to_json()
+    for c in data["paths"].values():
+        for name in ("lend_encode_x", "lend_prefill_x", "lend_decode_x"):
+            c.pop(name)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert load_profile(path) == profile()
+    assert load_profile(save_profile(lending_profile(), tmp_path / "l.json")) == lending_profile()
 
 
 def test_not_json_is_refused(tmp_path: Path) -> None:
@@ -368,6 +446,27 @@ def test_cli_prints_the_ranking(tmp_path: Path, capsys: pytest.CaptureFixture[st
     data = json.loads(capsys.readouterr().out)
     assert data["recommendation"] == "1e+1pd"
     assert data["ranked"][0]["topology"] == "1e+1pd" and data["ranked"][0]["stable"] is True
+    assert data["lend_cores"] is True
+
+
+def test_cli_says_what_it_assumes_of_lending(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--images-per-request", "4", "--request-rate", "5", "--topologies", "1e+1pd", "--json"]
+
+    def ttft(path: Path, *extra: str) -> float:
+        assert main(["plan", "--profile", str(path), *flags, *extra]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return float(data["ranked"][0]["ttft_mean_s"])
+
+    lent = save_profile(lending_profile(), tmp_path / "lent.json")
+    assert ttft(lent) < ttft(lent, "--no-lend-cores")
+    assert main(["plan", "--profile", str(lent), *flags[:-1]]) == 0
+    assert "epd encode 1.60x, prefill 1.80x, decode 1.40x" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(lent), *flags[:-1], "--no-lend-cores"]) == 0
+    out = capsys.readouterr().out
+    assert "own cores only" in out and "--pin-cores --no-lend-cores" in out
+    plain = save_profile(profile(), tmp_path / "plain.json")
+    assert main(["plan", "--profile", str(plain), *flags[:-1]]) == 0
+    assert "measured no speed-up" in capsys.readouterr().out
 
 
 def test_cli_over_capacity_says_unstable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -410,6 +509,17 @@ def test_cli_calibrating_a_server_without_stage_timing_says_so(capsys: pytest.Ca
 # ---- calibration against a real deployment ---------------------------------------------------------
 
 
+def test_lending_calibration_repeats_the_unloaded_runs_lending_changes() -> None:
+    from epdserve.plan.calibrate import CalibrationConfig
+
+    config = CalibrationConfig(images=(1, 4), image_sides=(0, 224), concurrencies=(1, 2, 4))
+    cells = config.lending_cells()
+    assert set(cells) < set(config.cells()) and all(c == 1 for _, c in cells)
+    assert {(w.images_per_request, w.image_size) for w, _ in cells if w.images_per_request} == {(1, 224), (4, 224)}
+    assert any(w.prompt_tokens for w, _ in cells)  # prefill of text
+    assert any(w.output_len == config.decode_output_len for w, _ in cells)  # decode steps
+
+
 def test_calibration_against_a_started_deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """1e+1pd started pinned, a few requests of each shape: the E+PD path is recognised from its
     stage timing (the router tells it to the calibrating process, which proves the credential the
@@ -420,6 +530,7 @@ def test_calibration_against_a_started_deployment(tmp_path: Path, monkeypatch: p
     config = CalibrationConfig(images=(1, 4), image_sides=(0,), concurrencies=(1, 2), requests=2, decode_output_len=16)
     p = calibrate_topologies(config, ["1e+1pd"], log_dir=tmp_path / "logs")
     assert set(p.paths) == {"epd"}
+    assert (tmp_path / "logs" / "1e_1pd-lent").is_dir()  # started again, lending, for the speed-ups
     c = p.paths["epd"]
     assert c.encode_call_s + c.encode_image_s > 0
     assert c.decode_step_s > 0 and c.prefill_s + c.prefill_token_s > 0

@@ -17,6 +17,7 @@ is the sharper measurement.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import tempfile
@@ -33,7 +34,16 @@ from epdserve.bench.workload import WorkloadConfig
 from epdserve.common.dtypes import DType
 from epdserve.launcher import free_port
 from epdserve.plan.model import path_of
-from epdserve.plan.profile import PATHS, PathCosts, Profile, ProfileError, Sample, fit_path, fit_token_counts
+from epdserve.plan.profile import (
+    PATHS,
+    PathCosts,
+    Profile,
+    ProfileError,
+    Sample,
+    fit_path,
+    fit_token_counts,
+    lending_speedups,
+)
 from epdserve.shapes import ShapesWorld
 from epdserve.topology import Topology
 from epdserve.up import Deployment
@@ -77,6 +87,16 @@ class CalibrationConfig:
             (WorkloadConfig(images_per_request=0, output_len=self.decode_output_len), c) for c in self.concurrencies
         ]
         return [*quiet, *decode]
+
+    def lending_cells(self) -> list[tuple[WorkloadConfig, int]]:
+        """The runs repeated with idle roles lending their cores: the padded text requests, the image
+        requests at the largest side and the decode run at concurrency 1."""
+        side = max(self.image_sides)
+        return [
+            (w, c)
+            for w, c in self.cells()
+            if c == 1 and (w.prompt_tokens or w.image_size == side or w.output_len == self.decode_output_len)
+        ]
 
 
 def native_pixels(seed: int = 0, n: int = 64) -> float:
@@ -128,11 +148,19 @@ def samples_of_run(results: list[RequestResult], w: WorkloadConfig, concurrency:
     ]
 
 
-def calibrate_url(config: CalibrationConfig, url: str, say: Callable[[str], None] = lambda s: None) -> list[Sample]:
-    """Every calibration run against the deployment at ``url``, as samples of its path."""
+def calibrate_url(
+    config: CalibrationConfig,
+    url: str,
+    say: Callable[[str], None] = lambda s: None,
+    cells: list[tuple[WorkloadConfig, int]] | None = None,
+) -> list[Sample]:
+    """Every calibration run (or those of ``cells``) against the deployment at ``url``, as samples
+    of its path."""
     pixels = native_pixels(config.seed)
     samples: list[Sample] = []
     for i, (w, concurrency) in enumerate(config.cells()):
+        if cells is not None and (w, concurrency) not in cells:
+            continue  # (the seed stays that of the run's place in the full calibration)
         bench = BenchConfig(
             url=url.rstrip("/"),
             workload=w,
@@ -200,31 +228,59 @@ def calibrate_topologies(
     log_dir: Path | None = None,
     say: Callable[[str], None] = lambda s: None,
     dtype: DType = "float32",
+    lending: bool = True,
 ) -> Profile:
     """Start each topology on this machine in turn (roles pinned as ``up --pin-cores`` pins them,
-    every model in ``dtype``), calibrate it, stop it. Role logs go to ``log_dir`` (default: a new
-    temporary directory)."""
+    every model in ``dtype``), calibrate it, stop it. A topology of separate roles is then started
+    again lending idle cores (``up``'s default) for ``lending_cells``, which give its path's
+    ``lend_*_x`` speed-ups (``lending=False``: not measured, 1). Role logs go to ``log_dir``
+    (default: a new temporary directory)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="epd-plan-"))
     say(f"role logs in {log_dir}")
     samples: list[Sample] = []
+    lent: list[Sample] = []
     for name in topologies:
-        deployment = Deployment(
-            Topology.parse(name),
-            model,
-            port=free_port(),
-            pin=True,
-            lend_cores=False,  # the model counts a role's own cores as its servers, at any load
-            log_dir=log_dir / name.replace("+", "_"),
-            **role_args(dtype),
+        topology = Topology.parse(name)
+        # the model counts a role's own cores as its servers, at any load: costs come from roles
+        # kept to their own cores, and lending is a speed-up measured apart
+        for lend in (False, True) if lending and not topology.aggregated else (False,):
+            deployment = Deployment(
+                topology,
+                model,
+                port=free_port(),
+                pin=True,
+                lend_cores=lend,
+                log_dir=log_dir / (name.replace("+", "_") + ("-lent" if lend else "")),
+                **role_args(dtype),
+            )
+            say(f"starting {name}" + (", lending idle cores" if lend else ""))
+            try:
+                deployment.start()
+                with as_operator(deployment.cluster):
+                    if lend:
+                        lent += calibrate_url(config, deployment.url, say, config.lending_cells())
+                    else:
+                        samples += calibrate_url(config, deployment.url, say)
+            finally:
+                deployment.stop()
+    profile = calibrate(
+        samples, "calibration of " + ", ".join(topologies) + " started pinned", native_pixels(config.seed)
+    )
+    return with_lending(profile, samples, lent)
+
+
+def with_lending(profile: Profile, own: list[Sample], lent: list[Sample]) -> Profile:
+    """``profile`` with the lending speed-ups of every path that ``lent`` measured."""
+    paths = dict(profile.paths)
+    for path in {s.path for s in lent}:
+        speedups = lending_speedups([s for s in own if s.path == path], [s for s in lent if s.path == path])
+        paths[path] = dataclasses.replace(
+            paths[path],
+            lend_encode_x=speedups["lend_encode_x"],
+            lend_prefill_x=speedups["lend_prefill_x"],
+            lend_decode_x=speedups["lend_decode_x"],
         )
-        say(f"starting {name}")
-        try:
-            deployment.start()
-            with as_operator(deployment.cluster):
-                samples += calibrate_url(config, deployment.url, say)
-        finally:
-            deployment.stop()
-    return calibrate(samples, "calibration of " + ", ".join(topologies) + " started pinned", native_pixels(config.seed))
+    return dataclasses.replace(profile, paths=paths)
 
 
 def samples_from_sweep(data: dict, pixels: float) -> list[Sample]:

@@ -3,7 +3,9 @@
 Each role is a pool of servers; a server is a core (roles are pinned as ``up --pin-cores`` pins
 them, ``topology.plan_cores``), so replicas that share a core add no capacity. Engines pinned to one
 core share it as the kernel does, equally among those that want it: each runs at
-1 / (1 + the others' busy shares), solved together with the loads those speeds give.
+1 / (1 + the others' busy shares). Roles that lend each other idle cores (``up``'s default) run
+faster while the others idle: 1 + (x − 1) × the idle share of the others' cores, x the speed-up the
+calibration measured with every other role idle. Speeds are solved together with the loads they give.
 
     encoders   M/D/c: a request's images are split across the encoders, its work is
                encode_call + images × (encode_image + encode_mpx × Mpx)
@@ -181,9 +183,11 @@ class Layout:
     encoders: int  # encoder servers: encoders with a core of their own (those sharing one count once)
     pools: tuple[Pool, ...]  # the language-model pools; the first one prefills, the last one decodes
     engine_cores: dict[str, list[int]]  # each engine process ("pd0", "prefill0", ...) -> its cores
+    own_cores: dict[str, frozenset[int]] = field(default_factory=dict)  # role ("encoders", a pool's) -> its cores
+    lend: bool = False  # a computing role borrows the cores of idle roles (``up``'s default when pinned)
 
 
-def layout(topology: Topology, cores: int) -> Layout:
+def layout(topology: Topology, cores: int, lend: bool = False) -> Layout:
     if topology.aggregated:
         # one engine core process (one torch thread) with a core to itself; its front end takes another
         return Layout(0, (Pool("engines", "pd", 1, True, True),), {"pd0": [0]})
@@ -199,14 +203,18 @@ def layout(topology: Topology, cores: int) -> Layout:
         )
     else:
         pools = (Pool("engines", "pd", topology.pds, True, True),)
-    return Layout(min(topology.encoders, len(enc_cores)), pools, dict(plan.engines))
+    own = {"encoders": frozenset(enc_cores)} | {
+        p.role: frozenset(c for name, cs in plan.engines.items() if name.startswith(p.prefix) for c in cs)
+        for p in pools
+    }
+    return Layout(min(topology.encoders, len(enc_cores)), pools, dict(plan.engines), own, lend)
 
 
-def speeds(lay: Layout, busy: dict[str, float]) -> dict[str, float]:
-    """Each pool's mean speed (1: a core of its own) when its engines share cores with engines busy
-    ``busy[role]`` of the time. The kernel shares a core equally between the processes that want it,
-    so a core gives an engine 1 / (1 + the others expected to be running on it); an engine runs one
-    thread, so it never gets more than one core."""
+def shares(lay: Layout, busy: dict[str, float]) -> dict[str, float]:
+    """Each pool's mean share of a core (1: a core of its own) when its engines share cores with
+    engines busy ``busy[role]`` of the time. The kernel shares a core equally between the processes
+    that want it, so a core gives an engine 1 / (1 + the others expected to be running on it); an
+    engine's own cores never give it more than one core's speed (lending is apart: ``Speeds``)."""
     role_of = {name: p.role for name in lay.engine_cores for p in lay.pools if name.startswith(p.prefix)}
     on_core: dict[int, list[str]] = {}
     for name, cs in lay.engine_cores.items():
@@ -219,6 +227,42 @@ def speeds(lay: Layout, busy: dict[str, float]) -> dict[str, float]:
     return {p.role: sum(speed[n] for n in speed if role_of[n] == p.role) / p.n for p in lay.pools}
 
 
+def idle_lent(lay: Layout, busy: dict[str, float], role: str) -> float:
+    """The share of the cores of other roles, not ``role``'s own, that is idle (every role on it
+    idle) and so lent to ``role`` while it computes: 0 where roles do not lend."""
+    if not lay.lend:
+        return 0.0
+    mine = lay.own_cores.get(role, frozenset())
+    others = {c for r, cs in lay.own_cores.items() if r != role for c in cs} - mine
+    if not others:
+        return 0.0
+    idle = [math.prod(1 - busy.get(r, 0.0) for r, cs in lay.own_cores.items() if r != role and c in cs) for c in others]
+    return sum(idle) / len(others)
+
+
+class Speeds(NamedTuple):
+    """How fast a pool's engines run against a core of their own: speeds of 1 are the profile's costs."""
+
+    prefill: float
+    decode: float
+
+
+def speeds(c: PathCosts, lay: Layout, busy: dict[str, float]) -> tuple[dict[str, Speeds], float]:
+    """(each pool's speeds, the encoders' speed) at the busy shares ``busy`` (role -> share of its
+    time computing). Sharing a core slows an engine (``shares``); lent cores speed a role up by
+    its calibrated speed-up (``PathCosts.lend_*_x``, measured with every other role idle) times the
+    share of the others' cores that is idle: a role that starts computing takes its cores back."""
+
+    def lent(x: float, role: str) -> float:
+        return 1 + (x - 1) * idle_lent(lay, busy, role)
+
+    pools = {
+        role: Speeds(share * lent(c.lend_prefill_x, role), share * lent(c.lend_decode_x, role))
+        for role, share in shares(lay, busy).items()
+    }
+    return pools, lent(c.lend_encode_x, "encoders")
+
+
 @dataclass(frozen=True)
 class _Engine:
     """An engine pool at one load."""
@@ -228,19 +272,19 @@ class _Engine:
     batch: float  # mean sequences per decode step
     prefill_wait_s: float  # mean wait of a prefill (queue and the step in progress)
     busy: float  # share of time it wants its core (prefilling, or any sequence decoding)
-    speed: float  # its share of a core
+    speed: Speeds  # its speeds against a core of its own
 
     @property
     def stable(self) -> bool:
         return self.load < 1 and self.batch <= MAX_BATCH
 
 
-def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: float, pool: Pool) -> _Engine:
-    """One engine of ``pool`` receiving ``rate`` req/s at ``speed`` (1: a core of its own)."""
-    p = [c.prefill(k.prompt_tokens, k.images) / speed if pool.prefill else 0.0 for k in kinds]
+def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: Speeds, pool: Pool) -> _Engine:
+    """One engine of ``pool`` receiving ``rate`` req/s at ``speed``."""
+    p = [c.prefill(k.prompt_tokens, k.images) / speed.prefill if pool.prefill else 0.0 for k in kinds]
     p_mean = sum(k.share * x for k, x in zip(kinds, p, strict=True))
     p_sq = sum(k.share * x * x for k, x in zip(kinds, p, strict=True))
-    d0, d1 = c.decode_step_s / speed, c.decode_seq_s / speed
+    d0, d1 = c.decode_step_s / speed.decode, c.decode_seq_s / speed.decode
     load = rate * p_mean + (rate * out * d1 if pool.decode else 0.0)
     if load >= 1:
         return _Engine(load, math.inf, math.inf, math.inf, 1.0, speed)
@@ -254,21 +298,45 @@ def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: float,
     return _Engine(load, itl, batch, wait, busy, speed)
 
 
-FIXED_POINT_ROUNDS = 60  # speeds ↔ busy shares; they converge from below in a few dozen rounds
+FIXED_POINT_ROUNDS = 60  # speeds ↔ busy shares; they converge in a few dozen rounds
 
 
-def engines_at(c: PathCosts, kinds: list[Kind], out: int, lay: Layout, rate: float) -> dict[str, _Engine]:
-    """Every pool's engine at ``rate``: speeds and busy shares solved together, starting from
-    engines that do not meet (busy 0) so that the least fixed point is found."""
-    busy = dict.fromkeys((p.role for p in lay.pools), 0.0)
+@dataclass(frozen=True)
+class _State:
+    """Every role of a topology at one arrival rate."""
+
+    encoders: Station
+    encode_speed: float  # the encoders' speed against a core of their own
+    engines: dict[str, _Engine]  # pool role -> its engine
+
+    @property
+    def stable(self) -> bool:
+        return self.encoders.utilization < 1 and all(e.stable for e in self.engines.values())
+
+
+def state_at(
+    c: PathCosts, kinds: list[Kind], out: int, lay: Layout, rate: float, media_share: float, enc_work: float
+) -> _State:
+    """Every role at ``rate``: speeds and busy shares solved together, starting from roles that
+    never compute (busy 0). The busier a role, the slower the others (a shared core, fewer cores
+    to lend) and so the busier they are: the shares rise from 0 to the least fixed point."""
+    busy = dict.fromkeys((p.role for p in lay.pools), 0.0) | ({"encoders": 0.0} if lay.encoders else {})
     for _ in range(FIXED_POINT_ROUNDS):
-        speed = speeds(lay, busy)
-        result = {p.role: engine(c, rate / p.n, kinds, out, speed[p.role], p) for p in lay.pools}
-        new = {role: e.busy for role, e in result.items()}
+        pool_speeds, enc_speed = speeds(c, lay, busy)
+        enc = (
+            encoder_station(rate * media_share, enc_work / enc_speed, lay.encoders)
+            if lay.encoders
+            else Station(0.0, 0.0, 0.0)
+        )
+        engines = {p.role: engine(c, rate / p.n, kinds, out, pool_speeds[p.role], p) for p in lay.pools}
+        state = _State(enc, enc_speed, engines)
+        new = {role: e.busy for role, e in engines.items()} | (
+            {"encoders": min(1.0, enc.utilization)} if lay.encoders else {}
+        )
         if all(abs(new[r] - busy[r]) < 1e-9 for r in busy):
             break
         busy = new
-    return result
+    return state
 
 
 # (share of the requests, latency without waiting, mean wait, chance to wait) of one request kind
@@ -296,14 +364,18 @@ def _media(profile: Profile, load: Load, c: PathCosts) -> tuple[list[Kind], floa
     return kinds, media_share, max((c.encode(k.images, k.pixels) for k in kinds), default=0.0)
 
 
-def capacity(c: PathCosts, kinds: list[Kind], out: int, lay: Layout, enc_rate_cap: float) -> tuple[float, str]:
-    """(the most req/s the topology sustains, the role that limits it): the encoders' limit, or the
-    rate at which an engine's load reaches 1 or its batch MAX_BATCH, found by bisection (engines
-    sharing cores slow each other more as the load grows)."""
-    hi = enc_rate_cap
-    for pool in lay.pools:  # each pool alone at full speed: an upper bound
-        e = engine(c, 1.0, kinds, out, 1.0, pool)
-        per_request = e.load  # load per req/s per engine
+def capacity(
+    c: PathCosts, kinds: list[Kind], out: int, lay: Layout, media_share: float, enc_work: float
+) -> tuple[float, str]:
+    """(the most req/s the topology sustains, the role that limits it): the rate at which the
+    encoders' utilisation or an engine's load reaches 1, or an engine's batch MAX_BATCH, found by
+    bisection (roles sharing or lending cores speed up or slow down each other with the load)."""
+    fastest, enc_fastest = speeds(c, lay, dict.fromkeys(lay.own_cores, 0.0))
+    hi = math.inf
+    if lay.encoders and media_share * enc_work > 0:
+        hi = lay.encoders * enc_fastest / (media_share * enc_work)
+    for pool in lay.pools:  # each pool alone at its fastest: an upper bound
+        per_request = engine(c, 1.0, kinds, out, fastest.get(pool.role, Speeds(1.0, 1.0)), pool).load
         if per_request > 0:
             hi = min(hi, pool.n / per_request)
     if not math.isfinite(hi):
@@ -311,12 +383,12 @@ def capacity(c: PathCosts, kinds: list[Kind], out: int, lay: Layout, enc_rate_ca
     lo = 0.0
     for _ in range(50):
         mid = (lo + hi) / 2
-        ok = mid < enc_rate_cap and all(e.stable for e in engines_at(c, kinds, out, lay, mid).values())
+        ok = state_at(c, kinds, out, lay, mid, media_share, enc_work).stable
         lo, hi = (mid, hi) if ok else (lo, mid)
-    near = engines_at(c, kinds, out, lay, lo)
-    pressure = {role: max(e.load, e.batch / MAX_BATCH) for role, e in near.items()}
+    near = state_at(c, kinds, out, lay, lo, media_share, enc_work)
+    pressure = {role: max(e.load, e.batch / MAX_BATCH) for role, e in near.engines.items()}
     if lay.encoders:
-        pressure["encoders"] = lo / enc_rate_cap
+        pressure["encoders"] = near.encoders.utilization
     return lo, max(pressure, key=lambda r: pressure[r])
 
 
@@ -336,17 +408,16 @@ class _Case:
     bottleneck: str
 
 
-def _case(profile: Profile, topology: str, cores: int, load: Load) -> _Case:
+def _case(profile: Profile, topology: str, cores: int, load: Load, lend: bool) -> _Case:
     topo = Topology.parse(topology)
     path = path_of(topo)
     try:
         c = profile.costs(path)
     except ProfileError as e:
         raise Unsupported(str(e)) from None
-    lay = layout(topo, cores)
+    lay = layout(topo, cores, lend)
     kinds, media_share, enc_work = _media(profile, load, c)
-    enc_cap = lay.encoders / (media_share * enc_work) if lay.encoders and media_share * enc_work > 0 else math.inf
-    cap, bottleneck = capacity(c, kinds, load.workload.output_len, lay, enc_cap)
+    cap, bottleneck = capacity(c, kinds, load.workload.output_len, lay, media_share, enc_work)
     return _Case(topology_name(topo), path, cores, lay, c, kinds, media_share, enc_work, cap, bottleneck)
 
 
@@ -354,9 +425,9 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     c, lay, kinds, cap = case.costs, case.lay, case.kinds, case.capacity
     media_share, enc_work = case.media_share, case.enc_work
     out = load.workload.output_len
-    enc = encoder_station(rate * media_share, enc_work, lay.encoders) if lay.encoders else Station(0.0, 0.0, 0.0)
-    engines = engines_at(c, kinds, out, lay, rate)
-    stable = rate < cap and all(e.stable for e in engines.values()) and enc.utilization < 1
+    state = state_at(c, kinds, out, lay, rate, media_share, enc_work)
+    enc, engines = state.encoders, state.engines
+    stable = rate < cap and state.stable
     base = Prediction(
         topology=case.name,
         path=case.path,
@@ -377,12 +448,13 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     first, decoder = engines[first_pool.role], engines[lay.pools[-1].role]
     dists: list[Dist] = []
     for k in kinds:
-        fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images) / first.speed
+        fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images) / first.speed.prefill
         wait, busy = first.prefill_wait_s, first.busy
         if k.images and lay.encoders:
             # the images are split across the encoders: each encodes its share in parallel
             per_image = (c.encode(k.images, k.pixels) - c.encode_call_s) / k.images
-            fixed += c.encode_call_s + per_image * math.ceil(k.images / lay.encoders)
+            work = c.encode_call_s + per_image * math.ceil(k.images / lay.encoders)
+            fixed += work / state.encode_speed
             wait += enc.wait_s
             busy = 1 - (1 - busy) * (1 - enc.wait_prob)
         dists.append((k.share, fixed, wait, busy))
@@ -393,7 +465,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
         if not first_pool.decode:
             return 0.0  # decode workers never prefill
         step = decoder.itl_s * (1 - decoder.load)  # a decode step's own time, no prefill in it
-        long = [k for k in kinds if step + c.prefill(k.prompt_tokens, k.images) / first.speed > bound]
+        long = [k for k in kinds if step + c.prefill(k.prompt_tokens, k.images) / first.speed.prefill > bound]
         return rate / first_pool.n * sum(k.share for k in long)
 
     fraction = slo_fraction(load.slo, dists, decoder.itl_s, decode_time, gap) if load.slo.given else None
@@ -436,10 +508,12 @@ def _quantile(cdf: Callable[[float], float], q: float) -> float:
     return hi
 
 
-def predict(profile: Profile, topology: str, cores: int, load: Load) -> Prediction:
+def predict(profile: Profile, topology: str, cores: int, load: Load, lend: bool = True) -> Prediction:
     """The prediction for ``topology`` pinned to ``cores`` cores under ``load``; ``Unsupported`` when
-    the profile or the cores cannot serve it. A closed loop is solved for its arrival rate."""
-    case = _case(profile, topology, cores, load)
+    the profile or the cores cannot serve it. A closed loop is solved for its arrival rate.
+    ``lend``: its roles lend each other idle cores (``up --pin-cores``'s default), as fast as the
+    profile's lending speed-ups say (none where it has none)."""
+    case = _case(profile, topology, cores, load, lend)
     if load.request_rate > 0:
         return _evaluate(case, load, load.request_rate)
     # closed loop: N clients, each sending again when its answer ends, so N = λ × E2E(λ); E2E grows

@@ -43,6 +43,7 @@ class PlanConfig:
     load: Load  # the workload, its arrivals and the SLO
     cores: int = 0  # cores the deployment may use (0: those of the profiled machine)
     max_replicas: int = 4  # most encoder and worker instances together in a candidate
+    lend_cores: bool = True  # roles lend each other idle cores, as up --pin-cores starts them (the profile's speed-ups)
     topologies: tuple[str, ...] = ()  # predict only these (names as ``epdserve up --topology`` reads them)
 
     def __post_init__(self) -> None:
@@ -99,7 +100,7 @@ def plan(profile: Profile, config: PlanConfig) -> Plan:
     predictions, skipped = [], {}
     for name in names:
         try:
-            predictions.append(predict(profile, name, cores, config.load))
+            predictions.append(predict(profile, name, cores, config.load, config.lend_cores))
         except Unsupported as e:
             skipped[name] = str(e)
     closed = config.load.request_rate == 0
@@ -127,7 +128,9 @@ def why(result: Plan) -> str:
         )
     busy = ", ".join(f"{role} {100 * u:.0f}%" for role, u in best.utilization.items())
     lines = [
-        f"recommendation: {best.topology}  (epdserve up --topology {best.topology} --pin-cores)",
+        f"recommendation: {best.topology}  (epdserve up --topology {best.topology} --pin-cores"
+        + ("" if result.config.lend_cores else " --no-lend-cores")
+        + ")",
         f"  expected: TTFT p50 {_ms(best.ttft_p50_s)} ms, p90 {_ms(best.ttft_p90_s)} ms, ITL {_ms(best.itl_s)} ms, "
         f"{best.throughput_rps:.2f} req/s"
         + (
@@ -161,6 +164,7 @@ def format_plan(result: Plan, profile: Profile) -> str:
         f"epdserve plan: {w.images_per_request} img × {w.image_size or 'own size'} px, prompt {w.prompt_tokens or 'short'}, "
         f"{w.output_len} output tokens, text {100 * w.text_fraction:.0f}%, {arrival}, SLO {load.slo}",
         f"profile: {profile.source} ({profile.nproc} CPUs, {profile.cpu_model}); planned on {result.cores} cores",
+        lending_line(profile, result.config.lend_cores),
         "",
         f"{'#':>2} {'topology':<11}{'cap req/s':>10}  {'bottleneck':<16}{'TTFT p50':>9}{'p90':>8}{'ITL':>7}"
         f"{'E2E':>8}{'req/s':>8}{'SLO %':>7}{'goodput':>9}",
@@ -181,6 +185,19 @@ def format_plan(result: Plan, profile: Profile) -> str:
     return "\n".join([*head, *rows, *(["", *skipped] if skipped else []), "", why(result)])
 
 
+def lending_line(profile: Profile, lend: bool) -> str:
+    """What the predictions assume of core lending, and the speed-ups they use."""
+    if not lend:
+        return "roles on their own cores only (up --no-lend-cores)"
+    lent = {name: c for name, c in profile.paths.items() if c.lends}
+    if not lent:
+        return "roles lend idle cores, but the profile measured no speed-up from it: predicted on their own cores"
+    return "roles lend idle cores; speed-up of a role computing alone: " + "; ".join(
+        f"{name} encode {c.lend_encode_x:.2f}x, prefill {c.lend_prefill_x:.2f}x, decode {c.lend_decode_x:.2f}x"
+        for name, c in lent.items()
+    )
+
+
 def _finite(v: Any) -> Any:
     """JSON has no infinity: an unbounded capacity is written as null."""
     if isinstance(v, float) and not math.isfinite(v):
@@ -199,6 +216,7 @@ def plan_json(result: Plan, profile: Profile) -> dict[str, Any]:
             "workload": dataclasses.asdict(result.config.load),
             "cores": result.cores,
             "profile_source": profile.source,
+            "lend_cores": result.config.lend_cores,
             "recommendation": best.topology if best else None,
             "why": why(result),
             "ranked": [dataclasses.asdict(p) for p in result.ranked],
@@ -212,7 +230,7 @@ def plan_json(result: Plan, profile: Profile) -> dict[str, Any]:
 # the workload fields the model covers (no video, no reused media), flags as epdserve bench has them
 PLAN_WORKLOAD_FLAGS = ("images_per_request", "image_size", "prompt_tokens", "output_len", "text_fraction")
 LOAD_FLAGS = ("request_rate", "concurrency")
-PLAN_FLAGS = ("cores", "max_replicas")
+PLAN_FLAGS = ("cores", "max_replicas", "lend_cores")
 # the engine's settings the memory account reads (--memory, --host-memory)
 MEMORY_ENGINE_FLAGS = (
     "dtype",
@@ -306,7 +324,12 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
         profile = calibrate_urls(calibration, [u.rstrip("/") for u in args.calibrate], say)
     else:
         profile = calibrate_topologies(
-            calibration, list(parse_topologies(args.calibrate_topologies)), args.model, say=say, dtype=args.dtype
+            calibration,
+            list(parse_topologies(args.calibrate_topologies)),
+            args.model,
+            say=say,
+            dtype=args.dtype,
+            lending=args.lend_cores,
         )
     if args.save_profile:
         say(f"wrote {save_profile(profile, Path(args.save_profile))}")

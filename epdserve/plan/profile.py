@@ -32,6 +32,7 @@ PROFILE_VERSION = 1
 Path_ = Literal["aggregated", "epd", "split"]
 PATHS: tuple[Path_, ...] = ("aggregated", "epd", "split")
 MIN_SAMPLES = 3  # fewer unloaded requests than this cannot fit a path's costs
+LEND_NOISE = 1.1  # a lending speed-up below this is within identical runs' spread: taken as none
 
 
 class ProfileError(ValueError):
@@ -55,6 +56,11 @@ class PathCosts:
     decode_seq_s: float  # one decode step: its growth per sequence in the batch
     samples: int  # requests the fit used
     ttft_rms_s: float  # root mean square error of the fit's TTFT on the unloaded requests
+    # speed-ups of a role computing alone while every other role lends it its idle cores (pinned
+    # deployments, ``up``'s default); 1: not calibrated, or nothing to gain
+    lend_encode_x: float = 1.0  # an encoder's
+    lend_prefill_x: float = 1.0  # a prefill's
+    lend_decode_x: float = 1.0  # a decode step's
 
     def encode(self, images: int, pixels: float) -> float:
         """Encoder work of one request with ``images`` images of ``pixels`` pixels each (0 without images)."""
@@ -73,6 +79,11 @@ class PathCosts:
     def step(self, batch: float) -> float:
         """One decode step with ``batch`` sequences running."""
         return self.decode_step_s + self.decode_seq_s * batch
+
+    @property
+    def lends(self) -> bool:
+        """Whether a calibration found roles faster on lent cores."""
+        return max(self.lend_encode_x, self.lend_prefill_x, self.lend_decode_x) > 1.0
 
 
 @dataclass(frozen=True)
@@ -135,16 +146,20 @@ class Profile:
         missing = sorted(names - data.keys())
         if missing:
             raise ProfileError(f"{where}: missing {', '.join(missing)}")
-        cost_names = {f.name for f in dataclasses.fields(PathCosts)}
+        fields = dataclasses.fields(PathCosts)
+        cost_names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}  # lending: optional
         paths: dict[str, PathCosts] = {}
         for name, costs in dict(data["paths"]).items():
             if name not in PATHS:
                 raise ProfileError(f"{where}: unknown path {name!r} (expected one of {', '.join(PATHS)})")
-            if not isinstance(costs, dict) or cost_names - costs.keys():
-                raise ProfileError(f"{where}: path {name} lacks {', '.join(sorted(cost_names - set(costs or ())))}")
-            values = {k: costs[k] for k in cost_names}
+            if not isinstance(costs, dict) or required - costs.keys():
+                raise ProfileError(f"{where}: path {name} lacks {', '.join(sorted(required - set(costs or ())))}")
+            values = {k: costs[k] for k in cost_names if k in costs}
             if any(not isinstance(v, int | float) or not math.isfinite(v) or v < 0 for v in values.values()):
                 raise ProfileError(f"{where}: path {name} has a negative or non-numeric cost")
+            if any(values.get(k, 1.0) < 1.0 for k in cost_names - required):
+                raise ProfileError(f"{where}: path {name} has a lending speed-up below 1")
             paths[name] = PathCosts(**values)
         try:
             image_tokens = {int(k): float(v) for k, v in dict(data["image_tokens"]).items()}
@@ -247,11 +262,16 @@ def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
     return [float(v) for v in x]
 
 
+def _key(s: Sample) -> tuple[int, int, int, int, int]:
+    """What identifies the run a sample came from."""
+    return (s.images, s.image_side, s.padding, s.concurrency, s.output_tokens)
+
+
 def _cells(samples: Sequence[Sample]) -> list[list[Sample]]:
     """Samples grouped by the run they came from (same images, side, padding, concurrency, output)."""
     groups: dict[tuple, list[Sample]] = {}
     for s in samples:
-        groups.setdefault((s.images, s.image_side, s.padding, s.concurrency, s.output_tokens), []).append(s)
+        groups.setdefault(_key(s), []).append(s)
     return list(groups.values())
 
 
@@ -325,6 +345,37 @@ def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
         for s in quiet
     ]
     return dataclasses.replace(costs, ttft_rms_s=math.sqrt(sum(e * e for e in errors) / len(errors)))
+
+
+def lending_speedups(own: Sequence[Sample], lent: Sequence[Sample]) -> dict[str, float]:
+    """The ``lend_*_x`` speed-ups of a path: the same runs measured with each role on its own cores
+    (``own``) and with idle roles lending theirs (``lent``), unloaded, so that every stage runs
+    while the others idle. Each is the geometric mean over the runs both have of the ratio of their
+    median times (encode: image runs; prefill: every unloaded run; decode: TPOT of the concurrency-1
+    runs with more than one output token); 1 below ``LEND_NOISE`` (roles too small to borrow, or
+    noise)."""
+    pairs = []
+    by_key = {_key(c[0]): c for c in _cells(lent)}
+    for cell in _cells(own):
+        other = by_key.get(_key(cell[0]))
+        if other is not None:
+            pairs.append((cell, other))
+
+    def speedup(value: Callable[[Sample], float], use: Callable[[Sample], bool]) -> float:
+        ratios = []
+        for a, b in pairs:
+            if use(a[0]):
+                ta, tb = _median([value(s) for s in a]), _median([value(s) for s in b])
+                if ta > 0 and tb > 0:
+                    ratios.append(math.log(ta / tb))
+        x = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
+        return x if x >= LEND_NOISE else 1.0
+
+    return {
+        "lend_encode_x": speedup(lambda s: s.encode_s, lambda s: s.images > 0 and s.concurrency == 1 and s.timed),
+        "lend_prefill_x": speedup(lambda s: s.prefill_s, lambda s: s.concurrency == 1 and s.timed),
+        "lend_decode_x": speedup(lambda s: s.tpot_s, lambda s: s.concurrency == 1 and s.output_tokens > 1),
+    }
 
 
 def fit_token_counts(samples: Sequence[Sample]) -> tuple[float, float, dict[int, float]]:
