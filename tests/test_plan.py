@@ -15,7 +15,7 @@ import pytest
 from epdserve.bench.report import SLO
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.cli import main
-from epdserve.plan.model import Load, erlang_c, predict
+from epdserve.plan.model import Load, encoder_station, erlang_c, predict
 from epdserve.plan.planner import PlanConfig, candidates, plan
 from epdserve.plan.profile import (
     PROFILE_VERSION,
@@ -187,6 +187,13 @@ def test_erlang_c_of_one_server_is_its_utilization() -> None:
     assert erlang_c(4, 2.0) < erlang_c(2, 1.8)  # more servers at similar per-server load wait less
 
 
+def test_saturated_encoders_wait_without_bound() -> None:
+    """At or past full utilisation (capacity's bisection probes such rates) the wait is unbounded."""
+    for rate in (2.0, 3.0):
+        station = encoder_station(rate, 0.5, 1)
+        assert station.utilization == rate * 0.5 and station.wait_s == math.inf and station.wait_prob == 1.0
+
+
 def test_more_encoders_never_predict_a_worse_encode_wait() -> None:
     p = profile()
     load = image_load(12.0, images=10, out=16)
@@ -250,6 +257,10 @@ def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
     text = Load(WorkloadConfig(images_per_request=0, output_len=64), request_rate=1.0)
     per_request = c.prefill(p.text_tokens, 0) / 1.8 + 64 * c.decode_seq_s / 1.4
     assert predict(p, "1e+1pd", 2, text).utilization["engines"] == pytest.approx(per_request)
+    # image-heavy: the encoders bound the capacity, lent a core while the engine idles
+    heavy = predict(p, "1e+1pd", 2, image_load(1.0, images=10, out=4))
+    assert heavy.bottleneck == "encoders"
+    assert heavy.capacity_rps > predict(p, "1e+1pd", 2, image_load(1.0, images=10, out=4), lend=False).capacity_rps
     # nothing to lend in one process, and nothing measured: the same predictions either way
     assert predict(p, "aggregated", 2, quiet) == predict(p, "aggregated", 2, quiet, lend=False)
     assert predict(profile(), "1e+1pd", 2, quiet) == predict(profile(), "1e+1pd", 2, quiet, lend=False)

@@ -151,6 +151,8 @@ def encoder_station(rate: float, work_s: float, servers: int) -> Station:
     rho = offered / servers
     if rate == 0 or work_s == 0:
         return Station(0.0, 0.0, 0.0)
+    if rho >= 1:  # saturated: the queue grows without bound
+        return Station(rho, math.inf, 1.0)
     p_wait = erlang_c(servers, offered)
     return Station(rho, 0.5 * p_wait * work_s / (servers * (1 - rho)), p_wait)
 
