@@ -152,6 +152,7 @@ class Deployment:
         self.model_args = ["--model", model] if model else []
         self.host = host
         self.port = port
+        self.ports: set[int] = {port}  # every port handed to a role of this deployment
         self.pin = pin
         self.ec_connector = ec_connector
         self.kv_connector = kv_connector
@@ -194,6 +195,15 @@ class Deployment:
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Make ``start`` and ``supervise`` return soon (safe from a signal handler)."""
         self.stop_signal = self.stop_signal or signum
+
+    def _free_port(self) -> int:
+        """A free port no other role of this deployment was given: a role binds its port only once
+        it has loaded, so until then the kernel may offer the same free port again."""
+        port = free_port()
+        while port in self.ports:
+            port = free_port()
+        self.ports.add(port)
+        return port
 
     def _say(self, text: str) -> None:
         if self.verbose:
@@ -356,13 +366,13 @@ class Deployment:
         for i in range(topo.encoders):
             args = ["encoder", *self.model_args, "--ec-connector", self.ec_connector, *fs_args, *store_args]
             if self.ec_connector == "tcp":
-                args += ["--ec-tcp-port", str(free_port())]
+                args += ["--ec-tcp-port", str(self._free_port())]
             pinned = plan.roles.get(f"encoder{i}")
             if pinned and lending:
                 args += [*lending, "--threads", str(len(pinned))]
                 pinned = cores
             args += [*self.extra_encoder_args, *self.extra_args]
-            encoders.append(self._launch(f"encoder{i}", args, free_port(), pinned))
+            encoders.append(self._launch(f"encoder{i}", args, self._free_port(), pinned))
         # behind encoders that encode everything the language-model workers only see
         # metadata-only media: no vision weights; with raw media to them (no encoders, adaptive
         # dispatch, the metadata-only baseline) they encode it themselves
@@ -380,12 +390,12 @@ class Deployment:
                 kind = "prefills" if name.startswith("prefill") else "decodes"
                 args += ["--role", kind[:-1], "--kv-connector", self.kv_connector]
                 if kind == "prefills" and self.kv_connector == "tcp":
-                    args += ["--kv-tcp-port", str(free_port())]
+                    args += ["--kv-tcp-port", str(self._free_port())]
             if name in plan.engines and lending:
                 args += [*lending, "--threads", str(len(plan.engines[name])), "--engine-cpus", cpu_spec(cores)]
             elif name in plan.engines:
                 args += ["--engine-cpus", cpu_spec(plan.engines[name])]
-            role = self._launch(name, [*args, *self.extra_args], free_port(), plan.roles.get(name))
+            role = self._launch(name, [*args, *self.extra_args], self._free_port(), plan.roles.get(name))
             workers[kind].append(role)
         # the router starts beside them (their addresses are known) and is healthy once it has
         # found a worker healthy; every role must be, before the deployment is
@@ -410,7 +420,7 @@ class Deployment:
 
         model = Path(self.model) if self.model else default_model_dir()
         extra = {**self.vllm_ec_extra, **({"store_url": store_args[1]} if store_args else {})}
-        port = free_port()
+        port = self._free_port()
         served = self.served_model_name or model.name
         cmd = serve_command(self.vllm, str(model), served, INTERNAL_HOST, port, extra, self.vllm_args)
         cpus = plan.engines.get(name) or plan.roles.get(name)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -340,6 +341,39 @@ def test_a_router_that_does_not_stop_holds_the_others_back_half_the_grace(tmp_pa
     waited = times["encoder0"][0] - times["router"][0]
     assert STOP_TIMEOUT_S / 2 - 0.5 <= waited <= STOP_TIMEOUT_S / 2 + 2.0, times
     assert took < STOP_TIMEOUT_S + 5.0
+
+
+def test_roles_get_distinct_ports_when_the_kernel_offers_one_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role binds its port only once it has loaded, so until then the kernel may offer the same
+    free port again: every role still gets its own, and the deployment serves."""
+    import epdserve.up as up_module
+
+    offered: list[int] = []
+
+    def twice() -> int:  # each free port offered twice in a row
+        if not offered or offered.count(offered[-1]) == 2:
+            offered.append(free_port())
+        else:
+            offered.append(offered[-1])
+        return offered[-1]
+
+    monkeypatch.setattr(up_module, "free_port", twice)
+    d = Deployment(Topology.parse("2e+1pd"), None, port=free_port(), log_dir=tmp_path, ec_connector="tcp")
+    d.start()
+    try:
+        urls = [r.url for r in d.roles]
+        assert len(set(urls)) == len(urls) == 4, urls
+        assert len(offered) > len(set(offered))  # the same port was offered again, and passed over
+        body = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        req = urllib.request.Request(
+            d.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+    finally:
+        d.stop()
 
 
 def test_busy_port_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:
