@@ -377,7 +377,7 @@ def capacity(
     if lay.encoders and media_share * enc_work > 0:
         hi = lay.encoders * enc_fastest / (media_share * enc_work)
     for pool in lay.pools:  # each pool alone at its fastest: an upper bound
-        per_request = engine(c, 1.0, kinds, out, fastest.get(pool.role, Speeds(1.0, 1.0)), pool).load
+        per_request = engine(c, 1.0, kinds, out, fastest[pool.role], pool).load
         if per_request > 0:
             hi = min(hi, pool.n / per_request)
     if not math.isfinite(hi):
