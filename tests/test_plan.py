@@ -222,7 +222,7 @@ def test_engines_sharing_a_core_share_its_capacity() -> None:
     assert predict(p, "1e+2pd", 4, load).capacity_rps == pytest.approx(2 * one, rel=0.05)
     quiet = predict(p, "1e+1p+1d", 2, load)
     busy = predict(p, "1e+1p+1d", 2, image_load(0.6 * quiet.capacity_rps, images=4, out=64))
-    alone = costs().decode_step_s
+    alone = costs().step(1)  # one sequence's step
     assert quiet.itl_s is not None and busy.itl_s is not None
     assert alone < quiet.itl_s < 1.1 * alone < busy.itl_s
 
@@ -290,6 +290,40 @@ def test_closed_loop_obeys_littles_law() -> None:
     pred = predict(p, "1e+1pd", 2, Load(WorkloadConfig(images_per_request=4, output_len=64), concurrency=4))
     assert pred.stable and pred.e2e_mean_s is not None
     assert pred.request_rate * pred.e2e_mean_s == pytest.approx(4, rel=1e-3)
+
+
+def test_one_client_never_waits_and_borrows_every_idle_core() -> None:
+    """A closed loop of one client: its request meets no other, so its TTFT is the stages' work
+    alone (each at the full lending speed-up: the other role is idle while it computes), its
+    tokens come one decode step of one sequence apart, and it sends again when it is answered."""
+    p = lending_profile()
+    c = p.paths["epd"]
+    one = predict(p, "1e+1pd", 2, Load(WorkloadConfig(images_per_request=4, output_len=64), concurrency=1))
+    tokens = p.text_tokens + 4 * p.image_tokens[0]
+    alone = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4) / 1.8
+    assert one.ttft_p50_s == pytest.approx(alone, rel=1e-6)
+    assert one.itl_s == pytest.approx(c.step(1) / 1.4, rel=1e-6)
+    assert one.e2e_mean_s is not None
+    assert one.request_rate == pytest.approx(1 / one.e2e_mean_s, rel=1e-3)
+
+
+def test_a_closed_loop_meets_the_other_clients_load() -> None:
+    """A request of a closed loop of N clients meets the other N − 1 clients' requests (the
+    arrival theorem): it waits as a Poisson arrival at N − 1 clients' rate would, less than one
+    at the whole rate, and more than a lone client."""
+    p = profile()
+    w = WorkloadConfig(images_per_request=4, output_len=64)
+    lone = predict(p, "1e+1pd", 2, Load(w, concurrency=1)).ttft_mean_s
+    for n in (2, 4, 16):
+        closed = predict(p, "1e+1pd", 2, Load(w, concurrency=n))
+        others = predict(p, "1e+1pd", 2, Load(w, request_rate=closed.request_rate * (n - 1) / n))
+        whole = predict(p, "1e+1pd", 2, Load(w, request_rate=closed.request_rate))
+        assert closed.ttft_mean_s == pytest.approx(others.ttft_mean_s, rel=1e-9)
+        assert closed.itl_s == pytest.approx(others.itl_s, rel=1e-9)
+        assert whole.ttft_mean_s is not None and lone is not None
+        assert lone < closed.ttft_mean_s < whole.ttft_mean_s
+        # its utilisation is the whole loop's
+        assert closed.utilization == whole.utilization
 
 
 def test_goodput_falls_when_the_slo_tightens() -> None:

@@ -11,8 +11,8 @@ calibration measured with every other role idle. Speeds are solved together with
                encode_call + images × (encode_image + encode_mpx × Mpx)
     engines    one per language-model worker, requests spread evenly. An engine alternates prefills
                (work P per request) and decode steps of every running sequence (step(b) = d0 + d1·b).
-               With load L = λ·E[P] + λ·out·d1 < 1 the decode step's wall time is
-                   ITL = d0 / (1 − L)          (prefills preempt steps; each sequence adds d1)
+               With load L = λ·E[P] + λ·out·d1 < 1 a sequence's gap between tokens is
+                   ITL = (d0 + d1) / (1 − L)   (prefills preempt steps; each other sequence adds d1)
                and the batch follows from Little's law: b = λ·out·ITL (at most max_num_seqs).
                A prefill waits as in M/G/1 (Pollaczek–Khinchine) at load L, plus half a decode step.
     split P/D  prefill workers only prefill; decode workers only decode (the same step law, L = λ·out·d1).
@@ -23,11 +23,14 @@ calibration measured with every other role idle. Speeds are solved together with
 Waiting times are taken as 0 with probability 1 − π and exponential otherwise (π: the chance that
 some station is busy on arrival), which gives TTFT quantiles and the share of requests within an
 SLO; goodput = throughput × that share. A closed loop of N clients is solved for the λ at which
-N = λ × E2E. At or beyond a role's capacity the prediction is *unstable*: no latency is given.
+N = λ × E2E; its requests meet the other N − 1 clients' requests only (the arrival theorem), so
+their waits and speeds are those of the load λ·(N − 1)/N: one client never waits, and while it
+encodes the engine idles. At or beyond a role's capacity the prediction is *unstable*: no latency
+is given.
 
 What it leaves out (see docs/plan.md): the router's and front ends' CPU (taken as latency, not
 as load on the cores), prefix and encoder cache hits, chunked prefill, the variance of a closed
-loop being lower than Poisson's.
+loop being lower than Poisson's beyond what the arrival theorem gives.
 """
 
 from __future__ import annotations
@@ -290,7 +293,8 @@ def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: Speeds
     load = rate * p_mean + (rate * out * d1 if pool.decode else 0.0)
     if load >= 1:
         return _Engine(load, math.inf, math.inf, math.inf, 1.0, speed)
-    itl = d0 / (1 - load) if pool.decode else 0.0
+    # a sequence's own growth of the step, d1, comes on top of what the others' load stretches
+    itl = (d0 + d1) / (1 - load) if pool.decode else 0.0
     batch = rate * out * itl
     # idle only with no prefill running and no sequence decoding (their number taken as Poisson)
     busy = 1 - (1 - load) * math.exp(-batch)
@@ -446,6 +450,10 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     )
     if not stable:
         return base
+    if load.request_rate == 0:  # a closed loop: a request meets the other clients' load only
+        seen = rate * (load.concurrency - 1) / load.concurrency
+        state = state_at(c, kinds, out, lay, seen, media_share, enc_work)
+        enc, engines = state.encoders, state.engines
     first_pool = lay.pools[0]  # the pool that prefills
     first, decoder = engines[first_pool.role], engines[lay.pools[-1].role]
     dists: list[Dist] = []
@@ -479,7 +487,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
         ttft_by_kind_s={k.name: f + m for k, (_, f, m, _) in zip(kinds, dists, strict=True)},
         itl_s=decoder.itl_s,
         e2e_mean_s=ttft_mean + decode_time,
-        decode_batch=decoder.batch,
+        decode_batch=rate / lay.pools[-1].n * out * decoder.itl_s,  # Little's law
         slo_fraction=fraction,
         goodput_rps=None if fraction is None else rate * fraction,
     )
