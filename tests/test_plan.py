@@ -42,6 +42,7 @@ def costs(**kw: float) -> PathCosts:
         prefill_token_s=0.0002,
         prefill_media_s=0.004,
         prefill_image_s=0.0005,
+        prefill_mpx_s=0.02,
         overhead_s=0.003,
         overhead_image_s=0.0004,
         decode_step_s=0.004,
@@ -77,8 +78,8 @@ def samples_of(c: PathCosts, path: str = "epd") -> list[Sample]:
     for images, side, padding in [(0, 0, 0), (0, 0, 96), (1, 0, 0), (4, 0, 0), (8, 0, 0), (1, 224, 0), (4, 224, 0)]:
         pixels = float(side * side) if side else 16000.0
         tokens = 30 + padding + images * (17 if side == 0 else 20)
-        ttft = c.overhead(images) + c.encode(images, pixels) + c.prefill(tokens, images)
-        stages = {"pd_queue": 0.0, "pd_prefill": c.prefill(tokens, images)}
+        ttft = c.overhead(images) + c.encode(images, pixels) + c.prefill(tokens, images, pixels)
+        stages = {"pd_queue": 0.0, "pd_prefill": c.prefill(tokens, images, pixels)}
         if images:
             stages["router_encode"] = c.encode(images, pixels)
         for _ in range(3):
@@ -104,6 +105,27 @@ def test_fit_recovers_known_costs() -> None:
             continue
         assert getattr(fitted, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-6, abs=1e-9), f.name
     assert fitted.ttft_rms_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_tells_a_vision_forward_in_prefill_from_the_prompt_tokens() -> None:
+    """An aggregated engine runs the vision tower inside prefill, and a real processor gives an
+    image visual tokens in proportion to its pixels (one per 28 × 28 px), so among image requests
+    tokens and pixels rise together. Text requests of two lengths price a token; the images'
+    pixels then carry the vision forward, and a text prompt is not charged for it."""
+    truth = costs(encode_call_s=0, encode_image_s=0, encode_mpx_s=0, prefill_image_s=0.01, prefill_mpx_s=4.0)
+    samples = []
+    for images, side, padding in [(0, 0, 0), (0, 0, 96), (1, 224, 0), (4, 224, 0), (1, 448, 0), (4, 448, 0)]:
+        pixels = float(side * side)
+        tokens = 30 + padding + images * side * side // 784
+        prefill = truth.prefill(tokens, images, pixels)
+        ttft = truth.overhead(images) + prefill
+        stages = {"pd_queue": 0.0, "pd_prefill": prefill}
+        samples += [Sample("aggregated", images, side, pixels, padding, tokens, 8, 1, ttft, 0.01, 0.9, stages)] * 3
+    samples += [Sample("aggregated", 0, 0, 0.0, 0, 30, 48, 1, 0.02, truth.step(1), 1.0, {})] * 3
+    fitted = fit_path(samples)
+    for name in ("prefill_token_s", "prefill_image_s", "prefill_mpx_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert fitted.prefill(126, 0, 0.0) == pytest.approx(truth.prefill(126, 0, 0.0), rel=1e-6)
 
 
 def test_fit_ignores_one_stalled_request_per_run() -> None:
@@ -240,8 +262,8 @@ def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
     quiet = image_load(0.01, images=4, out=16)
     lent, own = predict(p, "1e+1pd", 2, quiet), predict(p, "1e+1pd", 2, quiet, lend=False)
     tokens = p.text_tokens + 4 * p.image_tokens[0]
-    alone = c.overhead(4) + c.encode(4, p.native_pixels) + c.prefill(tokens, 4)
-    fast = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4) / 1.8
+    alone = c.overhead(4) + c.encode(4, p.native_pixels) + c.prefill(tokens, 4, p.native_pixels)
+    fast = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4, p.native_pixels) / 1.8
     assert own.ttft_by_kind_s["image"] == pytest.approx(alone, rel=0.01)
     assert lent.ttft_by_kind_s["image"] == pytest.approx(fast, rel=0.01)
     assert lent.capacity_rps > own.capacity_rps
@@ -255,7 +277,7 @@ def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
     assert 1.6 > encode_speed[0] > encode_speed[1] > encode_speed[2] > 1
     assert encode_speed[0] == pytest.approx(1.6, rel=0.02)
     text = Load(WorkloadConfig(images_per_request=0, output_len=64), request_rate=1.0)
-    per_request = c.prefill(p.text_tokens, 0) / 1.8 + 64 * c.decode_seq_s / 1.4
+    per_request = c.prefill(p.text_tokens, 0, 0.0) / 1.8 + 64 * c.decode_seq_s / 1.4
     assert predict(p, "1e+1pd", 2, text).utilization["engines"] == pytest.approx(per_request)
     # image-heavy: the encoders bound the capacity, lent a core while the engine idles
     heavy = predict(p, "1e+1pd", 2, image_load(1.0, images=10, out=4))
@@ -300,7 +322,7 @@ def test_one_client_never_waits_and_borrows_every_idle_core() -> None:
     c = p.paths["epd"]
     one = predict(p, "1e+1pd", 2, Load(WorkloadConfig(images_per_request=4, output_len=64), concurrency=1))
     tokens = p.text_tokens + 4 * p.image_tokens[0]
-    alone = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4) / 1.8
+    alone = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4, p.native_pixels) / 1.8
     assert one.ttft_p50_s == pytest.approx(alone, rel=1e-6)
     assert one.itl_s == pytest.approx(c.step(1) / 1.4, rel=1e-6)
     assert one.e2e_mean_s is not None
@@ -424,7 +446,7 @@ def synthetic_sweep(c: PathCosts, queue_s: float = 0.005) -> dict:
     for images in (0, 1, 4, 10):
         for out in (8, 32):
             tokens = 30 + 17 * images
-            encode, prefill = c.encode(images, 16000.0), c.prefill(tokens, images)
+            encode, prefill = c.encode(images, 16000.0), c.prefill(tokens, images, 16000.0)
             stages = {"pd_queue": queue_s, "pd_prefill": prefill}
             if images:
                 stages |= {"router_encode": encode + queue_s, "encoder_queue": queue_s}
@@ -465,7 +487,9 @@ def test_profile_from_a_sweep(tmp_path: Path) -> None:
     # with one image size, a prompt's tokens grow with its images: only their sum is identified
     for images in (0, 1, 4, 10):
         tokens = 30 + 17 * images
-        assert fitted.prefill(tokens, images) == pytest.approx(truth.prefill(tokens, images), rel=1e-6)
+        assert fitted.prefill(tokens, images, 16000.0) == pytest.approx(
+            truth.prefill(tokens, images, 16000.0), rel=1e-6
+        )
     assert native_pixels() == p.native_pixels
 
 

@@ -286,7 +286,7 @@ class _Engine:
 
 def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: Speeds, pool: Pool) -> _Engine:
     """One engine of ``pool`` receiving ``rate`` req/s at ``speed``."""
-    p = [c.prefill(k.prompt_tokens, k.images) / speed.prefill if pool.prefill else 0.0 for k in kinds]
+    p = [c.prefill(k.prompt_tokens, k.images, k.pixels) / speed.prefill if pool.prefill else 0.0 for k in kinds]
     p_mean = sum(k.share * x for k, x in zip(kinds, p, strict=True))
     p_sq = sum(k.share * x * x for k, x in zip(kinds, p, strict=True))
     d0, d1 = c.decode_step_s / speed.decode, c.decode_seq_s / speed.decode
@@ -458,7 +458,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     first, decoder = engines[first_pool.role], engines[lay.pools[-1].role]
     dists: list[Dist] = []
     for k in kinds:
-        fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images) / first.speed.prefill
+        fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images, k.pixels) / first.speed.prefill
         wait, busy = first.prefill_wait_s, first.busy
         if k.images and lay.encoders:
             # the images are split across the encoders: each encodes its share in parallel
@@ -475,7 +475,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
         if not first_pool.decode:
             return 0.0  # decode workers never prefill
         step = decoder.itl_s * (1 - decoder.load)  # a decode step's own time, no prefill in it
-        long = [k for k in kinds if step + c.prefill(k.prompt_tokens, k.images) / first.speed.prefill > bound]
+        long = [k for k in kinds if step + c.prefill(k.prompt_tokens, k.images, k.pixels) / first.speed.prefill > bound]
         return rate / first_pool.n * sum(k.share for k in long)
 
     fraction = slo_fraction(load.slo, dists, decoder.itl_s, decode_time, gap) if load.slo.given else None

@@ -33,6 +33,7 @@ Path_ = Literal["aggregated", "epd", "split"]
 PATHS: tuple[Path_, ...] = ("aggregated", "epd", "split")
 MIN_SAMPLES = 3  # fewer unloaded requests than this cannot fit a path's costs
 LEND_NOISE = 1.1  # a lending speed-up below this is within identical runs' spread: taken as none
+LENDING = ("lend_encode_x", "lend_prefill_x", "lend_decode_x")  # PathCosts' speed-ups (1 at least)
 
 
 class ProfileError(ValueError):
@@ -61,6 +62,9 @@ class PathCosts:
     lend_encode_x: float = 1.0  # an encoder's
     lend_prefill_x: float = 1.0  # a prefill's
     lend_decode_x: float = 1.0  # a decode step's
+    # per megapixel of image in prefill (aggregated: the vision forward grows with the pixels, apart
+    # from the language model's cost of the visual tokens); 0 in profiles made before it was fitted
+    prefill_mpx_s: float = 0.0
 
     def encode(self, images: int, pixels: float) -> float:
         """Encoder work of one request with ``images`` images of ``pixels`` pixels each (0 without images)."""
@@ -68,10 +72,11 @@ class PathCosts:
             return 0.0
         return self.encode_call_s + images * (self.encode_image_s + self.encode_mpx_s * pixels / 1e6)
 
-    def prefill(self, prompt_tokens: float, images: int) -> float:
-        """Engine time of one request's prefill."""
+    def prefill(self, prompt_tokens: float, images: int, pixels: float) -> float:
+        """Engine time of one request's prefill (``pixels``: per image)."""
         media = self.prefill_media_s if images else 0.0
-        return self.prefill_s + self.prefill_token_s * prompt_tokens + media + self.prefill_image_s * images
+        per_image = self.prefill_image_s + self.prefill_mpx_s * pixels / 1e6
+        return self.prefill_s + self.prefill_token_s * prompt_tokens + media + per_image * images
 
     def overhead(self, images: int) -> float:
         return self.overhead_s + self.overhead_image_s * images
@@ -148,7 +153,7 @@ class Profile:
             raise ProfileError(f"{where}: missing {', '.join(missing)}")
         fields = dataclasses.fields(PathCosts)
         cost_names = {f.name for f in fields}
-        required = {f.name for f in fields if f.default is dataclasses.MISSING}  # lending: optional
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}  # later additions: optional
         paths: dict[str, PathCosts] = {}
         for name, costs in dict(data["paths"]).items():
             if name not in PATHS:
@@ -158,7 +163,7 @@ class Profile:
             values = {k: costs[k] for k in cost_names if k in costs}
             if any(not isinstance(v, int | float) or not math.isfinite(v) or v < 0 for v in values.values()):
                 raise ProfileError(f"{where}: path {name} has a negative or non-numeric cost")
-            if any(values.get(k, 1.0) < 1.0 for k in cost_names - required):
+            if any(values.get(k, 1.0) < 1.0 for k in LENDING):
                 raise ProfileError(f"{where}: path {name} has a lending speed-up below 1")
             paths[name] = PathCosts(**values)
         try:
@@ -306,8 +311,19 @@ def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
         if media
         else (0.0, 0.0, 0.0)
     )
-    p0, p_tok, p_media, p_img = _fit(
-        [[1.0, med(c, lambda s: s.prompt_tokens), float(c[0].images > 0), c[0].images] for c in cells],
+    # text requests price a token; image requests then their pixels (a vision forward inside the
+    # prefill grows with them, as their visual tokens do: without text the two could not be told apart)
+    p0, p_tok, p_media, p_img, p_mpx = _fit(
+        [
+            [
+                1.0,
+                med(c, lambda s: s.prompt_tokens),
+                float(c[0].images > 0),
+                c[0].images,
+                c[0].images * c[0].pixels / 1e6,
+            ]
+            for c in cells
+        ],
         [med(c, lambda s: s.prefill_s) for c in cells],
     )
     o0, o_img = _fit(
@@ -330,6 +346,7 @@ def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
         prefill_token_s=p_tok,
         prefill_media_s=p_media,
         prefill_image_s=p_img,
+        prefill_mpx_s=p_mpx,
         overhead_s=o0,
         overhead_image_s=o_img,
         decode_step_s=d0,
@@ -340,7 +357,7 @@ def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
     errors = [
         costs.overhead(s.images)
         + costs.encode(s.images, s.pixels)
-        + costs.prefill(s.prompt_tokens, s.images)
+        + costs.prefill(s.prompt_tokens, s.images, s.pixels)
         - s.ttft_s
         for s in quiet
     ]
