@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from epdserve.api.health import MAX_HEALTH_BYTES, is_other_role
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # a role's exit code when it had started and then lost its engine core: restart it, it was no failed start
 ENGINE_CORE_DIED_EXIT = 3
@@ -54,10 +56,12 @@ def port_available(host: str, port: int) -> bool:
     return True
 
 
-def is_healthy(url: str, timeout: float = 1.0) -> bool:
+def is_healthy(url: str, timeout: float = 1.0, role: str | None = None) -> bool:
+    """``url`` answers /health with 200 and, given ``role``, names no other role (whatever holds a
+    port that ``role`` was to bind is not ``role``)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
-            return bool(r.status == 200)
+            return bool(r.status == 200) and (role is None or is_other_role(r.read(MAX_HEALTH_BYTES + 1), role) is None)
     except (OSError, urllib.error.URLError):
         return False
 

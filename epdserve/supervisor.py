@@ -58,6 +58,13 @@ class Role:
     restart_at: float | None = None  # when a dead role is due to start again (None: not dead)
     pids: list[int] = field(default_factory=list)  # every pid the role has had (for slab cleanup)
 
+    @property
+    def kind(self) -> str:
+        """The role its ``/health`` names: its name without the index (``encoder0``: ``encoder``);
+        the aggregated server is a ``pd``."""
+        kind = self.name.rstrip("0123456789")
+        return "pd" if kind == "serve" else kind
+
     def launch(self) -> None:
         self.proc = start_role(self.args, self.cpus, self.log, self.env, self.module)
         self.started_at = time.monotonic()

@@ -274,7 +274,7 @@ class Deployment:
                     where = f"its log: {r.log}" if r.log else "its output is above"
                     raise StartupError(f"{r.name} exited with {exit_reason(code)} during start-up ({where})")
             supervisor.check()
-            loading = [r for r in loading if r.restart_at is not None or not is_healthy(r.url, timeout=1.0)]
+            loading = [r for r in loading if r.restart_at is not None or not is_healthy(r.url, 1.0, r.kind)]
             if not loading and (router is None or self._router_found(router, counts or {})):
                 return
             time.sleep(STARTUP_POLL_S)

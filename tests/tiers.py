@@ -110,6 +110,8 @@ TIERS: dict[str, str] = {
     "test_isa.py": "integration",
     "test_logprobs.py": "integration",
     "test_mooncake_store.py": "integration",
+    "test_health.py": "unit",
+    "test_health.py::test_a_router_never_takes_an_encoder_for_a_language_model_worker": "integration",
     "test_router.py": "integration",
     "test_router.py::test_pool_policies": "unit",
     "test_router.py::test_affinity_keeps_media_on_one_encoder_and_spills_when_busy": "unit",

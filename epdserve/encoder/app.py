@@ -13,6 +13,7 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.errors import ApiError, Unavailable
+from epdserve.api.health import health_body
 from epdserve.api.http import json_response, read_body
 from epdserve.api.load import LoadReport
 from epdserve.api.logs import request_id
@@ -88,7 +89,7 @@ class EncoderHandlers:
     async def health(self, request: web.Request) -> web.Response:
         if not self.s.batcher.alive:
             raise Unavailable("the vision-forward thread is not running")
-        return web.json_response({"status": "ok", "role": "encoder"})
+        return web.json_response(health_body("encoder"))
 
     async def metrics(self, request: web.Request) -> web.Response:
         return self.s.role.metrics_response()

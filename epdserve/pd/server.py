@@ -22,6 +22,7 @@ from aiohttp import web
 from epdserve.api import logs
 from epdserve.api.auth import is_internal, is_operator
 from epdserve.api.errors import ApiError, BadRequest, Unavailable
+from epdserve.api.health import health_body
 from epdserve.api.http import json_response, read_body
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.logs import request_id
@@ -277,7 +278,7 @@ class ChatHandlers:
     async def health(self, request: web.Request) -> web.Response:
         if not self.s.core.healthy:
             raise Unavailable(f"the engine core is not running: {self.s.core_died or 'stopped'}")
-        return web.json_response({"status": "ok"})
+        return web.json_response(health_body(self.s.config.role if self.s.config.role != "both" else "pd"))
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.s.refresh_stats()

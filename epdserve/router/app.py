@@ -25,6 +25,7 @@ from epdserve.api import logs
 from epdserve.api.auth import is_operator
 from epdserve.api.completions import CompletionRequest, decode_completion_request
 from epdserve.api.errors import ApiError, NotFound, Unavailable, WorkerFailed
+from epdserve.api.health import health_body
 from epdserve.api.http import json_response
 from epdserve.api.logs import request_id
 from epdserve.api.metrics import CONTENT_TYPE, federate, public_metrics
@@ -271,7 +272,7 @@ class Handlers:
         if not self.worker_pools.pds.healthy and not self.worker_pools.splits:
             raise Unavailable("no healthy prefill/decode worker", retry_after_s=self.config.retry_after_s)
         counts = {f"{pool.role}s": len(pool.healthy) for pool in self.worker_pools.pools}
-        return web.json_response({"status": "ok", **counts})
+        return web.json_response(health_body("router", **counts))
 
     async def ready(self, request: web.Request) -> web.Response:
         """Every request can be served: each role the router was given has a worker that answered

@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 import aiohttp
 
+from epdserve.api.health import MAX_HEALTH_BYTES, is_other_role
 from epdserve.api.load import LoadReport
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,18 @@ class WorkerPool:
 
     async def probe(self, session: aiohttp.ClientSession, timeout: float = 2.0) -> None:
         async def one(w: Worker) -> None:
+            other = None
             try:
                 async with session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     ok = r.status == 200
+                    if ok:  # the role at that address must be this pool's (vLLM names none)
+                        other = is_other_role(await r.content.read(MAX_HEALTH_BYTES + 1), self.role)
             except (aiohttp.ClientError, TimeoutError, OSError):
                 ok = False
+            if other is not None:
+                ok = False
+                if w.healthy or not w.failures:  # once, not every probe
+                    log.warning("%s %s answers as a %s: another role holds its address", self.role, w.url, other)
             if ok and not w.seen:
                 log.info("%s %s is up", self.role, w.url)
             elif ok and not w.healthy:
