@@ -32,7 +32,7 @@ import json
 import shlex
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from epdserve.bench.client import as_operator
@@ -73,7 +73,8 @@ def describe(load: Load) -> str:
     w = load.workload
     arrival = f"{load.request_rate:g} req/s" if load.request_rate else f"conc {load.concurrency}"
     text = f", {100 * w.text_fraction:.0f}% text" if w.text_fraction else ""
-    return f"{w.images_per_request} img × {w.output_len} tok{text}, {arrival}"
+    size = f" × {w.image_size} px" if w.image_size and w.images_per_request else ""
+    return f"{w.images_per_request} img{size} × {w.output_len} tok{text}, {arrival}"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Row:
     measured: Summary | None  # None: not measured (the deployment did not start)
     note: str = ""
     closed: bool = False  # closed loop: its req/s is a prediction (open loop: the arrival rate, when stable)
+    per_kind: dict[str, Summary] = field(default_factory=dict)  # mixed traffic: each request kind measured
 
 
 def _ms(v: float | None) -> str:
@@ -127,7 +129,24 @@ def table(rows: list[Row], goodput: bool) -> str:
             mg = "-" if m is None or m.goodput is None else f"{m.goodput:.2f}"
             line += f" {pg} / {mg} |"
         lines.append(line)
-    return "\n".join([*lines, "", agreement(rows)])
+    return "\n".join([*lines, "", agreement(rows), *by_kind(rows)])
+
+
+def by_kind(rows: list[Row]) -> list[str]:
+    """Mixed traffic, kind by kind: each kind's TTFT mean predicted and measured (a p50 over two
+    kinds falls between them, a weak target)."""
+    lines = []
+    for r in rows:
+        p = r.predicted
+        for kind, m in r.per_kind.items():
+            pred = p.ttft_by_kind_s.get(kind) if p is not None and p.stable else None
+            lines.append(
+                f"| {r.workload} | {r.topology} | {kind} | {_ms(pred)} / {_ms(m.ttft.mean)} | {_err(pred, m.ttft.mean)} |"
+            )
+    if not lines:
+        return []
+    head = ["", "Mixed traffic by request kind:", "", "| workload | topology | kind | TTFT mean ms pred / meas | err |"]
+    return [*head, "|---|---|---|---|---|", *lines]
 
 
 def agreement(rows: list[Row]) -> str:
@@ -187,8 +206,9 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
                     slo=load.slo,
                 )
                 with as_operator(d.cluster):
-                    summary = asyncio.run(run_bench(bench)).summary
-                rows.append(Row(describe(load), name, pred, summary, note, load.request_rate == 0))
+                    result = asyncio.run(run_bench(bench))
+                summary = result.summary
+                rows.append(Row(describe(load), name, pred, summary, note, load.request_rate == 0, result.per_kind))
                 print(
                     f"[validate] {name} {describe(load)}: measured TTFT p50 {_ms(summary.ttft.p50)} ms, "
                     f"{summary.request_throughput:.2f} req/s",
@@ -294,6 +314,11 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="a profile written by epdserve plan --save-profile")
     ap.add_argument("--calibrate-topologies", default=None, help="calibrate these here first, e.g. aggregated,1e+1pd")
     ap.add_argument("--calibration-requests", type=int, default=CalibrationConfig().requests)
+    ap.add_argument(
+        "--calibration-images",
+        default=",".join(map(str, CalibrationConfig().images)),
+        help="image counts of the calibration's image runs (fewer: a shorter calibration of a large model)",
+    )
     ap.add_argument("--save-profile", default=None, help="write the calibrated profile here")
     ap.add_argument("--measure", default=None, help="topologies to measure, comma-separated")
     ap.add_argument("--workload", action="append", default=[], help="e.g. images=10,out=16,rate=8 (repeatable)")
@@ -333,7 +358,11 @@ def main() -> int:
         }
         wanted |= {json.loads(Path(f).read_text())["config"].get("image_size", 0) for f in args.sweep}
         wanted |= {json.loads(Path(f).read_text())["args"]["image_size"] for f in args.vs_vllm}
-        calibration = CalibrationConfig(requests=args.calibration_requests, image_sides=tuple(sorted(wanted)))
+        calibration = CalibrationConfig(
+            requests=args.calibration_requests,
+            images=tuple(int(n) for n in args.calibration_images.split(",")),
+            image_sides=tuple(sorted(wanted)),
+        )
         profile = calibrate_topologies(
             calibration,
             list(parse_topologies(args.calibrate_topologies)),

@@ -128,6 +128,37 @@ def test_fit_tells_a_vision_forward_in_prefill_from_the_prompt_tokens() -> None:
     assert fitted.prefill(126, 0, 0.0) == pytest.approx(truth.prefill(126, 0, 0.0), rel=1e-6)
 
 
+def test_fit_weighs_short_runs_like_long_ones() -> None:
+    """Prefill times of a 2B model on a 2-core CPU (aggregated, seconds): text prompts take 0.17
+    and 0.87 s, eight 448-px images 55 s, and the vision forward grows faster than the pixels.
+    A fit of absolute errors lets the longest runs decide and prices a text token at nothing;
+    each run counts alike in the fit, so text prompts keep their price and every run is near."""
+    tokens = {0: 27.0, 224: 70.6, 448: 262.6}
+    runs = [(0, 0, 0, 0.166), (0, 0, 96, 0.869)]
+    runs += [
+        (n, side, 0, t)
+        for (side, n), t in {
+            (224, 1): 1.54,
+            (224, 4): 6.08,
+            (224, 8): 12.17,
+            (448, 1): 6.61,
+            (448, 4): 27.39,
+            (448, 8): 55.31,
+        }.items()
+    ]
+    samples = []
+    for images, side, padding, prefill in runs:
+        prompt = 27 + (padding + 21 if padding else 0) + images * tokens[side]
+        stages = {"pd_queue": 0.0, "pd_prefill": prefill}
+        sample = Sample("aggregated", images, side, side * side, padding, prompt, 8, 1, prefill, 0.1, 0.9, stages)
+        samples += [sample] * 3
+    samples += [Sample("aggregated", 0, 0, 0.0, 0, 27, 48, 1, 0.2, 0.1, 1.0, {})] * 3
+    fitted = fit_path(samples)
+    assert 0.004 < fitted.prefill_token_s < 0.009  # the padded prompt's 96 more tokens: 0.7 s
+    for s in samples[:-3]:
+        assert fitted.prefill(s.prompt_tokens, s.images, s.pixels) == pytest.approx(s.prefill_s, rel=0.2)
+
+
 def test_fit_ignores_one_stalled_request_per_run() -> None:
     """A run counts by its median request: one request stalled by a busy machine does not move the fit."""
     truth = costs()

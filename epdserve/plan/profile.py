@@ -33,6 +33,7 @@ Path_ = Literal["aggregated", "epd", "split"]
 PATHS: tuple[Path_, ...] = ("aggregated", "epd", "split")
 MIN_SAMPLES = 3  # fewer unloaded requests than this cannot fit a path's costs
 LEND_NOISE = 1.1  # a lending speed-up below this is within identical runs' spread: taken as none
+RELATIVE_FLOOR_S = 1e-3  # a relative fit weighs a run no more than one taking this long
 LENDING = ("lend_encode_x", "lend_prefill_x", "lend_decode_x")  # PathCosts' speed-ups (1 at least)
 
 
@@ -257,8 +258,14 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
+def _fit(rows: list[list[float]], targets: list[float], relative: bool = False) -> list[float]:
+    """``relative``: least squares of the relative errors, so that every run counts alike where
+    their times span orders of magnitude (a text prompt's prefill beside eight large images'):
+    an absolute fit lets the longest runs decide and may price the short ones at nothing."""
     a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    if relative:
+        w = 1.0 / np.maximum(b, RELATIVE_FLOOR_S)
+        a, b = a * w[:, None], b * w
     # columns that never vary from 0 cannot be identified: leave them at 0 rather than let lstsq invent them
     keep = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
     x = np.zeros(a.shape[1])
@@ -307,6 +314,7 @@ def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
         _fit(
             [[1.0, c[0].images, c[0].images * c[0].pixels / 1e6] for c in media],
             [med(c, lambda s: s.encode_s) for c in media],
+            relative=True,
         )
         if media
         else (0.0, 0.0, 0.0)
@@ -325,6 +333,7 @@ def fit_path(samples: Sequence[Sample], loaded: bool = False) -> PathCosts:
             for c in cells
         ],
         [med(c, lambda s: s.prefill_s) for c in cells],
+        relative=True,
     )
     o0, o_img = _fit(
         [[1.0, c[0].images] for c in cells],
