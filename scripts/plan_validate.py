@@ -2,7 +2,8 @@
 
 Two checks, each printed as a markdown table (prediction | measurement, side by side):
 
-1. ``--measure``: a profile is calibrated here (or read with ``--profile``), then each topology
+1. ``--measure``: a profile is calibrated here (or read with ``--profile``, or fitted to a
+   calibration's samples with ``--samples``), then each topology
    is started pinned (as ``epdserve up --pin-cores``) and each workload is run against it with the
    load generator; every row shows the model's TTFT p50, mean and req/s beside the measured ones.
 2. ``--sweep FILE``: every cell of an ``epdserve sweep`` result (closed loop) predicted with the
@@ -42,9 +43,10 @@ from epdserve.bench.sweep import Environment, parse_topologies, role_args
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.common.dtypes import DTYPES
 from epdserve.launcher import free_port
-from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies
+from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies, refit
 from epdserve.plan.model import Load, Prediction, Unsupported, predict
 from epdserve.plan.profile import Profile, load_profile, save_profile
+from epdserve.plan.record import load_samples
 from epdserve.up import Deployment, Topology
 
 KEYS = {"images": "images_per_request", "size": "image_size", "prompt": "prompt_tokens", "out": "output_len"}
@@ -320,6 +322,8 @@ def main() -> int:
         help="image counts of the calibration's image runs (fewer: a shorter calibration of a large model)",
     )
     ap.add_argument("--save-profile", default=None, help="write the calibrated profile here")
+    ap.add_argument("--samples", default=None, help="fit the profile to a calibration's samples (--save-samples)")
+    ap.add_argument("--save-samples", default=None, help="write the calibration's samples here, to fit again")
     ap.add_argument("--measure", default=None, help="topologies to measure, comma-separated")
     ap.add_argument("--workload", action="append", default=[], help="e.g. images=10,out=16,rate=8 (repeatable)")
     ap.add_argument("--slo", default="", help="goodput SLO, e.g. ttft=500ms")
@@ -345,10 +349,12 @@ def main() -> int:
     def say(text: str) -> None:
         print(f"[validate] {text}", file=sys.stderr, flush=True)
 
-    if (args.profile is None) == (args.calibrate_topologies is None):
-        ap.error("give one of --profile or --calibrate-topologies")
+    if sum(x is not None for x in (args.profile, args.samples, args.calibrate_topologies)) != 1:
+        ap.error("give one of --profile, --samples or --calibrate-topologies")
     if args.profile:
         profile = load_profile(Path(args.profile))
+    elif args.samples:
+        profile = refit(load_samples(Path(args.samples)), args.samples)
     else:
         # images are calibrated at every side the checks will send, as well as the defaults: an
         # unmeasured side would be predicted with the token count of the nearest measured one
@@ -371,6 +377,7 @@ def main() -> int:
             say,
             args.dtype,
             lending=args.lend_cores,
+            samples_out=Path(args.save_samples) if args.save_samples else None,
         )
         if args.save_profile:
             say(f"wrote {save_profile(profile, Path(args.save_profile))}")

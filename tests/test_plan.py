@@ -29,6 +29,7 @@ from epdserve.plan.profile import (
     load_profile,
     save_profile,
 )
+from epdserve.plan.record import SampleRecord, load_samples, save_samples
 
 # ---- factories -------------------------------------------------------------------------------------
 
@@ -530,6 +531,66 @@ def test_a_sweep_without_stage_timing_is_refused_clearly() -> None:
 
     with pytest.raises(ProfileError, match="no clean cell with stage timing"):
         profile_from_sweep(Path(__file__).parent.parent / "docs" / "results" / "sweep" / "sweep.json")
+
+
+def record_of(own: list[Sample], lent: list[Sample]) -> SampleRecord:
+    return SampleRecord("calibration of 1e+1pd, today", 2, "test", 16000.0, own, lent)
+
+
+def test_saved_samples_fit_again_to_the_same_profile(tmp_path: Path) -> None:
+    """A calibration's samples, saved and read back, fit the profile the calibration fitted:
+    the costs and the lending speed-ups, with nothing measured again."""
+    from epdserve.plan.calibrate import fit_profile, refit
+
+    own = samples_of(costs())
+    lent = lent_samples(own, 1.6, 1.8, 1.4)
+    path = save_samples(record_of(own, lent), tmp_path / "samples.json")
+    again = refit(load_samples(path), str(path))
+    fitted = fit_profile(own, 16000.0, 2, "test", "x")
+    assert (
+        dataclasses.replace(again.paths["epd"], lend_encode_x=1.0, lend_prefill_x=1.0, lend_decode_x=1.0)
+        == (fitted.paths["epd"])
+    )
+    assert again.paths["epd"].lend_prefill_x == pytest.approx(1.8)
+    assert again.image_tokens == fitted.image_tokens and again.nproc == 2
+    assert again.source == f"calibration of 1e+1pd, today, fitted again from {path}"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: d.update(version=0), "samples of version 0"),
+        (lambda d: d.pop("own"), "not a record of calibration samples"),
+        (lambda d: d.update(own=[]), "no samples"),
+        (lambda d: d["own"][0].update(ttft_s="fast"), "not a record of calibration samples"),
+        (lambda d: d["own"][0].update(ttft_s=-1.0), "negative or non-finite"),
+        (lambda d: d["own"][0]["stages"].update(pd_prefill=-0.5), "negative or non-finite"),
+        (lambda d: d["own"][0]["stages"].update(pd_prefill=float("inf")), "JSON is malformed"),
+        (lambda d: d["lent"][0].update(concurrency=0), "negative or non-finite"),
+    ],
+)
+def test_damaged_samples_are_refused_with_what_is_wrong(tmp_path: Path, damage: object, message: str) -> None:
+    own = samples_of(costs())
+    path = save_samples(record_of(own, own), tmp_path / "samples.json")
+    data = json.loads(path.read_text())
+    damage(data)  # type: ignore[operator]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=message):
+        load_samples(path)
+    path.write_text("{")
+    with pytest.raises(ProfileError, match="not a JSON object"):
+        load_samples(path)
+
+
+def test_cli_plans_from_saved_samples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_samples(record_of(samples_of(costs()), []), tmp_path / "samples.json")
+    flags = ["--images-per-request", "4", "--request-rate", "5", "--topologies", "1e+1pd", "--json"]
+    out = tmp_path / "p.json"
+    assert main(["plan", "--samples", str(path), "--save-profile", str(out), *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["ranked"][0]["topology"] == "1e+1pd"
+    assert load_profile(out).paths["epd"].prefill_token_s == pytest.approx(costs().prefill_token_s)
+    assert main(["plan", "--profile", str(out), "--save-samples", str(tmp_path / "s.json"), *flags]) == 2
+    assert "--save-samples keeps what a calibration measures" in capsys.readouterr().err
 
 
 # ---- command line ----------------------------------------------------------------------------------

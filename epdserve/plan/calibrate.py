@@ -4,9 +4,10 @@
 time is a cost), text requests plain and padded and image requests of a few counts and sizes, then
 text requests with a longer answer at a few concurrencies (the decode step's growth with the
 batch). Every request asks for ``X-EPD-Timing`` (the load client always does); the deployment's
-path — aggregated, E+PD or E+P+D — is read from the stages it reports. ``calibrate`` turns the
-samples of one or more deployments into a ``Profile``; ``calibrate_topologies`` starts each
-topology on this machine (pinned, as ``up --pin-cores``), calibrates it and stops it.
+path — aggregated, E+PD or E+P+D — is read from the stages it reports. ``calibrate_urls`` turns
+the samples of one or more deployments into a ``Profile``; ``calibrate_topologies`` starts each
+topology on this machine (pinned, as ``up --pin-cores``), calibrates it and stops it. Both can keep
+their samples (``plan.record``), which ``refit`` fits again.
 
 ``profile_from_sweep`` fits a profile to the cells of an ``epdserve sweep`` instead: each cell's
 mean stage times, its queueing stages taken out. Its cells ran loaded, so what load adds to a stage
@@ -44,6 +45,7 @@ from epdserve.plan.profile import (
     fit_token_counts,
     lending_speedups,
 )
+from epdserve.plan.record import SampleRecord, save_samples
 from epdserve.shapes import ShapesWorld
 from epdserve.topology import Topology
 from epdserve.up import Deployment
@@ -209,16 +211,41 @@ def fit_profile(
     )
 
 
-def calibrate(samples: list[Sample], source: str, pixels: float) -> Profile:
-    """The profile of samples from one or more deployments (one path each), on this machine."""
-    # other work on the machine inflates every cost: the load average says how quiet it was
+def _here(source: str) -> str:
+    """``source``, when, and how loaded this machine is: other work on it inflates every cost."""
     when = f"{datetime.now().astimezone().isoformat(timespec='seconds')}, load average {os.getloadavg()[0]:.1f}"
-    return fit_profile(samples, pixels, len(os.sched_getaffinity(0)), _cpu_model(), f"{source}, {when}")
+    return f"{source}, {when}"
 
 
-def calibrate_urls(config: CalibrationConfig, urls: list[str], say: Callable[[str], None] = lambda s: None) -> Profile:
+def refit(record: SampleRecord, where: str = "") -> Profile:
+    """The profile of a calibration's saved samples, fitted as this epdserve fits."""
+    source = record.source + (f", fitted again from {where}" if where else "")
+    profile = fit_profile(record.own, record.native_pixels, record.nproc, record.cpu_model, source)
+    return with_lending(profile, record.own, record.lent)
+
+
+def calibrate_urls(
+    config: CalibrationConfig,
+    urls: list[str],
+    say: Callable[[str], None] = lambda s: None,
+    samples_out: Path | None = None,
+) -> Profile:
     samples = [s for url in urls for s in calibrate_url(config, url, say)]
-    return calibrate(samples, "calibration of " + ", ".join(urls), native_pixels(config.seed))
+    return _fitted(_record("calibration of " + ", ".join(urls), config, samples, []), samples_out, say)
+
+
+def _record(source: str, config: CalibrationConfig, own: list[Sample], lent: list[Sample]) -> SampleRecord:
+    """What a calibration on this machine measured."""
+    return SampleRecord(
+        _here(source), len(os.sched_getaffinity(0)), _cpu_model(), native_pixels(config.seed), own, lent
+    )
+
+
+def _fitted(record: SampleRecord, samples_out: Path | None, say: Callable[[str], None]) -> Profile:
+    """The profile of ``record``, saved first to ``samples_out`` (a fit that fails loses nothing)."""
+    if samples_out is not None:
+        say(f"wrote {save_samples(record, samples_out)}")
+    return refit(record)
 
 
 def calibrate_topologies(
@@ -229,12 +256,13 @@ def calibrate_topologies(
     say: Callable[[str], None] = lambda s: None,
     dtype: DType = "float32",
     lending: bool = True,
+    samples_out: Path | None = None,
 ) -> Profile:
     """Start each topology on this machine in turn (roles pinned as ``up --pin-cores`` pins them,
     every model in ``dtype``), calibrate it, stop it. A topology of separate roles is then started
     again lending idle cores (``up``'s default) for ``lending_cells``, which give its path's
     ``lend_*_x`` speed-ups (``lending=False``: not measured, 1). Role logs go to ``log_dir``
-    (default: a new temporary directory)."""
+    (default: a new temporary directory); the samples, before they are fitted, to ``samples_out``."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="epd-plan-"))
     say(f"role logs in {log_dir}")
     samples: list[Sample] = []
@@ -263,10 +291,8 @@ def calibrate_topologies(
                         samples += calibrate_url(config, deployment.url, say)
             finally:
                 deployment.stop()
-    profile = calibrate(
-        samples, "calibration of " + ", ".join(topologies) + " started pinned", native_pixels(config.seed)
-    )
-    return with_lending(profile, samples, lent)
+    source = "calibration of " + ", ".join(topologies) + " started pinned"
+    return _fitted(_record(source, config, samples, lent), samples_out, say)
 
 
 def with_lending(profile: Profile, own: list[Sample], lent: list[Sample]) -> Profile:

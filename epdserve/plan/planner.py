@@ -268,7 +268,16 @@ def add_cli_flags(s: argparse.ArgumentParser) -> None:
         metavar="SWEEP_JSON",
         help="fit the profile to the cells of an epdserve sweep (sweep.json with stage timing)",
     )
+    src.add_argument(
+        "--samples",
+        default=None,
+        metavar="FILE",
+        help="fit the profile to a calibration's samples written by --save-samples (nothing is measured)",
+    )
     s.add_argument("--save-profile", default=None, help="write the calibrated profile to this file")
+    s.add_argument(
+        "--save-samples", default=None, metavar="FILE", help="write a calibration's samples to this file, to fit again"
+    )
     s.add_argument("--model", default=None, help="checkpoint of --calibrate-topologies (default: embedded)")
     add_flags(s.add_argument_group("calibration"), CalibrationConfig, [Flag("requests", "--calibration-requests")])
     add_flags(s.add_argument_group("workload"), WorkloadConfig, PLAN_WORKLOAD_FLAGS)
@@ -303,15 +312,25 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
         calibrate_topologies,
         calibrate_urls,
         profile_from_sweep,
+        refit,
     )
+    from epdserve.plan.record import load_samples
 
-    given = [x for x in (args.profile, args.calibrate, args.calibrate_topologies, args.sweep) if x]
+    given = [x for x in (args.profile, args.calibrate, args.calibrate_topologies, args.sweep, args.samples) if x]
     if len(given) != 1:
-        raise ValueError("give one of --profile FILE, --calibrate URL..., --calibrate-topologies T,T, --sweep FILE")
+        raise ValueError(
+            "give one of --profile FILE, --calibrate URL..., --calibrate-topologies T,T, --sweep FILE, --samples FILE"
+        )
+    if args.save_samples and not (args.calibrate or args.calibrate_topologies):
+        raise ValueError("--save-samples keeps what a calibration measures: give --calibrate or --calibrate-topologies")
     if args.profile:
         return load_profile(Path(args.profile))
-    if args.sweep:
-        profile = profile_from_sweep(Path(args.sweep))
+    if args.sweep or args.samples:
+        profile = (
+            profile_from_sweep(Path(args.sweep))
+            if args.sweep
+            else refit(load_samples(Path(args.samples)), args.samples)
+        )
         if args.save_profile:
             save_profile(profile, Path(args.save_profile))
         return profile
@@ -320,8 +339,9 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
     def say(text: str) -> None:
         print(f"[plan] {text}", file=sys.stderr, flush=True)
 
+    samples_out = Path(args.save_samples) if args.save_samples else None
     if args.calibrate:
-        profile = calibrate_urls(calibration, [u.rstrip("/") for u in args.calibrate], say)
+        profile = calibrate_urls(calibration, [u.rstrip("/") for u in args.calibrate], say, samples_out)
     else:
         profile = calibrate_topologies(
             calibration,
@@ -330,6 +350,7 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
             say=say,
             dtype=args.dtype,
             lending=args.lend_cores,
+            samples_out=samples_out,
         )
     if args.save_profile:
         say(f"wrote {save_profile(profile, Path(args.save_profile))}")
