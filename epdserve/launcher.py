@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from epdserve.api.health import MAX_HEALTH_BYTES, is_other_role
+from epdserve.common.health import MAX_HEALTH_BYTES, is_other_role
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # a role's exit code when it had started and then lost its engine core: restart it, it was no failed start

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from epdserve.api.health import MAX_HEALTH_BYTES, health_body, is_other_role, named_role
+from epdserve.common.health import MAX_HEALTH_BYTES, health_body, is_other_role, named_role
 from epdserve.launcher import free_port, is_healthy, start_role, stop, wait_healthy
 from epdserve.supervisor import Role
 from tests.server_utils import http

@@ -13,13 +13,13 @@ from aiohttp import web
 
 from epdserve.api import logs
 from epdserve.api.errors import ApiError, Unavailable
-from epdserve.api.health import health_body
 from epdserve.api.http import json_response, read_body
 from epdserve.api.load import LoadReport
 from epdserve.api.logs import request_id
 from epdserve.api.responses import ModelCard, ModelList, encode_json
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.tracing import Tracing
+from epdserve.common.health import health_body
 from epdserve.encoder.config import EncoderConfig
 from epdserve.encoder.protocol import encode_response
 from epdserve.encoder.server import EncoderService

@@ -22,7 +22,6 @@ from aiohttp import web
 from epdserve.api import logs
 from epdserve.api.auth import is_internal, is_operator
 from epdserve.api.errors import ApiError, BadRequest, Unavailable
-from epdserve.api.health import health_body
 from epdserve.api.http import json_response, read_body
 from epdserve.api.kv_digest import KVDigest
 from epdserve.api.logs import request_id
@@ -50,6 +49,7 @@ from epdserve.api.responses import (
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import SERVER_TIMING, prefixed, server_timing, wanted
 from epdserve.api.tracing import Tracing, wall_ns
+from epdserve.common.health import health_body
 from epdserve.engine.client import CoreStartError, MPClient
 from epdserve.engine.messages import AddRequest
 from epdserve.launcher import ENGINE_CORE_DIED_EXIT

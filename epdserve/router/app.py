@@ -25,7 +25,6 @@ from epdserve.api import logs
 from epdserve.api.auth import is_operator
 from epdserve.api.completions import CompletionRequest, decode_completion_request
 from epdserve.api.errors import ApiError, NotFound, Unavailable, WorkerFailed
-from epdserve.api.health import health_body
 from epdserve.api.http import json_response
 from epdserve.api.logs import request_id
 from epdserve.api.metrics import CONTENT_TYPE, federate, public_metrics
@@ -44,6 +43,7 @@ from epdserve.api.quota import check_max_tokens, requested_max_tokens
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import wanted
 from epdserve.api.tracing import Tracing
+from epdserve.common.health import health_body
 from epdserve.router.config import RouterConfig
 from epdserve.router.forward import COMPLETIONS_PATH
 from epdserve.router.pool import NoWorker, Worker, WorkerPool

@@ -18,8 +18,8 @@ from typing import Literal, get_args
 
 import aiohttp
 
-from epdserve.api.health import MAX_HEALTH_BYTES, is_other_role
 from epdserve.api.load import LoadReport
+from epdserve.common.health import MAX_HEALTH_BYTES, is_other_role
 
 log = logging.getLogger(__name__)
 
