@@ -7,8 +7,9 @@ One ``PathCosts`` per serving path the profile has seen:
     split        router → encoder(s) → prefill worker → KV connector → decode worker
 
 Costs are linear in what the workload description fixes (images, pixels, prompt and output tokens,
-decode batch) and are fitted by non-negative least squares to ``Sample``s: requests timed by the
-client and by the server's stage timing (``api.timing``). Only requests of unloaded runs
+decode batch) and are fitted by non-negative least squares to ``Sample``s (encode and prefill by
+their relative errors): requests timed by the client and by the server's stage timing
+(``api.timing``). Only requests of unloaded runs
 (concurrency 1) give the stage costs, so that no queueing hides in them; the decode step's growth
 with the batch comes from runs at several concurrencies.
 
