@@ -1,6 +1,6 @@
 """`epdserve plan`'s predictions next to measurements of the same workloads.
 
-Two checks, each printed as a markdown table (prediction | measurement, side by side):
+Three checks, each printed as a markdown table (prediction | measurement, side by side):
 
 1. ``--measure``: a profile is calibrated here (or read with ``--profile``, or fitted to a
    calibration's samples with ``--samples``), then each topology

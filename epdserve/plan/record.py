@@ -43,14 +43,16 @@ def load_samples(path: Path) -> SampleRecord:
     except OSError as e:
         raise ProfileError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        version = msgspec.json.decode(raw, type=dict).get("version")
+        data = msgspec.json.decode(raw, type=dict)
     except msgspec.DecodeError as e:
         raise ProfileError(f"{path}: not a JSON object ({e})") from None
-    if version != RECORD_VERSION:
-        raise ProfileError(f"{path}: samples of version {version!r}, this epdserve reads version {RECORD_VERSION}")
+    if data.get("version") != RECORD_VERSION:
+        raise ProfileError(
+            f"{path}: samples of version {data.get('version')!r}, this epdserve reads version {RECORD_VERSION}"
+        )
     try:
-        record = msgspec.json.decode(raw, type=SampleRecord)
-    except msgspec.DecodeError as e:
+        record = msgspec.convert(data, type=SampleRecord)
+    except msgspec.ValidationError as e:
         raise ProfileError(f"{path}: not a record of calibration samples ({e})") from None
     if not record.own:
         raise ProfileError(f"{path}: no samples")
