@@ -28,7 +28,7 @@ from epdserve.kernels.cpu_linear import (
 )
 from epdserve.kernels.ops import TorchOps
 from epdserve.kernels.parallel import shares
-from epdserve.kernels.tiles import TileMatmul, load_amx, load_tiles
+from epdserve.kernels.tiles import Engine, TileMatmul, load_amx, load_tiles
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
 
@@ -98,8 +98,26 @@ def test_large_linears_of_a_media_tower_go_to_onednn() -> None:
     x = torch.randn(300, 512, dtype=torch.bfloat16)
     want = model["visual"](x)
     prepare_linears(model, torch.bfloat16, torch.device("cpu"), towers=("visual",))
-    assert [type(m) for m in model["visual"]] == [PackedLinear, TileLinear]
+    onednn = PackedLinear if load_tiles().engine != "avx2" else TileLinear  # type: ignore[union-attr]
+    assert [type(m) for m in model["visual"]] == [onednn, TileLinear]
     assert type(model["language_model"][0]) is TileLinear
+    assert_close_rel(model["visual"](x).float(), want.float(), rel=1e-2)
+
+
+def test_a_tower_stays_on_the_avx2_engine_where_onednn_converts_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AVX-512 but not its bfloat16 instructions, oneDNN runs bfloat16 but has no
+    kernels of its own for it, and the tile matmul is the AVX2 engine: every linear, a tower's
+    large ones too, goes to the tile matmul."""
+    avx2 = _engine("avx2")
+    if avx2 is None or not packing_supported(torch.bfloat16):
+        pytest.skip("needs the AVX2 engine and oneDNN bfloat16")
+    monkeypatch.setattr(cpu_linear_module, "load_tiles", lambda: avx2)
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"visual": nn.Sequential(nn.Linear(512, TOWER_ONEDNN_WEIGHT // 512))}).to(torch.bfloat16)
+    x = torch.randn(300, 512, dtype=torch.bfloat16)
+    want = model["visual"](x)
+    assert prepare_linears(model, torch.bfloat16, torch.device("cpu"), towers=("visual",)) is avx2
+    assert type(model["visual"][0]) is TileLinear
     assert_close_rel(model["visual"](x).float(), want.float(), rel=1e-2)
 
 
@@ -173,18 +191,26 @@ def test_padded_row_counts_give_exactly_the_unpadded_products(dtype: torch.dtype
         assert_close_rel(got.float(), model[0](x).float(), rel=1e-2)
 
 
-def _engine(engine: str) -> TileMatmul | None:
-    """The tile matmul's ``engine`` where this CPU runs it (an AMX CPU runs both)."""
+def _engine(engine: Engine) -> TileMatmul | None:
+    """The tile matmul's ``engine`` where this CPU runs it (a CPU runs every engine its
+    instruction set allows: an AMX CPU all three)."""
     if engine == "amx":
         return load_amx()
     try:
         lib = load_library()
     except KernelBuildError:
         return None
-    return TileMatmul(lib, "avx512") if lib.epd_dot_available() == 1 else None
+    available = lib.epd_dot_available() if engine == "avx512" else lib.epd_fma_available()
+    return TileMatmul(lib, engine) if available == 1 else None
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512"])
+def _dot_engine_is_this_cpus() -> bool:
+    """Whether this CPU's tile matmul (``load_tiles``) is one of the dot-product engines."""
+    tiles = load_tiles()
+    return tiles is not None and tiles.engine in ("avx512", "avx2")
+
+
+@pytest.fixture(scope="module", params=["amx", "avx512", "avx2"])
 def tiles(request: pytest.FixtureRequest) -> TileMatmul:
     t = _engine(request.param)
     if t is None:
@@ -265,13 +291,15 @@ def test_the_tile_matmul_refuses_what_does_not_fit_its_weight(tiles: TileMatmul)
         tiles.pack(torch.randn(32, 64))
 
 
+@pytest.mark.parametrize("engine", ["avx512", "avx2"])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 8960), (300, 1280, 3 * 1280 + 16), (5, 8960, 1536)])
-def test_the_avx512_matmul_split_over_threads_equals_one_call(m: int, k: int, n: int) -> None:
-    """The AVX-512 engine splits inside its call, on torch's OpenMP threads: every column exactly
-    as one thread computes it, whatever the thread count (an N that is no multiple of 64 too)."""
-    tiles = _engine("avx512")
+def test_a_dot_product_matmul_split_over_threads_equals_one_call(engine: Engine, m: int, k: int, n: int) -> None:
+    """The AVX-512 and AVX2 engines split inside their call, on torch's OpenMP threads: every
+    column exactly as one thread computes it, whatever the thread count (an N that is no multiple
+    of 64 too)."""
+    tiles = _engine(engine)
     if tiles is None:
-        pytest.skip("no AVX-512 bfloat16 here")
+        pytest.skip(f"no {engine} tile matmul here")
     assert tiles.splits(m, k, n)
     torch.manual_seed(n)
     w, x, b = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((n, k), (m, k), (n,)))
@@ -287,8 +315,30 @@ def test_the_avx512_matmul_split_over_threads_equals_one_call(m: int, k: int, n:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("engine", ["avx512", "avx2"])
+def test_a_row_is_the_same_whatever_rows_share_its_call(engine: Engine) -> None:
+    """The dot-product engines sum each row in one order whatever rows share its pass (one to a
+    pass's full count, a ragged last pass, rows widened in more than one chunk): a request's
+    logits do not depend on the batch it decodes in, bit for bit."""
+    tiles = _engine(engine)
+    if tiles is None:
+        pytest.skip(f"no {engine} tile matmul here")
+    torch.manual_seed(5)
+    k, n = 4101, 72  # an odd K past a 64-pair tile boundary; a ragged column block
+    w, b = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    packed = tiles.pack(w)
+    x = torch.randn(263, k, dtype=torch.bfloat16)  # the AVX2 engine widens 252 rows of 4102 per chunk
+    whole = tiles.linear(x, packed, n, b)
+    for rows in (1, 2, 3, 5, 9):
+        assert torch.equal(tiles.linear(x[:rows], packed, n, b), whole[:rows])
+    alone = torch.cat([tiles.linear(x[i : i + 1], packed, n, b) for i in range(0, 263, 37)])
+    assert torch.equal(alone, whole[0:263:37])
+    assert_close_rel(whole.float(), F.linear(x.float(), w.float(), b.float()), rel=1e-2)
+
+
 def test_a_tied_table_is_held_once_in_the_tile_layout_for_lookups_and_logits() -> None:
-    """Where the AVX-512 engine runs, a tied bfloat16 table becomes a ``TileEmbedding``: lookups
+    """Where a dot-product engine (AVX-512 bfloat16 or AVX2) is this CPU's tile matmul, a tied
+    bfloat16 table becomes a ``TileEmbedding``: lookups
     give exactly the table's rows (any id shape, the last rows of a partial 16-row block too),
     the projection is F.linear's within a bfloat16 rounding, and an id outside the table is an
     IndexError as with nn.Embedding. Elsewhere, in float32 or with the kernels off, the table
@@ -298,9 +348,9 @@ def test_a_tied_table_is_held_once_in_the_tile_layout_for_lookups_and_logits() -
     assert tie_head(table, None) is table  # the kernels off: no tile matmul
     assert tie_head(nn.Embedding(1000, 72), load_tiles()).__class__ is nn.Embedding  # float32
     tied = tie_head(table, load_tiles())
-    if _engine("avx512") is None or load_amx() is not None:
+    if not _dot_engine_is_this_cpus():
         assert tied is table
-        pytest.skip("the tied table is laid out only where the AVX-512 engine is this CPU's tile matmul")
+        pytest.skip("the tied table is laid out only where a dot-product engine is this CPU's tile matmul")
     assert isinstance(tied, TileEmbedding)
     ids = torch.tensor([[0, 15, 16, 999], [998, 992, 500, 1]])
     assert torch.equal(tied(ids), table(ids))
@@ -313,10 +363,10 @@ def test_a_tied_table_is_held_once_in_the_tile_layout_for_lookups_and_logits() -
 
 
 def test_a_loaded_tied_model_answers_with_its_table_in_the_tile_layout() -> None:
-    """The embedded checkpoint ties its table: in bfloat16 with the AVX-512 engine the table is
+    """The embedded checkpoint ties its table: in bfloat16 with a dot-product engine the table is
     laid out once, and the logits equal those of the kernels turned off within bfloat16 roundings."""
-    if _engine("avx512") is None or load_amx() is not None:
-        pytest.skip("needs the AVX-512 engine as this CPU's tile matmul")
+    if not _dot_engine_is_this_cpus():
+        pytest.skip("needs a dot-product engine as this CPU's tile matmul")
     tiled, _ = load_model(default_model_dir(), frozenset({"language"}), torch.bfloat16)
     plain, _ = load_model(default_model_dir(), frozenset({"language"}), torch.bfloat16, kernels="torch")
     lm, ref = tiled.language_model, plain.language_model

@@ -62,17 +62,18 @@ def _avx2_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def test_an_avx2_build_reports_no_avx512_engines_and_passes_the_kernel_and_oracle_tests(tmp_path: Path) -> None:
+def test_an_avx2_build_offers_the_avx2_engine_only_and_passes_the_kernel_and_oracle_tests(tmp_path: Path) -> None:
     env = _avx2_env(tmp_path)
     probe = (
         "import torch; from epdserve.kernels.build import load_library; from epdserve.kernels.tiles import load_tiles; "
-        "lib = load_library(); "
-        "print(torch.backends.cpu.get_cpu_capability(), lib.epd_dot_available(), lib.epd_amx_available(), load_tiles())"
+        "lib = load_library(); print(torch.backends.cpu.get_cpu_capability(), lib.epd_amx_available(), "
+        "lib.epd_dot_available(), lib.epd_fma_available(), load_tiles().engine)"
     )
     seen = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert seen.returncode == 0, seen.stderr[-3000:]
-    # PyTorch at AVX2; the library has neither the dot-product nor the tile engine: oneDNN's path
-    assert seen.stdout.split() == ["AVX2", "0", "0", "None"], seen.stdout
+    # PyTorch at AVX2; the library has neither the tile nor the bfloat16 dot-product engine, so the
+    # tile layout is read by the AVX2 engine
+    assert seen.stdout.split() == ["AVX2", "0", "0", "1", "avx2"], seen.stdout
     builds = [line for line in (tmp_path / "compiler-calls").read_text().splitlines() if " -o " in f" {line} "]
     assert builds and all("-march=native" in b for b in builds)  # what the build asked for, rewritten
 

@@ -613,6 +613,114 @@ int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t h
 }
 #endif
 
+// ``cols(a, b)`` for spans of 64-column groups of n output columns on up to ``threads`` threads of
+// the OpenMP runtime the process already runs (torch's, which the library shares when built by
+// GCC): torch's own threads would otherwise spin on the cores a second pool needs. A column's
+// sums do not depend on the split.
+template <typename F>
+void split_columns(int64_t n, int64_t threads, F&& cols) {
+    const int64_t groups = (n + 63) / 64;
+    const int parts = static_cast<int>(threads < groups ? threads : groups);
+    auto span = [&](int t) {
+        const int64_t a = groups * t / parts * 64, b0 = groups * (t + 1) / parts * 64, b = b0 < n ? b0 : n;
+        if (a < b) cols(a, b);
+    };
+    if (parts == 1) {
+        span(0);
+        return;
+    }
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(parts)
+    span(omp_get_thread_num());
+#else
+    for (int t = 0; t < parts; ++t) span(t);
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The tile layout of ``epd_amx_pack`` read by AVX2 float32 multiply-adds, for CPUs with neither
+// AMX nor AVX-512 bfloat16 (AVX2 only, or AVX-512 without bfloat16). In a block of 16 output
+// columns, input pair p is two 32-byte halves of 8 columns x 2 inputs; a bfloat16 is the top half
+// of its float32, so a shift gives each column's even input and a mask its odd one, exactly. x
+// is widened to float32 once per chunk of rows. The product of two bfloat16 values is exact in
+// float32, so the sums are of the same products as the other engines'; a row's sums run in one
+// order (input by input) whatever rows share its pass, the bias is added in float32 and the
+// result rounded once. Up to 4 rows per pass: 8 sums, 4 widened weights and 2 broadcasts fill
+// AVX2's 16 vector registers.
+constexpr int FMA_ROWS = 4;                      // rows of x per pass over a column block
+constexpr int64_t FMA_CHUNK_FLOATS = 1 << 20;    // float32 x widened at a time (4 MiB)
+constexpr int64_t FMA_AHEAD = 64;                // pairs (64-byte lines) of weight fetched ahead
+
+// one row's sums of the low and high 8 columns
+struct FmaSums {
+    __m256 lo, hi;
+};
+
+__attribute__((always_inline)) inline void fma_row(FmaSums& s, const float* x, __m256 lo_e, __m256 lo_o,
+                                                   __m256 hi_e, __m256 hi_o) {
+    const __m256 xe = _mm256_broadcast_ss(x), xo = _mm256_broadcast_ss(x + 1);
+    s.lo = _mm256_fmadd_ps(xe, lo_e, s.lo);
+    s.hi = _mm256_fmadd_ps(xe, hi_e, s.hi);
+    s.lo = _mm256_fmadd_ps(xo, lo_o, s.lo);
+    s.hi = _mm256_fmadd_ps(xo, hi_o, s.hi);
+}
+
+inline void fma_store(const FmaSums& s, const bf16* bias, bf16* out, int64_t cols) {
+    alignas(32) float sums[16];
+    _mm256_store_ps(sums, s.lo);
+    _mm256_store_ps(sums + 8, s.hi);
+    for (int64_t c = 0; c < cols; ++c) store(out + c, bias ? sums[c] + load(bias + c) : sums[c]);
+}
+
+// R rows of float32 x (row stride k2) against one column block. The sums are named values, not
+// an array: GCC keeps an array of vectors in memory, storing it on every pass of the loop.
+template <int R>
+void fma_tile(const float* xf, int64_t k2, const bf16* w, const bf16* bias, bf16* out, int64_t so, int64_t cols) {
+    static_assert(R >= 1 && R <= FMA_ROWS, "rows per pass");
+    const __m256 zero = _mm256_setzero_ps();
+    FmaSums s0{zero, zero}, s1 = s0, s2 = s0, s3 = s0;
+    const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const int64_t pairs = k2 / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (p + FMA_AHEAD) * 32), _MM_HINT_T0);
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+        const __m256 lo_e = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+        const __m256 lo_o = _mm256_castsi256_ps(_mm256_and_si256(lo, odd));
+        const __m256 hi_e = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+        const __m256 hi_o = _mm256_castsi256_ps(_mm256_and_si256(hi, odd));
+        fma_row(s0, xf + 2 * p, lo_e, lo_o, hi_e, hi_o);
+        if constexpr (R >= 2) fma_row(s1, xf + k2 + 2 * p, lo_e, lo_o, hi_e, hi_o);
+        if constexpr (R >= 3) fma_row(s2, xf + 2 * k2 + 2 * p, lo_e, lo_o, hi_e, hi_o);
+        if constexpr (R >= 4) fma_row(s3, xf + 3 * k2 + 2 * p, lo_e, lo_o, hi_e, hi_o);
+    }
+    fma_store(s0, bias, out, cols);
+    if constexpr (R >= 2) fma_store(s1, bias, out + so, cols);
+    if constexpr (R >= 3) fma_store(s2, bias, out + 2 * so, cols);
+    if constexpr (R >= 4) fma_store(s3, bias, out + 3 * so, cols);
+}
+
+// columns [a, b) (a a multiple of 16) of ``rows`` rows of float32 x (row stride k2, even)
+void fma_columns(const float* xf, int64_t k2, int64_t rows, const bf16* wp, int64_t kb, int64_t a, int64_t b,
+                 const bf16* bias, bf16* out, int64_t so) {
+    for (int64_t c = a; c < b; c += 16) {
+        const bf16* w = wp + c / 16 * kb * 512;
+        const bf16* bb = bias ? bias + c : nullptr;
+        const int64_t cols = b - c < 16 ? b - c : 16;
+        for (int64_t r = 0; r < rows; r += FMA_ROWS) {
+            const float* x = xf + r * k2;
+            bf16* o = out + r * so + c;
+            switch (rows - r) {
+                case 1: fma_tile<1>(x, k2, w, bb, o, so, cols); break;
+                case 2: fma_tile<2>(x, k2, w, bb, o, so, cols); break;
+                case 3: fma_tile<3>(x, k2, w, bb, o, so, cols); break;
+                default: fma_tile<4>(x, k2, w, bb, o, so, cols);
+            }
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // The tile layout of ``epd_amx_pack`` read by AVX-512 bfloat16 dot products, for CPUs without
 // AMX: in a block of 16 output columns, input pair p holds 16 columns x 2 inputs (64 bytes), so
@@ -705,7 +813,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 10; }
+int epd_kernels_abi() { return 11; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -814,29 +922,50 @@ int epd_dot_available() {
 #endif
 }
 
-// On up to ``threads`` threads of the OpenMP runtime the process already runs (torch's, which the
-// library shares when built by GCC), each taking a span of 64-column groups: torch's own threads
-// would otherwise spin on the cores a second pool needs. A column's sums do not depend on the split.
+// On up to ``threads`` threads (``split_columns``).
 int epd_dot_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const uint16_t* wp, int64_t n,
                    const uint16_t* bias, uint16_t* out, int64_t so, int64_t threads) {
 #if defined(__AVX512BF16__)
     if (m < 1 || k < 1 || n < 1 || sx < k || so < n || threads < 1) return -1;
-    const int64_t groups = (n + 63) / 64, kb = (k + 31) / 32;
-    const int parts = static_cast<int>(threads < groups ? threads : groups);
-    auto span = [&](int t) {
-        const int64_t a = groups * t / parts * 64, b0 = groups * (t + 1) / parts * 64, b = b0 < n ? b0 : n;
-        if (a < b) dot_linear(x, sx, m, k, wp + a / 16 * kb * 512, b - a, bias ? bias + a : nullptr, out + a, so);
-    };
-    if (parts == 1) {
-        span(0);
-        return 0;
-    }
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(parts)
-    span(omp_get_thread_num());
+    const int64_t kb = (k + 31) / 32;
+    split_columns(n, threads, [&](int64_t a, int64_t b) {
+        dot_linear(x, sx, m, k, wp + a / 16 * kb * 512, b - a, bias ? bias + a : nullptr, out + a, so);
+    });
+    return 0;
 #else
-    for (int t = 0; t < parts; ++t) span(t);
+    (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;
+    return -1;
 #endif
+}
+
+// The same product on the same layout by AVX2 float32 multiply-adds (CPUs with neither AMX nor
+// AVX-512 bfloat16); -1 where the CPU lacks AVX2 and FMA
+int epd_fma_available() {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// As ``epd_dot_linear``, on up to ``threads`` threads (``split_columns``), row chunks of x widened
+// to float32 once each
+int epd_fma_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const uint16_t* wp, int64_t n,
+                   const uint16_t* bias, uint16_t* out, int64_t so, int64_t threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m < 1 || k < 1 || n < 1 || sx < k || so < n || threads < 1) return -1;
+    const int64_t kb = (k + 31) / 32, k2 = (k + 1) / 2 * 2;
+    int64_t chunk = FMA_CHUNK_FLOATS / k2 / FMA_ROWS * FMA_ROWS;
+    if (chunk < FMA_ROWS) chunk = FMA_ROWS;
+    std::vector<float> xf((m < chunk ? m : chunk) * k2, 0.0f);
+    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+        const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < k; ++j) xf[r * k2 + j] = load(x + (r0 + r) * sx + j);
+        split_columns(n, threads, [&](int64_t a, int64_t b) {
+            fma_columns(xf.data(), k2, rows, wp, kb, a, b, bias, out + r0 * so, so);
+        });
+    }
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;

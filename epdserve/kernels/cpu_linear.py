@@ -6,16 +6,19 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   it packs again on every call; stored column-major (the same values, ``weight`` still
   ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]`` matrix and that copy is
   gone. Same kernels, same results.
-- **bfloat16 on a CPU with AMX or with AVX-512 bfloat16**: the compiled kernels' tile matmul
+- **bfloat16 on a CPU with AMX, AVX-512 bfloat16 or AVX2**: the compiled kernels' tile matmul
   (``TileLinear``, ``kernels.tiles``), the weight packed once at load: no per-call setup and
   nothing compiled per row count. With AMX it is at or under oneDNN's time at the row counts
   measured but for one shape at 192 rows and more; with AVX-512 bfloat16 alone it reads the
-  weight of a decode step faster than oneDNN and keeps level with it at hundreds of rows
-  (docs/benchmarks.md).
+  weight of a decode step faster than oneDNN and keeps level with it at hundreds of rows; with
+  AVX2 alone, where oneDNN has no bfloat16 matmul and PyTorch's reads the weight once per row,
+  it reads it once per call (docs/benchmarks.md).
 - **bfloat16 in a media tower** (``towers``), where every call multiplies a whole item's
   patches (hundreds of rows): oneDNN's own AMX kernels (``PackedLinear``) once the weight is as
   large as ``TOWER_ONEDNN_WEIGHT`` elements, the compiled tile matmul below that - at hundreds of
-  rows oneDNN leads on large weights and trails on small ones (docs/benchmarks.md).
+  rows oneDNN leads on large weights and trails on small ones (docs/benchmarks.md). Where the
+  tile matmul is the AVX2 engine (AVX-512 without its bfloat16 instructions), oneDNN's bfloat16
+  matmul converts as it goes and trails the tile matmul at every size, so the tower stays on it.
 - **bfloat16 without either, float16**: oneDNN (AVX-512 where the CPU has it) reorders the weight
   into its blocked layout on every call; ``PackedLinear`` does it once, at load, as vLLM's CPU
   backend does. The results equal ``F.linear``'s (``tests/test_cpu_linear.py``).
@@ -94,7 +97,7 @@ class PackedLinear(nn.Module):
 
 class TileLinear(nn.Module):
     """A loaded bfloat16 ``nn.Linear`` multiplied by the compiled tile matmul (``kernels.tiles``,
-    on AMX or AVX-512 bfloat16): ``weight`` holds the tile layout (1-D), packed once at load."""
+    on AMX, AVX-512 bfloat16 or AVX2): ``weight`` holds the tile layout (1-D), packed once at load."""
 
     def __init__(self, linear: nn.Linear, matmul: TileMatmul) -> None:
         super().__init__()
@@ -141,9 +144,9 @@ class TileEmbedding(nn.Module):
 def tie_head(embedding: nn.Embedding, tiles: TileMatmul | None) -> nn.Embedding | TileEmbedding:
     """The tied table of a language model laid out for its projection: a ``TileEmbedding`` where
     ``tiles`` (what ``prepare_linears`` chose for the model's linears; None: none) is the AVX-512
-    bfloat16 engine, else ``embedding`` as it is. (On AMX the tied projection stays ``F.linear``:
-    it has not been measured there.)"""
-    if tiles is None or tiles.engine != "avx512" or embedding.weight.dtype != torch.bfloat16:
+    bfloat16 or the AVX2 engine, else ``embedding`` as it is. (On AMX the tied projection stays
+    ``F.linear``: it has not been measured there.)"""
+    if tiles is None or tiles.engine == "amx" or embedding.weight.dtype != torch.bfloat16:
         return embedding
     return TileEmbedding(embedding, tiles)
 
@@ -156,7 +159,7 @@ def prepare_linears(
     towers: tuple[str, ...] = (),
 ) -> TileMatmul | None:
     """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above);
-    bfloat16 ones go to the compiled tile matmul where the CPU has AMX or AVX-512 bfloat16
+    bfloat16 ones go to the compiled tile matmul where the CPU has AMX, AVX-512 bfloat16 or AVX2
     (``kernels`` "auto"), but for the large ones of the submodules named in ``towers`` (media
     towers: many rows per call). Returns that tile matmul, or None where none is used."""
     if device.type != "cpu":
@@ -172,7 +175,8 @@ def prepare_linears(
             if type(child) is not nn.Linear:
                 continue
             many_rows = in_tower and child.weight.numel() >= TOWER_ONEDNN_WEIGHT
-            if tiles is not None and not (many_rows and pack):
+            onednn_leads = many_rows and pack and (tiles is None or tiles.engine != "avx2")
+            if tiles is not None and not onednn_leads:
                 setattr(module, name, TileLinear(child, tiles))
             elif pack:
                 setattr(module, name, PackedLinear(child))

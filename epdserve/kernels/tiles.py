@@ -9,13 +9,17 @@ nothing to compile. Two engines read that one layout:
 
 - ``amx``: AMX tile matmuls (Intel CPUs that have AMX);
 - ``avx512``: AVX-512 bfloat16 dot products (AMD Zen 4 and later, Intel Cooper Lake: CPUs with
-  AVX-512 bfloat16 but no AMX), a 64-byte load of the packed weight making 16 sums at once.
+  AVX-512 bfloat16 but no AMX), a 64-byte load of the packed weight making 16 sums at once;
+- ``avx2``: AVX2 float32 multiply-adds on the weight widened in registers (CPUs with neither:
+  AVX2 only, as AMD Zen 2 and 3, or AVX-512 without bfloat16, as Intel Skylake to Ice Lake), where
+  PyTorch's own bfloat16 matmul reads the weight again for every row and oneDNN has no bfloat16
+  kernels.
 
-Both take float32 sums of the same bfloat16 products, add the bias in float32 and round once to
-bfloat16 (oneDNN's arithmetic; the order of the sums is each kernel's own). ``load_amx`` gives the
-AMX engine and ``load_tiles`` the best engine of this CPU, or None where the CPU, the compiler or
-the operating system (which must grant a process AMX's tile registers) allows neither; callers
-keep oneDNN then.
+All three take float32 sums of the same bfloat16 products, add the bias in float32 and round once
+to bfloat16 (oneDNN's arithmetic; the order of the sums is each kernel's own). ``load_amx`` gives
+the AMX engine and ``load_tiles`` the best engine of this CPU, or None where the CPU, the compiler
+or the operating system (which must grant a process AMX's tile registers) allows none; callers
+keep PyTorch's matmuls then.
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ PARALLEL_MACS = 1 << 25
 BLOCK = 64  # output columns a thread's share is a multiple of: four 16-column blocks (AMX's tiles)
 
 
-Engine = Literal["amx", "avx512"]
+Engine = Literal["amx", "avx512", "avx2"]
 
 
 class TileMatmul:
     """The compiled matmul on the tile layout, by ``engine``. A large product is split by output
     columns over torch's intra-op thread count (``torch.set_num_threads``; the compiled call lets
     go of the interpreter): the AMX engine's shares run on a small pool of its own, the AVX-512
-    one's on torch's OpenMP threads inside the call. Each column is computed exactly as one call
+    and AVX2 ones' on torch's OpenMP threads inside the call. Each column is computed exactly as one call
     would: the result does not depend on the split."""
 
     def __init__(self, lib, engine: Engine) -> None:
@@ -93,12 +97,13 @@ class TileMatmul:
             if bias is not None:
                 bias = bias.contiguous()
             threads = torch.get_num_threads() if self.splits(m, k, out_features) else 1
-            if self.engine == "avx512":  # splits itself, on torch's own OpenMP threads
+            if self.engine != "amx":  # splits itself, on torch's own OpenMP threads
+                call = self.lib.epd_dot_linear if self.engine == "avx512" else self.lib.epd_fma_linear
                 bias_ptr = bias.data_ptr() if bias is not None else None
-                status = self.lib.epd_dot_linear(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(),
-                                                 out_features, bias_ptr, out.data_ptr(), out_features, threads)  # fmt: skip
+                status = call(rows.data_ptr(), rows.stride(0), m, k, packed.data_ptr(), out_features, bias_ptr,
+                              out.data_ptr(), out_features, threads)  # fmt: skip
                 if status != 0:
-                    raise RuntimeError("the avx512 tile matmul refused its operands")
+                    raise RuntimeError(f"the {self.engine} tile matmul refused its operands")
             else:
                 self.workers.run(
                     lambda a, b: self._columns(rows, packed, out_features, bias, out, a, b),
@@ -148,10 +153,12 @@ def load_amx() -> TileMatmul | None:
 
 
 def load_tiles() -> TileMatmul | None:
-    """The AMX engine where it runs, else the AVX-512 bfloat16 one, else None."""
+    """The AMX engine where it runs, else the AVX-512 bfloat16 one, else the AVX2 one, else None."""
     lib = _library()
     if lib is None:
         return None
     if lib.epd_amx_available() == 1:
         return TileMatmul(lib, "amx")
-    return TileMatmul(lib, "avx512") if lib.epd_dot_available() == 1 else None
+    if lib.epd_dot_available() == 1:
+        return TileMatmul(lib, "avx512")
+    return TileMatmul(lib, "avx2") if lib.epd_fma_available() == 1 else None
