@@ -5,7 +5,9 @@
 Measures, in this process, for each thread count:
 
 - the machine: memory bandwidth (reading a 1 GiB tensor) and the peak matmul rate in the dtype
-  (a square 2048 matmul, and the language model's widest linear at 1,024 rows);
+  (a square 2048 matmul, and the language model's widest linear at 1,024 rows); for bfloat16,
+  the better of that and the float32 rate, since a CPU without bfloat16 arithmetic (AVX2) can
+  multiply bfloat16 values at its float32 rate;
 - a decode step at batch 1 (the engine core, a short text prompt already prefilled) against its
   bound: the bytes one step must read (the language model's weights and the output projection,
   the KV of the context) over the best bandwidth measured at any of the thread counts;
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
         bw = bandwidth_gbs()
         peak = matmul_tflops(2048, 2048, 2048, dtype)
+        if dtype != torch.float32:
+            peak = max(peak, matmul_tflops(2048, 2048, 2048, torch.float32))
         widest = matmul_tflops(1024, text.hidden_size, text.intermediate_size, dtype)
 
         # decode at batch 1: a short prompt prefilled, then steps timed one by one
