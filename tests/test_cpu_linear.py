@@ -21,6 +21,7 @@ from epdserve.kernels.cpu_linear import (
     PackedLinear,
     TileEmbedding,
     TileLinear,
+    linears_in_use,
     packing_supported,
     prepare_linears,
     row_bucket,
@@ -119,6 +120,17 @@ def test_a_tower_stays_on_the_avx2_engine_where_onednn_converts_bfloat16(monkeyp
     assert prepare_linears(model, torch.bfloat16, torch.device("cpu"), towers=("visual",)) is avx2
     assert type(model["visual"][0]) is TileLinear
     assert_close_rel(model["visual"](x).float(), want.float(), rel=1e-2)
+
+
+def test_the_start_up_log_names_what_the_linears_run_on() -> None:
+    cpu = torch.device("cpu")
+    tiles = load_tiles()
+    if tiles is not None:
+        assert linears_in_use(torch.bfloat16, cpu, tiles) == f"the compiled tile matmul, {tiles.engine} engine"
+    assert linears_in_use(torch.float32, cpu, None) == "MKL, column-major weights"
+    want = "oneDNN, prepacked" if packing_supported(torch.bfloat16) else "PyTorch's bfloat16 matmul"
+    assert linears_in_use(torch.bfloat16, cpu, None) == want  # the kernels turned off
+    assert linears_in_use(torch.bfloat16, torch.device("cuda"), None) == "as loaded (PyTorch on cuda)"
 
 
 def test_each_checkpoint_weight_is_freed_as_its_layout_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,6 +151,19 @@ def tie_head(embedding: nn.Embedding, tiles: TileMatmul | None) -> nn.Embedding 
     return TileEmbedding(embedding, tiles)
 
 
+def linears_in_use(dtype: torch.dtype, device: torch.device, tiles: TileMatmul | None) -> str:
+    """What ``prepare_linears`` laid a model's linear layers out for, for a role's start-up log."""
+    if device.type != "cpu":
+        return f"as loaded (PyTorch on {device.type})"
+    if tiles is not None:
+        return f"the compiled tile matmul, {tiles.engine} engine"
+    if packing_supported(dtype):
+        return "oneDNN, prepacked"
+    if dtype == torch.float32:
+        return "MKL, column-major weights"
+    return f"PyTorch's {str(dtype).removeprefix('torch.')} matmul"
+
+
 def prepare_linears(
     model: nn.Module,
     dtype: torch.dtype,

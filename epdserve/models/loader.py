@@ -8,6 +8,7 @@ parts (the encoder: ``{"vision"}``) never reads the other parts' tensors.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -19,10 +20,12 @@ from safetensors import safe_open
 from torch import nn
 
 from epdserve.kernels import KernelChoice
-from epdserve.kernels.cpu_linear import prepare_linears
+from epdserve.kernels.cpu_linear import linears_in_use, prepare_linears
 from epdserve.models.config import ALL_PARTS, ModelConfig
 from epdserve.models.layers.decoder import Qwen2LanguageModel
 from epdserve.models.registry import model_class
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -121,6 +124,7 @@ def load_model(
     # every top-level part but the language model is a media tower: whole items' patches per call
     towers = tuple(name for name, _ in model.named_children() if name != "language_model")
     tiles = prepare_linears(model, dtype, torch.device(device), kernels, towers)
+    log.info("linear layers: %s", linears_in_use(dtype, torch.device(device), tiles))
     for module in model.modules():
         if isinstance(module, Qwen2LanguageModel):
             module.lay_out_tied_head(tiles)
