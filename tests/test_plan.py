@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from epdserve.bench.client import percentile
 from epdserve.bench.report import SLO
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.cli import main
+from epdserve.plan.burst import WaveJob, first_wave, run_percentile, wave_order
 from epdserve.plan.model import Load, encoder_station, erlang_c, predict
 from epdserve.plan.planner import PlanConfig, candidates, plan
 from epdserve.plan.profile import (
@@ -378,6 +380,63 @@ def test_a_closed_loop_meets_the_other_clients_load() -> None:
         assert lone < closed.ttft_mean_s < whole.ttft_mean_s
         # its utilisation is the whole loop's
         assert closed.utilization == whole.utilization
+
+
+def test_a_first_wave_queues_at_the_encoders_then_at_the_engines() -> None:
+    """Requests sent at once go through the encoders one after another, then through their
+    engine's prefills one after another: the slower stage sets the pace, and a request whose
+    embeddings arrive while its engine only decodes waits half a decode step."""
+    enc_bound = [WaveJob("image", 1.0, 0.5, 0.1)] * 3
+    assert first_wave(enc_bound, engines=1, step_s=0.2) == pytest.approx([1.6, 2.7, 3.7])
+    pf_bound = [WaveJob("image", 0.2, 1.0, 0.0)] * 3
+    assert first_wave(pf_bound, engines=1, step_s=0.2) == pytest.approx([1.2, 2.2, 3.2])
+    assert first_wave(pf_bound, engines=2, step_s=0.2) == pytest.approx([1.2, 1.4, 2.2])  # round-robin
+    text = [WaveJob("text", 0.0, 0.3, 0.0)] * 2  # no encoder: straight to the engine
+    assert first_wave(text, engines=1, step_s=0.2) == pytest.approx([0.3, 0.6])
+    with pytest.raises(ValueError):
+        first_wave(text, engines=0, step_s=0.2)
+
+
+def test_a_runs_percentiles_are_interpolated_as_the_benchmark_does() -> None:
+    """Over a run's few TTFTs, the first wave's and the rest at the steady distribution's evenly
+    spaced quantiles, a percentile is the benchmark's own (linear interpolation)."""
+
+    def uniform(t: float) -> float:  # the steady TTFT: uniform over [0, 10] s
+        return min(1.0, max(0.0, t / 10))
+
+    assert run_percentile([4.0, 1.0, 3.0, 2.0], 0, uniform, 50) == pytest.approx(percentile([1, 2, 3, 4], 50))
+    assert run_percentile([], 5, uniform, 50) == pytest.approx(5.0)  # 1, 3, 5, 7, 9
+    run = [20.0, 30.0, 10 / 6, 5.0, 50 / 6]  # the wave, then the steady quantiles at 1/6, 3/6, 5/6
+    for p in (0, 30, 50, 90, 100):
+        assert run_percentile([20.0, 30.0], 3, uniform, p) == pytest.approx(percentile(run, p), rel=1e-6)
+
+
+def test_a_wave_interleaves_request_kinds_by_their_shares() -> None:
+    assert wave_order({"text": 0.5, "image": 0.5}, 4) in (["text", "image"] * 2, ["image", "text"] * 2)
+    assert wave_order({"image": 1.0}, 3) == ["image"] * 3
+    assert sorted(wave_order({"text": 0.25, "image": 0.75}, 4)) == ["image", "image", "image", "text"]
+
+
+def test_a_short_closed_loop_adds_its_first_wave() -> None:
+    """A closed loop of a few requests per client starts with every client sending at once: its
+    TTFT is above the steady loop's, most for a run that is one wave, and a long run comes back
+    to the steady loop. A run of one client has no wave to queue in."""
+    p = profile()
+    w = WorkloadConfig(images_per_request=4, output_len=64)
+    steady = predict(p, "1e+1pd", 2, Load(w, concurrency=4))
+    burst = predict(p, "1e+1pd", 2, Load(w, concurrency=4, requests=4))
+    short = predict(p, "1e+1pd", 2, Load(w, concurrency=4, requests=8))
+    long = predict(p, "1e+1pd", 2, Load(w, concurrency=4, requests=4000))
+    assert steady.ttft_mean_s is not None and burst.ttft_mean_s is not None and short.ttft_mean_s is not None
+    assert steady.ttft_mean_s < short.ttft_mean_s < burst.ttft_mean_s
+    assert long.ttft_mean_s == pytest.approx(steady.ttft_mean_s, rel=0.01)
+    for a in ("aggregated", "1e+1pd"):
+        one = Load(w, concurrency=1)
+        assert predict(p, a, 2, dataclasses.replace(one, requests=5)).ttft_p50_s == pytest.approx(
+            predict(p, a, 2, one).ttft_p50_s, rel=1e-6
+        )
+    with pytest.raises(ValueError):
+        Load(w, concurrency=4, requests=-1)
 
 
 def test_goodput_falls_when_the_slo_tightens() -> None:

@@ -25,8 +25,10 @@ some station is busy on arrival), which gives TTFT quantiles and the share of re
 SLO; goodput = throughput × that share. A closed loop of N clients is solved for the λ at which
 N = λ × E2E; its requests meet the other N − 1 clients' requests only (the arrival theorem), so
 their waits and speeds are those of the load λ·(N − 1)/N: one client never waits, and while it
-encodes the engine idles. At or beyond a role's capacity the prediction is *unstable*: no latency
-is given.
+encodes the engine idles. A closed loop of a given number of requests (``Load.requests``) starts
+with all its clients sending at once: that first wave goes through the stages one request after
+another (``burst``), and the run's TTFT mixes its first tokens with the steady loop's for the
+other requests. At or beyond a role's capacity the prediction is *unstable*: no latency is given.
 
 What it leaves out (see docs/plan.md): the router's and front ends' CPU (taken as latency, not
 as load on the cores), prefix and encoder cache hits, chunked prefill, the variance of a closed
@@ -45,6 +47,7 @@ from epdserve.bench.report import SLO
 from epdserve.bench.sweep import topology_name
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.engine.config import EngineConfig
+from epdserve.plan.burst import WaveJob, first_wave, run_percentile, wave_order
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
 from epdserve.topology import Topology, plan_cores
 
@@ -63,10 +66,13 @@ class Load:
     request_rate: float = 0.0  # Poisson arrivals in req/s (0: a closed loop instead)
     concurrency: int = 0  # closed loop: requests in flight, each client sending again when its answer ends
     slo: SLO = field(default_factory=SLO)  # bounds for goodput; none: no goodput
+    requests: int = 0  # closed loop: the run's length, its first wave sent at once (0: a run long enough not to tell)
 
     def __post_init__(self) -> None:
         if self.request_rate < 0:
             raise ValueError(f"request_rate must be >= 0, got {self.request_rate}")
+        if self.requests < 0:
+            raise ValueError(f"requests must be >= 0, got {self.requests}")
         if self.request_rate == 0 and self.concurrency < 1:
             raise ValueError("give an arrival rate (req/s) or a closed-loop concurrency")
         if self.workload.video_fraction > 0 or self.workload.repeated_fraction > 0:
@@ -427,6 +433,13 @@ def _case(profile: Profile, topology: str, cores: int, load: Load, lend: bool) -
     return _Case(topology_name(topo), path, cores, lay, c, kinds, media_share, enc_work, cap, bottleneck)
 
 
+def _encoder_work(c: PathCosts, k: Kind, lay: Layout) -> float:
+    """The encoders' time for one request of kind ``k`` at speed 1: its images are split across
+    the encoders, each encoding its share in parallel."""
+    per_image = (c.encode(k.images, k.pixels) - c.encode_call_s) / k.images
+    return c.encode_call_s + per_image * math.ceil(k.images / lay.encoders)
+
+
 def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     c, lay, kinds, cap = case.costs, case.lay, case.kinds, case.capacity
     media_share, enc_work = case.media_share, case.enc_work
@@ -461,14 +474,21 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
         fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images, k.pixels) / first.speed.prefill
         wait, busy = first.prefill_wait_s, first.busy
         if k.images and lay.encoders:
-            # the images are split across the encoders: each encodes its share in parallel
-            per_image = (c.encode(k.images, k.pixels) - c.encode_call_s) / k.images
-            work = c.encode_call_s + per_image * math.ceil(k.images / lay.encoders)
-            fixed += work / state.encode_speed
+            fixed += _encoder_work(c, k, lay) / state.encode_speed
             wait += enc.wait_s
             busy = 1 - (1 - busy) * (1 - enc.wait_prob)
         dists.append((k.share, fixed, wait, busy))
     ttft_mean = sum(s * (f + m) for s, f, m, _ in dists)
+    by_kind = {k.name: f + m for k, (_, f, m, _) in zip(kinds, dists, strict=True)}
+
+    def steady(t: float) -> float:
+        return _mix_cdf(dists, t)
+
+    p50, p90 = _quantile(steady, 0.5), _quantile(steady, 0.9)
+    if load.request_rate == 0 and load.requests:
+        ttft_mean, by_kind, wave = _with_first_wave(case, load, ttft_mean, by_kind)
+        rest = load.requests - len(wave)
+        p50, p90 = (run_percentile(wave, rest, steady, p) for p in (50, 90))
     decode_time = (out - 1) * decoder.itl_s
 
     def gap(bound: float) -> float:
@@ -482,15 +502,50 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     return dataclasses.replace(
         base,
         ttft_mean_s=ttft_mean,
-        ttft_p50_s=_quantile(lambda t: _mix_cdf(dists, t), 0.5),
-        ttft_p90_s=_quantile(lambda t: _mix_cdf(dists, t), 0.9),
-        ttft_by_kind_s={k.name: f + m for k, (_, f, m, _) in zip(kinds, dists, strict=True)},
+        ttft_p50_s=p50,
+        ttft_p90_s=p90,
+        ttft_by_kind_s=by_kind,
         itl_s=decoder.itl_s,
         e2e_mean_s=ttft_mean + decode_time,
         decode_batch=rate / lay.pools[-1].n * out * decoder.itl_s,  # Little's law
         slo_fraction=fraction,
         goodput_rps=None if fraction is None else rate * fraction,
     )
+
+
+def _with_first_wave(
+    case: _Case, load: Load, mean: float, by_kind: dict[str, float]
+) -> tuple[float, dict[str, float], list[float]]:
+    """TTFT's mean and mean per kind over a finite closed loop's requests, and its first wave's
+    TTFTs: the wave by ``burst.first_wave``, the rest of the run as the steady loop (``mean``,
+    ``by_kind``)."""
+    c, lay, kinds = case.costs, case.lay, case.kinds
+    wave_n = min(load.concurrency, load.requests)
+    rest = load.requests - wave_n
+    first_pool = lay.pools[0]
+    # while a wave of several requests goes through, every role has work queued: none idles to
+    # lend its cores, and engines sharing a core share it with busy ones
+    busy = dict.fromkeys(lay.own_cores, 1.0 if wave_n > 1 else 0.0)
+    pool_speeds, encode_speed = speeds(c, lay, busy)
+    speed = pool_speeds[first_pool.role]
+    of = {k.name: k for k in kinds}
+    jobs = []
+    for name in wave_order({k.name: k.share for k in kinds}, wave_n):
+        k = of[name]
+        encode = _encoder_work(c, k, lay) / encode_speed if k.images and lay.encoders else 0.0
+        prefill = c.prefill(k.prompt_tokens, k.images, k.pixels) / speed.prefill
+        jobs.append(WaveJob(name, encode, prefill, c.overhead(k.images)))
+    step = (c.decode_step_s + c.decode_seq_s) / speed.decode if first_pool.decode else 0.0
+    wave = first_wave(jobs, first_pool.n, step)
+    total = load.requests
+    new_mean = (sum(wave) + rest * mean) / total
+    new_by_kind = {}
+    for k in kinds:
+        mine = [t for t, job in zip(wave, jobs, strict=True) if job.kind == k.name]
+        count = len(mine) + rest * k.share
+        new_by_kind[k.name] = (sum(mine) + rest * k.share * by_kind[k.name]) / count if count else by_kind[k.name]
+
+    return new_mean, new_by_kind, wave
 
 
 def _mix_cdf(dists: list[Dist], t: float) -> float:

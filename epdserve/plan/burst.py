@@ -1,0 +1,90 @@
+"""The first wave of a finite closed loop: clients that all send at the same instant.
+
+A run of R requests from N clients starts with min(N, R) requests at once. They queue behind one
+another at the encoders and at the engines' prefills: a transient the steady model (``model``)
+does not have, and in a run of a few requests per client most of its first tokens. Here each
+request of the wave goes through the stages in order at its deterministic cost: the encoders
+(one request after another, a request's images split across them), then the prefill of its engine
+(requests spread round-robin over the engines, one prefill after another; a request whose inputs
+arrive while its engine only decodes waits half a decode step). ``model.predict`` mixes these
+first tokens with the steady loop's for the rest of the run, and gives the run's percentiles as
+the benchmark computes them over so few values (``run_percentile``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class WaveJob(NamedTuple):
+    """One request of the wave and what it costs at the speeds of a busy deployment."""
+
+    kind: str  # its request kind ("text", "image")
+    encode_s: float  # its encoders' work (0: no images, or no encoders: the engine encodes)
+    prefill_s: float  # its prefill on its engine
+    overhead_s: float  # front end, router and transfers: latency that occupies no stage
+
+
+def wave_order(shares: dict[str, float], n: int) -> list[str]:
+    """``n`` request kinds in proportion to ``shares`` (kind -> share of the requests), as evenly
+    interleaved as the counts allow: each next request is the kind furthest behind its share."""
+    taken = dict.fromkeys(shares, 0)
+    order = []
+    for i in range(1, n + 1):
+        kind = max(shares, key=lambda k: (shares[k] * i - taken[k], shares[k]))
+        taken[kind] += 1
+        order.append(kind)
+    return order
+
+
+def first_wave(jobs: list[WaveJob], engines: int, step_s: float) -> list[float]:
+    """The first-token times of ``jobs``, all sent at t = 0 in this order, through the encoders
+    and then ``engines`` engines whose decode step in progress takes ``step_s`` (0: engines that
+    never decode)."""
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
+    encoders_free = 0.0
+    free = [0.0] * engines  # when each engine's last prefill ends
+    ttfts = []
+    for i, job in enumerate(jobs):
+        ready = 0.0
+        if job.encode_s > 0:
+            encoders_free += job.encode_s
+            ready = encoders_free
+        e = i % engines
+        start = max(ready, free[e])
+        if ready > free[e] > 0:  # its engine went on to decode the requests it had prefilled
+            start += step_s / 2
+        free[e] = start + job.prefill_s
+        ttfts.append(job.overhead_s + free[e])
+    return ttfts
+
+
+def run_percentile(wave: list[float], rest: int, steady: Callable[[float], float], p: float) -> float:
+    """The ``p``-th percentile (0–100), interpolated as the benchmark interpolates its own
+    (``bench.client.percentile``), of a run's TTFTs: the first wave's ``wave`` and ``rest`` more
+    drawn from the steady distribution ``steady`` (its CDF), taken at its evenly spaced quantiles
+    (the i-th at (i + 1/2) / rest)."""
+    total = len(wave) + rest
+    if total == 0:
+        return 0.0
+
+    def count(t: float) -> int:  # values of the run at or below t
+        return sum(1 for x in wave if x <= t) + min(rest, math.floor(steady(t) * rest + 0.5))
+
+    def smallest(j: int) -> float:  # the j-th smallest value (1-based)
+        lo, hi = 0.0, max([1.0, *wave])
+        while count(hi) < j:
+            hi *= 2
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if count(mid) >= j else (mid, hi)
+        return hi
+
+    k = (total - 1) * p / 100
+    below = int(k)
+    lo_v = smallest(below + 1)
+    hi_v = smallest(min(below + 2, total))
+    return lo_v + (hi_v - lo_v) * (k - below)
