@@ -62,6 +62,18 @@ def first_wave(jobs: list[WaveJob], engines: int, step_s: float) -> list[float]:
     return ttfts
 
 
+def quantile(cdf: Callable[[float], float], q: float, hi: float = 1.0) -> float:
+    """The smallest t ≥ 0 with ``cdf(t) ≥ q`` (``cdf`` non-decreasing), by bisection from
+    [0, ``hi``], ``hi`` doubled until it holds."""
+    lo = 0.0
+    while cdf(hi) < q:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if cdf(mid) >= q else (mid, hi)
+    return hi
+
+
 def run_percentile(wave: list[float], rest: int, steady: Callable[[float], float], p: float) -> float:
     """The ``p``-th percentile (0–100), interpolated as the benchmark interpolates its own
     (``bench.client.percentile``), of a run's TTFTs: the first wave's ``wave`` and ``rest`` more
@@ -75,13 +87,7 @@ def run_percentile(wave: list[float], rest: int, steady: Callable[[float], float
         return sum(1 for x in wave if x <= t) + min(rest, math.floor(steady(t) * rest + 0.5))
 
     def smallest(j: int) -> float:  # the j-th smallest value (1-based)
-        lo, hi = 0.0, max([1.0, *wave])
-        while count(hi) < j:
-            hi *= 2
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if count(mid) >= j else (mid, hi)
-        return hi
+        return quantile(count, j, max([1.0, *wave]))
 
     k = (total - 1) * p / 100
     below = int(k)

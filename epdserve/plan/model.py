@@ -47,7 +47,7 @@ from epdserve.bench.report import SLO
 from epdserve.bench.sweep import topology_name
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.engine.config import EngineConfig
-from epdserve.plan.burst import WaveJob, first_wave, run_percentile, wave_order
+from epdserve.plan.burst import WaveJob, first_wave, quantile, run_percentile, wave_order
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
 from epdserve.topology import Topology, plan_cores
 
@@ -484,7 +484,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     def steady(t: float) -> float:
         return _mix_cdf(dists, t)
 
-    p50, p90 = _quantile(steady, 0.5), _quantile(steady, 0.9)
+    p50, p90 = quantile(steady, 0.5), quantile(steady, 0.9)
     if load.request_rate == 0 and load.requests:
         ttft_mean, by_kind, wave = _with_first_wave(case, load, ttft_mean, by_kind)
         rest = load.requests - len(wave)
@@ -560,17 +560,6 @@ def _wait_cdf(t: float, mean: float, prob: float) -> float:
     if prob <= 0 or mean <= 0:
         return 1.0
     return 1.0 - prob * math.exp(-t * prob / mean)
-
-
-def _quantile(cdf: Callable[[float], float], q: float) -> float:
-    """The smallest t with cdf(t) ≥ q, by bisection."""
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < q:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if cdf(mid) >= q else (mid, hi)
-    return hi
 
 
 def predict(profile: Profile, topology: str, cores: int, load: Load, lend: bool = True) -> Prediction:
