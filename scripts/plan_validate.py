@@ -72,6 +72,12 @@ def parse_workload(text: str, slo: SLO) -> Load:
     return Load(WorkloadConfig(**fields), request_rate=rate, concurrency=conc, slo=slo)  # type: ignore[arg-type]
 
 
+def run_of(load: Load, requests: int) -> Load:
+    """``load`` as a run of ``requests`` requests: a closed loop's first wave is then modelled
+    (its clients all send at once); an open loop's arrivals are the same whatever the length."""
+    return dataclasses.replace(load, requests=requests) if load.request_rate == 0 else load
+
+
 def describe(load: Load) -> str:
     w = load.workload
     arrival = f"{load.request_rate:g} req/s" if load.request_rate else f"conc {load.concurrency}"
@@ -197,8 +203,7 @@ def measure(profile: Profile, topologies: list[str], loads: list[Load], args: ar
         try:
             d.start()
             for i, load in enumerate(loads):
-                if load.request_rate == 0:  # a closed loop of this many requests, its first wave at once
-                    load = dataclasses.replace(load, requests=args.requests)
+                load = run_of(load, args.requests)
                 pred, note = _predict(profile, name, args.cores or profile.nproc, load, args.lend_cores)
                 bench = BenchConfig(
                     url=d.url,
@@ -241,14 +246,8 @@ def from_sweep(profile: Profile, path: Path, cores: int) -> tuple[list[Row], str
             output_len=cc["output_len"],
             text_fraction=0.5 if cc["mixed"] else 0.0,
         )
-        closed = c["request_rate"] == 0  # a closed loop of this many requests, its first wave at once
-        load = Load(
-            workload,
-            request_rate=c["request_rate"],
-            concurrency=c["concurrency"],
-            slo=slo,
-            requests=c.get("requests", 0) if closed else 0,
-        )
+        load = Load(workload, request_rate=c["request_rate"], concurrency=c["concurrency"], slo=slo)
+        load = run_of(load, c.get("requests", 0))
         # sweeps from before lending record no setting: their roles kept to their own cores
         pred, note = _predict(profile, cell["topology"], cores or env["nproc"], load, c.get("lend_cores", False))
         measured = Summary(**_summary(cell["summary"]))
@@ -278,7 +277,7 @@ def from_vs_vllm(profile: Profile, path: Path, cores: int) -> str:
     for (topology, conc), runs in cells.items():
         ttft = statistics.median(r["ttft_p50_ms"] for r in runs) / 1e3
         rps = statistics.median(r["req_per_s"] for r in runs)
-        load = Load(workload, concurrency=conc, requests=a["requests"])
+        load = run_of(Load(workload, concurrency=conc), a["requests"])
         preds = {lend: _predict(profile, topology, cores or profile.nproc, load, lend)[0] for lend in (True, False)}
         t = {k: (p.ttft_p50_s if p is not None and p.stable else None) for k, p in preds.items()}
         q = {k: (p.throughput_rps if p is not None else None) for k, p in preds.items()}

@@ -188,8 +188,7 @@ def prepare_linears(
             if type(child) is not nn.Linear:
                 continue
             many_rows = in_tower and child.weight.numel() >= TOWER_ONEDNN_WEIGHT
-            onednn_leads = many_rows and pack and (tiles is None or tiles.engine != "avx2")
-            if tiles is not None and not onednn_leads:
+            if tiles is not None and not (many_rows and pack and tiles.engine != "avx2"):
                 setattr(module, name, TileLinear(child, tiles))
             elif pack:
                 setattr(module, name, PackedLinear(child))

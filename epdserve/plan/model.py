@@ -484,11 +484,12 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     def steady(t: float) -> float:
         return _mix_cdf(dists, t)
 
-    p50, p90 = quantile(steady, 0.5), quantile(steady, 0.9)
     if load.request_rate == 0 and load.requests:
         ttft_mean, by_kind, wave = _with_first_wave(case, load, ttft_mean, by_kind)
         rest = load.requests - len(wave)
         p50, p90 = (run_percentile(wave, rest, steady, p) for p in (50, 90))
+    else:
+        p50, p90 = quantile(steady, 0.5), quantile(steady, 0.9)
     decode_time = (out - 1) * decoder.itl_s
 
     def gap(bound: float) -> float:
