@@ -13,11 +13,12 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from epdserve.launcher import free_port, port_available, process_tree
+from epdserve.launcher import free_port, port_available, process_children, process_tree
 from tests.server_utils import http, internal_headers
 from tests.test_up import alive, image_content, proc_cmdline, up, wait_for
 from tests.test_vllm_connector import VLLM_ARGS, VLLM_ENV
@@ -97,27 +98,40 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
         bare = [line for line in lines if not line.startswith("[pd0 vllm] ")]
         assert lines and not bare, bare[:5]
 
-        # vLLM killed in the middle of a request: that request ends with an error, the others
-        # are not lost, ``up`` starts vLLM again on its port, and it answers as before
-        # "in the middle" is read from vLLM's count of generated tokens, which moves every step:
-        # its gauge of running requests may still show the last request that ended, and a short
-        # request may end between the probe and the kill on a fast machine
+        # vLLM killed in the middle of two requests, one streamed and one not: the streamed one
+        # ends with an error event, the other with a 5xx error, neither hangs; ``up`` starts vLLM
+        # again on its port, and it answers as before. "In the middle" is read from the streamed
+        # request's own tokens as they reach this client (vLLM's /metrics can answer late while it
+        # decodes, and a kill gated on it may come after both requests ended); the whole one was
+        # sent first and needs far longer than the stream takes to show its first tokens
         answers: list[tuple[int, bytes]] = []
-        generated = lambda: sum(samples(http("GET", vllm_url + "/metrics")[1].decode(), "vllm:generation_tokens_total"))  # noqa: E731
-        before = generated()
 
-        def long_request() -> None:
+        def ask(stream: bool) -> bytes:
             body = {"model": "shapes-qwen2vl", "messages": [{"role": "user", "content": content}],
-                    "max_tokens": 1800, "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-            answers.append(http("POST", url + "/v1/chat/completions", json.dumps(body).encode(), timeout=600))
+                    "max_tokens": 1800, "temperature": 0.0, "ignore_eos": True, "stream": stream}  # fmt: skip
+            return json.dumps(body).encode()
 
-        in_flight = threading.Thread(target=long_request)
-        in_flight.start()
-        assert wait_for(lambda: generated() > before, 120, 0.02), "the long request never ran"
-        serve = [p for p in process_tree([vllm_pid])[1:] if b"\0serve\0" in proc_cmdline(p)]
-        assert serve, process_tree([vllm_pid])
-        os.kill(serve[0], signal.SIGKILL)
-        in_flight.join(timeout=120)
+        whole = threading.Thread(
+            target=lambda: answers.append(http("POST", url + "/v1/chat/completions", ask(False), timeout=600))
+        )
+        whole.start()
+        chat = urllib.request.Request(
+            url + "/v1/chat/completions", data=ask(True), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(chat, timeout=600) as stream:
+            tokens = 0
+            while tokens < 3:
+                line = stream.readline()
+                assert line, "the stream ended before its first tokens"
+                if line.startswith(b"data: {"):
+                    tokens += bool(json.loads(line[6:])["choices"][0]["delta"].get("content"))
+            api = [p for p in process_children().get(vllm_pid, []) if b"\0serve\0" in proc_cmdline(p)]
+            assert len(api) == 1, [proc_cmdline(p)[:80] for p in process_tree([vllm_pid])]
+            os.kill(api[0], signal.SIGKILL)
+            rest = stream.read().decode()
+        events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), rest[-300:]
+        whole.join(timeout=120)
         assert len(answers) == 1, "the request in flight hung"
         status, raw = answers[0]
         assert status >= 500 and "error" in json.loads(raw), (status, raw[:300])
@@ -125,7 +139,7 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
         assert new_url == vllm_url and "restarted pd0" in u.stderr()
         assert wait_for(lambda: http("GET", url + "/health")[0] == 200, 60, 0.5)
         assert greedy(url, content)["choices"][0]["message"]["content"] == want
-        assert not alive(serve[0])
+        assert not alive(api[0])
         pids = process_tree([u.proc.pid])
 
         u.proc.send_signal(signal.SIGTERM)
