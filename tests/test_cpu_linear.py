@@ -19,6 +19,8 @@ from epdserve.kernels.cpu_linear import (
     EXACT_ROWS,
     TOWER_ONEDNN_WEIGHT,
     PackedLinear,
+    RowEmbedding,
+    RowLinear,
     TileEmbedding,
     TileLinear,
     linears_in_use,
@@ -29,6 +31,7 @@ from epdserve.kernels.cpu_linear import (
 )
 from epdserve.kernels.ops import TorchOps
 from epdserve.kernels.parallel import shares
+from epdserve.kernels.rows import MAX_ROWS, RowDot, load_row_dot
 from epdserve.kernels.tiles import Engine, TileMatmul, load_amx, load_tiles
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
@@ -42,17 +45,100 @@ def _model(dtype: torch.dtype) -> nn.Module:
 
 
 def test_float32_weights_go_column_major_with_the_same_products() -> None:
+    """With the compiled kernels off, float32 weights are stored column-major for MKL."""
     model = _model(torch.float32)
     before = [m.weight.clone() for m in model if isinstance(m, nn.Linear)]
     xs = [torch.randn(n, 256) for n in ROWS]
     want = [model(x) for x in xs]
-    prepare_linears(model, torch.float32, torch.device("cpu"))
+    prepare_linears(model, torch.float32, torch.device("cpu"), kernels="torch")
     linears = [m for m in model if isinstance(m, nn.Linear)]
     for m, w in zip(linears, before, strict=True):
         assert type(m) is nn.Linear and not m.weight.is_contiguous() and m.weight.t().is_contiguous()
         assert torch.equal(m.weight, w)  # the same values, [out, in] as loaded
     for x, y in zip(xs, want, strict=True):
         assert_close_rel(model(x), y)
+
+
+def _row_dot() -> RowDot:
+    dot = load_row_dot()
+    if dot is None:
+        pytest.skip("no float32 row kernel here (no compiled kernels, or no AVX2 and FMA)")
+    return dot
+
+
+def test_float32_linears_go_to_the_row_kernel_on_their_weights_as_loaded() -> None:
+    """With the kernels on, a float32 linear outside the media towers is a ``RowLinear`` on its
+    weight as loaded, with F.linear's products at every row count; a tower's stay ``nn.Linear``
+    on theirs."""
+    _row_dot()
+    model = nn.ModuleDict({"language": _model(torch.float32), "visual": _model(torch.float32)})
+    before = [m.weight.clone() for m in model.modules() if isinstance(m, nn.Linear)]
+    xs = [torch.randn(n, 256) for n in ROWS]
+    want = [(model["language"](x), model["visual"](x)) for x in xs]
+    assert isinstance(prepare_linears(model, torch.float32, torch.device("cpu"), towers=("visual",)), RowDot)
+    language = [m for m in model["language"] if not isinstance(m, nn.SiLU)]
+    assert all(type(m) is RowLinear and m.weight.is_contiguous() for m in language)
+    assert all(type(m) is nn.Linear and m.weight.is_contiguous() for m in model["visual"] if not isinstance(m, nn.SiLU))
+    assert all(
+        torch.equal(m.weight, w)
+        for m, w in zip([*language, model["visual"][0], model["visual"][2]], before, strict=True)
+    )
+    for x, (y, v) in zip(xs, want, strict=True):
+        assert_close_rel(model["language"](x), y)
+        assert torch.equal(model["visual"](x), v)
+
+
+@pytest.mark.parametrize(("k", "n"), [(1536, 8960), (8960, 1536), (37, 70), (31, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_row_kernel_equals_f_linear_at_a_few_rows_and_hands_more_to_it(k: int, n: int, bias: bool) -> None:
+    """Up to ``MAX_ROWS`` rows the compiled kernel (a K past or short of its 32-input steps, an N
+    that is no multiple of its 64-column groups) within float32 roundings of F.linear; past it,
+    F.linear itself."""
+    dot = _row_dot()
+    torch.manual_seed(k + n)
+    w, b = torch.randn(n, k), (torch.randn(n) if bias else None)
+    for m in (1, 2, 3, MAX_ROWS):
+        x = torch.randn(m, k)
+        assert_close_rel(dot.linear(x, w, b), F.linear(x, w, b), rel=1e-5)
+    x = torch.randn(2, 3, k)  # leading dimensions kept
+    assert dot.linear(x, w, b).shape == (2, 3, n)
+    big = torch.randn(MAX_ROWS + 1, k)
+    assert torch.equal(dot.linear(big, w, b), F.linear(big, w, b))
+
+
+def test_a_row_of_the_row_kernel_is_the_same_whatever_shares_its_call() -> None:
+    """Each row sums in one order whatever rows share its call and however many threads split
+    its columns: a request's logits do not depend on the batch it decodes in, bit for bit."""
+    dot = _row_dot()
+    torch.manual_seed(3)
+    k, n = 1543, 4099
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(MAX_ROWS, k)
+    whole = dot.linear(x, w, b)
+    for rows in range(1, MAX_ROWS):
+        assert torch.equal(dot.linear(x[:rows], w, b), whole[:rows])
+        assert torch.equal(dot.linear(x[rows : rows + 1], w, b), whole[rows : rows + 1])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(dot.linear(x, w, b), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_row_kernel_refuses_what_does_not_fit_its_weight() -> None:
+    dot = _row_dot()
+    w = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="float32 rows"):
+        dot.linear(torch.randn(2, 63), w)
+    with pytest.raises(ValueError, match="float32 rows"):
+        dot.linear(torch.randn(2, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        dot.linear(torch.randn(2, 64), w.t().contiguous().t())
+    with pytest.raises(ValueError, match="bias"):
+        dot.linear(torch.randn(2, 64), w, torch.randn(31))
+    assert dot.lib.epd_row_linear_f32(None, 0, 0, 64, None, 32, None, None, 32, 1) == -1  # no rows
 
 
 @pytest.mark.parametrize(
@@ -128,6 +214,9 @@ def test_the_start_up_log_names_what_the_linears_run_on() -> None:
     if tiles is not None:
         assert linears_in_use(torch.bfloat16, cpu, tiles) == f"the compiled tile matmul, {tiles.engine} engine"
     assert linears_in_use(torch.float32, cpu, None) == "MKL, column-major weights"
+    if (dot := load_row_dot()) is not None:
+        want_f32 = "the compiled float32 row kernel at a few rows, MKL at more; media towers MKL"
+        assert linears_in_use(torch.float32, cpu, dot) == want_f32
     want = "oneDNN, prepacked" if packing_supported(torch.bfloat16) else "PyTorch's bfloat16 matmul"
     assert linears_in_use(torch.bfloat16, cpu, None) == want  # the kernels turned off
     assert linears_in_use(torch.bfloat16, torch.device("cuda"), None) == "as loaded (PyTorch on cuda)"
@@ -168,8 +257,13 @@ def test_other_devices_and_dtypes_keep_the_weights_as_loaded() -> None:
 def test_a_loaded_model_runs_on_the_prepared_layout() -> None:
     model, _ = load_model(default_model_dir(), frozenset({"language"}), torch.float32)
     lm = model.language_model
-    linears = [m for m in lm.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    if load_row_dot() is not None:
+        linears = [m for m in lm.modules() if isinstance(m, RowLinear)]
+        assert linears and not [m for m in lm.modules() if type(m) is nn.Linear]
+        assert isinstance(lm.embed_tokens, RowEmbedding)
+    else:
+        linears = [m for m in lm.modules() if isinstance(m, nn.Linear)]
+        assert linears and all(m.weight.t().is_contiguous() for m in linears)
     if packing_supported(torch.bfloat16):
         packed, _ = load_model(default_model_dir(), frozenset({"language"}), torch.bfloat16)
         assert not [m for m in packed.modules() if type(m) is nn.Linear]
@@ -388,3 +482,27 @@ def test_a_loaded_tied_model_answers_with_its_table_in_the_tile_layout() -> None
     assert torch.equal(lm.embed_tokens(ids), ref.embed_tokens(ids))
     hidden = torch.randn(5, lm.config.hidden_size, dtype=torch.bfloat16)
     assert_close_rel(lm.compute_logits(hidden).float(), ref.compute_logits(hidden).float(), rel=2e-2)
+
+
+def test_a_tied_float32_table_projects_with_the_row_kernel() -> None:
+    """In float32 with the row kernel a tied table is a ``RowEmbedding``: the same table for
+    lookups (an id outside it an IndexError, as nn.Embedding's), F.linear's logits within float32
+    roundings, and a loaded tied model's logits those of the kernels turned off."""
+    dot = _row_dot()
+    torch.manual_seed(0)
+    table = nn.Embedding(1000, 72)
+    tied = tie_head(table, dot)
+    assert isinstance(tied, RowEmbedding) and tied.weight.data_ptr() == table.weight.data_ptr()
+    ids = torch.tensor([[0, 15, 999], [998, 500, 1]])
+    assert torch.equal(tied(ids), table(ids))
+    with pytest.raises(IndexError):
+        tied(torch.tensor([1000]))
+    hidden = torch.randn(3, 72)
+    assert_close_rel(tied.project(hidden), F.linear(hidden, table.weight), rel=1e-5)
+    assert tie_head(table.to(torch.bfloat16), dot) is not None  # a bfloat16 table is not the row kernel's
+    assert not isinstance(tie_head(table.to(torch.bfloat16), dot), RowEmbedding)
+    fast, _ = load_model(default_model_dir(), frozenset({"language"}), torch.float32)
+    plain, _ = load_model(default_model_dir(), frozenset({"language"}), torch.float32, kernels="torch")
+    lm, ref = fast.language_model, plain.language_model
+    h = torch.randn(4, lm.config.hidden_size)
+    assert_close_rel(lm.compute_logits(h), ref.compute_logits(h), rel=1e-5)

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # The two numbers Python and the C++ source must agree on, defined once on each side and checked
 # at load (``load_library``): the ABI of the signatures below (epd_kernels_abi()) and the length
 # of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
-ABI = 11
+ABI = 12
 POINTERS_PER_LAYER = 9
 # -fopenmp: the AVX-512 tile matmul splits its columns on the OpenMP runtime the process already
 # runs, torch's (GCC's libgomp, loaded by soname before this library); a compiler whose OpenMP
@@ -232,6 +232,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_dot_linear": [p, i64, i64, i64, p, i64, p, p, i64, i64],
         "epd_fma_available": [],
         "epd_fma_linear": [p, i64, i64, i64, p, i64, p, p, i64, i64],
+        "epd_row_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, i64],
         "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
@@ -248,6 +249,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_dot_linear",
         "epd_fma_available",
         "epd_fma_linear",
+        "epd_row_linear_f32",
         "epd_decoder_stack",
     }
     for name, args in signatures.items():

@@ -721,6 +721,69 @@ void fma_columns(const float* xf, int64_t k2, int64_t rows, const bf16* wp, int6
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 rows of x against a float32 weight as loaded (row-major [n, k]), for the few rows of a
+// decode step, where a BLAS's matrix-vector paths read the weight well under the memory's speed
+// and barely faster on a second thread: each output is a dot product over one contiguous weight
+// row, which stays in cache while every pair of x rows passes over it, so a call reads the weight
+// once, front to back. A row's sum runs in one order (four 8-lane partial sums over 32-input
+// steps, added in a fixed order, then the remaining inputs one by one; the bias last), whatever
+// rows share its pass and however the columns are split. The hardware's prefetch follows the
+// weight's one stream; software prefetches ahead of it measured slower.
+inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// one row's partial sums; named values, not an array (see fma_tile)
+struct RowSums {
+    __m256 a, b, c, d;
+};
+
+__attribute__((always_inline)) inline void row_step(RowSums& s, const float* x, __m256 w0, __m256 w1, __m256 w2,
+                                                    __m256 w3) {
+    s.a = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, s.a);
+    s.b = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, s.b);
+    s.c = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w2, s.c);
+    s.d = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w3, s.d);
+}
+
+inline float row_total(const RowSums& s, const float* x, const float* w, int64_t i, int64_t k, const float* bias) {
+    float t = sum8(_mm256_add_ps(_mm256_add_ps(s.a, s.b), _mm256_add_ps(s.c, s.d)));
+    for (; i < k; ++i) t += x[i] * w[i];
+    return bias ? t + *bias : t;
+}
+
+// R (1 or 2) rows of x (row stride sx) against weight row w: out[0] and out[so]
+template <int R>
+void row_dot(const float* x, int64_t sx, int64_t k, const float* w, const float* bias, float* out, int64_t so) {
+    const __m256 zero = _mm256_setzero_ps();
+    RowSums s0{zero, zero, zero, zero}, s1 = s0;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        const __m256 w2 = _mm256_loadu_ps(w + i + 16), w3 = _mm256_loadu_ps(w + i + 24);
+        row_step(s0, x + i, w0, w1, w2, w3);
+        if constexpr (R == 2) row_step(s1, x + sx + i, w0, w1, w2, w3);
+    }
+    out[0] = row_total(s0, x, w, i, k, bias);
+    if constexpr (R == 2) out[so] = row_total(s1, x + sx, w, i, k, bias);
+}
+
+// output columns [a, b) of ``m`` rows
+void row_columns(const float* x, int64_t sx, int64_t m, int64_t k, const float* w, int64_t a, int64_t b,
+                 const float* bias, float* out, int64_t so) {
+    for (int64_t c = a; c < b; ++c) {
+        const float* wc = w + c * k;
+        const float* bc = bias ? bias + c : nullptr;
+        int64_t r = 0;
+        for (; r + 2 <= m; r += 2) row_dot<2>(x + r * sx, sx, k, wc, bc, out + r * so + c, so);
+        if (r < m) row_dot<1>(x + r * sx, sx, k, wc, bc, out + r * so + c, so);
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // The tile layout of ``epd_amx_pack`` read by AVX-512 bfloat16 dot products, for CPUs without
 // AMX: in a block of 16 output columns, input pair p holds 16 columns x 2 inputs (64 bytes), so
@@ -813,7 +876,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 11; }
+int epd_kernels_abi() { return 12; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -969,6 +1032,21 @@ int epd_fma_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;
+    return -1;
+#endif
+}
+
+// float32 out [m, n] (row stride so) = x [m, k] (row stride sx) . w^T (+ bias), w [n, k] as loaded
+// (``row_columns``), on up to ``threads`` threads (``split_columns``); -1 without AVX2 and FMA or
+// for sizes refused
+int epd_row_linear_f32(const float* x, int64_t sx, int64_t m, int64_t k, const float* w, int64_t n,
+                       const float* bias, float* out, int64_t so, int64_t threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m < 1 || k < 1 || n < 1 || sx < k || so < n || threads < 1) return -1;
+    split_columns(n, threads, [&](int64_t a, int64_t b) { row_columns(x, sx, m, k, w, a, b, bias, out, so); });
+    return 0;
+#else
+    (void)x, (void)sx, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)out, (void)so, (void)threads;
     return -1;
 #endif
 }

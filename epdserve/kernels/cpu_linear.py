@@ -2,10 +2,16 @@
 
 The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU matmul:
 
-- **float32**: MKL multiplies by a row-major ``[out, in]`` weight as a transposed operand, which
-  it packs again on every call; stored column-major (the same values, ``weight`` still
-  ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]`` matrix and that copy is
-  gone. Same kernels, same results.
+- **float32 with the compiled kernels** (AVX2 and FMA): the language model's linears are
+  ``RowLinear``: a decode step's few rows go to the compiled row kernel (``kernels.rows``),
+  which reads the weight as loaded once per call at the memory's speed, where MKL's
+  matrix-vector paths read it at a fraction of it; larger products go to MKL on the same
+  weight. A tied output table gets the same kernel (``RowEmbedding``). Media towers, whose
+  calls are a whole item's patches, stay with MKL on the weight as loaded.
+- **float32 without them**: MKL multiplies by a row-major ``[out, in]`` weight as a transposed
+  operand, which it packs again on every call at a few rows; stored column-major (the same
+  values, ``weight`` still ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]``
+  matrix and that copy is gone. Same kernels, same results.
 - **bfloat16 on a CPU with AMX, AVX-512 bfloat16 or AVX2**: the compiled kernels' tile matmul
   (``TileLinear``, ``kernels.tiles``), the weight packed once at load: no per-call setup and
   nothing compiled per row count. With AMX it is at or under oneDNN's time at the row counts
@@ -41,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels import KernelChoice
+from epdserve.kernels.rows import RowDot, load_row_dot
 from epdserve.kernels.tiles import TileMatmul, load_tiles
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
@@ -141,22 +148,65 @@ class TileEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-def tie_head(embedding: nn.Embedding, tiles: TileMatmul | None) -> nn.Embedding | TileEmbedding:
+class RowLinear(nn.Module):
+    """A loaded float32 ``nn.Linear`` whose few-row products run in the compiled row kernel
+    (``kernels.rows``) and larger ones in MKL, on the weight as loaded."""
+
+    def __init__(self, linear: nn.Linear, dot: RowDot) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dot = dot
+        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != torch.float32:  # converted after loading (``.to``): as nn.Linear
+            return F.linear(x, self.weight, self.bias)
+        return self.dot.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class RowEmbedding(nn.Embedding):
+    """A float32 embedding table that is also the output projection (tied weights): lookups as
+    ``nn.Embedding``'s, the projection by the compiled row kernel. Made by ``tie_head``."""
+
+    def __init__(self, embedding: nn.Embedding, dot: RowDot) -> None:
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=embedding.weight.detach())
+        self.requires_grad_(False)
+        self.dot = dot
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., dim] → [..., num_embeddings]: ``F.linear(hidden, table)``."""
+        return self.dot.linear(hidden, self.weight)
+
+
+LinearKernel = TileMatmul | RowDot  # the compiled matmul a model's language-model linears got
+
+
+def tie_head(embedding: nn.Embedding, kernel: LinearKernel | None) -> nn.Embedding | TileEmbedding | RowEmbedding:
     """The tied table of a language model laid out for its projection: a ``TileEmbedding`` where
-    ``tiles`` (what ``prepare_linears`` chose for the model's linears; None: none) is the AVX-512
-    bfloat16 or the AVX2 engine, else ``embedding`` as it is. (On AMX the tied projection stays
-    ``F.linear``: it has not been measured there.)"""
-    if tiles is None or tiles.engine == "amx" or embedding.weight.dtype != torch.bfloat16:
-        return embedding
-    return TileEmbedding(embedding, tiles)
+    ``kernel`` (what ``prepare_linears`` chose for the model's linears; None: none) is the
+    AVX-512 bfloat16 or the AVX2 tile engine, a ``RowEmbedding`` where it is the float32 row
+    kernel, else ``embedding`` as it is. (On AMX the tied projection stays ``F.linear``: it has
+    not been measured there.)"""
+    dtype = embedding.weight.dtype
+    if isinstance(kernel, RowDot) and dtype == torch.float32:
+        return RowEmbedding(embedding, kernel)
+    if isinstance(kernel, TileMatmul) and kernel.engine != "amx" and dtype == torch.bfloat16:
+        return TileEmbedding(embedding, kernel)
+    return embedding
 
 
-def linears_in_use(dtype: torch.dtype, device: torch.device, tiles: TileMatmul | None) -> str:
+def linears_in_use(dtype: torch.dtype, device: torch.device, kernel: LinearKernel | None) -> str:
     """What ``prepare_linears`` laid a model's linear layers out for, for a role's start-up log."""
     if device.type != "cpu":
         return f"as loaded (PyTorch on {device.type})"
-    if tiles is not None:
-        return f"the compiled tile matmul, {tiles.engine} engine"
+    if isinstance(kernel, TileMatmul):
+        return f"the compiled tile matmul, {kernel.engine} engine"
+    if isinstance(kernel, RowDot):
+        return "the compiled float32 row kernel at a few rows, MKL at more; media towers MKL"
     if packing_supported(dtype):
         return "oneDNN, prepacked"
     if dtype == torch.float32:
@@ -170,14 +220,17 @@ def prepare_linears(
     device: torch.device,
     kernels: KernelChoice = "auto",
     towers: tuple[str, ...] = (),
-) -> TileMatmul | None:
+) -> LinearKernel | None:
     """Lay out every ``nn.Linear`` of a loaded model for the CPU's matmul libraries (above);
-    bfloat16 ones go to the compiled tile matmul where the CPU has AMX, AVX-512 bfloat16 or AVX2
-    (``kernels`` "auto"), but for the large ones of the submodules named in ``towers`` (media
-    towers: many rows per call). Returns that tile matmul, or None where none is used."""
+    with ``kernels`` "auto", bfloat16 ones go to the compiled tile matmul where the CPU has AMX,
+    AVX-512 bfloat16 or AVX2, but for the large ones of the submodules named in ``towers`` (media
+    towers: many rows per call), and float32 ones outside the towers to the compiled row kernel
+    where the CPU has AVX2. Returns the compiled kernel used, or None where none is."""
     if device.type != "cpu":
         return None
-    tiles = load_tiles() if dtype == torch.bfloat16 and kernels == "auto" else None
+    auto = kernels == "auto"
+    tiles = load_tiles() if dtype == torch.bfloat16 and auto else None
+    rows = load_row_dot() if dtype == torch.float32 and auto else None
     pack = packing_supported(dtype)
     # the linears themselves stay out of the list: each checkpoint weight is freed as soon as its
     # layout replaces it, so loading never holds the weights twice
@@ -188,10 +241,13 @@ def prepare_linears(
             if type(child) is not nn.Linear:
                 continue
             many_rows = in_tower and child.weight.numel() >= TOWER_ONEDNN_WEIGHT
+            float32 = child.weight.dtype == torch.float32
             if tiles is not None and not (many_rows and pack and tiles.engine != "avx2"):
                 setattr(module, name, TileLinear(child, tiles))
             elif pack:
                 setattr(module, name, PackedLinear(child))
-            elif child.weight.dtype == torch.float32 and child.weight.is_contiguous():
+            elif rows is not None and float32 and not in_tower:
+                setattr(module, name, RowLinear(child, rows))
+            elif rows is None and float32 and child.weight.is_contiguous():
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
-    return tiles
+    return tiles if tiles is not None else rows

@@ -123,11 +123,11 @@ def load_model(
     loadable.init_buffers()
     # every top-level part but the language model is a media tower: whole items' patches per call
     towers = tuple(name for name, _ in model.named_children() if name != "language_model")
-    tiles = prepare_linears(model, dtype, torch.device(device), kernels, towers)
-    log.info("linear layers: %s", linears_in_use(dtype, torch.device(device), tiles))
+    kernel = prepare_linears(model, dtype, torch.device(device), kernels, towers)
+    log.info("linear layers: %s", linears_in_use(dtype, torch.device(device), kernel))
     for module in model.modules():
         if isinstance(module, Qwen2LanguageModel):
-            module.lay_out_tied_head(tiles)
+            module.lay_out_tied_head(kernel)
     model.eval().requires_grad_(False)
     report = LoadReport(
         model_dir=str(model_dir),

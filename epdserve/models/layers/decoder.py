@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.kernels.cpu_linear import TileEmbedding, TileLinear, tie_head
+from epdserve.kernels.cpu_linear import LinearKernel, RowEmbedding, TileEmbedding, TileLinear, tie_head
 from epdserve.kernels.fused import FusedDecoder, LayerWeights, StackShape
 from epdserve.kernels.ops import LayerOps, TorchOps
-from epdserve.kernels.tiles import TileMatmul
 from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import TextConfig
 from epdserve.models.layers.attention import Attention
@@ -128,12 +127,12 @@ class Qwen2LanguageModel(nn.Module):
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if isinstance(self.embed_tokens, TileEmbedding):
+        if isinstance(self.embed_tokens, (TileEmbedding, RowEmbedding)):
             return self.embed_tokens.project(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def lay_out_tied_head(self, tiles: TileMatmul | None) -> None:
-        """A tied table in the layout its projection reads fastest with the tile matmul the
+    def lay_out_tied_head(self, kernel: LinearKernel | None) -> None:
+        """A tied table in the layout its projection reads fastest with the compiled matmul the
         model's linears got (``tie_head``)."""
         if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
-            self.embed_tokens = tie_head(self.embed_tokens, tiles)
+            self.embed_tokens = tie_head(self.embed_tokens, kernel)

@@ -1,0 +1,72 @@
+"""float32 matmuls of a few rows on the weight as loaded, in the compiled kernels.
+
+A decode step multiplies one row per running sequence by every weight of the language model, so
+its time is the time to read the weights. MKL's float32 matrix-vector paths read them well under
+the memory's speed and barely faster on a second thread (docs/benchmarks.md). ``RowDot`` runs
+products of up to ``MAX_ROWS`` rows in the compiled kernels (AVX2 and FMA): each output is a dot
+product over one contiguous row of the ``[out, in]`` weight, which stays in cache while every
+pair of rows passes over it, so a call reads the weight once, front to back, split by output
+columns over torch's intra-op threads. Larger products go to ``F.linear`` (MKL) on the same
+weight, where at hundreds of rows the layout makes no difference to it.
+
+A row's sums run in one order whatever rows share its call and however the columns are split,
+so a row's result does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.kernels.build import KernelBuildError, load_library
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8  # products of more rows go to MKL (F.linear)
+SPLIT_WEIGHT = 1 << 16  # weight elements from which a call is split over torch's threads
+
+
+class RowDot:
+    """``x @ weight.T + bias`` in float32, the compiled kernel for up to ``MAX_ROWS`` rows."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for float32 x [..., in] and a contiguous float32
+        weight [out, in]."""
+        n, k = weight.shape
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != k:
+            raise ValueError(f"x must be float32 rows of the float32 weight's {k} inputs")
+        if not weight.is_contiguous():
+            raise ValueError("the weight must be contiguous [out, in]")
+        if bias is not None and (bias.dtype != torch.float32 or bias.numel() != n):
+            raise ValueError(f"bias must be {n} float32 values")
+        rows = x.reshape(-1, k)
+        m = rows.shape[0]
+        if m > MAX_ROWS or m == 0:
+            return F.linear(x, weight, bias)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
+        out = torch.empty((m, n), dtype=torch.float32)
+        threads = torch.get_num_threads() if n * k >= SPLIT_WEIGHT else 1
+        status = self.lib.epd_row_linear_f32(rows.data_ptr(), rows.stride(0), m, k, weight.data_ptr(), n,
+                                             bias.data_ptr() if bias is not None else None, out.data_ptr(), n,
+                                             threads)  # fmt: skip
+        if status != 0:
+            raise RuntimeError("the float32 row kernel refused its operands")
+        return out.reshape(*x.shape[:-1], n)
+
+
+def load_row_dot() -> RowDot | None:
+    """The row kernel, or None where the compiled kernels or AVX2 and FMA are missing here."""
+    try:
+        lib = load_library()
+    except KernelBuildError as e:
+        log.info("no compiled kernels, so no float32 row kernel: %s", e)
+        return None
+    return RowDot(lib) if lib.epd_fma_available() == 1 else None
