@@ -7,8 +7,8 @@ The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU
   which reads the weight as loaded once per call at the memory's speed, where MKL's
   matrix-vector paths read it at a fraction of it; larger products go to MKL on the same
   weight. A tied output table gets the same kernel (``RowEmbedding``). Media towers, whose
-  calls are a whole item's patches, stay with MKL on the weight as loaded.
-- **float32 without them**: MKL multiplies by a row-major ``[out, in]`` weight as a transposed
+  calls are a whole item's patches, stay with MKL, laid out as below.
+- **float32 otherwise**: MKL multiplies by a row-major ``[out, in]`` weight as a transposed
   operand, which it packs again on every call at a few rows; stored column-major (the same
   values, ``weight`` still ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]``
   matrix and that copy is gone. Same kernels, same results.
@@ -248,6 +248,6 @@ def prepare_linears(
                 setattr(module, name, PackedLinear(child))
             elif rows is not None and float32 and not in_tower:
                 setattr(module, name, RowLinear(child, rows))
-            elif rows is None and float32 and child.weight.is_contiguous():
+            elif float32 and child.weight.is_contiguous():  # MKL's: no row kernel, or a tower
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
     return tiles if tiles is not None else rows
