@@ -16,7 +16,7 @@ from epdserve.bench.client import percentile
 from epdserve.bench.report import SLO
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.cli import main
-from epdserve.plan.burst import WaveJob, first_wave, run_percentile, wave_order
+from epdserve.plan.burst import WaveJob, first_wave, run_percentile, run_time, wave_order
 from epdserve.plan.model import Load, encoder_station, erlang_c, predict
 from epdserve.plan.planner import PlanConfig, candidates, plan
 from epdserve.plan.profile import (
@@ -437,6 +437,32 @@ def test_a_short_closed_loop_adds_its_first_wave() -> None:
         )
     with pytest.raises(ValueError):
         Load(w, concurrency=4, requests=-1)
+
+
+def test_a_run_ends_with_its_last_answer() -> None:
+    """A closed loop's clients send again as their answers end, until every request is sent;
+    the run takes until the last answer, a partial last round included."""
+    assert run_time([10.0] * 4, 6, 10.0) == pytest.approx(20.0)  # two clients of four go again
+    assert run_time([10.0] * 4, 8, 10.0) == pytest.approx(20.0)  # all four go again
+    assert run_time([1.0, 2.0], 2, 5.0) == pytest.approx(2.0)  # one round
+    assert run_time([1.0, 3.0], 4, 2.0) == pytest.approx(5.0)  # the earlier client takes both
+    assert run_time([], 0, 1.0) == 0.0
+
+
+def test_a_short_closed_loops_rate_is_its_requests_over_its_length() -> None:
+    """The benchmark's rate is the requests over the run's length: a run whose last round is
+    partial (6 requests from 4 clients) idles clients at its end and completes fewer requests a
+    second than the steady loop, a run of whole rounds fewer than that only by its first wave,
+    and a long run the steady loop's."""
+    p = profile()
+    w = WorkloadConfig(images_per_request=1, output_len=64)
+    steady = predict(p, "aggregated", 2, Load(w, concurrency=4)).throughput_rps
+    partial = predict(p, "aggregated", 2, Load(w, concurrency=4, requests=6)).throughput_rps
+    whole = predict(p, "aggregated", 2, Load(w, concurrency=4, requests=8)).throughput_rps
+    long = predict(p, "aggregated", 2, Load(w, concurrency=4, requests=4000)).throughput_rps
+    assert partial < whole < steady
+    assert partial < 0.85 * steady
+    assert long == pytest.approx(steady, rel=0.01)
 
 
 def test_goodput_falls_when_the_slo_tightens() -> None:

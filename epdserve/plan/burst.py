@@ -8,11 +8,14 @@ request of the wave goes through the stages in order at its deterministic cost: 
 (requests spread round-robin over the engines, one prefill after another; a request whose inputs
 arrive while its engine only decodes waits half a decode step). ``model.predict`` mixes these
 first tokens with the steady loop's for the rest of the run, and gives the run's percentiles as
-the benchmark computes them over so few values (``run_percentile``).
+the benchmark computes them over so few values (``run_percentile``) and its request rate as the
+benchmark measures it: the requests over the time to the last answer (``run_time``), which in a
+run of a few requests per client includes the wait for its last, partial round.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -94,3 +97,14 @@ def run_percentile(wave: list[float], rest: int, steady: Callable[[float], float
     lo_v = smallest(below + 1)
     hi_v = smallest(min(below + 2, total))
     return lo_v + (hi_v - lo_v) * (k - below)
+
+
+def run_time(first: list[float], requests: int, e2e_s: float) -> float:
+    """How long a closed loop of ``requests`` requests takes to its last answer: one client per
+    value of ``first``, when its first answer ends; each client sends again at once, each later
+    request taking the steady loop's ``e2e_s``, until all are sent."""
+    ends = list(first)
+    heapq.heapify(ends)
+    for _ in range(requests - len(first)):
+        heapq.heappush(ends, heapq.heappop(ends) + e2e_s)
+    return max(ends, default=0.0)

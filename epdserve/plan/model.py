@@ -28,7 +28,7 @@ their waits and speeds are those of the load λ·(N − 1)/N: one client never w
 encodes the engine idles. A closed loop of a given number of requests (``Load.requests``) starts
 with all its clients sending at once: that first wave goes through the stages one request after
 another (``burst``), and the run's TTFT mixes its first tokens with the steady loop's for the
-other requests. At or beyond a role's capacity the prediction is *unstable*: no latency is given.
+other requests; its throughput is the requests over the time to its last answer. At or beyond a role's capacity the prediction is *unstable*: no latency is given.
 
 What it leaves out (see docs/plan.md): the router's and front ends' CPU (taken as latency, not
 as load on the cores), prefix and encoder cache hits, chunked prefill, the variance of a closed
@@ -47,7 +47,7 @@ from epdserve.bench.report import SLO
 from epdserve.bench.sweep import topology_name
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.engine.config import EngineConfig
-from epdserve.plan.burst import WaveJob, first_wave, quantile, run_percentile, wave_order
+from epdserve.plan.burst import WaveJob, first_wave, quantile, run_percentile, run_time, wave_order
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
 from epdserve.topology import Topology, plan_cores
 
@@ -115,7 +115,8 @@ class Prediction:
     stable: bool  # the load is below capacity (otherwise no latency is predicted)
     request_rate: float  # the arrival rate predicted for (closed loop: the solved one)
     utilization: dict[str, float]  # role -> share of its servers' time busy at this load
-    throughput_rps: float  # completed req/s (the arrival rate when stable, the capacity otherwise)
+    throughput_rps: float  # completed req/s (the arrival rate when stable, the capacity otherwise;
+    # a closed loop of a given number of requests: those over the time to its last answer)
     ttft_mean_s: float | None = None
     ttft_p50_s: float | None = None
     ttft_p90_s: float | None = None
@@ -484,13 +485,16 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     def steady(t: float) -> float:
         return _mix_cdf(dists, t)
 
+    decode_time = (out - 1) * decoder.itl_s
+    throughput = base.throughput_rps
     if load.request_rate == 0 and load.requests:
+        steady_e2e = ttft_mean + decode_time
         ttft_mean, by_kind, wave = _with_first_wave(case, load, ttft_mean, by_kind)
         rest = load.requests - len(wave)
         p50, p90 = (run_percentile(wave, rest, steady, p) for p in (50, 90))
+        throughput = load.requests / run_time([t + decode_time for t in wave], load.requests, steady_e2e)
     else:
         p50, p90 = quantile(steady, 0.5), quantile(steady, 0.9)
-    decode_time = (out - 1) * decoder.itl_s
 
     def gap(bound: float) -> float:
         if not first_pool.decode:
@@ -506,6 +510,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
         ttft_p50_s=p50,
         ttft_p90_s=p90,
         ttft_by_kind_s=by_kind,
+        throughput_rps=throughput,
         itl_s=decoder.itl_s,
         e2e_mean_s=ttft_mean + decode_time,
         decode_batch=rate / lay.pools[-1].n * out * decoder.itl_s,  # Little's law
