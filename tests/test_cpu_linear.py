@@ -31,7 +31,7 @@ from epdserve.kernels.cpu_linear import (
 )
 from epdserve.kernels.ops import TorchOps
 from epdserve.kernels.parallel import shares
-from epdserve.kernels.rows import MAX_ROWS, RowDot, load_row_dot
+from epdserve.kernels.rows import MAX_ROWS, MIN_WEIGHT, RowDot, load_row_dot
 from epdserve.kernels.tiles import Engine, TileMatmul, load_amx, load_tiles
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
@@ -67,26 +67,33 @@ def _row_dot() -> RowDot:
 
 
 def test_float32_linears_go_to_the_row_kernel_on_their_weights_as_loaded() -> None:
-    """With the kernels on, a float32 linear outside the media towers is a ``RowLinear`` on its
-    weight as loaded, with F.linear's products at every row count; a tower's stay MKL's
-    ``nn.Linear``, column-major."""
+    """With the kernels on, a large float32 linear outside the media towers is a ``RowLinear``
+    on its weight as loaded, with F.linear's products at every row count; a small one, and a
+    tower's, stay MKL's ``nn.Linear``, column-major."""
     _row_dot()
-    model = nn.ModuleDict({"language": _model(torch.float32), "visual": _model(torch.float32)})
+    torch.manual_seed(0)
+
+    def part() -> nn.Sequential:  # 256 x 4096 is MIN_WEIGHT elements; 4096 x 96 is under it
+        return nn.Sequential(nn.Linear(256, 4096), nn.SiLU(), nn.Linear(4096, 96, bias=False)).requires_grad_(False)
+
+    model = nn.ModuleDict({"language": part(), "visual": part()})
+    assert model["language"][0].weight.numel() == MIN_WEIGHT > model["language"][2].weight.numel()
     before = [m.weight.clone() for m in model.modules() if isinstance(m, nn.Linear)]
     xs = [torch.randn(n, 256) for n in ROWS]
     want = [(model["language"](x), model["visual"](x)) for x in xs]
     assert isinstance(prepare_linears(model, torch.float32, torch.device("cpu"), towers=("visual",)), RowDot)
-    language = [m for m in model["language"] if not isinstance(m, nn.SiLU)]
-    assert all(type(m) is RowLinear and m.weight.is_contiguous() for m in language)
+    big, small = model["language"][0], model["language"][2]
+    assert type(big) is RowLinear and big.weight.is_contiguous()
+    assert type(small) is nn.Linear and small.weight.t().is_contiguous()
     tower = [m for m in model["visual"] if not isinstance(m, nn.SiLU)]
     assert all(type(m) is nn.Linear and m.weight.t().is_contiguous() for m in tower)
-    assert all(
-        torch.equal(m.weight, w)
-        for m, w in zip([*language, model["visual"][0], model["visual"][2]], before, strict=True)
-    )
+    after = [big, small, *tower]
+    assert all(torch.equal(m.weight, w) for m, w in zip(after, before, strict=True))
     for x, (y, v) in zip(xs, want, strict=True):
         assert_close_rel(model["language"](x), y)
         assert_close_rel(model["visual"](x), v)
+    small_only = _model(torch.float32)  # no weight as large: no row kernel in use
+    assert prepare_linears(small_only, torch.float32, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize(("k", "n"), [(1536, 8960), (8960, 1536), (37, 70), (31, 5)])
@@ -216,7 +223,7 @@ def test_the_start_up_log_names_what_the_linears_run_on() -> None:
         assert linears_in_use(torch.bfloat16, cpu, tiles) == f"the compiled tile matmul, {tiles.engine} engine"
     assert linears_in_use(torch.float32, cpu, None) == "MKL, column-major weights"
     if (dot := load_row_dot()) is not None:
-        want_f32 = "the compiled float32 row kernel at a few rows, MKL at more; media towers MKL"
+        want_f32 = "the compiled float32 row kernel for a few rows of the large ones, MKL (column-major) elsewhere"
         assert linears_in_use(torch.float32, cpu, dot) == want_f32
     want = "oneDNN, prepacked" if packing_supported(torch.bfloat16) else "PyTorch's bfloat16 matmul"
     assert linears_in_use(torch.bfloat16, cpu, None) == want  # the kernels turned off
@@ -258,13 +265,9 @@ def test_other_devices_and_dtypes_keep_the_weights_as_loaded() -> None:
 def test_a_loaded_model_runs_on_the_prepared_layout() -> None:
     model, _ = load_model(default_model_dir(), frozenset({"language"}), torch.float32)
     lm = model.language_model
-    if load_row_dot() is not None:
-        linears = [m for m in lm.modules() if isinstance(m, RowLinear)]
-        assert linears and not [m for m in lm.modules() if type(m) is nn.Linear]
-        assert isinstance(lm.embed_tokens, RowEmbedding)
-    else:
-        linears = [m for m in lm.modules() if isinstance(m, nn.Linear)]
-        assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    linears = [m for m in lm.modules() if isinstance(m, nn.Linear)]  # the embedded model's are small
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    assert type(lm.embed_tokens) is nn.Embedding
     if packing_supported(torch.bfloat16):
         packed, _ = load_model(default_model_dir(), frozenset({"language"}), torch.bfloat16)
         assert not [m for m in packed.modules() if type(m) is nn.Linear]
@@ -486,24 +489,22 @@ def test_a_loaded_tied_model_answers_with_its_table_in_the_tile_layout() -> None
 
 
 def test_a_tied_float32_table_projects_with_the_row_kernel() -> None:
-    """In float32 with the row kernel a tied table is a ``RowEmbedding``: the same table for
-    lookups (an id outside it an IndexError, as nn.Embedding's), F.linear's logits within float32
-    roundings, and a loaded tied model's logits those of the kernels turned off."""
+    """In float32 with the row kernel a large tied table is a ``RowEmbedding``: the same table
+    for lookups (an id outside it an IndexError, as nn.Embedding's) and F.linear's logits
+    within float32 roundings. A small table, or a bfloat16 one, stays as it is."""
     dot = _row_dot()
     torch.manual_seed(0)
-    table = nn.Embedding(1000, 72)
+    table = nn.Embedding(MIN_WEIGHT // 72 + 1, 72)  # a ragged K
     tied = tie_head(table, dot)
     assert isinstance(tied, RowEmbedding) and tied.weight.data_ptr() == table.weight.data_ptr()
-    ids = torch.tensor([[0, 15, 999], [998, 500, 1]])
+    ids = torch.tensor([[0, 15, table.num_embeddings - 1], [998, 500, 1]])
     assert torch.equal(tied(ids), table(ids))
     with pytest.raises(IndexError):
-        tied(torch.tensor([1000]))
-    hidden = torch.randn(3, 72)
-    assert_close_rel(tied.project(hidden), F.linear(hidden, table.weight), rel=1e-5)
-    assert tie_head(table.to(torch.bfloat16), dot) is not None  # a bfloat16 table is not the row kernel's
-    assert not isinstance(tie_head(table.to(torch.bfloat16), dot), RowEmbedding)
-    fast, _ = load_model(default_model_dir(), frozenset({"language"}), torch.float32)
-    plain, _ = load_model(default_model_dir(), frozenset({"language"}), torch.float32, kernels="torch")
-    lm, ref = fast.language_model, plain.language_model
-    h = torch.randn(4, lm.config.hidden_size)
-    assert_close_rel(lm.compute_logits(h), ref.compute_logits(h), rel=1e-5)
+        tied(torch.tensor([table.num_embeddings]))
+    for rows in (1, 3, MAX_ROWS + 1):
+        hidden = torch.randn(rows, 72)
+        assert_close_rel(tied.project(hidden), F.linear(hidden, table.weight), rel=1e-5)
+    small = nn.Embedding(1000, 72)
+    assert tie_head(small, dot) is small
+    half = nn.Embedding(MIN_WEIGHT // 72 + 1, 72).to(torch.bfloat16)
+    assert tie_head(half, dot) is half

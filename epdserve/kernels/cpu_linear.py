@@ -2,12 +2,13 @@
 
 The checkpoint's ``[out, in]`` weights are right for loading and wrong for a CPU matmul:
 
-- **float32 with the compiled kernels** (AVX2 and FMA): the language model's linears are
-  ``RowLinear``: a decode step's few rows go to the compiled row kernel (``kernels.rows``),
-  which reads the weight as loaded once per call at the memory's speed, where MKL's
-  matrix-vector paths read it at a fraction of it; larger products go to MKL on the same
-  weight. A tied output table gets the same kernel (``RowEmbedding``). Media towers, whose
-  calls are a whole item's patches, stay with MKL, laid out as below.
+- **float32 with the compiled kernels** (AVX2 and FMA): the language model's large linears
+  (``rows.MIN_WEIGHT`` elements and more) are ``RowLinear``: a decode step's few rows go to
+  the compiled row kernel (``kernels.rows``), which reads the weight as loaded once per call
+  at the memory's speed, where MKL's matrix-vector paths read it at a fraction of it; larger
+  products go to MKL on the same weight. A large tied output table gets the same kernel
+  (``RowEmbedding``). Media towers, whose calls are a whole item's patches, and small weights,
+  which a step reads from cache, stay with MKL, laid out as below.
 - **float32 otherwise**: MKL multiplies by a row-major ``[out, in]`` weight as a transposed
   operand, which it packs again on every call at a few rows; stored column-major (the same
   values, ``weight`` still ``[out, in]`` as a transposed view) it is a contiguous ``[in, out]``
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels import KernelChoice
-from epdserve.kernels.rows import RowDot, load_row_dot
+from epdserve.kernels.rows import MIN_WEIGHT, RowDot, load_row_dot
 from epdserve.kernels.tiles import TileMatmul, load_tiles
 
 BATCH_HINT = 16  # the row count oneDNN picks its blocked layout for (any row count works)
@@ -192,7 +193,7 @@ def tie_head(embedding: nn.Embedding, kernel: LinearKernel | None) -> nn.Embeddi
     kernel, else ``embedding`` as it is. (On AMX the tied projection stays ``F.linear``: it has
     not been measured there.)"""
     dtype = embedding.weight.dtype
-    if isinstance(kernel, RowDot) and dtype == torch.float32:
+    if isinstance(kernel, RowDot) and dtype == torch.float32 and embedding.weight.numel() >= MIN_WEIGHT:
         return RowEmbedding(embedding, kernel)
     if isinstance(kernel, TileMatmul) and kernel.engine != "amx" and dtype == torch.bfloat16:
         return TileEmbedding(embedding, kernel)
@@ -206,7 +207,7 @@ def linears_in_use(dtype: torch.dtype, device: torch.device, kernel: LinearKerne
     if isinstance(kernel, TileMatmul):
         return f"the compiled tile matmul, {kernel.engine} engine"
     if isinstance(kernel, RowDot):
-        return "the compiled float32 row kernel at a few rows, MKL at more; media towers MKL"
+        return "the compiled float32 row kernel for a few rows of the large ones, MKL (column-major) elsewhere"
     if packing_supported(dtype):
         return "oneDNN, prepacked"
     if dtype == torch.float32:
@@ -225,13 +226,15 @@ def prepare_linears(
     with ``kernels`` "auto", bfloat16 ones go to the compiled tile matmul where the CPU has AMX,
     AVX-512 bfloat16 or AVX2, but for the large ones of the submodules named in ``towers`` (media
     towers: many rows per call), and float32 ones outside the towers to the compiled row kernel
-    where the CPU has AVX2. Returns the compiled kernel used, or None where none is."""
+    where the CPU has AVX2 and the weight is large (``rows.MIN_WEIGHT``). Returns the compiled
+    kernel used, or None where none is."""
     if device.type != "cpu":
         return None
     auto = kernels == "auto"
     tiles = load_tiles() if dtype == torch.bfloat16 and auto else None
     rows = load_row_dot() if dtype == torch.float32 and auto else None
     pack = packing_supported(dtype)
+    rows_used = False
     # the linears themselves stay out of the list: each checkpoint weight is freed as soon as its
     # layout replaces it, so loading never holds the weights twice
     parents = [(path, module) for path, module in model.named_modules() if type(module) is not nn.Linear]
@@ -246,8 +249,9 @@ def prepare_linears(
                 setattr(module, name, TileLinear(child, tiles))
             elif pack:
                 setattr(module, name, PackedLinear(child))
-            elif rows is not None and float32 and not in_tower:
+            elif rows is not None and float32 and not in_tower and child.weight.numel() >= MIN_WEIGHT:
                 setattr(module, name, RowLinear(child, rows))
+                rows_used = True
             elif float32 and child.weight.is_contiguous():  # MKL's: no row kernel, or a tower
                 child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
-    return tiles if tiles is not None else rows
+    return tiles if tiles is not None else (rows if rows_used else None)

@@ -7,7 +7,8 @@ products of up to ``MAX_ROWS`` rows in the compiled kernels (AVX2 and FMA): each
 product over one contiguous row of the ``[out, in]`` weight, which stays in cache while every
 pair of rows passes over it, so a call reads the weight once, front to back, split by output
 columns over torch's intra-op threads. Larger products go to ``F.linear`` (MKL) on the same
-weight, where at hundreds of rows the layout makes no difference to it.
+weight. Only weights of ``MIN_WEIGHT`` elements or more are given to it: a decode step reads
+those from memory.
 
 A row's sums run in one order whatever rows share its call and however the columns are split,
 so a row's result does not depend on its batch.
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # products of more rows go to MKL (F.linear)
 SPLIT_WEIGHT = 1 << 16  # weight elements from which a call is split over torch's threads
+# weight elements from which a linear (or a tied table) is given to the row kernel: a smaller
+# weight is read from cache, not memory, and MKL's per-call path keeps level with the kernel
+# there, while its larger products are faster on MKL's own layout (column-major)
+MIN_WEIGHT = 1 << 20
 
 
 class RowDot:
