@@ -729,7 +729,10 @@ void fma_columns(const float* xf, int64_t k2, int64_t rows, const bf16* wp, int6
 // once, front to back. A row's sum runs in one order (four 8-lane partial sums over 32-input
 // steps, added in a fixed order, then the remaining inputs one by one; the bias last), whatever
 // rows share its pass and however the columns are split. The hardware's prefetch follows the
-// weight's one stream; software prefetches ahead of it measured slower.
+// weight's one stream, which a software prefetch in the same row only slowed; but with more than
+// two rows the later passes over a column read it from cache and the stream stalls, so the
+// second pass fetches the row ROW_AHEAD columns on into L2.
+constexpr int64_t ROW_AHEAD = 4;  // weight rows ahead that the second pass over a column fetches
 inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -755,13 +758,19 @@ inline float row_total(const RowSums& s, const float* x, const float* w, int64_t
     return bias ? t + *bias : t;
 }
 
-// R (1 or 2) rows of x (row stride sx) against weight row w: out[0] and out[so]
+// R (1 or 2) rows of x (row stride sx) against weight row w: out[0] and out[so]; the weight row
+// ``ahead`` (or none) fetched into L2 on the way
 template <int R>
-void row_dot(const float* x, int64_t sx, int64_t k, const float* w, const float* bias, float* out, int64_t so) {
+void row_dot(const float* x, int64_t sx, int64_t k, const float* w, const float* bias, float* out, int64_t so,
+             const float* ahead) {
     const __m256 zero = _mm256_setzero_ps();
     RowSums s0{zero, zero, zero, zero}, s1 = s0;
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
+        if (ahead) {
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + i + 16), _MM_HINT_T1);
+        }
         const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
         const __m256 w2 = _mm256_loadu_ps(w + i + 16), w3 = _mm256_loadu_ps(w + i + 24);
         row_step(s0, x + i, w0, w1, w2, w3);
@@ -777,9 +786,13 @@ void row_columns(const float* x, int64_t sx, int64_t m, int64_t k, const float* 
     for (int64_t c = a; c < b; ++c) {
         const float* wc = w + c * k;
         const float* bc = bias ? bias + c : nullptr;
+        const float* next = c + ROW_AHEAD < b ? wc + ROW_AHEAD * k : nullptr;
         int64_t r = 0;
-        for (; r + 2 <= m; r += 2) row_dot<2>(x + r * sx, sx, k, wc, bc, out + r * so + c, so);
-        if (r < m) row_dot<1>(x + r * sx, sx, k, wc, bc, out + r * so + c, so);
+        for (; r + 2 <= m; r += 2) {
+            const float* ahead = r == 2 ? next : nullptr;  // the second pass
+            row_dot<2>(x + r * sx, sx, k, wc, bc, out + r * so + c, so, ahead);
+        }
+        if (r < m) row_dot<1>(x + r * sx, sx, k, wc, bc, out + r * so + c, so, r == 2 ? next : nullptr);
     }
 }
 #endif
