@@ -787,12 +787,13 @@ void row_columns(const float* x, int64_t sx, int64_t m, int64_t k, const float* 
         const float* wc = w + c * k;
         const float* bc = bias ? bias + c : nullptr;
         const float* next = c + ROW_AHEAD < b ? wc + ROW_AHEAD * k : nullptr;
-        int64_t r = 0;
-        for (; r + 2 <= m; r += 2) {
+        for (int64_t r = 0; r < m; r += 2) {
             const float* ahead = r == 2 ? next : nullptr;  // the second pass
-            row_dot<2>(x + r * sx, sx, k, wc, bc, out + r * so + c, so, ahead);
+            if (m - r >= 2)
+                row_dot<2>(x + r * sx, sx, k, wc, bc, out + r * so + c, so, ahead);
+            else
+                row_dot<1>(x + r * sx, sx, k, wc, bc, out + r * so + c, so, ahead);
         }
-        if (r < m) row_dot<1>(x + r * sx, sx, k, wc, bc, out + r * so + c, so, r == 2 ? next : nullptr);
     }
 }
 #endif

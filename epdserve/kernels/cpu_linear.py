@@ -77,16 +77,27 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return False
 
 
-class PackedLinear(nn.Module):
-    """A loaded ``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference only:
-    ``weight`` keeps the dtype and [out, in] shape but is an opaque oneDNN tensor)."""
+class LaidOutLinear(nn.Module):
+    """A loaded ``nn.Linear`` whose weight a subclass lays out for a CPU matmul: the shapes and
+    the bias as the linear had them."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PackedLinear(LaidOutLinear):
+    """A loaded ``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference only:
+    ``weight`` keeps the dtype and [out, in] shape but is an opaque oneDNN tensor)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= EXACT_ROWS:  # a decode batch: as it is
@@ -99,26 +110,18 @@ class PackedLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return y[:n].reshape(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
-
-class TileLinear(nn.Module):
+class TileLinear(LaidOutLinear):
     """A loaded bfloat16 ``nn.Linear`` multiplied by the compiled tile matmul (``kernels.tiles``,
     on AMX, AVX-512 bfloat16 or AVX2): ``weight`` holds the tile layout (1-D), packed once at load."""
 
     def __init__(self, linear: nn.Linear, matmul: TileMatmul) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         self.matmul = matmul
         self.weight = nn.Parameter(matmul.pack(linear.weight), requires_grad=False)
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul.linear(x, self.weight, self.out_features, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class TileEmbedding(nn.Module):
@@ -149,24 +152,19 @@ class TileEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class RowLinear(nn.Module):
+class RowLinear(LaidOutLinear):
     """A loaded float32 ``nn.Linear`` whose few-row products run in the compiled row kernel
     (``kernels.rows``) and larger ones in MKL, on the weight as loaded."""
 
     def __init__(self, linear: nn.Linear, dot: RowDot) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         self.dot = dot
         self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != torch.float32:  # converted after loading (``.to``): as nn.Linear
             return F.linear(x, self.weight, self.bias)
         return self.dot.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class RowEmbedding(nn.Embedding):

@@ -28,7 +28,8 @@ their waits and speeds are those of the load λ·(N − 1)/N: one client never w
 encodes the engine idles. A closed loop of a given number of requests (``Load.requests``) starts
 with all its clients sending at once: that first wave goes through the stages one request after
 another (``burst``), and the run's TTFT mixes its first tokens with the steady loop's for the
-other requests; its throughput is the requests over the time to its last answer. At or beyond a role's capacity the prediction is *unstable*: no latency is given.
+other requests; its throughput is the requests over the time to its last answer. At or beyond a
+role's capacity the prediction is *unstable*: no latency is given.
 
 What it leaves out (see docs/plan.md): the router's and front ends' CPU (taken as latency, not
 as load on the cores), prefix and encoder cache hits, chunked prefill, the variance of a closed
