@@ -31,7 +31,7 @@ from epdserve.kernels.cpu_linear import (
 )
 from epdserve.kernels.ops import TorchOps
 from epdserve.kernels.parallel import shares
-from epdserve.kernels.rows import MAX_ROWS, MIN_WEIGHT, RowDot, load_row_dot
+from epdserve.kernels.rows import MAX_ROWS, MIN_WEIGHT, SWAP_ROWS, RowDot, load_row_dot
 from epdserve.kernels.tiles import Engine, TileMatmul, load_amx, load_tiles
 from epdserve.models.loader import load_model
 from tests.numerics import assert_close_rel
@@ -101,7 +101,7 @@ def test_float32_linears_go_to_the_row_kernel_on_their_weights_as_loaded() -> No
 def test_the_row_kernel_equals_f_linear_at_a_few_rows_and_hands_more_to_it(k: int, n: int, bias: bool) -> None:
     """Up to ``MAX_ROWS`` rows the compiled kernel (a K past or short of its 32-input steps, an N
     that is no multiple of its 64-column groups) within float32 roundings of F.linear; past it,
-    F.linear itself."""
+    MKL, on one thread or several."""
     dot = _row_dot()
     torch.manual_seed(k + n)
     w, b = torch.randn(n, k), (torch.randn(n) if bias else None)
@@ -110,8 +110,19 @@ def test_the_row_kernel_equals_f_linear_at_a_few_rows_and_hands_more_to_it(k: in
         assert_close_rel(dot.linear(x, w, b), F.linear(x, w, b), rel=1e-5)
     x = torch.randn(2, 3, k)  # leading dimensions kept
     assert dot.linear(x, w, b).shape == (2, 3, n)
-    big = torch.randn(MAX_ROWS + 1, k)
-    assert torch.equal(dot.linear(big, w, b), F.linear(big, w, b))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):  # one thread: F.linear; more: MKL's weight @ x.T up to SWAP_ROWS rows
+            torch.set_num_threads(t)
+            for m in (MAX_ROWS + 1, 2 * MAX_ROWS, SWAP_ROWS, SWAP_ROWS + 1):
+                big = torch.randn(m, k)
+                y = dot.linear(big, w, b)
+                assert y.is_contiguous()
+                assert_close_rel(y, F.linear(big, w, b), rel=1e-5)
+            big = torch.randn(3, MAX_ROWS, k)[:, 1:]  # leading dimensions kept, rows not contiguous
+            assert_close_rel(dot.linear(big, w, b), F.linear(big, w, b), rel=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_row_of_the_row_kernel_is_the_same_whatever_shares_its_call() -> None:

@@ -6,9 +6,12 @@ the memory's speed and barely faster on a second thread (docs/benchmarks.md). ``
 products of up to ``MAX_ROWS`` rows in the compiled kernels (AVX2 and FMA): each output is a dot
 product over one contiguous row of the ``[out, in]`` weight, which stays in cache while every
 pair of rows passes over it, so a call reads the weight once, front to back, split by output
-columns over torch's intra-op threads. Larger products go to ``F.linear`` (MKL) on the same
-weight. Only weights of ``MIN_WEIGHT`` elements or more are given to it: a decode step reads
-those from memory.
+columns over torch's intra-op threads. Larger products go to MKL on the same weight: up to
+``SWAP_ROWS`` rows on more than one thread as ``weight @ x.T``, whose output MKL splits among its
+threads along the weight's thousands of rows, where ``F.linear``'s split of a few input rows
+leaves threads idle (docs/benchmarks.md); beyond that, or on one thread, as ``F.linear``. Only
+weights of ``MIN_WEIGHT`` elements or more are given to it: a decode step reads those from
+memory.
 
 A row's sums run in one order whatever rows share its call and however the columns are split,
 so a row's result does not depend on its batch.
@@ -25,7 +28,8 @@ from epdserve.kernels.build import KernelBuildError, load_library
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # products of more rows go to MKL (F.linear)
+MAX_ROWS = 8  # products of more rows go to MKL
+SWAP_ROWS = 256  # products of up to this many rows on several threads are MKL's weight @ x.T
 SPLIT_WEIGHT = 1 << 16  # weight elements from which a call is split over torch's threads
 # weight elements from which a linear (or a tied table) is given to the row kernel: a smaller
 # weight is read from cache, not memory, and MKL's per-call path keeps level with the kernel
@@ -52,6 +56,8 @@ class RowDot:
         rows = x.reshape(-1, k)
         m = rows.shape[0]
         if m > MAX_ROWS or m == 0:
+            if MAX_ROWS < m <= SWAP_ROWS and torch.get_num_threads() > 1:
+                return _by_weight_rows(rows, weight, bias).reshape(*x.shape[:-1], n)
             return F.linear(x, weight, bias)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
@@ -65,6 +71,12 @@ class RowDot:
         if status != 0:
             raise RuntimeError("the float32 row kernel refused its operands")
         return out.reshape(*x.shape[:-1], n)
+
+
+def _by_weight_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(rows, weight, bias)`` computed as ``(weight @ rows.T).T``, contiguous."""
+    t = torch.mm(weight, rows.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, rows.t())
+    return t.t().contiguous()
 
 
 def load_row_dot() -> RowDot | None:
