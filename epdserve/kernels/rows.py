@@ -7,11 +7,10 @@ products of up to ``MAX_ROWS`` rows in the compiled kernels (AVX2 and FMA): each
 product over one contiguous row of the ``[out, in]`` weight, which stays in cache while every
 pair of rows passes over it, so a call reads the weight once, front to back, split by output
 columns over torch's intra-op threads. Larger products go to MKL on the same weight: up to
-``SWAP_ROWS`` rows on more than one thread as ``weight @ x.T``, whose output MKL splits among its
-threads along the weight's thousands of rows, where ``F.linear``'s split of a few input rows
-leaves threads idle (docs/benchmarks.md); beyond that, or on one thread, as ``F.linear``. Only
-weights of ``MIN_WEIGHT`` elements or more are given to it: a decode step reads those from
-memory.
+``SWAP_ROWS`` rows on more than one thread as ``weight @ x.T``, which MKL spreads over its
+threads far better than ``F.linear`` of a few rows (docs/benchmarks.md); beyond that, or on one
+thread, as ``F.linear``. Only weights of ``MIN_WEIGHT`` elements or more are given to it: a
+decode step reads those from memory.
 
 A row's sums run in one order whatever rows share its call and however the columns are split,
 so a row's result does not depend on its batch.
