@@ -5,8 +5,11 @@ list) and outgrow the mirror's capacity; and its memory is resident only as far 
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -144,20 +147,47 @@ def test_a_row_of_a_sequence_that_stopped_decoding_is_reused_first() -> None:
     assert third.starts.tolist() == [0, 2]
 
 
-def test_lazy_zeros_are_zero_and_resident_only_where_touched() -> None:
-    def resident_mb(t: torch.Tensor) -> float:
-        """The resident memory of ``t``'s own pages (/proc/self/pagemap: bit 63 of a page's entry
-        is set while it is in memory), not the whole process's, which other threads of a test
-        worker may grow meanwhile."""
-        page = os.sysconf("SC_PAGE_SIZE")
-        first, end = t.data_ptr() // page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page)
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first * 8)
-            entries = np.frombuffer(f.read((end - first) * 8), dtype=np.uint64)
-        return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page / 2**20
+def resident_mb(t: torch.Tensor) -> float:
+    """The resident memory of ``t``'s own pages (/proc/self/pagemap: bit 63 of a page's entry is
+    set while it is in memory), not the whole process's, which other threads of a test worker
+    may grow meanwhile."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, end = t.data_ptr() // page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((end - first) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page / 2**20
 
+
+def test_lazy_zeros_are_zero_and_resident_only_where_touched() -> None:
     t = lazy_zeros((64, 1024, 1024), torch.float32, CPU)  # 256 MiB
     assert resident_mb(t) < 32
     t[3, 5, 7] = 1.5
     assert t.dtype == torch.float32 and float(t[3].sum()) == 1.5 and float(t[0].abs().sum()) == 0.0
     assert lazy_zeros((2, 3), torch.bfloat16, CPU).dtype == torch.bfloat16
+    assert lazy_zeros((0, 3), torch.float32, CPU).shape == (0, 3)
+    row = t[3]
+    del t
+    assert float(row.sum()) == 1.5  # a view keeps the memory
+
+
+_HEAP_HOLDS_A_FREE_CHUNK = f"""
+import os, numpy as np, torch
+from epdserve.allocator import keep_freed_memory
+from epdserve.engine.memory import lazy_zeros
+{inspect.getsource(resident_mb)}
+assert keep_freed_memory()
+blocks = [np.ones(16 << 20, dtype=np.uint8) for _ in range(24)]  # from the heap, every page written
+del blocks[:-1]  # a free chunk of 368 MiB below one still in use: the heap keeps it
+print(resident_mb(lazy_zeros((64, 1024, 1024), torch.float32, torch.device("cpu"))))
+"""
+
+
+def test_lazy_zeros_take_fresh_pages_where_malloc_keeps_a_large_free_chunk() -> None:
+    """A role server keeps freed buffers in malloc's heap (``allocator.keep_freed_memory``); a
+    KV cache allocated after a large free there must still be resident only where touched
+    (calloc would hand it the free chunk, cleared byte by byte). In a process of its own: the
+    allocator's settings are process-wide."""
+    out = subprocess.run([sys.executable, "-c", _HEAP_HOLDS_A_FREE_CHUNK], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert float(out.stdout.strip().splitlines()[-1]) < 32

@@ -15,6 +15,7 @@ TIERS: dict[str, str] = {
     "test_block_table.py": "unit",
     "test_checkpoint.py": "unit",
     "test_contiguous_kv.py": "unit",
+    "test_contiguous_kv.py::test_lazy_zeros_take_fresh_pages_where_malloc_keeps_a_large_free_chunk": "integration",
     "test_cpu_linear.py": "unit",
     "test_detokenizer.py": "unit",
     "test_directory.py": "unit",
