@@ -5,10 +5,14 @@ request around it (decoded images, pixel tensors, a forward's activations). When
 it, it leaves a hole those buffers only partly reuse, while the entries still held keep the pages
 around them resident: a process with a full, bounded cache keeps growing for hours. An entry in an
 anonymous mapping of its own stays out of the heap, and freeing it unmaps its pages at once.
+
+A zero tensor in pages of its own (a KV cache) is also resident only where it has been written:
+from the heap, ``calloc`` may hand out a free chunk that it clears byte by byte.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -16,20 +20,37 @@ import torch
 PAGE_BYTES = mmap.PAGESIZE
 
 
+def _whole_pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
 def held_bytes(t: torch.Tensor) -> int:
     """The memory ``t``'s elements take once copied by ``in_own_pages`` (whole pages)."""
-    nbytes = t.numel() * t.element_size()
-    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+    return _whole_pages(t.numel() * t.element_size())
+
+
+def own_pages(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    """A zero CPU tensor in pages mapped for it alone: each page resident only once touched, all
+    unmapped when the tensor (its last view) is freed; ``huge_pages`` asks for transparent huge
+    pages where the kernel gives them on request. Never malloc's heap, where a free chunk as large
+    would be handed out and cleared byte by byte, every page of it resident."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    # private: a shared anonymous mapping would be shared memory (shmem) the process never needs
+    pages = mmap.mmap(-1, _whole_pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    # the tensor holds a reference to the mapping: the pages live exactly as long as the tensor
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 def in_own_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` that owns its storage: on the CPU, pages mapped for it alone
-    (unmapped when the copy is freed); on an accelerator, a plain copy (its allocator pools)."""
+    (``own_pages``); on an accelerator, a plain copy (its allocator pools)."""
     if t.device.type != "cpu" or t.numel() == 0:
         return t.clone(memory_format=torch.contiguous_format)
-    # private: a shared anonymous mapping would be shared memory (shmem) the process never needs
-    pages = mmap.mmap(-1, held_bytes(t), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # the tensor holds a reference to the mapping: the pages live exactly as long as the tensor
-    out = torch.frombuffer(pages, dtype=t.dtype, count=t.numel()).view(t.shape)
+    out = own_pages(tuple(t.shape), t.dtype)
     out.copy_(t)
     return out

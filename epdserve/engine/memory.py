@@ -4,11 +4,11 @@ plan at start-up (the accounting itself: ``epdserve.memory``)."""
 from __future__ import annotations
 
 import math
-import mmap
 from pathlib import Path
 
 import torch
 
+from epdserve.cache.pages import own_pages
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.memory import (
     MemoryBudgetError,
@@ -22,25 +22,17 @@ from epdserve.models.config import ModelConfig
 
 __all__ = ["MemoryBudgetError", "fused_attention", "lazy_zeros", "plan_encoder", "plan_engine"]
 
-HUGE_PAGES_FROM = 4 << 20  # mappings from this size ask for transparent huge pages (as numpy's do)
+HUGE_PAGES_FROM = 4 << 20  # zero tensors from this size ask for transparent huge pages (as numpy's do)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU it is a private anonymous mapping of its own, whose pages the
-    kernel gives zeroed on first touch, so a large KV cache costs resident memory only for the
-    blocks in use; on an accelerator it is an ordinary ``torch.zeros``.
-
-    Not ``calloc``: where malloc keeps freed buffers (``allocator.keep_freed_memory``, as every
-    role server does), a free chunk of the heap as large would be cleared byte by byte, every
-    page of it resident. The mapping is unmapped when the tensor (the last view of it) is freed;
-    it asks for transparent huge pages where the kernel gives them on request."""
+    """A zero tensor: on the CPU in pages of its own (``cache.pages.own_pages``), so a large KV
+    cache costs resident memory only for the blocks in use; on an accelerator an ordinary
+    ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= HUGE_PAGES_FROM and hasattr(mmap, "MADV_HUGEPAGE"):
-        pages.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+    return own_pages(shape, dtype, huge_pages=nbytes >= HUGE_PAGES_FROM)
 
 
 def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool) -> RoleMemory:
