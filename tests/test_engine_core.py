@@ -201,3 +201,60 @@ def test_without_a_vision_bound_a_burst_joins_at_once() -> None:
     for i in range(3):
         sch.add(make_request(f"m{i}", 8, mm=[image(f"img{i}", 2, 4)], base=100 * i))
     assert len(sch.schedule().scheduled) == 3
+
+
+def _stepper(sch: Scheduler):  # type: ignore[no-untyped-def]
+    """One scheduling step, its chunks taken as run: the ids of the requests that joined."""
+
+    def step() -> list[str]:
+        out = sch.schedule()
+        joined = [s.request.request_id for s in out.scheduled if s.start == 0]
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.request.output_token_ids.append(1)
+        return joined
+
+    return step
+
+
+def test_a_prompt_in_progress_never_waits_for_another_requests_images_past_the_bound() -> None:
+    """Past the bound the first media request joins only a step whose running requests all
+    decode: the next chunk of a prompt in progress, or a text prompt that joined first, does not
+    wait for its images; what fits the bound joins anyway."""
+    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=8, max_model_len=64)
+    sch = Scheduler(cfg)
+    seconds = {"a": 2.0, "b": 2.0, "c": 0.3, "m": 2.0}
+    sch.vision_cost = lambda req, start, end: seconds.get(req.request_id, 0.0) if start < 6 and end > 2 else 0.0
+    sch.add(make_request("a", 12, mm=[image("img-a", 2, 4)]))  # two chunks of 8 tokens
+    sch.add(make_request("b", 4, mm=[image("img-b", 0, 4)], base=100))
+    step = _stepper(sch)
+    assert step() == ["a"]  # its first chunk takes the step's budget
+    assert step() == []  # a's last chunk runs: b's 2 s would hold back its first token
+    assert step() == ["b"]  # every running request decodes: b joins past the bound
+    sch.add(make_request("t", 4, base=300))
+    sch.add(make_request("m", 4, mm=[image("img-m", 0, 4)], base=400))
+    assert step() == ["t"]  # text first; m's images would delay t's first token
+    assert step() == ["m"]
+    sch = Scheduler(cfg)
+    sch.vision_cost = lambda req, start, end: seconds.get(req.request_id, 0.0) if start < 6 and end > 2 else 0.0
+    sch.add(make_request("a", 12, mm=[image("img-a", 2, 4)]))
+    step = _stepper(sch)
+    assert step() == ["a"]
+    sch.add(make_request("c", 4, mm=[image("img-c", 0, 4)], base=200))
+    assert step() == ["c"]  # beside a's last chunk: c's 0.3 s fits the bound
+
+
+def test_media_that_waited_long_is_held_for_a_prompt_but_lets_no_new_prompt_start() -> None:
+    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=8, max_model_len=64, media_max_wait_s=0.5)
+    sch = Scheduler(cfg)
+    sch.vision_cost = lambda req, start, end: 2.0 if req.request_id != "t" and start < 6 and end > 2 else 0.0
+    sch.add(make_request("a", 12, mm=[image("img-a", 2, 4)]))
+    step = _stepper(sch)
+    assert step() == ["a"]
+    old = make_request("m", 4, mm=[image("img-m", 0, 4)], base=100)
+    old.t_added = time.perf_counter() - 1.0  # waited past media_max_wait_s
+    sch.add(old)
+    sch.add(make_request("t", 4, base=200))  # arrived after it
+    assert step() == []  # a's last chunk: m waits for it, and t waits behind m
+    assert step() == ["m", "t"]

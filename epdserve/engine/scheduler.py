@@ -4,8 +4,11 @@ Each step: running requests first (a decode token each, or their next prefill ch
 waiting requests join while the token budget, the sequence limit and the KV cache allow —
 text-only requests before those with media, unless one with media has waited too long — and,
 among those whose media the vision tower must encode here, while the step's vision work stays
-within ``vision_step_s`` (the first always joins). When a
-running request cannot get a block, the most recently admitted running request is preempted
+within ``vision_step_s``. The first of them joins past the bound only in a step that carries no
+prompt (the running requests all decode): a prompt whose first token the step gives, or whose
+next chunk it runs, never waits for another request's images beyond the bound. One that has
+waited long and is held for such a prompt lets no new prompt start ahead of it, so it joins as
+soon as the prompts in progress end. When a running request cannot get a block, the most recently admitted running request is preempted
 (blocks freed, recomputed later) — the engine never crashes for lack of memory.
 
 The plan (``SchedulerOutput``) holds request references and token counts only, no tensors.
@@ -100,6 +103,7 @@ class Scheduler:
         order = sorted(self.waiting, key=lambda r: not self._first(r, now))  # stable: FIFO within
         vision = sum(self._vision(s.request, s.start, s.end) for s in out.scheduled)
         vision_full = False  # a request was held back for the vision budget: later media wait too
+        prompts = any(s.start < s.request.prompt_len for s in out.scheduled)  # a prompt is in this step
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or out.preempted:
                 break
@@ -116,17 +120,21 @@ class Scheduler:
                     continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             cost = self._vision(req, req.num_computed_tokens, req.num_computed_tokens + n) if req.kv_rows is None else 0
-            if cost and (vision_full or (vision and vision + cost > self.config.vision_step_s)):
-                # the step's vision work is full: it waits (with the media behind it) for the next
+            if cost and (vision_full or ((vision or prompts) and vision + cost > self.config.vision_step_s)):
+                # the step's vision work is full, or a prompt of this step would wait for more
+                # vision work than the bound: it waits (with the media behind it) for the next
                 vision_full = True
                 self.blocks.free(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
+                if not vision and self._first(req, now):
+                    break  # it waited long: no new prompt starts ahead of it, so it joins soon
                 continue
             if not self.blocks.allocate(req, n):
                 self.blocks.free(req)
                 req.num_computed_tokens = 0
                 break
             vision += cost
+            prompts = prompts or req.num_computed_tokens < req.prompt_len
             self.waiting.remove(req)
             req.status = Status.RUNNING
             req.t_admitted = req.t_admitted or time.perf_counter()
