@@ -165,6 +165,21 @@ def test_a_media_request_that_waited_long_is_not_passed_by_text() -> None:
     assert [s.request.request_id for s in sch.schedule().scheduled] == ["m"]
 
 
+def _stepper(sch: Scheduler):  # type: ignore[no-untyped-def]
+    """One scheduling step, its chunks taken as run: the ids of the requests that joined."""
+
+    def step() -> list[str]:
+        out = sch.schedule()
+        joined = [s.request.request_id for s in out.scheduled if s.start == 0]
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.request.output_token_ids.append(1)
+        return joined
+
+    return step
+
+
 def test_a_burst_of_media_takes_the_vision_budget_in_turn() -> None:
     """While the step's vision work (as the runner estimates it) stays within ``vision_step_s``
     new media requests join; past it they wait, in order, but the first always joins, and text and
@@ -179,14 +194,7 @@ def test_a_burst_of_media_takes_the_vision_budget_in_turn() -> None:
     for i, rid in enumerate(["big", "m0", "m1", "m2", "m3"]):
         sch.add(make_request(rid, 8, mm=[image(f"img-{rid}", 2, 4)], base=100 * i))
     sch.add(make_request("t", 8, base=900))
-
-    def step() -> list[str]:
-        out = sch.schedule()
-        joined = [s.request.request_id for s in out.scheduled if s.start == 0]
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        return joined
-
+    step = _stepper(sch)
     # over the budget alone, the first joins; the rest wait except what costs the tower nothing
     assert step() == ["big", "m3", "t"]
     assert step() == ["m0"]  # 0.4 fits; 0.4 more would not
@@ -201,21 +209,6 @@ def test_without_a_vision_bound_a_burst_joins_at_once() -> None:
     for i in range(3):
         sch.add(make_request(f"m{i}", 8, mm=[image(f"img{i}", 2, 4)], base=100 * i))
     assert len(sch.schedule().scheduled) == 3
-
-
-def _stepper(sch: Scheduler):  # type: ignore[no-untyped-def]
-    """One scheduling step, its chunks taken as run: the ids of the requests that joined."""
-
-    def step() -> list[str]:
-        out = sch.schedule()
-        joined = [s.request.request_id for s in out.scheduled if s.start == 0]
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                s.request.output_token_ids.append(1)
-        return joined
-
-    return step
 
 
 def test_a_prompt_in_progress_never_waits_for_another_requests_images_past_the_bound() -> None:
@@ -246,7 +239,9 @@ def test_a_prompt_in_progress_never_waits_for_another_requests_images_past_the_b
 
 
 def test_media_that_waited_long_is_held_for_a_prompt_but_lets_no_new_prompt_start() -> None:
-    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=8, max_model_len=64, media_max_wait_s=0.5)
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=256, max_num_batched_tokens=8, max_model_len=64, media_max_wait_s=0.5
+    )
     sch = Scheduler(cfg)
     sch.vision_cost = lambda req, start, end: 2.0 if req.request_id != "t" and start < 6 and end > 2 else 0.0
     sch.add(make_request("a", 12, mm=[image("img-a", 2, 4)]))
