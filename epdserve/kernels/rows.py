@@ -27,7 +27,7 @@ from epdserve.kernels.build import KernelBuildError, load_library
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # products of more rows go to MKL
+MAX_ROWS = 16  # products of more rows go to MKL
 SWAP_ROWS = 256  # products of up to this many rows on several threads are MKL's weight @ x.T
 SPLIT_WEIGHT = 1 << 16  # weight elements from which a call is split over torch's threads
 # weight elements from which a linear (or a tied table) is given to the row kernel: a smaller
