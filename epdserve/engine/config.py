@@ -24,7 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests by content hash
     media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
     # a large vision tower then gives each request of a burst its first token in turn:
-    vision_step_s: float = 0.5  # vision seconds (as timed) of new requests a step admits; 1 at least; 0: no bound
+    vision_step_s: float = 0.5  # vision seconds (as timed) of new requests a step admits; past it, one in a step without prompts; 0: no bound
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
