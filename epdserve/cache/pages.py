@@ -37,9 +37,8 @@ def own_pages(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = Fal
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
     # private: a shared anonymous mapping would be shared memory (shmem) the process never needs
-    pages = mmap.mmap(-1, _whole_pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = mmap.mmap(-1, _whole_pages(count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         pages.madvise(mmap.MADV_HUGEPAGE)
     # the tensor holds a reference to the mapping: the pages live exactly as long as the tensor

@@ -31,8 +31,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return own_pages(shape, dtype, huge_pages=nbytes >= HUGE_PAGES_FROM)
+    return own_pages(shape, dtype, huge_pages=math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM)
 
 
 def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool) -> RoleMemory:

@@ -8,8 +8,9 @@ within ``vision_step_s``. The first of them joins past the bound only in a step 
 prompt (the running requests all decode): a prompt whose first token the step gives, or whose
 next chunk it runs, never waits for another request's images beyond the bound. One that has
 waited long and is held for such a prompt lets no new prompt start ahead of it, so it joins as
-soon as the prompts in progress end. When a running request cannot get a block, the most recently admitted running request is preempted
-(blocks freed, recomputed later) — the engine never crashes for lack of memory.
+soon as the prompts in progress end. When a running request cannot get a block, the most
+recently admitted running request is preempted (blocks freed, recomputed later) — the engine
+never crashes for lack of memory.
 
 The plan (``SchedulerOutput``) holds request references and token counts only, no tensors.
 """
