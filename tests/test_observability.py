@@ -176,13 +176,13 @@ def test_access_lines_stats_lines_and_json_logs(tmp_path: Path) -> None:
         import time
         import urllib.request
 
-        body = {"model": "shapes-qwen2vl", "max_tokens": 8, **request_set()[1]}
+        body = {"model": "shapes-qwen2vl", "max_tokens": 8, "temperature": 0, **request_set()[1]}
         r = urllib.request.Request(
             d.url + "/v1/chat/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", "X-Request-Id": "req-42"},
         )
-        urllib.request.urlopen(r, timeout=120).read()
+        usage = json.loads(urllib.request.urlopen(r, timeout=120).read())["usage"]
         bad = urllib.request.Request(
             d.url + "/v1/chat/completions",
             data=json.dumps({**body, "temperature": -1}).encode(),
@@ -207,7 +207,8 @@ def test_access_lines_stats_lines_and_json_logs(tmp_path: Path) -> None:
     ok = next(r for r in router if r["id"] == "req-42")
     assert ok["kind"] == "image" and ok["media"] == "1 computed" and ok["ran_on"] == urls["pd0"]
     pd = next(r for r in lines["pd0"] if r["logger"] == "epdserve.access")
-    assert pd["output_tokens"] == 8 and pd["prompt_tokens"] > 0 and pd["ttft_ms"] <= pd["e2e_ms"]
+    assert pd["output_tokens"] == usage["completion_tokens"] and pd["prompt_tokens"] == usage["prompt_tokens"]
+    assert pd["prompt_tokens"] > 0 and pd["ttft_ms"] <= pd["e2e_ms"]
     assert any(urls["encoder0"] in r["message"] and urls["pd0"] in r["message"] for r in lines["router"])
 
 
@@ -255,7 +256,7 @@ def test_one_trace_across_the_roles(monkeypatch: pytest.MonkeyPatch) -> None:
         d.start()
         try:
             trace_id, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-            body = {"model": "shapes-qwen2vl", "max_tokens": 8, **request_set()[1]}
+            body = {"model": "shapes-qwen2vl", "max_tokens": 8, "temperature": 0, **request_set()[1]}
             r = urllib.request.Request(
                 d.url + "/v1/chat/completions",
                 data=json.dumps(body).encode(),
