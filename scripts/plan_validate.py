@@ -251,7 +251,8 @@ def from_sweep(profile: Profile, path: Path, cores: int) -> tuple[list[Row], str
         # sweeps from before lending record no setting: their roles kept to their own cores
         pred, note = _predict(profile, cell["topology"], cores or env["nproc"], load, c.get("lend_cores", False))
         measured = Summary(**_summary(cell["summary"]))
-        rows.append(Row(describe(load), cell["topology"], pred, measured, note, load.request_rate == 0))
+        kinds = {k: Summary(**_summary(v)) for k, v in cell.get("per_kind", {}).items()}
+        rows.append(Row(describe(load), cell["topology"], pred, measured, note, load.request_rate == 0, kinds))
     where = f"measured {env['date']} on {env['nproc']} × {env['cpu_model']} at commit {env['commit']}"
     return rows, where
 

@@ -17,7 +17,7 @@ from epdserve.bench.report import SLO
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.cli import main
 from epdserve.plan.burst import WaveJob, first_wave, run_percentile, run_time, wave_order
-from epdserve.plan.model import Load, encoder_station, erlang_c, predict
+from epdserve.plan.model import Load, predict
 from epdserve.plan.planner import PlanConfig, candidates, plan
 from epdserve.plan.profile import (
     PROFILE_VERSION,
@@ -31,6 +31,7 @@ from epdserve.plan.profile import (
     load_profile,
     save_profile,
 )
+from epdserve.plan.queues import encoder_station, erlang_c
 from epdserve.plan.record import SampleRecord, load_samples, save_samples
 
 # ---- factories -------------------------------------------------------------------------------------
@@ -386,15 +387,32 @@ def test_a_first_wave_queues_at_the_encoders_then_at_the_engines() -> None:
     """Requests sent at once go through the encoders one after another, then through their
     engine's prefills one after another: the slower stage sets the pace, and a request whose
     embeddings arrive while its engine only decodes waits half a decode step."""
-    enc_bound = [WaveJob("image", 1.0, 0.5, 0.1)] * 3
+    enc_bound = [WaveJob("image", True, 1.0, 0.5, 0.1)] * 3
     assert first_wave(enc_bound, engines=1, step_s=0.2) == pytest.approx([1.6, 2.7, 3.7])
-    pf_bound = [WaveJob("image", 0.2, 1.0, 0.0)] * 3
+    pf_bound = [WaveJob("image", True, 0.2, 1.0, 0.0)] * 3
     assert first_wave(pf_bound, engines=1, step_s=0.2) == pytest.approx([1.2, 2.2, 3.2])
     assert first_wave(pf_bound, engines=2, step_s=0.2) == pytest.approx([1.2, 1.4, 2.2])  # round-robin
-    text = [WaveJob("text", 0.0, 0.3, 0.0)] * 2  # no encoder: straight to the engine
+    text = [WaveJob("text", False, 0.0, 0.3, 0.0)] * 2  # no encoder: straight to the engine
     assert first_wave(text, engines=1, step_s=0.2) == pytest.approx([0.3, 0.6])
     with pytest.raises(ValueError):
         first_wave(text, engines=0, step_s=0.2)
+
+
+def test_a_wave_prefills_held_media_after_the_other_prompts() -> None:
+    """An engine holds a request whose vision forward is past the step's bound while another
+    prompt is in progress, whatever their order: the text's first token comes before the held
+    images' prefill; the text goes on while another request's images are encoded; requests not
+    held go in their order."""
+    image, text = WaveJob("image", True, 0.0, 1.0, 0.0), WaveJob("text", False, 0.0, 0.3, 0.0)
+    assert first_wave([image, text], engines=1, step_s=0.2) == pytest.approx([1.3, 0.3])
+    encoded = WaveJob("image", True, 1.0, 0.5, 0.0)
+    assert first_wave([encoded, text], engines=1, step_s=0.2) == pytest.approx([1.6, 0.3])
+    assert first_wave([image, image, text], engines=1, step_s=0.2) == pytest.approx([1.3, 2.3, 0.3])
+    light = WaveJob("image", False, 0.0, 1.0, 0.0)
+    assert first_wave([light, text], engines=1, step_s=0.2) == pytest.approx([1.0, 1.3])
+    # a text request ready only after a held prefill began waits for it (no preemption)
+    late = WaveJob("text", False, 0.5, 0.3, 0.0)
+    assert first_wave([image, late], engines=1, step_s=0.2) == pytest.approx([1.0, 1.3])
 
 
 def test_a_runs_percentiles_are_interpolated_as_the_benchmark_does() -> None:
@@ -409,6 +427,57 @@ def test_a_runs_percentiles_are_interpolated_as_the_benchmark_does() -> None:
     run = [20.0, 30.0, 10 / 6, 5.0, 50 / 6]  # the wave, then the steady quantiles at 1/6, 3/6, 5/6
     for p in (0, 30, 50, 90, 100):
         assert run_percentile([20.0, 30.0], 3, uniform, p) == pytest.approx(percentile(run, p), rel=1e-6)
+
+
+def test_media_past_the_vision_bound_wait_behind_text_and_the_work_weighted_wait_is_kept() -> None:
+    """The scheduler holds a request whose vision forward is past the step's bound while a prompt
+    is in progress (a non-preemptive priority): in mixed traffic a text request then waits less
+    than one with images, and more with more load; images within the bound, or encoded before
+    the engine, share the text's steps and wait as long. As in any work-conserving order, the
+    prefill-weighted mean wait is first-come-first-served's (Pollaczek-Khinchine) either way."""
+    from epdserve.plan.model import VISION_STEP_S, Pool, Speeds, engine, request_kinds
+
+    pool, speed = Pool("engines", "pd", 1, True, True), Speeds(1.0, 1.0)
+    kinds = request_kinds(profile(), WorkloadConfig(images_per_request=10, output_len=16, text_fraction=0.5))
+    heavy = costs(encode_call_s=0, encode_image_s=0, encode_mpx_s=0, prefill_image_s=VISION_STEP_S / 5)
+    light = costs(encode_call_s=0, encode_image_s=0, encode_mpx_s=0, prefill_image_s=VISION_STEP_S / 20)
+    for c, rate in ((heavy, 0.3), (light, 1.0)):
+        for encodes in (True, False):
+            e = engine(c, rate, kinds, 16, speed, pool, encodes)
+            text, image = e.prefill_wait_s["text"], e.prefill_wait_s["image"]
+            if c is heavy and encodes:
+                assert 0 < text < image
+                assert engine(c, rate * 1.5, kinds, 16, speed, pool).prefill_wait_s["text"] > text
+            else:
+                assert 0 < text == pytest.approx(image, rel=1e-12)
+            work = {k.name: c.prefill(k.prompt_tokens, k.images, k.pixels) for k in kinds}
+            mean = sum(k.share * work[k.name] for k in kinds)
+            residual = rate * sum(k.share * work[k.name] ** 2 for k in kinds) / 2
+            step = (1 - math.exp(-e.batch)) * c.step(e.batch) / 2
+            weighted = sum(k.share * work[k.name] * (e.prefill_wait_s[k.name] - step) for k in kinds)
+            assert weighted == pytest.approx(mean * residual / (1 - e.load), rel=1e-9)
+
+
+def test_held_media_wait_at_most_their_aging_longer_than_in_arrival_order() -> None:
+    """A held request that has waited ``media_max_wait_s`` joins the first class: the held class
+    waits at most that much longer than in arrival order, the first class gains only what it
+    gives up (the work-weighted mean kept), and with no aging allowed both wait as in arrival
+    order."""
+    from epdserve.plan.queues import priority_waits
+
+    residual, growth, first, load = 0.4, 0.1, 0.2, 0.8
+    fifo = residual / (1 - load)
+    free_first, free_held = priority_waits(residual, growth, first, load)
+    assert free_first < fifo < free_held
+    for cap in (0.0, 0.25 * (free_held - fifo)):
+        got_first, got_held = priority_waits(residual, growth, first, load, max_defer=cap)
+        assert got_held == pytest.approx(fifo + cap, rel=1e-12)
+        assert free_first <= got_first <= fifo
+        assert first * got_first + (load - growth - first) * got_held == pytest.approx(
+            (load - growth) * fifo, rel=1e-12
+        )
+    assert priority_waits(residual, growth, first, load, max_defer=10 * free_held) == (free_first, free_held)
+    assert priority_waits(residual, growth, load - growth, load) == (fifo, fifo)  # no held class
 
 
 def test_a_wave_interleaves_request_kinds_by_their_shares() -> None:

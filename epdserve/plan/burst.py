@@ -5,8 +5,9 @@ another at the encoders and at the engines' prefills: a transient the steady mod
 does not have, and in a run of a few requests per client most of its first tokens. Here each
 request of the wave goes through the stages in order at its deterministic cost: the encoders
 (one request after another, a request's images split across them), then the prefill of its engine
-(requests spread round-robin over the engines, one prefill after another; a request whose inputs
-arrive while its engine only decodes waits half a decode step). ``model.predict`` mixes these
+(requests spread round-robin over the engines, one prefill after another, a waiting request the
+scheduler holds behind prompts after the others; a request whose inputs arrive while its engine
+only decodes waits half a decode step). ``model.predict`` mixes these
 first tokens with the steady loop's for the rest of the run, and gives the run's percentiles as
 the benchmark computes them over so few values (``run_percentile``) and its request rate as the
 benchmark measures it: the requests over the time to the last answer (``run_time``), which in a
@@ -25,6 +26,7 @@ class WaveJob(NamedTuple):
     """One request of the wave and what it costs at the speeds of a busy deployment."""
 
     kind: str  # its request kind ("text", "image")
+    held: bool  # its engine holds it while another prompt is in progress (vision past the step's bound)
     encode_s: float  # its encoders' work (0: no images, or no encoders: the engine encodes)
     prefill_s: float  # its prefill on its engine
     overhead_s: float  # front end, router and transfers: latency that occupies no stage
@@ -49,19 +51,24 @@ def first_wave(jobs: list[WaveJob], engines: int, step_s: float) -> list[float]:
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
     encoders_free = 0.0
-    free = [0.0] * engines  # when each engine's last prefill ends
-    ttfts = []
-    for i, job in enumerate(jobs):
-        ready = 0.0
+    ready = []
+    for job in jobs:
         if job.encode_s > 0:
             encoders_free += job.encode_s
-            ready = encoders_free
-        e = i % engines
-        start = max(ready, free[e])
-        if ready > free[e] > 0:  # its engine went on to decode the requests it had prefilled
-            start += step_s / 2
-        free[e] = start + job.prefill_s
-        ttfts.append(job.overhead_s + free[e])
+        ready.append(encoders_free if job.encode_s > 0 else 0.0)
+    ttfts = [0.0] * len(jobs)
+    for e in range(engines):
+        queue = list(range(e, len(jobs), engines))
+        free = 0.0  # when its last prefill ends
+        while queue:
+            waiting = [i for i in queue if ready[i] <= free] or [min(queue, key=lambda i: ready[i])]
+            i = min(waiting, key=lambda i: (jobs[i].held, ready[i], i))
+            queue.remove(i)
+            start = max(ready[i], free)
+            if ready[i] > free > 0:  # its engine went on to decode the requests it had prefilled
+                start += step_s / 2
+            free = start + jobs[i].prefill_s
+            ttfts[i] = jobs[i].overhead_s + free
     return ttfts
 
 

@@ -14,7 +14,10 @@ calibration measured with every other role idle. Speeds are solved together with
                With load L = λ·E[P] + λ·out·d1 < 1 a sequence's gap between tokens is
                    ITL = (d0 + d1) / (1 − L)   (prefills preempt steps; each other sequence adds d1)
                and the batch follows from Little's law: b = λ·out·ITL (at most max_num_seqs).
-               A prefill waits as in M/G/1 (Pollaczek–Khinchine) at load L, plus half a decode step.
+               A prefill waits as in M/G/1 (Pollaczek–Khinchine) at load L, plus half a decode step;
+               a request whose vision forward in the engine is past the step's vision bound waits
+               behind the others' prompts (the scheduler holds it while a prompt is in progress:
+               a non-preemptive priority), and the others wait for less.
     split P/D  prefill workers only prefill; decode workers only decode (the same step law, L = λ·out·d1).
 
     TTFT = overhead + [encode wait + encode] + prefill wait + prefill         (per request kind)
@@ -50,9 +53,12 @@ from epdserve.bench.workload import WorkloadConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.plan.burst import WaveJob, first_wave, quantile, run_percentile, run_time, wave_order
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
+from epdserve.plan.queues import Station, encoder_station, priority_waits
 from epdserve.topology import Topology, plan_cores
 
 MAX_BATCH = EngineConfig().max_num_seqs  # an engine never decodes more sequences at once
+VISION_STEP_S = EngineConfig().vision_step_s  # an engine's vision work that holds media behind prompts
+MEDIA_MAX_WAIT_S = EngineConfig().media_max_wait_s  # how long at most media is held behind text
 
 
 class Unsupported(ValueError):
@@ -132,40 +138,6 @@ class Prediction:
     def replicas(self) -> int:
         t = Topology.parse(self.topology)
         return t.encoders + t.pds + t.prefills + t.decodes
-
-
-# ---- queueing pieces -------------------------------------------------------------------------------
-
-
-def erlang_c(servers: int, offered: float) -> float:
-    """Probability that an arrival waits in M/M/c with ``offered`` = λ·S Erlangs (< servers)."""
-    term, total = 1.0, 1.0
-    for k in range(1, servers):
-        term *= offered / k
-        total += term
-    last = term * offered / servers / (1 - offered / servers)
-    return last / (total + last)
-
-
-@dataclass(frozen=True)
-class Station:
-    """A pool's state at one load: busy share, mean wait, chance to wait."""
-
-    utilization: float
-    wait_s: float
-    wait_prob: float
-
-
-def encoder_station(rate: float, work_s: float, servers: int) -> Station:
-    """M/D/c: Erlang C's wait, halved for deterministic service (the Allen–Cunneen correction)."""
-    offered = rate * work_s
-    rho = offered / servers
-    if rate == 0 or work_s == 0:
-        return Station(0.0, 0.0, 0.0)
-    if rho >= 1:  # saturated: the queue grows without bound
-        return Station(rho, math.inf, 1.0)
-    p_wait = erlang_c(servers, offered)
-    return Station(rho, 0.5 * p_wait * work_s / (servers * (1 - rho)), p_wait)
 
 
 # ---- one topology ----------------------------------------------------------------------------------
@@ -283,7 +255,7 @@ class _Engine:
     load: float  # L: prefill work plus the decode steps' per-sequence growth, per second of engine time
     itl_s: float  # wall time of a decode step
     batch: float  # mean sequences per decode step
-    prefill_wait_s: float  # mean wait of a prefill (queue and the step in progress)
+    prefill_wait_s: dict[str, float]  # request kind -> mean wait of its prefill (queue, step in progress)
     busy: float  # share of time it wants its core (prefilling, or any sequence decoding)
     speed: Speeds  # its speeds against a core of its own
 
@@ -292,23 +264,41 @@ class _Engine:
         return self.load < 1 and self.batch <= MAX_BATCH
 
 
-def engine(c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: Speeds, pool: Pool) -> _Engine:
-    """One engine of ``pool`` receiving ``rate`` req/s at ``speed``."""
+def held_behind_prompts(c: PathCosts, k: Kind, prefill_speed: float) -> bool:
+    """Whether an engine that encodes its requests' images holds a request of kind ``k`` while
+    another prompt is in progress: its vision forward is past the step's bound. Such a request
+    waits behind the others' prompts; one within the bound shares their step."""
+    vision = c.prefill(k.prompt_tokens, k.images, k.pixels) - c.prefill(k.prompt_tokens, 0, 0.0)
+    return k.images > 0 and vision / prefill_speed > VISION_STEP_S
+
+
+def engine(
+    c: PathCosts, rate: float, kinds: list[Kind], out: int, speed: Speeds, pool: Pool, encodes: bool = True
+) -> _Engine:
+    """One engine of ``pool`` receiving ``rate`` req/s at ``speed``; ``encodes``: it runs the
+    vision forward of its requests' images (no encoders in front of it)."""
     p = [c.prefill(k.prompt_tokens, k.images, k.pixels) / speed.prefill if pool.prefill else 0.0 for k in kinds]
+    held = [pool.prefill and encodes and held_behind_prompts(c, k, speed.prefill) for k in kinds]
     p_mean = sum(k.share * x for k, x in zip(kinds, p, strict=True))
     p_sq = sum(k.share * x * x for k, x in zip(kinds, p, strict=True))
     d0, d1 = c.decode_step_s / speed.decode, c.decode_seq_s / speed.decode
-    load = rate * p_mean + (rate * out * d1 if pool.decode else 0.0)
+    growth = rate * out * d1 if pool.decode else 0.0
+    load = rate * p_mean + growth
     if load >= 1:
-        return _Engine(load, math.inf, math.inf, math.inf, 1.0, speed)
+        return _Engine(load, math.inf, math.inf, dict.fromkeys((k.name for k in kinds), math.inf), 1.0, speed)
     # a sequence's own growth of the step, d1, comes on top of what the others' load stretches
     itl = (d0 + d1) / (1 - load) if pool.decode else 0.0
     batch = rate * out * itl
     # idle only with no prefill running and no sequence decoding (their number taken as Poisson)
     busy = 1 - (1 - load) * math.exp(-batch)
-    wait = 0.0
-    if pool.prefill:  # M/G/1 at load L, and the decode step in progress (its residual: half a step)
-        wait = rate * p_sq / (2 * (1 - load)) + (1 - math.exp(-batch)) * (d0 + d1 * batch) / 2
+    wait = dict.fromkeys((k.name for k in kinds), 0.0)
+    if pool.prefill:
+        # held requests wait behind the others' prompts, the others for less (a non-preemptive
+        # priority); each also for the decode step in progress (its residual: half a step)
+        step = (1 - math.exp(-batch)) * (d0 + d1 * batch) / 2
+        first = sum(k.share * x for k, x, h in zip(kinds, p, held, strict=True) if not h)
+        waits = priority_waits(rate * p_sq / 2, growth, rate * first, load, MEDIA_MAX_WAIT_S)
+        wait = {k.name: step + waits[h] for k, h in zip(kinds, held, strict=True)}
     return _Engine(load, itl, batch, wait, busy, speed)
 
 
@@ -342,7 +332,9 @@ def state_at(
             if lay.encoders
             else Station(0.0, 0.0, 0.0)
         )
-        engines = {p.role: engine(c, rate / p.n, kinds, out, pool_speeds[p.role], p) for p in lay.pools}
+        engines = {
+            p.role: engine(c, rate / p.n, kinds, out, pool_speeds[p.role], p, not lay.encoders) for p in lay.pools
+        }
         state = _State(enc, enc_speed, engines)
         new = {role: e.busy for role, e in engines.items()} | (
             {"encoders": min(1.0, enc.utilization)} if lay.encoders else {}
@@ -474,7 +466,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
     dists: list[Dist] = []
     for k in kinds:
         fixed = c.overhead(k.images) + c.prefill(k.prompt_tokens, k.images, k.pixels) / first.speed.prefill
-        wait, busy = first.prefill_wait_s, first.busy
+        wait, busy = first.prefill_wait_s[k.name], first.busy
         if k.images and lay.encoders:
             fixed += _encoder_work(c, k, lay) / state.encode_speed
             wait += enc.wait_s
@@ -541,7 +533,8 @@ def _with_first_wave(
         k = of[name]
         encode = _encoder_work(c, k, lay) / encode_speed if k.images and lay.encoders else 0.0
         prefill = c.prefill(k.prompt_tokens, k.images, k.pixels) / speed.prefill
-        jobs.append(WaveJob(name, encode, prefill, c.overhead(k.images)))
+        held = not lay.encoders and held_behind_prompts(c, k, speed.prefill)
+        jobs.append(WaveJob(name, held, encode, prefill, c.overhead(k.images)))
     step = (c.decode_step_s + c.decode_seq_s) / speed.decode if first_pool.decode else 0.0
     wave = first_wave(jobs, first_pool.n, step)
     total = load.requests
