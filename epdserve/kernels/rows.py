@@ -8,8 +8,9 @@ product over one contiguous row of the ``[out, in]`` weight, which stays in cach
 pair of rows passes over it, so a call reads the weight once, front to back, split by output
 columns over torch's intra-op threads. Larger products go to MKL on the same weight: up to
 ``SWAP_ROWS`` rows on more than one thread as ``weight @ x.T``, which MKL spreads over its
-threads far better than ``F.linear`` of a few rows (docs/benchmarks.md); beyond that, or on one
-thread, as ``F.linear``. Only weights of ``MIN_WEIGHT`` elements or more are given to it: a
+threads far better than ``F.linear`` of a few rows (docs/benchmarks.md), with the rows padded with
+zeros to a multiple of ``SWAP_ALIGN``: MKL's product over a number of columns that is not one
+leaves its fast path; beyond that, or on one thread, as ``F.linear``. Only weights of ``MIN_WEIGHT`` elements or more are given to it: a
 decode step reads those from memory.
 
 A row's sums run in one order whatever rows share its call and however the columns are split,
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # products of more rows go to MKL
 SWAP_ROWS = 256  # products of up to this many rows on several threads are MKL's weight @ x.T
+SWAP_ALIGN = 16  # ... over this multiple of rows, padded with zeros
 SPLIT_WEIGHT = 1 << 16  # weight elements from which a call is split over torch's threads
 # weight elements from which a linear (or a tied table) is given to the row kernel: a smaller
 # weight is read from cache, not memory, and MKL's per-call path keeps level with the kernel
@@ -73,9 +75,16 @@ class RowDot:
 
 
 def _by_weight_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(rows, weight, bias)`` computed as ``(weight @ rows.T).T``, contiguous."""
+    """``F.linear(rows, weight, bias)`` computed as ``(weight @ rows.T).T``, contiguous, over
+    the rows padded with zeros to a multiple of ``SWAP_ALIGN``."""
+    m = rows.shape[0]
+    padded = -(-m // SWAP_ALIGN) * SWAP_ALIGN
+    if padded != m:
+        grown = rows.new_zeros(padded, rows.shape[1])
+        grown[:m] = rows
+        rows = grown
     t = torch.mm(weight, rows.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, rows.t())
-    return t.t().contiguous()
+    return t[:, :m].t().contiguous()
 
 
 def load_row_dot() -> RowDot | None:
