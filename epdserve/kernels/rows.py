@@ -10,8 +10,8 @@ columns over torch's intra-op threads. Larger products go to MKL on the same wei
 ``SWAP_ROWS`` rows on more than one thread as ``weight @ x.T``, which MKL spreads over its
 threads far better than ``F.linear`` of a few rows (docs/benchmarks.md), with the rows padded with
 zeros to a multiple of ``SWAP_ALIGN``: MKL's product over a number of columns that is not one
-leaves its fast path; beyond that, or on one thread, as ``F.linear``. Only weights of ``MIN_WEIGHT`` elements or more are given to it: a
-decode step reads those from memory.
+leaves its fast path; beyond that, or on one thread, as ``F.linear``. Only weights of
+``MIN_WEIGHT`` elements or more are given to it: a decode step reads those from memory.
 
 A row's sums run in one order whatever rows share its call and however the columns are split,
 so a row's result does not depend on its batch.

@@ -61,8 +61,8 @@ def first_wave(jobs: list[WaveJob], engines: int, step_s: float) -> list[float]:
         queue = list(range(e, len(jobs), engines))
         free = 0.0  # when its last prefill ends
         while queue:
-            waiting = [i for i in queue if ready[i] <= free] or [min(queue, key=lambda i: ready[i])]
-            i = min(waiting, key=lambda i: (jobs[i].held, ready[i], i))
+            now = max(free, min(ready[i] for i in queue))  # when it takes its next prefill
+            i = min((i for i in queue if ready[i] <= now), key=lambda i: (jobs[i].held, ready[i], i))
             queue.remove(i)
             start = max(ready[i], free)
             if ready[i] > free > 0:  # its engine went on to decode the requests it had prefilled
