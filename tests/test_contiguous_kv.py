@@ -163,6 +163,8 @@ def test_lazy_zeros_are_zero_and_resident_only_where_touched() -> None:
     t = lazy_zeros((64, 1024, 1024), torch.float32, CPU)  # 256 MiB
     assert resident_mb(t) < 32
     t[3, 5, 7] = 1.5
+    # one base page, not a transparent huge page (2 MiB) around the element
+    assert resident_mb(t) * 2**20 == os.sysconf("SC_PAGE_SIZE")
     assert t.dtype == torch.float32 and float(t[3].sum()) == 1.5 and float(t[0].abs().sum()) == 0.0
     assert lazy_zeros((2, 3), torch.bfloat16, CPU).dtype == torch.bfloat16
     assert lazy_zeros((0, 3), torch.float32, CPU).shape == (0, 3)

@@ -29,18 +29,19 @@ def held_bytes(t: torch.Tensor) -> int:
     return _whole_pages(t.numel() * t.element_size())
 
 
-def own_pages(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+def own_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor in pages mapped for it alone: each page resident only once touched, all
-    unmapped when the tensor (its last view) is freed; ``huge_pages`` asks for transparent huge
-    pages where the kernel gives them on request. Never malloc's heap, where a free chunk as large
-    would be handed out and cleared byte by byte, every page of it resident."""
+    unmapped when the tensor (its last view) is freed. Never malloc's heap, where a free chunk as
+    large would be handed out and cleared byte by byte, every page of it resident. The pages are
+    the kernel's base pages, never transparent huge pages: a first write maps the pages it
+    covers, not 2 MiB around them."""
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
     # private: a shared anonymous mapping would be shared memory (shmem) the process never needs
     pages = mmap.mmap(-1, _whole_pages(count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        pages.madvise(mmap.MADV_HUGEPAGE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # base pages even where huge pages are the default
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
     # the tensor holds a reference to the mapping: the pages live exactly as long as the tensor
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 

@@ -3,7 +3,6 @@ plan at start-up (the accounting itself: ``epdserve.memory``)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -22,16 +21,16 @@ from epdserve.models.config import ModelConfig
 
 __all__ = ["MemoryBudgetError", "fused_attention", "lazy_zeros", "plan_encoder", "plan_engine"]
 
-HUGE_PAGES_FROM = 4 << 20  # zero tensors from this size ask for transparent huge pages (as numpy's do)
-
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor: on the CPU in pages of its own (``cache.pages.own_pages``), so a large KV
     cache costs resident memory only for the blocks in use; on an accelerator an ordinary
-    ``torch.zeros``."""
+    ``torch.zeros``. The pages are base pages: a block's first write maps the pages it covers,
+    where a huge page would map and clear 2 MiB of a layer's cache at once, on every layer, in
+    the step that first reaches it (docs/memory.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return own_pages(shape, dtype, huge_pages=math.prod(shape) * dtype.itemsize >= HUGE_PAGES_FROM)
+    return own_pages(shape, dtype)
 
 
 def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool) -> RoleMemory:
