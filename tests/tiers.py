@@ -117,6 +117,7 @@ TIERS: dict[str, str] = {
     "test_router.py::test_pool_policies": "unit",
     "test_router.py::test_affinity_keeps_media_on_one_encoder_and_spills_when_busy": "unit",
     "test_server.py": "integration",
+    "test_warmup.py": "integration",
     "test_store.py": "integration",
     # whole deployments: topologies, families, failures
     "test_fairness.py": "e2e",

@@ -38,6 +38,7 @@ class EncoderConfig:
     core_board: str = ""  # core-lending board of the host's roles (up --pin-cores makes one): borrow idle roles' cores
     device: str = "cpu"  # torch device of the vision tower
     dtype: DType = "float32"  # weights and activations: float32 | bfloat16 | float16
+    warmup: bool = True  # encode one small image of its own before serving
     limits: MediaLimits = field(default_factory=MediaLimits)  # what media clients may send
     ec: ECConfig = field(default_factory=ECConfig)  # EC connector the embeddings are put into
     auth: AuthConfig = field(default_factory=AuthConfig)  # the cluster credential /v1/encode needs

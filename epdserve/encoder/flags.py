@@ -19,6 +19,7 @@ ENCODER_FLAGS = (
     "core_board",
     "device",
     "dtype",
+    "warmup",
     STATS_INTERVAL,
     OTLP,
 )

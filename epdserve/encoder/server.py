@@ -62,6 +62,7 @@ from epdserve.encoder.protocol import (
     decode_release,
     decode_request,
 )
+from epdserve.encoder.warmup import warm_up
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.memory import plan_encoder
 from epdserve.kernels.lending import CoreLender
@@ -228,6 +229,8 @@ class EncoderService:
             cfg.model_name, self.processor, cfg.limits, self.executor, media_session(cfg.limits), audio=self.audio
         )
         self.batcher.start()
+        if cfg.warmup:
+            await warm_up(self)
         self.role.start(self.config.registration, "encoder", self.config.host, self.config.port)
         logs.banner(
             log,

@@ -38,6 +38,7 @@ class ServerConfig:
     enable_mm_embeds: bool = False  # accept clients' inline image/video embeddings (never handles)
     auth: AuthConfig = field(default_factory=AuthConfig)  # API key, cluster credential, internal-only
     vision: bool = True  # load the vision tower (False: metadata-only requests only)
+    warmup: bool = True  # run one short request of its own (with an image where it can) before serving
     engine_core: EngineCoreMode = "process"  # run the engine core in its own process, or in a thread here
     core_ready_timeout_s: float = 600.0  # how long the engine core may take to load the model
     engine: EngineConfig = field(default_factory=EngineConfig)

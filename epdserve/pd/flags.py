@@ -7,5 +7,14 @@ from epdserve.api.flags import OTLP, STATS_INTERVAL
 from epdserve.config_flags import Flag
 
 SERVER = "epdserve.pd.config:ServerConfig"
-SERVER_FLAGS = ("served_model_name", "host", "port", Flag("vision", "--vision-tower"), "role", STATS_INTERVAL, OTLP)
+SERVER_FLAGS = (
+    "served_model_name",
+    "host",
+    "port",
+    Flag("vision", "--vision-tower"),
+    "warmup",
+    "role",
+    STATS_INTERVAL,
+    OTLP,
+)
 PUBLIC_FLAGS = ("max_prompt_chars", "enable_mm_embeds")  # of ServerConfig and RouterConfig alike

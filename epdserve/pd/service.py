@@ -50,6 +50,7 @@ from epdserve.pd.config import ServerConfig
 from epdserve.pd.embeds import MetadataEmbeds
 from epdserve.pd.launch import launch_core
 from epdserve.pd.logprobs import TokenTexts
+from epdserve.pd.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class ChatService:
         cfg = self.config
         pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
         self.role.start(cfg.registration, pool, cfg.host, cfg.port)
+        if cfg.warmup and cfg.role == "both":
+            await warm_up(self)
         ready = getattr(self.core, "ready", None)
         kv = cfg.kv.connector if cfg.kv is not None else None
         logs.banner(
