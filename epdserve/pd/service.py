@@ -139,7 +139,7 @@ class ChatService:
         cfg = self.config
         pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
         self.role.start(cfg.registration, pool, cfg.host, cfg.port)
-        if cfg.warmup and cfg.role == "both":
+        if cfg.warmup:  # a prefill or decode instance runs it whole (no KV handed on or taken)
             await warm_up(self)
         ready = getattr(self.core, "ready", None)
         kv = cfg.kv.connector if cfg.kv is not None else None
