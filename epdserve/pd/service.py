@@ -138,9 +138,9 @@ class ChatService:
         )
         cfg = self.config
         pool = {"both": "pd", "prefill": "prefill", "decode": "decode"}[cfg.role]
-        self.role.start(cfg.registration, pool, cfg.host, cfg.port)
-        if cfg.warmup:  # a prefill or decode instance runs it whole (no KV handed on or taken)
+        if cfg.warmup:  # before registering; a prefill or decode instance runs it whole (no KV moves)
             await warm_up(self)
+        self.role.start(cfg.registration, pool, cfg.host, cfg.port)
         ready = getattr(self.core, "ready", None)
         kv = cfg.kv.connector if cfg.kv is not None else None
         logs.banner(
