@@ -180,7 +180,9 @@ def _encoders(server: RedisServer, n: int) -> Iterator[list[str]]:
         for _ in range(n):
             port = free_port()
             args = ["encoder", "--port", str(port), "--ec-shm-bytes", str(16 << 20), "--store-url", server.url]
-            procs.append(start_role([*args, "--store-timeout-s", "0.3", "--store-down-s", "1"], env=env))
+            # a store call on a loaded machine (the suite runs three workers on two cores) can take
+            # longer than a fraction of a second; past the timeout an encoder computes alone
+            procs.append(start_role([*args, "--store-timeout-s", "1", "--store-down-s", "1"], env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
             wait_healthy(url, proc, timeout=120)
