@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 WARMUP_UUID = "epd-warmup"  # not hex: no item's content hash is this
 
 
-async def warm_up(service: EncoderService) -> float:
-    """Encode the warm-up image; the seconds it took. A failure is logged, not raised."""
-    start = time.perf_counter()
+async def warm_up(service: EncoderService) -> None:
+    """Encode the warm-up image and log how long it took (an audio model's encoder has none to
+    encode). A failure is logged, not raised."""
     if "image" not in service.model_config.modalities:
-        return 0.0
+        return
+    start = time.perf_counter()
     resolver = service.resolver
     assert resolver is not None  # start() made it
     try:
@@ -38,7 +39,5 @@ async def warm_up(service: EncoderService) -> float:
         await service.batcher.encode(WARMUP_UUID, media.grid_thw, torch.from_numpy(media.pixel_values))
     except Exception as e:  # reported; serving goes on
         log.warning("warm-up encode failed (%s: %s); the first request pays first-use costs", type(e).__name__, e)
-        return time.perf_counter() - start
-    seconds = time.perf_counter() - start
-    log.info("warmed up in %.2f s (an image decoded, preprocessed and encoded)", seconds)
-    return seconds
+        return
+    log.info("warmed up in %.2f s (an image decoded, preprocessed and encoded)", time.perf_counter() - start)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 
 from PIL import Image
@@ -17,3 +18,8 @@ def warmup_png(side: int = WARMUP_IMAGE_SIDE) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def warmup_data_url() -> str:
+    """``warmup_png`` as a ``data:`` URL, as a chat request carries it."""
+    return "data:image/png;base64," + base64.b64encode(warmup_png()).decode()

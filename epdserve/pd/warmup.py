@@ -7,13 +7,12 @@ allocator growth) is paid there, before ``/health`` answers, instead of by the f
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
 from typing import TYPE_CHECKING
 
-from epdserve.media.warmup import warmup_png
+from epdserve.media.warmup import warmup_data_url
 from epdserve.pd.generation import Generation
 
 if TYPE_CHECKING:
@@ -28,8 +27,7 @@ def warmup_body(model: str, image: bool) -> bytes:
     """The warm-up's chat request (OpenAI's format, greedy, ``OUTPUT_TOKENS`` tokens)."""
     content: list[dict[str, object]] = [{"type": "text", "text": "Describe the picture."}]
     if image:
-        url = "data:image/png;base64," + base64.b64encode(warmup_png()).decode()
-        content.append({"type": "image_url", "image_url": {"url": url}})
+        content.append({"type": "image_url", "image_url": {"url": warmup_data_url()}})
     return json.dumps(
         {
             "model": model,
@@ -41,8 +39,8 @@ def warmup_body(model: str, image: bool) -> bytes:
     ).encode()
 
 
-async def warm_up(service: ChatService) -> float:
-    """Run the warm-up request to its end; the seconds it took. A failure is logged, not raised:
+async def warm_up(service: ChatService) -> None:
+    """Run the warm-up request to its end and log how long it took. A failure is logged, not raised:
     the worker then starts as it would without a warm-up, and a real request meets the fault."""
     start = time.perf_counter()
     image = service.core.vision and "image" in service.model_config.modalities
@@ -56,7 +54,6 @@ async def warm_up(service: ChatService) -> float:
             await gen.aclose()
     except Exception as e:  # reported; serving goes on
         log.warning("warm-up request failed (%s: %s); the first request pays first-use costs", type(e).__name__, e)
-        return time.perf_counter() - start
+        return
     seconds = time.perf_counter() - start
     log.info("warmed up in %.2f s (a %s request through every stage)", seconds, "text and image" if image else "text")
-    return seconds
