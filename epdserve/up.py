@@ -413,9 +413,10 @@ class Deployment:
     def _launch_vllm(self, name: str, store_args: list[str], plan: CorePlan) -> Role:
         """``vllm serve`` with epdserve's connector, under the name the encoders sign handles with
         (their served name), behind the wrapper that prefixes its lines and takes it down. Pinned,
-        all of vLLM runs on the cores an engine core would get, and its CPU build's model worker
-        is bound to them (``VLLM_CPU_OMP_THREADS_BIND``): vLLM's processes poll busily, and on
-        the encoders' cores they would take the time the encoders need."""
+        vLLM's engine runs on the cores an engine core would get, its CPU build's model worker
+        bound to them (``VLLM_CPU_OMP_THREADS_BIND``): its engine core and worker poll busily, and
+        on the encoders' cores they would take the time the encoders need. Its API server moves to
+        the cores of a worker's front end once vLLM is up (``placement``), as our own workers'."""
         from epdserve.assets import default_model_dir
 
         model = Path(self.model) if self.model else default_model_dir()
@@ -423,9 +424,11 @@ class Deployment:
         port = self._free_port()
         served = self.served_model_name or model.name
         cmd = serve_command(self.vllm, str(model), served, INTERNAL_HOST, port, extra, self.vllm_args)
-        cpus = plan.engines.get(name) or plan.roles.get(name)
-        env = vllm_cpu_binding(plan.engines.get(name), self.vllm_args)
-        return self._launch(name, wrapper_args(name, cmd, self.log_json), port, cpus, module=WRAPPER, env=env)
+        engine, front = plan.engines.get(name), plan.roles.get(name)
+        env = vllm_cpu_binding(engine, self.vllm_args)
+        placed = (front, f"http://{http_host(INTERNAL_HOST)}:{port}") if engine and front else None
+        args = wrapper_args(name, cmd, self.log_json, placed)
+        return self._launch(name, args, port, engine or front, module=WRAPPER, env=env)
 
     def supervise(self) -> None:
         """Restart roles that die, until ``request_stop``."""

@@ -20,6 +20,7 @@ from epdserve.encoder.protocol import EncodedItem
 from epdserve.integrations.vllm import compat, launch
 from epdserve.integrations.vllm.config import VllmECConfig
 from epdserve.integrations.vllm.handles import PARAMS_KEY, ec_transfer_params, handles_by_key
+from epdserve.integrations.vllm.placement import parse_cpus
 from epdserve.launcher import free_port
 from epdserve.router.config import RouterConfig
 from epdserve.router.refs import media_refs
@@ -361,6 +362,64 @@ def test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down() -> None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+FAKE_VLLM = """
+import http.server, subprocess, sys, threading, time
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # its engine core
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a second thread to move
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+print("engine", engine.pid, flush=True)
+http.server.HTTPServer(("127.0.0.1", PORT), Health).serve_forever()
+"""
+
+
+def test_the_vllm_wrapper_moves_vllm_s_front_end_off_the_engine_s_cores_once_it_is_up() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    front, engine = cores[0], cores[1]
+    port = free_port()
+    cmd = [sys.executable, "-c", FAKE_VLLM.replace("PORT", str(port))]
+    argv = [sys.executable, "-m", launch.WRAPPER,
+            *launch.wrapper_args("pd0", cmd, front_end=([front], f"http://127.0.0.1:{port}"))]  # fmt: skip
+    # started as ``up`` starts a pinned vLLM: the wrapper and all it starts on the engine's core
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {engine}))  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        assert first.startswith("[pd0 vllm] engine "), first
+        engine_core = int(first.split()[-1])
+        said = proc.stderr.readline()
+        assert said.startswith("[pd0 vllm] front end (pid ") and said.endswith(f" on cores {front}\n"), said
+        api = int(said.split("pid ")[1].split(",")[0])
+        threads = [int(t.name) for t in Path(f"/proc/{api}/task").iterdir()]
+        assert len(threads) >= 2 and all(os.sched_getaffinity(t) == {front} for t in threads)
+        assert os.sched_getaffinity(engine_core) == {engine}  # started before: stays with the engine
+        assert os.sched_getaffinity(proc.pid) == {engine}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    bad = subprocess.run([sys.executable, "-m", launch.WRAPPER, "--name", "pd0", "--front-end-cpus", "0", "--", "true"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--front-end-cpus and --url go together" in bad.stderr
+
+
+def test_core_lists_read_as_taskset_writes_them() -> None:
+    assert parse_cpus("0") == [0] and parse_cpus("3,0-1") == [0, 1, 3] and parse_cpus("2-2,2") == [2]
+    for bad in ("", "1-0", "-1", "a", "0,,1"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
 
 
 def test_the_vllm_wrapper_exits_as_vllm_did() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from epdserve.launcher import free_port, port_available, process_children, process_tree
+from epdserve.topology import CorePlan, Topology, plan_cores
 from tests.server_utils import http, internal_headers
 from tests.test_up import alive, image_content, proc_cmdline, up, wait_for
 from tests.test_vllm_connector import VLLM_ARGS, VLLM_ENV
@@ -45,6 +46,23 @@ def samples(text: str, name: str, **labels: str) -> list[float]:
     return found
 
 
+def api_server(wrapper: int) -> int:
+    """The pid of ``vllm serve`` (its API server), the child of the wrapper ``up`` started."""
+    api = [p for p in process_children().get(wrapper, []) if b"\0serve\0" in proc_cmdline(p)]
+    assert len(api) == 1, [proc_cmdline(p)[:80] for p in process_tree([wrapper])]
+    return api[0]
+
+
+def assert_placed(wrapper: int, plan: CorePlan) -> None:
+    """Pinned, vLLM's engine (all it started) keeps to the engine's cores and its API server moves
+    to the front ends' cores, beside the encoder, once it is up."""
+    api = api_server(wrapper)
+    front, engine = set(plan.roles["pd0"]), set(plan.engines["pd0"])
+    assert wait_for(lambda: os.sched_getaffinity(api) == front, 60, 0.2), os.sched_getaffinity(api)
+    below = [p for p in process_tree([api]) if p != api]
+    assert below and all(os.sched_getaffinity(p) == engine for p in below), [proc_cmdline(p)[:60] for p in below]
+
+
 def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path) -> None:
     content = image_content(3)
     for run in ("own", "vllm"):
@@ -54,13 +72,15 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
     secret = tmp_path / "secret"
     secret.write_text(os.environ["EPD_CLUSTER_SECRET"])  # the test's: it signs the scrapes below
     secret.chmod(0o600)
-    args = ["--lm-engine", "vllm", "--vllm-args", shlex.join(VLLM_ARGS), "--dtype", "float32"]
+    args = ["--lm-engine", "vllm", "--vllm-args", shlex.join(VLLM_ARGS), "--dtype", "float32", "--pin-cores"]
+    plan = plan_cores(Topology.parse("1e+1pd"), sorted(os.sched_getaffinity(0)))
     with up(tmp_path / "vllm", *args, "--cluster-secret-file", str(secret), env=VLLM_ENV) as u:
         url = u.wait_ready(timeout=START_S)
         assert "1 encoder(s) + 1 vLLM instance(s) + router ready" in u.out.read_text()
         pids = process_tree([u.proc.pid])
         vllm_pid, vllm_url = u.roles()["pd0"]
         assert len(process_tree([vllm_pid])) >= 3, "the wrapper, vllm serve and its engine core"
+        assert_placed(vllm_pid, plan)
         got = greedy(url, content)["choices"][0]["message"]["content"]
         assert got == want
 
@@ -125,8 +145,7 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
                 assert line, "the stream ended before its first tokens"
                 if line.startswith(b"data: {"):
                     tokens += bool(json.loads(line[6:])["choices"][0]["delta"].get("content"))
-            api = [p for p in process_children().get(vllm_pid, []) if b"\0serve\0" in proc_cmdline(p)]
-            assert len(api) == 1, [proc_cmdline(p)[:80] for p in process_tree([vllm_pid])]
+            api = [api_server(vllm_pid)]
             os.kill(api[0], signal.SIGKILL)
             rest = stream.read().decode()
         events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
@@ -135,8 +154,9 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
         assert len(answers) == 1, "the request in flight hung"
         status, raw = answers[0]
         assert status >= 500 and "error" in json.loads(raw), (status, raw[:300])
-        _, new_url = u.wait_restarted("pd0", vllm_pid, timeout=START_S)
+        new_pid, new_url = u.wait_restarted("pd0", vllm_pid, timeout=START_S)
         assert new_url == vllm_url and "restarted pd0" in u.stderr()
+        assert_placed(new_pid, plan)
         assert wait_for(lambda: http("GET", url + "/health")[0] == 200, 60, 0.5)
         assert greedy(url, content)["choices"][0]["message"]["content"] == want
         assert not alive(api[0])

@@ -6,7 +6,8 @@ The wrapper (``python -m epdserve.integrations.vllm.launch --name pd0 -- vllm se
 vLLM as its child in its own process group, prefixes each of vLLM's output lines with the role's
 name, passes a stop on to vLLM and leaves nothing of vLLM behind: vLLM gets SIGTERM from the
 kernel when the wrapper dies, and whatever vLLM started is killed with the group once vLLM has
-exited. vLLM- and torch-free: ``up`` imports it.
+exited. Pinned, it moves vLLM's front end off the engine's cores once vLLM is up (``placement``).
+vLLM- and torch-free: ``up`` imports it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
+
+from epdserve.integrations.vllm.placement import front_end_to, parse_cpus
 
 CONNECTOR = {
     "ec_connector": "EpdserveECConnector",
@@ -129,9 +132,13 @@ def _interpreter_of(script: str) -> str | None:
 WRAPPER = "epdserve.integrations.vllm.launch"  # the module ``up`` runs for each vLLM instance
 
 
-def wrapper_args(name: str, cmd: Sequence[str], log_json: bool = False) -> list[str]:
-    """The wrapper's arguments for one vLLM instance (``python -m`` WRAPPER these)."""
-    return ["--name", name, *(["--log-format", "json"] if log_json else []), "--", *cmd]
+def wrapper_args(
+    name: str, cmd: Sequence[str], log_json: bool = False, front_end: tuple[Sequence[int], str] | None = None
+) -> list[str]:
+    """The wrapper's arguments for one vLLM instance (``python -m`` WRAPPER these); ``front_end``:
+    the cores vLLM's API server moves to once vLLM answers at the URL."""
+    placed = ["--front-end-cpus", ",".join(map(str, front_end[0])), "--url", front_end[1]] if front_end else []
+    return ["--name", name, *(["--log-format", "json"] if log_json else []), *placed, "--", *cmd]
 
 
 def _die_with_parent() -> None:
@@ -151,10 +158,12 @@ def prefixed(name: str, line: str, log_json: bool) -> str:
     return json.dumps({"time": stamp, "level": "INFO", "logger": f"vllm.{name}", "message": line}) + "\n"
 
 
-def run_wrapped(name: str, cmd: Sequence[str], log_json: bool = False) -> int:
+def run_wrapped(
+    name: str, cmd: Sequence[str], log_json: bool = False, front_end: tuple[Sequence[int], str] | None = None
+) -> int:
     """Run ``cmd`` (vLLM), its lines prefixed on our stderr, until it exits; a SIGTERM, SIGINT
     or SIGHUP is passed on to it (SIGKILL after ``STOP_GRACE_S``). Its exit code is ours (128 +
-    signal when a signal ended it)."""
+    signal when a signal ended it). ``front_end``: (cores, URL) as in ``wrapper_args``."""
     try:
         child = subprocess.Popen(
             list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
@@ -175,6 +184,12 @@ def run_wrapped(name: str, cmd: Sequence[str], log_json: bool = False) -> int:
     # copied by a thread: vLLM's helpers hold the pipe too, so its end is no sign that vLLM exited
     copier = threading.Thread(target=_copy, args=(child.stdout, name, log_json), daemon=True)
     copier.start()
+    if front_end:
+
+        def say(text: str) -> None:
+            _write(prefixed(name, text, log_json))
+
+        threading.Thread(target=front_end_to, args=(child, *front_end, START_TIMEOUT_S, say), daemon=True).start()
     while (code := child.poll()) is None:
         if stop_at and time.monotonic() - stop_at[0] > STOP_GRACE_S:
             child.kill()
@@ -193,20 +208,29 @@ def _copy(pipe: IO[bytes], name: str, log_json: bool) -> None:
         # the log, with its prefix, not text that a terminal would draw over the prefix
         for part in raw.replace(b"\r\n", b"\n").split(b"\r"):
             if part.strip():
-                sys.stderr.write(prefixed(name, part.decode(errors="replace"), log_json))
-        sys.stderr.flush()
+                _write(prefixed(name, part.decode(errors="replace"), log_json))
+
+
+def _write(line: str) -> None:
+    sys.stderr.write(line)  # one call a line: the copier's and the mover's lines do not interleave
+    sys.stderr.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m epdserve.integrations.vllm.launch", description=__doc__)
     p.add_argument("--name", required=True, help="the role's name, prefixed to every line")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--front-end-cpus", type=parse_cpus, help="cores for vLLM's API server once it is up (with --url)")
+    p.add_argument("--url", help="vLLM's base URL, whose /health says it is up")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then vLLM's command line")
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("no command to run")
-    return run_wrapped(args.name, cmd, args.log_format == "json")
+    if (args.front_end_cpus is None) != (args.url is None):
+        p.error("--front-end-cpus and --url go together")
+    front_end = (args.front_end_cpus, args.url) if args.url else None
+    return run_wrapped(args.name, cmd, args.log_format == "json", front_end)
 
 
 if __name__ == "__main__":
