@@ -36,8 +36,9 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
+    """A port free on ``host`` now. Nothing holds it for the caller: any process may take it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host.strip("[]"), 0))
         return int(s.getsockname()[1])
 
 

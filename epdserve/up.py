@@ -74,6 +74,7 @@ INTERNAL_HOST = "127.0.0.1"  # roles behind the public endpoint are reachable fr
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STARTUP_POLL_S = 0.05  # how often start-up looks at the roles and the router
 STOP_TIMEOUT_S = 8.0  # grace for all roles together after SIGTERM, then SIGKILL
+PORT_TRIES = 3  # starts of the roles when a port we picked is taken before its role listens
 
 
 class StartupError(RuntimeError):
@@ -82,6 +83,11 @@ class StartupError(RuntimeError):
 
 class PortInUseError(StartupError):
     """The public port cannot be bound; nothing was started."""
+
+
+class PortTaken(StartupError):
+    """A port ``up`` picked (a role's behind the router, or the public one given as 0) was taken by
+    another process before its role could listen: the start is tried again on other ports."""
 
 
 def http_host(host: str) -> str:
@@ -151,6 +157,7 @@ class Deployment:
         self.model = model
         self.model_args = ["--model", model] if model else []
         self.host = host
+        self.any_port = port == 0  # the public port is ours to pick (and to pick again)
         self.port = port
         self.ports: set[int] = {port}  # every port handed to a role of this deployment
         self.pin = pin
@@ -196,12 +203,13 @@ class Deployment:
         """Make ``start`` and ``supervise`` return soon (safe from a signal handler)."""
         self.stop_signal = self.stop_signal or signum
 
-    def _free_port(self) -> int:
-        """A free port no other role of this deployment was given: a role binds its port only once
-        it has loaded, so until then the kernel may offer the same free port again."""
-        port = free_port()
+    def _free_port(self, host: str = INTERNAL_HOST) -> int:
+        """A free port no role of this deployment was given before (in this start or an earlier
+        try): a role binds its port only once it has loaded, so until then the kernel may offer
+        the same free port again."""
+        port = free_port(host)
         while port in self.ports:
-            port = free_port()
+            port = free_port(host)
         self.ports.add(port)
         return port
 
@@ -270,6 +278,8 @@ class Deployment:
             self._check_public_port()
             for r in loading:
                 code = r.proc.poll()
+                if code == PORT_IN_USE_EXIT and r.restart_at is None:
+                    raise PortTaken(f"{r.name}'s port {r.url.rsplit(':', 1)[1]} was taken before it could listen")
                 if code is not None and code != ENGINE_CORE_DIED_EXIT and r.restart_at is None:
                     where = f"its log: {r.log}" if r.log else "its output is above"
                     raise StartupError(f"{r.name} exited with {exit_reason(code)} during start-up ({where})")
@@ -282,7 +292,7 @@ class Deployment:
         raise StartupError(f"not healthy after {self.startup_timeout_s:.0f}s: {waiting}")
 
     def _check_public_port(self) -> None:
-        if any(r.url == self.url and r.proc.poll() == PORT_IN_USE_EXIT for r in self.roles):
+        if not self.any_port and any(r.url == self.url and r.proc.poll() == PORT_IN_USE_EXIT for r in self.roles):
             raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
 
     @staticmethod
@@ -295,8 +305,24 @@ class Deployment:
         return all(seen.get(kind, 0) >= n for kind, n in counts.items())
 
     def start(self) -> None:
+        """Start every role and wait until all are healthy. A port we picked that another process
+        took before its role could listen (the kernel offers a free port to anyone who asks) starts
+        the roles again on other ports, ``PORT_TRIES`` times in all."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._start_once()
+                return
+            except PortTaken as e:
+                if attempt == PORT_TRIES:
+                    raise StartupError(f"{e}, {PORT_TRIES} times") from None
+                self._say(f"{e}: starting again on other ports")
+                self.stopping = False  # ``_start_once`` stopped what it had started
+
+    def _start_once(self) -> None:
         t0 = time.time()
-        if not port_available(self.host, self.port):
+        if self.any_port:
+            self.port = self._free_port(self.host)
+        elif not port_available(self.host, self.port):
             raise PortInUseError(f"port {self.port} on {self.host} is in use; choose another with --port")
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)

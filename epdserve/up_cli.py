@@ -175,7 +175,12 @@ def add_up_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--topology", type=topology_arg, default="1e+1pd", help=f"{TOPOLOGIES_HELP} (default: 1e+1pd)")
     add_flags(s, SERVER, [MODEL], defaults=False)
     s.add_argument("--host", default="127.0.0.1", help="public interface; internal roles always use 127.0.0.1")
-    s.add_argument("--port", type=int, default=8000, help="public port (router or aggregated server)")
+    s.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="public port (router or aggregated server); 0: a free one, said in the ready line",
+    )
     s.add_argument("--pin-cores", action="store_true", help="pin encoders and PD workers to separate cores")
     s.add_argument(
         "--no-lend-cores",

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from epdserve.api.errors import Overloaded
-from epdserve.launcher import free_port
 from epdserve.router.admission import AutoLimit, Gate
 from epdserve.up import Deployment, Topology
 from tests.server_utils import http
@@ -140,7 +139,7 @@ def test_a_burst_of_image_requests_waits_or_is_turned_away_while_text_goes_throu
     d = Deployment(
         Topology.parse("1e+1pd"),
         None,
-        port=free_port(),
+        port=0,
         extra_pd_args=["--max-model-len", "1024"],
         extra_router_args=["--max-inflight-media", "1", "--admission-wait-s", "0.3"],
     )
@@ -186,7 +185,7 @@ def test_a_text_ttft_target_lowers_the_media_limit_of_a_live_router() -> None:
     d = Deployment(
         Topology.parse("1e+1pd"),
         None,
-        port=free_port(),
+        port=0,
         extra_pd_args=["--max-model-len", "1024"],
         extra_router_args=["--text-ttft-target-ms", "1", "--admission-wait-s", "60"],
     )

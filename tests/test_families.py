@@ -10,7 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from epdserve.hf_reference import HFReference
 from epdserve.launcher import free_port
 from epdserve.models.registry import supported_architectures
 from epdserve.shapes import ShapesWorld, render_images
-from epdserve.up import Deployment, PortInUseError, Topology
+from epdserve.up import Deployment, Topology
 from tests.checkpoints import build
 from tests.optional import unavailable
 from tests.server_utils import counter, openai_client
@@ -38,31 +38,17 @@ VISION_FAMILIES = {"qwen2_5_vl": True, "qwen3_vl": True}
 TopLogprobs = list[tuple[bytes, float]]  # a token's top alternatives: (bytes, logprob)
 
 
-def started(make: Callable[[int], Deployment], tries: int = 3) -> Deployment:
-    """``make(port)`` started, on a port free when picked. A server binds its port once it has
-    loaded its model, and meanwhile another test's server may take the same port: then another."""
-    for attempt in range(tries):
-        d = make(free_port())
-        try:
-            d.start()
-            return d
-        except PortInUseError:
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 def _deploy(model: Path, topology: str, connector: str = "shm", kv_connector: str = "shm") -> Deployment:
-    return started(
-        lambda port: Deployment(
-            Topology.parse(topology),
-            str(model),
-            port=port,
-            ec_connector=connector,  # type: ignore[arg-type]
-            kv_connector=kv_connector,  # type: ignore[arg-type]
-            extra_pd_args=PD_ARGS,
-        )
+    d = Deployment(
+        Topology.parse(topology),
+        str(model),
+        port=0,  # up picks it, and picks again if another server takes it while the model loads
+        ec_connector=connector,  # type: ignore[arg-type]
+        kv_connector=kv_connector,  # type: ignore[arg-type]
+        extra_pd_args=PD_ARGS,
     )
+    d.start()
+    return d
 
 
 def vision_requests(video: bool) -> list[tuple[dict, list | None]]:
@@ -191,15 +177,14 @@ def test_an_unrecognised_architecture_fails_at_once_naming_what_is_supported(tmp
 
 
 def _first_token_logprobs(model: Path, topology: str, dtype: str, part: dict) -> TopLogprobs:
-    d = started(
-        lambda port: Deployment(
-            Topology.parse(topology),
-            str(model),
-            port=port,
-            extra_pd_args=[*PD_ARGS, "--dtype", dtype],
-            extra_encoder_args=["--dtype", dtype],
-        )
+    d = Deployment(
+        Topology.parse(topology),
+        str(model),
+        port=0,
+        extra_pd_args=[*PD_ARGS, "--dtype", dtype],
+        extra_encoder_args=["--dtype", dtype],
     )
+    d.start()
     try:
         return _top_logprobs(d.url, model.name, part)
     finally:

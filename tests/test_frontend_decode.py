@@ -31,7 +31,6 @@ from epdserve.api.metrics import Metrics
 from epdserve.api.timing import parse_server_timing
 from epdserve.bench.workload import gif_data_url
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION, decode_request
-from epdserve.launcher import free_port
 from epdserve.media.decode import decode_video
 from epdserve.media.hashing import media_uuid
 from epdserve.media.limits import MediaLimits
@@ -215,7 +214,7 @@ def start(frontend: bool) -> Deployment:
     d = Deployment(
         Topology.parse("1e+1pd"),
         None,
-        port=free_port(),
+        port=0,
         extra_pd_args=["--max-model-len", "1024"],
         extra_router_args=["--frontend-decode"] if frontend else [],
     )

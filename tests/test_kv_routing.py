@@ -25,7 +25,6 @@ from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.core import request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest
-from epdserve.launcher import free_port
 from epdserve.media.limits import MediaLimits
 from epdserve.models.config import ModelConfig
 from epdserve.router.kv_routing import KVIndex, PromptBlocks
@@ -179,7 +178,7 @@ def kv_deployment(topology: str, pd_args: list[str] | None = None, probe_s: floa
     d = Deployment(
         Topology.parse(topology),
         None,
-        port=free_port(),
+        port=0,
         extra_pd_args=pd_args or ["--max-model-len", "2048", "--num-kv-blocks", "512"],
         extra_router_args=["--policy", "kv_aware", "--probe-interval", str(probe_s)],
     )

@@ -10,7 +10,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from epdserve.api.load import EncoderLoad, RateWindow, recommended_replicas, worker_ratio
-from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology
 from tests.server_utils import http, internal_headers
 from tests.test_topologies import request_set
@@ -45,7 +44,7 @@ def test_the_router_recommends_more_workers_under_load_and_one_when_idle() -> No
     d = Deployment(
         Topology.parse("1e+1pd"),
         None,
-        port=free_port(),
+        port=0,
         extra_pd_args=["--max-model-len", "1024", "--max-num-seqs", "2"],
         extra_router_args=["--probe-interval", "0.3"],
     )

@@ -13,7 +13,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve.api.timing import parse_server_timing, server_timing
-from epdserve.launcher import free_port
 from epdserve.up import Deployment, Topology
 from tests.server_utils import http, internal_headers, signed_headers
 from tests.test_topologies import request_set
@@ -24,7 +23,7 @@ PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "le", "max", "min", "
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
-    d = Deployment(Topology.parse("1e+1pd"), None, port=free_port(), extra_pd_args=["--max-model-len", "1024"])
+    d = Deployment(Topology.parse("1e+1pd"), None, port=0, extra_pd_args=["--max-model-len", "1024"])
     d.start()
     try:
         yield d
@@ -167,7 +166,7 @@ def test_access_lines_stats_lines_and_json_logs(tmp_path: Path) -> None:
     d = Deployment(
         Topology.parse("1e+1pd"),
         None,
-        port=free_port(),
+        port=0,
         log_dir=tmp_path,
         extra_args=["--log-format", "json", "--log-stats-interval", "0.5"],
     )
@@ -250,9 +249,7 @@ def test_one_trace_across_the_roles(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s
     with otlp_collector() as collector:
-        d = Deployment(
-            Topology.parse("1e+1pd"), None, port=free_port(), extra_args=["--otlp-traces-endpoint", collector.url]
-        )
+        d = Deployment(Topology.parse("1e+1pd"), None, port=0, extra_args=["--otlp-traces-endpoint", collector.url])
         d.start()
         try:
             trace_id, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"

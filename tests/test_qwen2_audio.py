@@ -455,7 +455,6 @@ def test_topologies_answer_input_audio_as_transformers(
     embeddings reach them metadata-only as audio_embeds, and the answers are transformers'."""
     from transformers import AutoTokenizer
 
-    from epdserve.launcher import free_port
     from epdserve.up import Deployment, Topology
     from tests.server_utils import http, openai_client
 
@@ -465,7 +464,7 @@ def test_topologies_answer_input_audio_as_transformers(
     d = Deployment(
         Topology.parse(topology),
         str(ckpt),
-        port=free_port(),
+        port=0,
         ec_connector=connector,  # type: ignore[arg-type]
         extra_pd_args=["--max-model-len", "1024", "--num-kv-blocks", "256", "--max-num-batched-tokens", "24"],
         **options,

@@ -24,7 +24,7 @@ from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld, render_images
 from epdserve.up import Deployment, Topology
 from tests.checkpoints.published import build_published, published_config
-from tests.test_families import PD_ARGS, _deploy, ask, started, transformers_answer
+from tests.test_families import PD_ARGS, _deploy, ask, transformers_answer
 from tests.test_families import data_url as image_url
 
 MAX_PIXELS = 448 * 448
@@ -143,11 +143,8 @@ def test_e_pd_pinned_with_cores_lent_answers_what_aggregated_answers(
 ) -> None:
     """Pinned, the encoder and the engine core borrow each other's core while the other is idle:
     their thread counts change from layer to layer, their answers do not."""
-    d = started(
-        lambda port: Deployment(
-            Topology.parse("1e+1pd"), str(checkpoint), port=port, pin=True, extra_pd_args=PD_ARGS, log_dir=tmp_path
-        )
-    )
+    d = Deployment(Topology.parse("1e+1pd"), str(checkpoint), port=0, pin=True, extra_pd_args=PD_ARGS, log_dir=tmp_path)
+    d.start()
     try:
         board = d.board
         got = [ask(d.url, checkpoint.name, r) for r, _ in requests()]

@@ -27,12 +27,10 @@ PD_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "256"]
 
 
 def deploy(topology: str, connector: str = "shm", kv_connector: str = "shm", dispatch: str = "always") -> Deployment:
-    from epdserve.launcher import free_port
-
     d = Deployment(
         Topology.parse(topology),
         None,
-        port=free_port(),
+        port=0,
         ec_connector=connector,  # type: ignore[arg-type]
         kv_connector=kv_connector,  # type: ignore[arg-type]
         extra_pd_args=PD_ARGS,
@@ -527,7 +525,6 @@ def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monke
     an encode, never a request."""
     import redis
 
-    from epdserve.launcher import free_port
     from tests.redis_server import redis_server
 
     _, expected, _ = aggregated
@@ -537,7 +534,7 @@ def test_shared_store_encodes_each_item_once_and_keeps_outputs(aggregated, monke
         d = Deployment(
             Topology.parse("2e+1pd"),
             None,
-            port=free_port(),
+            port=0,
             extra_pd_args=[*PD_ARGS, *store],
             extra_encoder_args=store,
         )
@@ -597,13 +594,12 @@ def test_mooncake_store_and_connector_deployment(aggregated) -> None:
     """``up --mooncake-master --ec-connector mooncake`` in 2e+1pd: identical outputs, each distinct
     item computed once across both encoders (their Mooncake store), repeated items skip the
     encoder (router directory); the master stops with the deployment."""
-    from epdserve.launcher import free_port
 
     _, expected, _ = aggregated
     d = Deployment(
         Topology.parse("2e+1pd"),
         None,
-        port=free_port(),
+        port=0,
         ec_connector="mooncake",
         extra_pd_args=PD_ARGS,
         mooncake_master=True,

@@ -352,9 +352,9 @@ def test_roles_get_distinct_ports_when_the_kernel_offers_one_twice(
 
     offered: list[int] = []
 
-    def twice() -> int:  # each free port offered twice in a row
+    def twice(host: str = "127.0.0.1") -> int:  # each free port offered twice in a row
         if not offered or offered.count(offered[-1]) == 2:
-            offered.append(free_port())
+            offered.append(free_port(host))
         else:
             offered.append(offered[-1])
         return offered[-1]
@@ -374,6 +374,68 @@ def test_roles_get_distinct_ports_when_the_kernel_offers_one_twice(
             assert r.status == 200
     finally:
         d.stop()
+
+
+def test_a_port_taken_before_its_role_listens_starts_the_roles_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel offers a free port to anyone who asks: one that another process takes before the
+    role we gave it listens costs a new start on other ports, not the deployment. The public port
+    given as 0 is ours to pick too."""
+    import epdserve.up as up_module
+
+    busy: list[socket.socket] = []
+    calls: list[int] = []
+
+    def taken_at_second_call(host: str = "127.0.0.1") -> int:  # the first role's port, first start
+        calls.append(0)
+        if len(calls) != 2:
+            return free_port(host)
+        busy.append(socket.create_server((host, 0)))
+        return busy[-1].getsockname()[1]
+
+    monkeypatch.setattr(up_module, "free_port", taken_at_second_call)
+    d = Deployment(Topology.parse("1e+1pd"), None, port=0, log_dir=tmp_path, verbose=True)
+    lines: list[str] = []
+    d.line = lambda text, *args, **kwargs: lines.append(text)  # type: ignore[method-assign]
+    try:
+        d.start()
+        taken = busy[0].getsockname()[1]
+        assert d.port != 0 and all(not r.url.endswith(f":{taken}") for r in d.roles)
+        assert any(f"encoder0's port {taken} was taken before it could listen: starting again" in t for t in lines)
+        body = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        req = urllib.request.Request(
+            d.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+    finally:
+        d.stop()
+        for b in busy:
+            b.close()
+
+
+def test_ports_taken_at_every_start_fail_it_saying_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import epdserve.up as up_module
+
+    busy: list[socket.socket] = []
+
+    def always_taken(host: str = "127.0.0.1") -> int:
+        busy.append(socket.create_server((host, 0)))
+        return busy[-1].getsockname()[1]
+
+    monkeypatch.setattr(up_module, "free_port", always_taken)
+    d = Deployment(Topology.parse("1e+1pd"), None, port=free_port(), log_dir=tmp_path)
+    try:
+        with pytest.raises(
+            StartupError, match=r"(encoder0|pd0|router)'s port \d+ was taken before it could listen, 3 times"
+        ):
+            d.start()
+        assert d.roles == []
+    finally:
+        d.stop()
+        for b in busy:
+            b.close()
 
 
 def test_busy_port_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:
