@@ -343,6 +343,16 @@ def test_a_router_that_does_not_stop_holds_the_others_back_half_the_grace(tmp_pa
     assert took < STOP_TIMEOUT_S + 5.0
 
 
+def answers_hi(url: str) -> bool:
+    """Whether the deployment at ``url`` answers a short chat request."""
+    body = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return bool(r.status == 200)
+
+
 def test_roles_get_distinct_ports_when_the_kernel_offers_one_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -366,12 +376,7 @@ def test_roles_get_distinct_ports_when_the_kernel_offers_one_twice(
         urls = [r.url for r in d.roles]
         assert len(set(urls)) == len(urls) == 4, urls
         assert len(offered) > len(set(offered))  # the same port was offered again, and passed over
-        body = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-        req = urllib.request.Request(
-            d.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            assert r.status == 200
+        assert answers_hi(d.url)
     finally:
         d.stop()
 
@@ -403,12 +408,7 @@ def test_a_port_taken_before_its_role_listens_starts_the_roles_again(
         taken = busy[0].getsockname()[1]
         assert d.port != 0 and all(not r.url.endswith(f":{taken}") for r in d.roles)
         assert any(f"encoder0's port {taken} was taken before it could listen: starting again" in t for t in lines)
-        body = {"model": "shapes-qwen2vl", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-        req = urllib.request.Request(
-            d.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            assert r.status == 200
+        assert answers_hi(d.url)
     finally:
         d.stop()
         for b in busy:
