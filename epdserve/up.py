@@ -278,9 +278,9 @@ class Deployment:
             self._check_public_port()
             for r in loading:
                 code = r.proc.poll()
-                if code == PORT_IN_USE_EXIT and r.restart_at is None:
-                    raise PortTaken(f"{r.name}'s port {r.url.rsplit(':', 1)[1]} was taken before it could listen")
                 if code is not None and code != ENGINE_CORE_DIED_EXIT and r.restart_at is None:
+                    if code == PORT_IN_USE_EXIT:
+                        raise PortTaken(f"{r.name}'s port {r.url.rsplit(':', 1)[1]} was taken before it could listen")
                     where = f"its log: {r.log}" if r.log else "its output is above"
                     raise StartupError(f"{r.name} exited with {exit_reason(code)} during start-up ({where})")
             supervisor.check()

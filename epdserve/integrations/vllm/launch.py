@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from epdserve.integrations.vllm.placement import front_end_to, parse_cpus
+from epdserve.integrations.vllm.placement import front_end_cpus, front_end_to
 
 CONNECTOR = {
     "ec_connector": "EpdserveECConnector",
@@ -220,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m epdserve.integrations.vllm.launch", description=__doc__)
     p.add_argument("--name", required=True, help="the role's name, prefixed to every line")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--front-end-cpus", type=parse_cpus, help="cores for vLLM's API server once it is up (with --url)")
+    p.add_argument(
+        "--front-end-cpus", type=front_end_cpus, help="cores for vLLM's API server once it is up (with --url)"
+    )
     p.add_argument("--url", help="vLLM's base URL, whose /health says it is up")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then vLLM's command line")
     args = p.parse_args(argv)

@@ -17,21 +17,18 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from epdserve.engine.config import cpu_list
 from epdserve.launcher import wait_healthy
 
 PASSES = 3  # a thread started while we move the others keeps its creator's cores: look again
 
 
-def parse_cpus(spec: str) -> list[int]:
-    """``0,2-3`` -> [0, 2, 3] (the lists taskset and ``--engine-cpus`` write); ValueError if bad."""
-    cpus: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi or lo)
-        if first < 0 or last < first:
-            raise ValueError(f"bad core list {spec!r}")
-        cpus += range(first, last + 1)
-    return sorted(set(cpus))
+def front_end_cpus(spec: str) -> list[int]:
+    """The wrapper's ``--front-end-cpus``: a core list as ``--engine-cpus`` takes it, not empty."""
+    cpus = list(cpu_list(spec))
+    if not cpus:
+        raise ValueError("an empty core list")
+    return cpus
 
 
 def move_process(pid: int, cpus: Sequence[int]) -> int:
