@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,10 +36,44 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-P", "-m", module, *args]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now. Nothing holds it for the caller: any process may take it."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host.strip("[]"), 0))
+# the lowest port ``free_port`` picks, and how many random ports it tries before it asks the kernel
+FIXED_PORT_FLOOR = 10000
+FIXED_PORT_TRIES = 64
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports(source: Path = EPHEMERAL_RANGE) -> range:
+    """The ports the kernel gives outgoing connections and ``bind(port 0)`` (Linux's default
+    when ``source`` cannot be read)."""
+    try:
+        low, high = (int(v) for v in source.read_text().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port free on ``host`` now. Nothing holds it for the caller: any process may take it.
+
+    It is picked at random below the kernel's ephemeral range, because a role binds its port only
+    once its model has loaded: a port inside that range could meanwhile become the local end of
+    any process's outgoing connection (a client, vLLM's own sockets), and the role would find it
+    taken. Below the range only another server can take it. The kernel's own pick when that
+    range is too small or every try is busy."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = host.strip("[]")
+    choose = rng or random.SystemRandom()
+    top = ephemeral_ports().start
+    for _ in range(FIXED_PORT_TRIES if top > FIXED_PORT_FLOOR else 0):
+        port = choose.randrange(FIXED_PORT_FLOOR, top)
+        with socket.socket(family) as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as s:
+        s.bind((address, 0))
         return int(s.getsockname()[1])
 
 

@@ -56,7 +56,9 @@ trap cleanup EXIT
 wait_healthy() {  # URL PID NAME: until URL/health answers; fails when the process exited
   for _ in $(seq 1 900); do
     curl -fs "$1/health" >/dev/null 2>&1 && return 0
-    kill -0 "$2" 2>/dev/null || { echo "gpu_check: $3 exited during start-up ($OUT/$3.log)" >&2; return 1; }
+    kill -0 "$2" 2>/dev/null || {
+      echo "gpu_check: $3 exited during start-up ($OUT/$3.log); its last lines:" >&2
+      tail -n 20 "$OUT/$3.log" >&2 || true; return 1; }
     sleep 1
   done
   echo "gpu_check: $3 not healthy after 900 s" >&2; return 1
@@ -67,7 +69,7 @@ MODEL=$("$PY" -m epdserve.cli model-path)
 setsid "$PY" -m epdserve.cli up --lm-engine vllm --topology 1e+1pd --port $PORT --device $DEVICE --dtype bfloat16 \
   --vllm-args "$VLLM_ARGS" --log-dir "$OUT/vllm-up-logs" >"$OUT/vllm-up.log" 2>&1 &
 UP=$!; PIDS+=("$UP")
-for _ in $(seq 1 900); do grep -q "ready in" "$OUT/vllm-up.log" && break; kill -0 "$UP" || { echo "gpu_check: up exited ($OUT/vllm-up.log)" >&2; exit 1; }; sleep 1; done
+for _ in $(seq 1 900); do grep -q "ready in" "$OUT/vllm-up.log" && break; kill -0 "$UP" || { echo "gpu_check: up exited ($OUT/vllm-up.log)" >&2; tail -n 20 "$OUT/vllm-up.log" >&2; exit 1; }; sleep 1; done
 grep -q "ready in" "$OUT/vllm-up.log" || { echo "gpu_check: up not ready after 900 s ($OUT/vllm-up.log)" >&2; exit 1; }
 PORT=$PORT "$PY" - <<'PY' | tee "$OUT/vllm-up-answer.txt"
 import json, os, urllib.request

@@ -38,6 +38,7 @@ TIERS: dict[str, str] = {
     "test_models.py": "unit",
     "test_module_size.py": "unit",
     "test_pd_transfer.py": "unit",
+    "test_ports.py": "unit",
     "test_plan.py": "unit",
     "test_plan.py::test_calibration_against_a_started_deployment": "e2e",
     "test_processor.py": "unit",
