@@ -28,6 +28,8 @@ TIERS: dict[str, str] = {
     "test_engine_core.py": "unit",
     "test_engine_oracle.py": "unit",
     "test_fused_decoder.py": "unit",
+    "test_http_client.py": "unit",
+    "test_log_format.py": "unit",
     "test_media.py": "unit",
     "test_media_budget.py": "unit",
     "test_media_fuzz.py": "unit",

@@ -9,10 +9,10 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 from aiohttp import web
 
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, Timeout, WorkerFailed
+from epdserve.api.http_client import Response
 from epdserve.api.responses import SSE_DONE, sse_error
 from epdserve.api.timing import SERVER_TIMING
 from epdserve.api.tracing import Tracing
@@ -84,7 +84,7 @@ class Forwarder:
                             raise RetryableWorker(pd.url, "embeddings unavailable", worker_ok=True)
                         return error_response(upstream, raw), False
                     if upstream.status >= 500:
-                        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                        with contextlib.suppress(TimeoutError, OSError):
                             raw = b""
                             raw = await upstream.read()
                         if about_media(raw):  # the request's own media failed there: the client's error
@@ -94,7 +94,7 @@ class Forwarder:
                     if upstream.status != 200 or not stream:
                         try:
                             raw = await upstream.read()
-                        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                        except (TimeoutError, OSError) as e:
                             pool.mark_failed(pd)  # died mid-body: nothing reached the client yet
                             raise RetryableWorker(pd.url, f"failed mid-response: {e}") from None
                         first_byte()
@@ -123,30 +123,21 @@ class Forwarder:
         trail: Trail,
         path: str = CHAT_PATH,
         trace: dict[str, str] | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         """POST a chat request to a worker, response unread. One that cannot be reached is marked
         failed and the call is retryable elsewhere."""
-        assert self.workers.session is not None
+        url = worker.url + path
+        headers = {"Content-Type": "application/json", **self.workers.signed("POST", url, body), **trail.ask()}
         try:
-            return await self.workers.session.post(
-                worker.url + path,
-                data=body,
-                headers={
-                    "Content-Type": "application/json",
-                    **self.workers.signed("POST", worker.url + path, body),
-                    **trail.ask(),
-                    **(trace or {}),
-                },
-                timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
-            )
+            return await self.workers.http.post(url, body, {**headers, **(trace or {})}, self.config.request_timeout_s)
         except TimeoutError:
             raise Timeout(f"The {pool.role} worker did not answer in time.") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except OSError as e:
             pool.mark_failed(worker)
             raise RetryableWorker(worker.url, str(e)) from None
 
     async def _relay_stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pd: Worker, trail: Trail, pool: WorkerPool
+        self, request: web.Request, upstream: Response, pd: Worker, trail: Trail, pool: WorkerPool
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=200)
         for h in ("Content-Type", "Cache-Control"):
@@ -157,22 +148,20 @@ class Forwarder:
         await self.relay(resp, upstream, pd, pool)
         return resp
 
-    async def relay(
-        self, resp: web.StreamResponse, upstream: aiohttp.ClientResponse, worker: Worker, pool: WorkerPool
-    ) -> None:
+    async def relay(self, resp: web.StreamResponse, upstream: Response, worker: Worker, pool: WorkerPool) -> None:
         """Pass a worker's SSE stream on to a client's prepared response, to its end. A worker
         that breaks off mid-stream is marked failed, and the stream ends with an error event."""
         tail = b""
         failure: str | None = None
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.iter_chunks():
                 await resp.write(chunk)
                 tail = (tail + chunk)[-_TAIL:]
             if tail != SSE_DONE:
                 failure = "the stream ended early"
         except ConnectionResetError:
             return  # the client left: closing upstream makes the worker abort the request
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        except (TimeoutError, OSError) as e:
             failure = str(e) or type(e).__name__
         if failure is not None:
             # a worker that died mid-stream: say so in the stream, then end it cleanly

@@ -29,6 +29,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import EMBEDS_UNAVAILABLE, ApiError, Unavailable, WorkerFailed
+from epdserve.api.http_client import Response
 from epdserve.api.protocol import ChatRequest
 from epdserve.api.responses import (
     SSE_DONE,
@@ -137,7 +138,7 @@ class SplitChat:
     # ---- decode ------------------------------------------------------------------------------
     async def _decode(
         self, req: ChatRequest, body: dict[str, Any], refs: list[MediaRef], handoff: _Handoff, trail: Trail
-    ) -> tuple[aiohttp.ClientResponse, Worker]:
+    ) -> tuple[Response, Worker]:
         """A decode worker's open 200 response, continuing after the first token: from the KV,
         or, when that worker fails before answering, another one computing the prefill."""
         first_token = handoff.kv.get("first_token_id")
@@ -217,7 +218,7 @@ class SplitChat:
             try:
                 raw = await upstream.read()
                 rest = msgspec.json.decode(raw, type=ChatCompletion)
-            except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as e:
+            except (TimeoutError, OSError, msgspec.DecodeError) as e:
                 self.workers.decodes.mark_failed(worker)
                 raise WorkerFailed(f"The decode worker failed mid-response: {e}") from None
         first, last = handoff.first.choices[0], rest.choices[0]
@@ -256,7 +257,7 @@ class SplitChat:
         return resp
 
     # ---- calls -------------------------------------------------------------------------------
-    async def _open(self, pool: WorkerPool, worker: Worker, raw: bytes, trail: Trail) -> aiohttp.ClientResponse:
+    async def _open(self, pool: WorkerPool, worker: Worker, raw: bytes, trail: Trail) -> Response:
         """POST a chat request; the open response when it is a 200. A worker that cannot be
         reached, answers 5xx or lost the embeddings is retryable; a 4xx is the client's error."""
         worker.outstanding += 1
@@ -286,7 +287,7 @@ class SplitChat:
         async with upstream:
             try:
                 return await upstream.read()
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 pool.mark_failed(worker)
                 raise RetryableWorker(worker.url, f"failed mid-response: {e}") from None
 

@@ -3,11 +3,11 @@ is the client's (passed on as the router's own)."""
 
 from __future__ import annotations
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import RETRY_AFTER_S, ApiError, BadRequest, NotFound, PayloadTooLarge, Timeout
+from epdserve.api.http_client import Response
 from epdserve.media.errors import MEDIA_CODES
 
 
@@ -35,7 +35,7 @@ def about_media(raw: bytes) -> bool:
     return error_code(raw) in MEDIA_CODES
 
 
-def error_response(upstream: aiohttp.ClientResponse, raw: bytes) -> web.Response:
+def error_response(upstream: Response, raw: bytes) -> web.Response:
     """A worker's answer passed to the client as it is (status, body, type and Retry-After)."""
     resp = web.Response(body=raw, status=upstream.status)
     for h in ("Content-Type", "Retry-After"):

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import BadRequest, Forbidden
+from epdserve.api.http_client import HttpClient
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
 from epdserve.api.load import MAX_LOAD_REPORT_BYTES, decode_load_report, recommended_replicas
 from epdserve.api.metrics import Metrics
@@ -65,7 +66,8 @@ class WorkerPools:
         self.pds = pool("pd", config.pds, policy)
         self.prefills = pool("prefill", config.prefills, policy)
         self.decodes = pool("decode", config.decodes, policy)
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # probes, registration, encoders, metrics
+        self.http = HttpClient()  # the language-model workers' calls on each request's path
         self._probe_task: asyncio.Task | None = None
         self.model: tuple[str, int] | None = None  # (served name, max_model_len) of the PD workers
         self.tick = tick  # once per probe round (the admission controller's)
@@ -117,6 +119,7 @@ class WorkerPools:
             self._probe_task.cancel()
 
     async def close(self) -> None:
+        self.http.close()
         if self.session:
             await self.session.close()
 
