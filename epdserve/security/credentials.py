@@ -54,14 +54,20 @@ class ClusterCredential:
     """The cluster secret and the keys derived from it, one per purpose."""
 
     secret: bytes = field(repr=False)
+    _keys: dict[str, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.secret) < MIN_SECRET_BYTES:
             raise CredentialError(f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")
 
     def derive(self, purpose: str) -> bytes:
-        """A 32-byte key for one purpose ("http/peer-mac", "ec-handle", "ec-tcp", ...)."""
-        return hmac.new(self.secret, b"epdserve/v1/" + purpose.encode(), hashlib.sha256).digest()
+        """A 32-byte key for one purpose ("http/peer-mac", "ec-handle", "ec-tcp", ...), derived once."""
+        key = self._keys.get(purpose)
+        if key is None:
+            key = self._keys[purpose] = hmac.new(
+                self.secret, b"epdserve/v1/" + purpose.encode(), hashlib.sha256
+            ).digest()
+        return key
 
     @classmethod
     def generate(cls) -> ClusterCredential:

@@ -21,6 +21,7 @@ process without the secret cannot answer, nor relay the challenge to a real work
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -74,17 +75,27 @@ def _path_of(url: str) -> str:
     return (u.path or "/") + (f"?{u.query}" if u.query else "")
 
 
+@functools.lru_cache(maxsize=1024)
+def _url_parts(url: str) -> tuple[str, str]:
+    """``target_of(url)`` and its path: a router signs every call to the same few worker URLs."""
+    return target_of(url), _path_of(url)
+
+
 def _mac(key: bytes, target: str, method: str, path: str, body: bytes, ts: int, nonce: str) -> str:
     msg = "\n".join(("epd-http/v1", target, method.upper(), path, hashlib.sha256(body).hexdigest(), str(ts), nonce))
-    return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(key, msg.encode(), "sha256").hex()
 
 
 def sign(
     cluster: ClusterCredential, method: str, url: str, body: bytes = b"", now: float | None = None
 ) -> dict[str, str]:
     """The header proving the cluster credential on one request to ``url`` (and only that one)."""
-    target, ts, nonce = target_of(url), int(time.time() if now is None else now), secrets.token_hex(NONCE_BYTES)
-    mac = _mac(cluster.derive(HTTP_PURPOSE), target, method, _path_of(url), body, ts, nonce)
+    (target, path), ts, nonce = (
+        _url_parts(url),
+        int(time.time() if now is None else now),
+        secrets.token_hex(NONCE_BYTES),
+    )
+    mac = _mac(cluster.derive(HTTP_PURPOSE), target, method, path, body, ts, nonce)
     return {PEER_HEADER: f"v1 target={target} ts={ts} nonce={nonce} mac={mac}"}
 
 
