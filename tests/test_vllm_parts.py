@@ -24,7 +24,7 @@ from epdserve.integrations.vllm.placement import front_end_cpus
 from epdserve.launcher import free_port
 from epdserve.router.config import RouterConfig
 from epdserve.router.refs import media_refs
-from epdserve.router.vllm_worker import VllmLoad, is_vllm_models, parse_vllm_load, vllm_body
+from epdserve.router.vllm_worker import VllmLoad, as_sent, is_vllm_models, parse_vllm_load, vllm_body
 from epdserve.transfer.base import InvalidHandle
 from epdserve.transfer.cached import CACHED_HANDLE
 from tests.optional import unavailable
@@ -187,7 +187,22 @@ def test_vllm_body_keeps_the_media_and_passes_uuids_and_handles() -> None:
     assert out["ec_transfer_params"] == {"epdserve_handles": [refs[0].result.ec_handle, refs[1].result.ec_handle]}
     assert "kv_transfer_params" not in out
     assert json.dumps(client) == before  # the client's body is left as it was
-    assert "ec_transfer_params" not in vllm_body(client, [])
+    nothing_encoded = vllm_body(client, [])  # --dispatch never: every part goes raw
+    assert "ec_transfer_params" not in nothing_encoded
+    assert not [p for p in nothing_encoded["messages"][1]["content"] if "uuid" in p]  # vLLM keys its caches by it
+    assert not as_sent(client)
+
+
+def test_a_body_goes_to_vllm_as_sent_only_when_nothing_in_it_is_the_router_s() -> None:
+    text = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    image = {"type": "image_url", "image_url": {"url": "data:a"}}
+    assert as_sent(text) and vllm_body(text, []) == text
+    with_image = {**text, "messages": [{"role": "user", "content": [image, {"type": "text", "text": "?"}]}]}
+    assert as_sent(with_image) and vllm_body(with_image, []) == with_image
+    named = {**text, "messages": [{"role": "user", "content": [{**image, "uuid": "mine"}]}]}
+    assert not as_sent(named)
+    for field in ("ec_transfer_params", "kv_transfer_params"):
+        assert not as_sent({**text, field: {}})
 
 
 VLLM_METRICS = """\

@@ -47,11 +47,11 @@ from epdserve.common.health import health_body
 from epdserve.router.config import RouterConfig
 from epdserve.router.forward import COMPLETIONS_PATH
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
-from epdserve.router.refs import media_refs, with_parts
+from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.server import Router
 from epdserve.router.trail import Trail
 from epdserve.router.upstream import RetryableWorker
-from epdserve.router.vllm_worker import vllm_body
+from epdserve.router.vllm_worker import as_sent, vllm_body
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,7 @@ class Handlers:
                     pd = await self.placement.place(self.worker_pools.pds, req, refs, exclude, skip_cached, 1, trail)
                 except NoWorker:
                     raise Unavailable("No healthy prefill/decode worker is available.") from None
-                for_worker = vllm_body if self.config.pd_engine == "vllm" else with_parts
-                worker_body = msgspec.json.encode(for_worker(body, refs))
+                worker_body = self._worker_body(raw, body, refs)
                 resp, consumed = await self.forwarder.forward(request, pd, worker_body, bool(req.stream), trail)
                 return resp
             except RetryableWorker as e:
@@ -247,6 +246,14 @@ class Handlers:
             finally:
                 if not consumed:
                     self.encodes.release(self.encodes.take_leases(refs))
+
+    def _worker_body(self, raw: bytes, body: dict[str, Any], refs: list[MediaRef]) -> bytes:
+        """The body for the language-model worker: the client's bytes when nothing in them changes
+        (no media the router settled, nothing a vLLM worker must not be sent), else rewritten."""
+        vllm = self.config.pd_engine == "vllm"
+        if not refs and (not vllm or as_sent(body)):
+            return raw
+        return msgspec.json.encode((vllm_body if vllm else with_parts)(body, refs))
 
     async def workers(self, request: web.Request) -> web.Response:
         def rows(p: WorkerPool) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +37,11 @@ def vllm_body(body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
     so vLLM names it by its own content hash and encodes it."""
     out = {k: v for k, v in body.items() if k not in _ROUTER_ONLY}
     out["messages"] = copy.deepcopy(body["messages"])
+    for part in _parts(out):
+        part.pop("uuid", None)
     handles = []
     for r in refs:
         part = out["messages"][r.message]["content"][r.part]
-        part.pop("uuid", None)
         usable = r.result is not None and not r.raw and r.result.ec_handle.get("connector") != CACHED_HANDLE
         if usable:
             assert r.result is not None
@@ -48,6 +50,20 @@ def vllm_body(body: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
     if handles:
         out["ec_transfer_params"] = ec_transfer_params(handles)
     return out
+
+
+def as_sent(body: dict[str, Any]) -> bool:
+    """Whether ``vllm_body(body, [])`` is ``body`` itself: no field that is the router's to set,
+    no content part naming a uuid (a client's bytes may then go to vLLM as they came)."""
+    return not any(k in body for k in _ROUTER_ONLY) and not any("uuid" in part for part in _parts(body))
+
+
+def _parts(body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every content part (a dict) of the body's messages."""
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            yield from (part for part in content if isinstance(part, dict))
 
 
 @dataclass(frozen=True)
