@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ _ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 def request_id(headers: Mapping[str, str]) -> str:
     """The request's id: the caller's ``X-Request-Id`` when it is a plain token, else a new one."""
     given = headers.get(REQUEST_ID_HEADER, "")
-    return given if _ID.fullmatch(given) else uuid.uuid4().hex[:16]
+    return given if _ID.fullmatch(given) else os.urandom(8).hex()
 
 
 def _text(fields: dict[str, Any]) -> str:

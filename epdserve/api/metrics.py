@@ -53,11 +53,15 @@ class _Reads(Collector):
             yield family
 
 
+MAX_CACHED_CHILDREN = 4096  # labelled counters ``Metrics.inc`` keeps at hand
+
+
 class Metrics:
     def __init__(self, prefix: str = "epd_") -> None:
         self.prefix = prefix
         self.registry = CollectorRegistry(auto_describe=False)
         self._counters: dict[str, Counter] = {}
+        self._children: dict[object, Counter] = {}  # (name, *label items) -> the labelled counter
         self._histograms: dict[str, Histogram] = {}
         self._reads = _Reads()
         self.registry.register(self._reads)
@@ -73,8 +77,14 @@ class Metrics:
         return c
 
     def inc(self, name: str, value: float = 1.0, labels: Mapping[str, str] | None = None, help_text: str = "") -> None:
-        c = self.counter(name, help_text, tuple(labels or ()))
-        (c.labels(**labels) if labels else c).inc(value)
+        key = (name, *labels.items()) if labels else name
+        child = self._children.get(key)
+        if child is None:
+            c = self.counter(name, help_text, tuple(labels or ()))
+            child = c.labels(**labels) if labels else c
+            if len(self._children) < MAX_CACHED_CHILDREN:  # label values are few; never unbounded
+                self._children[key] = child
+        child.inc(value)
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float], monotonic: bool = False) -> None:
         self._reads.reads[self.prefix + name] = (help_text, monotonic, read)
