@@ -12,6 +12,11 @@ token, so the answer's wall time is the whole request). A text request takes no 
 difference is the router's own work: parsing, choosing the worker, the request to it, relaying
 its answer. Prints the p50 and p90 of each path, the median of the paired differences, and writes
 every sample to ``--json``.
+
+``--compare-tree DIR`` also starts the router of another checkout (DIR, e.g. a ``git worktree``
+of an earlier commit) beside the deployment's, with the same arguments in front of the same
+workers, and sends each round of requests to all three paths in turn: the two routers' overheads
+side by side in one run, on the same workers at the same moment.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import http.client
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,9 +34,10 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from epdserve.launcher import free_port
+from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.security.credentials import ClusterCredential
 from epdserve.security.peers import sign
+from epdserve.supervisor import Role
 from epdserve.up import Deployment, Topology
 
 
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=200, help="requests on each path")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--compare-tree", type=Path, default=None, help="another checkout whose router runs beside")
     args = ap.parse_args(argv)
     extra: dict = {}
     if args.lm_engine == "vllm":
@@ -82,39 +90,51 @@ def main(argv: list[str] | None = None) -> None:
         }
     d = Deployment(Topology.parse("1e+1pd"), None, port=free_port(), **extra)
     d.start()
+    other = None
     try:
         worker = next(r.url for r in d.roles if r.name.startswith("pd"))
-        router, direct = Client(d.url), Client(worker)
-        model = router.get("/v1/models")["data"][0]["id"]
+        paths = {"through the router": Client(d.url), "straight to the worker": Client(worker)}
+        if args.compare_tree:
+            other, url = start_router_of(args.compare_tree, next(r for r in d.roles if r.name == "router"))
+            paths[f"through the router of {args.compare_tree}"] = Client(url)
+        model = paths["through the router"].get("/v1/models")["data"][0]["id"]
         question = {"role": "user", "content": "How many shapes are there?"}
         body = json.dumps({"model": model, "messages": [question], "max_tokens": 1, "temperature": 0}).encode()
         cluster = d.cluster if args.lm_engine == "epdserve" else None  # vLLM asks for no credential here
-        for _ in range(args.warmup):
-            router.post(body)
-            direct.post(body, cluster)
-        via: list[float] = []
-        straight: list[float] = []
-        for i in range(args.requests):  # alternate which path goes first
-            if i % 2:
-                straight.append(direct.post(body, cluster))
-                via.append(router.post(body))
-            else:
-                via.append(router.post(body))
-                straight.append(direct.post(body, cluster))
+        names = list(paths)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(args.warmup + args.requests):  # each path goes first in turn
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                elapsed = paths[name].post(body, cluster if name.startswith("straight") else None)
+                if i >= args.warmup:
+                    times[name].append(elapsed)
     finally:
+        if other is not None:
+            stop(other)
         d.stop()
-    diffs = [a - b for a, b in zip(via, straight, strict=True)]
+    straight = times["straight to the worker"]
     ms = lambda v: f"{1e3 * v:.2f}"  # noqa: E731
     print(f"lm engine: {args.lm_engine}, {args.requests} text requests per path, 1 output token, one at a time")
-    print("| path | p50 ms | p90 ms |")
-    print("|---|---|---|")
-    print(f"| through the router | {ms(pct(via, 0.5))} | {ms(pct(via, 0.9))} |")
-    print(f"| straight to the worker | {ms(pct(straight, 0.5))} | {ms(pct(straight, 0.9))} |")
-    print(f"router overhead, median of paired differences: {ms(statistics.median(diffs))} ms")
+    print("| path | p50 ms | p90 ms | overhead: median of paired differences, ms |")
+    print("|---|---|---|---|")
+    for name in names:
+        diff = statistics.median(a - b for a, b in zip(times[name], straight, strict=True))
+        overhead = "" if name.startswith("straight") else ms(diff)
+        print(f"| {name} | {ms(pct(times[name], 0.5))} | {ms(pct(times[name], 0.9))} | {overhead} |")
     if args.json:
-        args.json.write_text(
-            json.dumps({"args": {**vars(args), "json": str(args.json)}, "via": via, "direct": straight})
-        )
+        args.json.write_text(json.dumps({"args": {**vars(args), "json": str(args.json)}, "times": times}, default=str))
+
+
+def start_router_of(tree: Path, router: Role) -> tuple[subprocess.Popen, str]:
+    """The router of the checkout ``tree``, started as ``router`` was but on a port of its own."""
+    argv = list(router.args)
+    port = free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    env = {**router.env, "PYTHONPATH": str(tree.resolve())}
+    proc = start_role(argv, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, 120)
+    return proc, url
 
 
 if __name__ == "__main__":

@@ -229,12 +229,11 @@ def test_a_stream_past_its_deadline_is_a_timeout() -> None:
         return False
 
     async def run() -> None:
-        async with Server(stalls) as url:
-            async with await HttpClient().post(url + "/", b"", {}, 0.5) as r:
-                pieces = r.iter_chunks()
-                assert await anext(pieces) == b"firs"
-                with pytest.raises(TimeoutError):
-                    await anext(pieces)
+        async with Server(stalls) as url, await HttpClient().post(url + "/", b"", {}, 0.5) as r:
+            pieces = r.iter_chunks()
+            assert await anext(pieces) == b"firs"
+            with pytest.raises(TimeoutError):
+                await anext(pieces)
 
     asyncio.run(run())
 
