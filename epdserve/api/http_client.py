@@ -299,7 +299,7 @@ class HttpClient:
         address, path = self._split(url)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        request = self._request_bytes(address, path, body, headers)
+        request = [self._head(address, path, len(body), headers), body]
         conn = self._take_idle(address)
         if conn is not None:
             before = conn.received
@@ -310,11 +310,13 @@ class HttpClient:
                     raise
         return await self._send(address, await self._connect(address, deadline), request, deadline)
 
-    async def _send(self, address: _Address, conn: _Connection, request: bytes, deadline: float | None) -> Response:
+    async def _send(
+        self, address: _Address, conn: _Connection, request: list[bytes], deadline: float | None
+    ) -> Response:
         response = Response(self, address, conn, deadline)
         try:
             assert conn.transport is not None
-            conn.transport.write(request)
+            conn.transport.writelines(request)  # the body is not copied into one buffer with the head
             await response.start()
         except BaseException:
             response.release()
@@ -364,14 +366,14 @@ class HttpClient:
         return known
 
     @staticmethod
-    def _request_bytes(address: _Address, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-        lines = [f"POST {path} HTTP/1.1", f"Host: {address.authority}", f"Content-Length: {len(body)}"]
+    def _head(address: _Address, path: str, length: int, headers: Mapping[str, str]) -> bytes:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {address.authority}", f"Content-Length: {length}"]
         for name, value in headers.items():
             if "\r" in name or "\n" in name or ":" in name or "\r" in value or "\n" in value:
                 raise ValueError(f"a line break or colon in the header {name[:40]!r}")
             lines.append(f"{name}: {value}")
         lines.append("\r\n")
-        return "\r\n".join(lines).encode("latin-1") + body
+        return "\r\n".join(lines).encode("latin-1")
 
     def close(self) -> None:
         """Close every idle connection (those in use close when their answers are released)."""
