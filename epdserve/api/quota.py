@@ -93,9 +93,10 @@ class Quotas:
             yield lambda resp: None
             return
         ticket = self.admit(self.client(request))
+        counted = bool(self.config.max_tokens_per_minute_per_key)  # else an answer's usage is not read
         try:
             ticket.reserve(tokens)
-            yield lambda resp: ticket.done(used_by(resp))
+            yield lambda resp: ticket.done(used_by(resp) if counted else None)
         except BaseException:
             ticket.failed()
             raise
