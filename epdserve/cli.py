@@ -75,7 +75,7 @@ def _log_to_stderr(args: argparse.Namespace) -> None:
     from epdserve.common import logs
 
     os.environ[logs.LOG_FORMAT_ENV] = args.log_format
-    logs.setup(args.log_format)
+    logs.setup(args.log_format, access=not args.no_access_log)
 
 
 def _checked(build: Callable[[], T]) -> T:

@@ -110,7 +110,11 @@ def up_deployment(args: argparse.Namespace) -> Deployment:
                 *forwarded("public"),
                 *to_argv(args, FRONTEND_FLAGS, FRONTEND_PREFIX),
             ],
-            extra_args=[*forwarded("all"), *(["--log-format", args.log_format] if args.log_format else [])],
+            extra_args=[
+                *forwarded("all"),
+                *(["--log-format", args.log_format] if args.log_format else []),
+                *(["--no-access-log"] if args.no_access_log else []),
+            ],
             log_dir=Path(args.log_dir) if args.log_dir else None,
             api_key=api_key_from(args.api_key),
             admin_key=api_key_from(args.admin_key, ADMIN_KEY_ENV),

@@ -204,9 +204,10 @@ def test_up_hands_role_flags_on_to_the_right_roles() -> None:
     # the worker and router options a new user reaches for
     argv = "up --max-num-seqs 4 --no-enable-prefix-caching --num-kv-blocks 64 --encode-token-budget 900"
     argv += " --encoder-cache-bytes 0 --max-prompt-chars 100 --enable-mm-embeds --encoder-policy round_robin"
-    argv += " --log-format json --log-stats-interval 5 --api-key k"
+    argv += " --log-format json --log-stats-interval 5 --api-key k --no-access-log"
     d = cli.up_deployment(parse(*argv.split()))
     serve = parse("serve", *d.extra_pd_args, *d.extra_args)
+    assert serve.no_access_log and parse("encoder", *d.extra_encoder_args, *d.extra_args).no_access_log
     assert (serve.max_num_seqs, serve.enable_prefix_caching, serve.num_kv_blocks) == (4, False, 64)
     assert (serve.max_prompt_chars, serve.enable_mm_embeds, serve.log_format) == (100, True, "json")
     assert serve.log_stats_interval == 5
@@ -214,6 +215,7 @@ def test_up_hands_role_flags_on_to_the_right_roles() -> None:
     assert (encoder.encode_token_budget, encoder.encoder_cache_bytes, encoder.log_format) == (900, 0, "json")
     router = parse("router", *d.extra_router_args, *d.extra_args)
     assert (router.encoder_policy, router.max_prompt_chars, router.enable_mm_embeds) == ("round_robin", 100, True)
+    assert router.no_access_log and not parse("router").no_access_log
     assert d.api_key == "k"
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from epdserve.common.logs import TextFormatter
+from epdserve.common.logs import ACCESS_LOGGER, TextFormatter, setup
 
 FORMAT = "%(asctime)s %(levelname)s [core] %(name)s: %(message)s"
 
@@ -20,3 +20,18 @@ def test_text_lines_are_logging_s_own_across_seconds(created: float) -> None:
 
 
 TEXT = TextFormatter(FORMAT)  # one formatter across the cases: its cached second must not leak into the next
+
+
+def test_without_access_lines_a_role_still_logs_everything_else() -> None:
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, logging.getLogger(ACCESS_LOGGER).level)
+    try:
+        setup(access=False)
+        assert not logging.getLogger(ACCESS_LOGGER).isEnabledFor(logging.INFO)
+        assert logging.getLogger("epdserve.router.app").isEnabledFor(logging.INFO)
+        assert logging.getLogger(ACCESS_LOGGER).isEnabledFor(logging.WARNING)
+        setup()
+        assert logging.getLogger(ACCESS_LOGGER).isEnabledFor(logging.INFO)
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        logging.getLogger(ACCESS_LOGGER).setLevel(saved[2])

@@ -29,3 +29,8 @@ def add_log_args(s: argparse.ArgumentParser, default: str | None = "text") -> No
         default=default,
         help="log lines as text or as one JSON object each (default: text)",
     )
+    s.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="no access line per request (the other lines stay); each costs a busy router CPU time",
+    )

@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from epdserve.common.logs import ACCESS_LOGGER
+
 if TYPE_CHECKING:
     from epdserve.api.auth import AuthConfig
 
-ACCESS = logging.getLogger("epdserve.access")
+ACCESS = logging.getLogger(ACCESS_LOGGER)
 STATS = logging.getLogger("epdserve.stats")
 STATS_INTERVAL_S = 10.0
 
@@ -83,7 +85,12 @@ def access(**fields: Any) -> None:
 
 
 def _write_access(fields: dict[str, Any]) -> None:
-    ACCESS.info(_text(fields), extra={"fields": fields})
+    """The record made and handled directly: ``Logger.info`` would also walk the stack for the
+    caller's file and line, which no line prints."""
+    record = ACCESS.makeRecord(
+        ACCESS.name, logging.INFO, __file__, 0, _text(fields), (), None, extra={"fields": fields}
+    )
+    ACCESS.handle(record)
 
 
 def stats(**fields: Any) -> None:

@@ -44,9 +44,13 @@ class TextFormatter(logging.Formatter):
         return f"{self._text},{int(record.msecs):03d}"
 
 
-def setup(fmt: LogFormat = "text", prefix: str = "") -> None:
-    """Configure the process's logging (``prefix`` marks a sub-process, e.g. "[core] "). Records
-    do not look up their thread and process, which no line prints."""
+ACCESS_LOGGER = "epdserve.access"  # one line per request (``api/logs.py``)
+
+
+def setup(fmt: LogFormat = "text", prefix: str = "", access: bool = True) -> None:
+    """Configure the process's logging (``prefix`` marks a sub-process, e.g. "[core] "; without
+    ``access``, no access lines). Records do not look up their thread and process, which no line
+    prints."""
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = logging.StreamHandler()
     if fmt == "json":
@@ -56,3 +60,4 @@ def setup(fmt: LogFormat = "text", prefix: str = "") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access else logging.WARNING)
