@@ -11,7 +11,8 @@ instance on its internal port, and times each answer from the client (non-stream
 token, so the answer's wall time is the whole request). A text request takes no encoder, so the
 difference is the router's own work: parsing, choosing the worker, the request to it, relaying
 its answer. Prints the p50 and p90 of each path, the median of the paired differences, and writes
-every sample to ``--json``.
+every sample to ``--json``. Beside them, each router's CPU time (user and system, from /proc)
+over the measured requests, divided by their number (its health probes included).
 
 ``--compare-tree DIR`` also starts the router of another checkout (DIR, e.g. a ``git worktree``
 of an earlier commit) beside the deployment's, with the same arguments in front of the same
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--compare-tree", type=Path, default=None, help="another checkout whose router runs beside")
+    ap.add_argument("--no-access-log", action="store_true", help="the roles write no access lines")
     args = ap.parse_args(argv)
     extra: dict = {}
     if args.lm_engine == "vllm":
@@ -88,26 +90,35 @@ def main(argv: list[str] | None = None) -> None:
             "lm_engine": "vllm",
             "vllm_args": ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager"],
         }
+    if args.no_access_log:
+        extra["extra_args"] = ["--no-access-log"]
     d = Deployment(Topology.parse("1e+1pd"), None, port=free_port(), **extra)
     d.start()
     other = None
     try:
         worker = next(r.url for r in d.roles if r.name.startswith("pd"))
+        router = next(r for r in d.roles if r.name == "router")
         paths = {"through the router": Client(d.url), "straight to the worker": Client(worker)}
+        pids = {"through the router": router.proc.pid}
         if args.compare_tree:
-            other, url = start_router_of(args.compare_tree, next(r for r in d.roles if r.name == "router"))
+            other, url = start_router_of(args.compare_tree, router)
             paths[f"through the router of {args.compare_tree}"] = Client(url)
+            pids[f"through the router of {args.compare_tree}"] = other.pid
         model = paths["through the router"].get("/v1/models")["data"][0]["id"]
         question = {"role": "user", "content": "How many shapes are there?"}
         body = json.dumps({"model": model, "messages": [question], "max_tokens": 1, "temperature": 0}).encode()
         cluster = d.cluster if args.lm_engine == "epdserve" else None  # vLLM asks for no credential here
         names = list(paths)
         times: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, float] = {}
         for i in range(args.warmup + args.requests):  # each path goes first in turn
+            if i == args.warmup:
+                cpu = {name: -cpu_seconds(pid) for name, pid in pids.items()}
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 elapsed = paths[name].post(body, cluster if name.startswith("straight") else None)
                 if i >= args.warmup:
                     times[name].append(elapsed)
+        cpu = {name: (t + cpu_seconds(pids[name])) / args.requests for name, t in cpu.items()}
     finally:
         if other is not None:
             stop(other)
@@ -115,14 +126,22 @@ def main(argv: list[str] | None = None) -> None:
     straight = times["straight to the worker"]
     ms = lambda v: f"{1e3 * v:.2f}"  # noqa: E731
     print(f"lm engine: {args.lm_engine}, {args.requests} text requests per path, 1 output token, one at a time")
-    print("| path | p50 ms | p90 ms | overhead: median of paired differences, ms |")
-    print("|---|---|---|---|")
+    print("| path | p50 ms | p90 ms | overhead: median of paired differences, ms | router CPU ms a request |")
+    print("|---|---|---|---|---|")
     for name in names:
         diff = statistics.median(a - b for a, b in zip(times[name], straight, strict=True))
         overhead = "" if name.startswith("straight") else ms(diff)
-        print(f"| {name} | {ms(pct(times[name], 0.5))} | {ms(pct(times[name], 0.9))} | {overhead} |")
+        used = ms(cpu[name]) if name in cpu else ""
+        print(f"| {name} | {ms(pct(times[name], 0.5))} | {ms(pct(times[name], 0.9))} | {overhead} | {used} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": {**vars(args), "json": str(args.json)}, "times": times}, default=str))
+        record = {"args": {**vars(args), "json": str(args.json)}, "times": times, "router_cpu_s": cpu}
+        args.json.write_text(json.dumps(record, default=str))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_router_of(tree: Path, router: Role) -> tuple[subprocess.Popen, str]:
