@@ -57,6 +57,19 @@ def answer(status: int, body: bytes, *headers: str) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+def sends(raw: bytes, wait_for_close: bool = False) -> Reply:
+    """A reply that writes ``raw`` and ends the connection (once the client has, if asked)."""
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(raw)
+        await writer.drain()
+        if wait_for_close:
+            await reader.read()
+        return False
+
+    return reply
+
+
 async def by_length(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
     writer.write(answer(200, b'{"n": %d}' % n, "Content-Type: application/json", "X-Stage: a=1"))
     await writer.drain()
@@ -124,13 +137,8 @@ def test_a_chunked_stream_arrives_as_it_is_sent_and_its_connection_is_kept() -> 
 
 
 def test_a_body_to_the_close_is_read_and_its_connection_not_reused() -> None:
-    async def to_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
-        await writer.drain()
-        return False
-
     async def run() -> None:
-        server = Server(to_close)
+        server = Server(sends(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it"))
         async with server as url:
             client = HttpClient()
             for _ in range(2):
@@ -184,11 +192,8 @@ def test_a_kept_connection_the_worker_closed_is_replaced_before_anything_was_rea
 
 def test_an_answer_broken_off_is_an_upstream_error_and_never_sent_again() -> None:
     async def breaks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-        if n == 1:
-            return await by_length(reader, writer, n)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
-        await writer.drain()
-        return False
+        reply = by_length if n == 1 else sends(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+        return await reply(reader, writer, n)
 
     async def run() -> None:
         server = Server(breaks)
@@ -271,14 +276,8 @@ def test_an_answer_left_unread_closes_its_connection() -> None:
     ],
 )
 def test_a_malformed_answer_is_an_upstream_error(reply: bytes) -> None:
-    async def scripted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-        writer.write(reply)
-        await writer.drain()
-        await reader.read()
-        return False
-
     async def run() -> None:
-        async with Server(scripted) as url:
+        async with Server(sends(reply, wait_for_close=True)) as url:
             with pytest.raises(UpstreamError):
                 async with await HttpClient().post(url + "/", b"", {}, 5) as r:
                     await r.read()
