@@ -36,8 +36,9 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-P", "-m", module, *args]
 
 
-# the lowest port ``free_port`` picks, and how many random ports it tries before it asks the kernel
-FIXED_PORT_FLOOR = 10000
+# the ports ``free_port`` picks from (below Kubernetes' NodePort range too, whose rules may catch a
+# node's own connections), and how many random ones it tries before it asks the kernel
+FIXED_PORT_FLOOR, FIXED_PORT_CEILING = 10000, 30000
 FIXED_PORT_TRIES = 64
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -55,15 +56,15 @@ def ephemeral_ports(source: Path = EPHEMERAL_RANGE) -> range:
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     """A port free on ``host`` now. Nothing holds it for the caller: any process may take it.
 
-    It is picked at random below the kernel's ephemeral range, because a role binds its port only
-    once its model has loaded: a port inside that range could meanwhile become the local end of
-    any process's outgoing connection (a client, vLLM's own sockets), and the role would find it
-    taken. Below the range only another server can take it. The kernel's own pick when that
-    range is too small or every try is busy."""
+    It is picked at random below the kernel's ephemeral range (and below 30000), because a role
+    binds its port only once its model has loaded: a port inside that range could meanwhile
+    become the local end of any process's outgoing connection (a client, vLLM's own sockets), and
+    the role would find it taken. Below the range only another server can take it. The kernel's
+    own pick when that range is too small or every try is busy."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     address = host.strip("[]")
     choose = rng or random.SystemRandom()
-    top = ephemeral_ports().start
+    top = min(ephemeral_ports().start, FIXED_PORT_CEILING)
     for _ in range(FIXED_PORT_TRIES if top > FIXED_PORT_FLOOR else 0):
         port = choose.randrange(FIXED_PORT_FLOOR, top)
         with socket.socket(family) as s:
