@@ -17,6 +17,7 @@ deadline is ``TimeoutError``. Header names and values are the caller's, checked 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import ssl
 import time
@@ -29,6 +30,7 @@ from typing import cast
 MAX_HEAD_BYTES = 64 << 10  # a response's status line and headers
 KEEPALIVE_IDLE_S = 4.0  # an idle connection is dropped before a worker's keep-alive (uvicorn: 5 s) ends it
 NO_BODY_STATUSES = frozenset((204, 304))
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class UpstreamError(OSError):
@@ -60,8 +62,7 @@ class _Address:
     @property
     def authority(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        default = 443 if self.scheme == "https" else 80
-        return host if self.port == default else f"{host}:{self.port}"
+        return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
 
 
 class _Connection(asyncio.Protocol):
@@ -121,7 +122,7 @@ class _Connection(asyncio.Protocol):
             await self._waiter
         finally:
             self._waiter = None
-        if self.error is not None and isinstance(self.error, TimeoutError | UpstreamError):
+        if isinstance(self.error, TimeoutError | UpstreamError):
             raise self.error
         if self.closed and not self.buffer:
             raise self._why("the worker closed the connection")
@@ -220,14 +221,14 @@ class Response:
         conn, out = self._conn, bytearray()
         while True:
             line_end = conn.buffer.find(b"\r\n")
-            if line_end < 0 or len(conn.buffer) < line_end + 2 + self._chunk_size(conn.buffer[:line_end]) + 2:
+            size = self._chunk_size(conn.buffer[:line_end]) if line_end >= 0 else -1
+            if size < 0 or len(conn.buffer) < line_end + 2 + size + 2:  # the chunk is not all here yet
                 if out:
                     return bytes(out)
                 if line_end < 0 and len(conn.buffer) > MAX_HEAD_BYTES:
                     raise UpstreamError("a malformed chunk")
                 await conn.more()
                 continue
-            size = self._chunk_size(conn.buffer[:line_end])
             if size == 0:
                 return bytes(out) + await self._trailers(line_end + 2)
             start = line_end + 2
@@ -290,13 +291,12 @@ class HttpClient:
     def __init__(self, keepalive_idle_s: float = KEEPALIVE_IDLE_S) -> None:
         self.keepalive_idle_s = keepalive_idle_s
         self._idle: dict[_Address, list[_Connection]] = {}
-        self._addresses: dict[str, tuple[_Address, str]] = {}  # url -> (address, path)
         self._tls: ssl.SSLContext | None = None
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float | None = None) -> Response:
         """POST ``body`` to ``url``; the answer with its status and headers read. A reused
         connection that fails before any byte of the answer is tried once more on a new one."""
-        address, path = self._split(url)
+        address, path = _split(url)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         request = [self._head(address, path, len(body), headers), body]
@@ -353,18 +353,6 @@ class HttpClient:
         if len(idle) > 8 and idle[0].closed:  # the worker closed some while they waited: drop those
             idle[:] = [c for c in idle if not c.closed]
 
-    def _split(self, url: str) -> tuple[_Address, str]:
-        known = self._addresses.get(url)
-        if known is None:
-            u = urllib.parse.urlsplit(url)
-            if u.scheme not in ("http", "https") or not u.hostname:
-                raise ValueError(f"not an http(s) URL: {url!r}")
-            address = _Address(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
-            known = address, (u.path or "/") + (f"?{u.query}" if u.query else "")
-            if len(self._addresses) < 4096:
-                self._addresses[url] = known
-        return known
-
     @staticmethod
     def _head(address: _Address, path: str, length: int, headers: Mapping[str, str]) -> bytes:
         lines = [f"POST {path} HTTP/1.1", f"Host: {address.authority}", f"Content-Length: {length}"]
@@ -381,3 +369,13 @@ class HttpClient:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(url: str) -> tuple[_Address, str]:
+    """A URL's address and path (a router calls the same few worker URLs, so each is parsed once)."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in DEFAULT_PORTS or not u.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return _Address(u.scheme, u.hostname, u.port or DEFAULT_PORTS[u.scheme]), path

@@ -90,11 +90,8 @@ def sign(
     cluster: ClusterCredential, method: str, url: str, body: bytes = b"", now: float | None = None
 ) -> dict[str, str]:
     """The header proving the cluster credential on one request to ``url`` (and only that one)."""
-    (target, path), ts, nonce = (
-        _url_parts(url),
-        int(time.time() if now is None else now),
-        secrets.token_hex(NONCE_BYTES),
-    )
+    target, path = _url_parts(url)
+    ts, nonce = int(time.time() if now is None else now), secrets.token_hex(NONCE_BYTES)
     mac = _mac(cluster.derive(HTTP_PURPOSE), target, method, path, body, ts, nonce)
     return {PEER_HEADER: f"v1 target={target} ts={ts} nonce={nonce} mac={mac}"}
 
