@@ -14,6 +14,11 @@ its answer. Prints the p50 and p90 of each path, the median of the paired differ
 every sample to ``--json``. Beside them, each router's CPU time (user and system, from /proc)
 over the measured requests, divided by their number (its health probes included).
 
+``--images N`` puts N images (one PNG, the same each time) in every request instead: the router
+then also calls the encoder, and the language-model instance is not asked directly (it would
+encode the images itself); each router's CPU time a request and, with ``--compare-tree``, the
+paired difference between the two routers say what the media path costs.
+
 ``--compare-tree DIR`` also starts the router of another checkout (DIR, e.g. a ``git worktree``
 of an earlier commit) beside the deployment's, with the same arguments in front of the same
 workers, and sends each round of requests to all three paths in turn: the two routers' overheads
@@ -23,7 +28,9 @@ side by side in one run, on the same workers at the same moment.
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
+import io
 import json
 import os
 import statistics
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--compare-tree", type=Path, default=None, help="another checkout whose router runs beside")
     ap.add_argument("--no-access-log", action="store_true", help="the roles write no access lines")
+    ap.add_argument("--images", type=int, default=0, help="images per request (0: text requests)")
+    ap.add_argument("--image-size", type=int, default=224)
     args = ap.parse_args(argv)
     extra: dict = {}
     if args.lm_engine == "vllm":
@@ -98,14 +107,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         worker = next(r.url for r in d.roles if r.name.startswith("pd"))
         router = next(r for r in d.roles if r.name == "router")
-        paths = {"through the router": Client(d.url), "straight to the worker": Client(worker)}
+        paths = {"through the router": Client(d.url)}
+        if not args.images:
+            paths["straight to the worker"] = Client(worker)
         pids = {"through the router": router.proc.pid}
         if args.compare_tree:
             other, url = start_router_of(args.compare_tree, router)
             paths[f"through the router of {args.compare_tree}"] = Client(url)
             pids[f"through the router of {args.compare_tree}"] = other.pid
         model = paths["through the router"].get("/v1/models")["data"][0]["id"]
-        question = {"role": "user", "content": "How many shapes are there?"}
+        question: dict = {"role": "user", "content": "How many shapes are there?"}
+        if args.images:
+            image = {"type": "image_url", "image_url": {"url": png_data_url(args.image_size)}}
+            question["content"] = [*[image] * args.images, {"type": "text", "text": question["content"]}]
         body = json.dumps({"model": model, "messages": [question], "max_tokens": 1, "temperature": 0}).encode()
         cluster = d.cluster if args.lm_engine == "epdserve" else None  # vLLM asks for no credential here
         names = list(paths)
@@ -123,19 +137,31 @@ def main(argv: list[str] | None = None) -> None:
         if other is not None:
             stop(other)
         d.stop()
-    straight = times["straight to the worker"]
+    base = names[1] if len(names) > 1 and not args.images else names[0]  # straight, or this router
     ms = lambda v: f"{1e3 * v:.2f}"  # noqa: E731
-    print(f"lm engine: {args.lm_engine}, {args.requests} text requests per path, 1 output token, one at a time")
-    print("| path | p50 ms | p90 ms | overhead: median of paired differences, ms | router CPU ms a request |")
+    kind = f"requests of {args.images} {args.image_size}-px images" if args.images else "text requests"
+    print(f"lm engine: {args.lm_engine}, {args.requests} {kind} per path, 1 output token, one at a time")
+    print(f"| path | p50 ms | p90 ms | median of paired differences from '{base}', ms | router CPU ms a request |")
     print("|---|---|---|---|---|")
     for name in names:
-        diff = statistics.median(a - b for a, b in zip(times[name], straight, strict=True))
-        overhead = "" if name.startswith("straight") else ms(diff)
+        diff = statistics.median(a - b for a, b in zip(times[name], times[base], strict=True))
+        overhead = "" if name == base else ms(diff)
         used = ms(cpu[name]) if name in cpu else ""
         print(f"| {name} | {ms(pct(times[name], 0.5))} | {ms(pct(times[name], 0.9))} | {overhead} | {used} |")
     if args.json:
         record = {"args": {**vars(args), "json": str(args.json)}, "times": times, "router_cpu_s": cpu}
         args.json.write_text(json.dumps(record, default=str))
+
+
+def png_data_url(size: int) -> str:
+    """One noisy square PNG as a data: URL."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def cpu_seconds(pid: int) -> float:

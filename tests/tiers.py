@@ -29,6 +29,7 @@ TIERS: dict[str, str] = {
     "test_engine_oracle.py": "unit",
     "test_fused_decoder.py": "unit",
     "test_http_client.py": "unit",
+    "test_router_encode.py": "unit",
     "test_log_format.py": "unit",
     "test_media.py": "unit",
     "test_media_budget.py": "unit",

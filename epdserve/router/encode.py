@@ -13,7 +13,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from epdserve.api.errors import Overloaded, Timeout, Unavailable, WorkerFailed
@@ -24,6 +23,7 @@ from epdserve.encoder.protocol import (
     EncodedItem,
     EncodeItem,
     EncodeRequest,
+    EncoderProtocolError,
     ReleaseRequest,
     decode_response,
     encode_release,
@@ -38,7 +38,7 @@ from epdserve.router.metrics import RouterMetrics
 from epdserve.router.pool import NoWorker, Worker
 from epdserve.router.refs import MediaRef
 from epdserve.router.upstream import about_media, passthrough_error
-from epdserve.router.workers import FAST_PROBE_S, WorkerPools
+from epdserve.router.workers import FAST_PROBE_S, RELEASE_TIMEOUT_S, WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,6 @@ class Encodes:
                     pending += rs
 
     async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef], leases: int, rid: str) -> _Outcome:
-        assert self.workers.session is not None
         items = [EncodeItem(r.modality, None if r.pixels else r.url, r.pixels) for r in refs]  # type: ignore[arg-type]
         body = encode_request(EncodeRequest(model=model, items=items, leases=leases))
         patches = sum(r.patches for r in refs)
@@ -232,39 +231,33 @@ class Encodes:
         try:
             encoding = {"epd.encoder": w.url, "epd.items": len(refs)}
             with self.tracing.client_span("POST /v1/encode", **encoding) as trace:
-                async with self.workers.session.post(
-                    w.url + "/v1/encode",
-                    data=body,
-                    headers={
-                        "Content-Type": "application/json",
-                        **self.workers.signed("POST", w.url + "/v1/encode", body),
-                        **({REQUEST_ID_HEADER: rid} if rid else {}),
-                        **trace,
-                    },
-                    timeout=aiohttp.ClientTimeout(total=self.config.encode_timeout_s),
-                ) as resp:
-                    raw = await resp.read()
-                    if resp.status == 429:
-                        return _Outcome.BUSY
-                    if resp.status in (401, 403):  # a worker that does not know our credential is misconfigured
-                        log.error("encoder %s refused the cluster credential", w.url)
-                        self.workers.encoders.mark_failed(w)
-                        return _Outcome.FAILED
-                    if 400 <= resp.status < 500 or about_media(raw):  # the media itself is bad: the client's error
-                        raise passthrough_error(resp.status, raw)
-                    if resp.status != 200:
-                        # it answered, so it is up: one request's failure does not mark it unhealthy
-                        log.warning("encoder %s answered HTTP %d", w.url, resp.status)
-                        return _Outcome.ERROR
-                    out = decode_response(raw)
+                headers = {REQUEST_ID_HEADER: rid, **trace} if rid else trace
+                status, raw = await self.workers.call(w.url + "/v1/encode", body, self.config.encode_timeout_s, headers)
         except TimeoutError:
             raise Timeout("An encoder did not answer in time.") from None
-        except (aiohttp.ClientError, OSError):
+        except OSError:
             self.workers.encoders.mark_failed(w)
             return _Outcome.FAILED
         finally:
             w.outstanding -= 1
             w.patches -= patches
+        if status == 429:
+            return _Outcome.BUSY
+        if status in (401, 403):  # a worker that does not know our credential is misconfigured
+            log.error("encoder %s refused the cluster credential", w.url)
+            self.workers.encoders.mark_failed(w)
+            return _Outcome.FAILED
+        if 400 <= status < 500 or about_media(raw):  # the media itself is bad: the client's error
+            raise passthrough_error(status, raw)
+        if status != 200:
+            # it answered, so it is up: one request's failure does not mark it unhealthy
+            log.warning("encoder %s answered HTTP %d", w.url, status)
+            return _Outcome.ERROR
+        try:
+            out = decode_response(raw)
+        except EncoderProtocolError as e:  # another version, or not an encoder: its leases expire by TTL
+            log.warning("encoder %s answered what is not an encode response: %s", w.url, e)
+            return _Outcome.ERROR
         if self.dispatcher is not None:
             self.dispatcher.observe(out.items, time.perf_counter() - t0)
         if len(out.items) != len(refs) or any(len(item.more_handles) != leases - 1 for item in out.items):
@@ -312,19 +305,16 @@ class Encodes:
         task.add_done_callback(self._releases.discard)
 
     async def _release_on(self, url: str, handles: list[dict]) -> None:
-        assert self.workers.session is not None
         body = encode_release(ReleaseRequest(handles=handles))
         try:
-            async with self.workers.session.post(
-                url + "/v1/release",
-                data=body,
-                headers={"Content-Type": "application/json", **self.workers.signed("POST", url + "/v1/release", body)},
-                timeout=aiohttp.ClientTimeout(total=10),
-            ) as r:
-                await r.read()
-            self.metrics.leases_released.inc(len(handles))
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            status, _ = await self.workers.call(url + "/v1/release", body, RELEASE_TIMEOUT_S)
+        except OSError as e:  # TimeoutError included
             log.warning("could not release %d leases on %s (they expire by TTL): %s", len(handles), url, e)
+            return
+        if status != 200:
+            log.warning("%s refused to release %d leases (HTTP %d; they expire by TTL)", url, len(handles), status)
+            return
+        self.metrics.leases_released.inc(len(handles))
 
     def known(self, r: MediaRef) -> EncodedItem | None:
         return self.directory.known(r.directory_key) if r.directory_key is not None else None

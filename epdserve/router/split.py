@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -47,6 +46,7 @@ from epdserve.router.pool import NoWorker, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.trail import Trail
 from epdserve.router.upstream import RetryableWorker, about_media, error_code, passthrough_error
+from epdserve.router.workers import RELEASE_TIMEOUT_S, WorkerPools
 
 if TYPE_CHECKING:
     from epdserve.api.tracing import Tracing
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from epdserve.router.forward import Forwarder
     from epdserve.router.metrics import RouterMetrics
     from epdserve.router.placement import Placement
-    from epdserve.router.workers import WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -294,23 +293,18 @@ class SplitChat:
     async def _release_kv(self, prefill: Worker, handle: dict | None) -> None:
         """Give a KV lease no decode worker will read back to the prefill worker that holds it
         (it expires by TTL if the worker cannot be reached)."""
-        if handle is None or self.workers.session is None:
+        if handle is None:
             return
         body = msgspec.json.encode({"handles": [handle]})
         try:
-            async with self.workers.session.post(
-                prefill.url + "/v1/kv/release",
-                data=body,
-                headers={
-                    "Content-Type": "application/json",
-                    **self.workers.signed("POST", prefill.url + "/v1/kv/release", body),
-                },
-                timeout=aiohttp.ClientTimeout(total=10),
-            ) as resp:
-                await resp.read()
-            self.metrics.kv_released.inc()
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            status, _ = await self.workers.call(prefill.url + "/v1/kv/release", body, RELEASE_TIMEOUT_S)
+        except OSError as e:  # TimeoutError included
             log.warning("could not give a KV lease back to %s (it expires by TTL): %s", prefill.url, e)
+            return
+        if status != 200:
+            log.warning("%s refused to take a KV lease back (HTTP %d; it expires by TTL)", prefill.url, status)
+            return
+        self.metrics.kv_released.inc()
 
 
 class _Handoff:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import aiohttp
 import msgspec
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FAST_PROBE_S = 0.1  # probe period while no worker is healthy, or at start-up until all have been
 MAX_REFUSED = 4096  # refused workers remembered (to log each once)
+RELEASE_TIMEOUT_S = 10.0  # giving a lease back; past it the lease expires by its TTL
 STARTUP_PROBE_S = 60.0  # how long start-up's fast probing waits for workers named but not yet up
 
 
@@ -66,8 +67,8 @@ class WorkerPools:
         self.pds = pool("pd", config.pds, policy)
         self.prefills = pool("prefill", config.prefills, policy)
         self.decodes = pool("decode", config.decodes, policy)
-        self.session: aiohttp.ClientSession | None = None  # probes, registration, encoders, metrics
-        self.http = HttpClient()  # the language-model workers' calls on each request's path
+        self.session: aiohttp.ClientSession | None = None  # probes, registration, metrics
+        self.http = HttpClient()  # the calls on each request's path: encoders and language-model workers
         self._probe_task: asyncio.Task | None = None
         self.model: tuple[str, int] | None = None  # (served name, max_model_len) of the PD workers
         self.tick = tick  # once per probe round (the admission controller's)
@@ -178,6 +179,16 @@ class WorkerPools:
     def signed(self, method: str, url: str, body: bytes = b"") -> dict[str, str]:
         """The proof of the cluster credential for one internal request (``security.peers``)."""
         return sign(self.cluster, method, url, body)
+
+    async def call(
+        self, url: str, body: bytes, timeout_s: float, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """A signed JSON POST to an epdserve worker on the lean client: its status and whole
+        body. Raises ``TimeoutError`` past ``timeout_s``, ``OSError`` when it cannot be reached
+        or breaks off."""
+        signed = {"Content-Type": "application/json", **self.signed("POST", url, body), **(headers or {})}
+        async with await self.http.post(url, body, signed, timeout_s) as resp:
+            return resp.status, await resp.read()
 
     async def admit(self, role: str, url: str, why: str) -> str | None:
         """None when a worker not on the command line may join: its address is in the worker
