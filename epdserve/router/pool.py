@@ -91,11 +91,11 @@ class WorkerPool:
         if self.policy == "round_robin":
             return ordered[0]
         least = min(ordered, key=lambda w: w.outstanding)
-        if self.policy == "affinity" and key is not None:
-            # rendezvous hashing: a worker joining or leaving only moves the keys it wins or held
-            preferred = max(
-                candidates, key=lambda w: hashlib.blake2b(f"{w.url}|{key}".encode(), digest_size=8).digest()
-            )
+        if self.policy == "affinity" and key is not None and n > 1:
+            # rendezvous hashing: a worker joining or leaving only moves the keys it wins or held.
+            # The key (a whole data: URL) is hashed once, each worker's score from its digest.
+            digest = b"|" + hashlib.blake2b(key.encode(), digest_size=16).digest()
+            preferred = max(candidates, key=lambda w: hashlib.blake2b(w.url.encode() + digest, digest_size=8).digest())
             if preferred.outstanding <= least.outstanding + AFFINITY_SLACK:
                 return preferred
         return least
