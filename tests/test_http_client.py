@@ -242,6 +242,36 @@ def test_a_malformed_answer_is_an_upstream_error(reply: bytes) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(
+    ("reply", "closes"),  # closes: the worker ends the connection itself (a body to the close)
+    [
+        (answer(200, b"x" * 1001), False),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + (b"1f4\r\n" + b"x" * 500 + b"\r\n") * 3
+            + b"0\r\n\r\n",
+            False,
+        ),
+        (b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 1001, True),
+    ],
+)
+def test_an_answer_past_the_read_limit_is_an_upstream_error_and_its_connection_closes(
+    reply: bytes, closes: bool
+) -> None:
+    async def run() -> None:
+        server = Server(sends(reply, wait_for_close=not closes))  # else it waits for the client to close
+        async with server as url:
+            client = HttpClient()
+            async with await client.post(url + "/", b"", {}, 5) as r:
+                with pytest.raises(UpstreamError, match="larger than 1000 bytes"):
+                    await r.read(1000)
+            async with await client.post(url + "/", b"", {}, 5) as r:  # on a new connection, read in full
+                assert len(await r.read()) > 1000
+        assert server.connections == 2
+
+    asyncio.run(run())
+
+
 def test_a_refused_connection_is_an_upstream_error() -> None:
     port = free_port()
 

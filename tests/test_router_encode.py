@@ -22,7 +22,7 @@ from epdserve.router.config import RouterConfig
 from epdserve.router.encode import Encodes
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.refs import MediaRef
-from epdserve.router.workers import WorkerPools
+from epdserve.router.workers import MAX_CALL_ANSWER_BYTES, WorkerPools
 from epdserve.security.credentials import ClusterCredential
 from epdserve.security.peers import PEER_HEADER, PeerVerifier
 from tests.scripted_http import Reply, Server, answer
@@ -104,6 +104,7 @@ def test_items_are_encoded_by_a_signed_call_on_one_kept_connection() -> None:
         ((403, b'{"error": "no"}'), False, 1),  # does not know the credential: misconfigured
         ((200, b'{"items": "nonsense"}'), True, 1),  # not an encode answer: not trusted
         ((200, b"\x00garbage"), True, 1),
+        ((200, b" " * (MAX_CALL_ANSWER_BYTES + 1)), False, 1),  # an answer past any encoder's: broken
     ],
 )
 def test_a_failed_call_s_items_go_to_the_other_encoder(

@@ -185,9 +185,16 @@ class Response:
             self._keep_alive = False  # the body ends when the worker closes the connection
         self._done = self._remaining == 0
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        return b"".join([piece async for piece in self.iter_chunks()])
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; ``UpstreamError`` past ``limit`` bytes (the connection is then closed)."""
+        pieces, size = [], 0
+        async for piece in self.iter_chunks():
+            size += len(piece)
+            if limit is not None and size > limit:
+                self._keep_alive = False
+                raise UpstreamError(f"the worker's answer is larger than {limit} bytes")
+            pieces.append(piece)
+        return b"".join(pieces)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked transfer decoded)."""

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FAST_PROBE_S = 0.1  # probe period while no worker is healthy, or at start-up until all have been
 MAX_REFUSED = 4096  # refused workers remembered (to log each once)
+MAX_CALL_ANSWER_BYTES = 8 << 20  # an encoder's or a release's answer: metadata and handles, never tensors
 RELEASE_TIMEOUT_S = 10.0  # giving a lease back; past it the lease expires by its TTL
 STARTUP_PROBE_S = 60.0  # how long start-up's fast probing waits for workers named but not yet up
 
@@ -184,11 +185,11 @@ class WorkerPools:
         self, url: str, body: bytes, timeout_s: float, headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
         """A signed JSON POST to an epdserve worker on the lean client: its status and whole
-        body. Raises ``TimeoutError`` past ``timeout_s``, ``OSError`` when it cannot be reached
-        or breaks off."""
+        body (at most ``MAX_CALL_ANSWER_BYTES``). Raises ``TimeoutError`` past ``timeout_s``,
+        ``OSError`` when it cannot be reached, breaks off or answers more."""
         signed = {"Content-Type": "application/json", **self.signed("POST", url, body), **(headers or {})}
         async with await self.http.post(url, body, signed, timeout_s) as resp:
-            return resp.status, await resp.read()
+            return resp.status, await resp.read(MAX_CALL_ANSWER_BYTES)
 
     async def admit(self, role: str, url: str, why: str) -> str | None:
         """None when a worker not on the command line may join: its address is in the worker
