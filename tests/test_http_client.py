@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from epdserve.api.http_client import HttpClient, UpstreamError
+from epdserve.api.http_client import HIGH_WATER_BYTES, HttpClient, UpstreamError
 from epdserve.launcher import free_port
 from tests.scripted_http import Reply, Server, answer
 
@@ -89,6 +89,49 @@ def test_a_chunked_stream_arrives_as_it_is_sent_and_its_connection_is_kept() -> 
             async with await client.post(url + "/", b"{}", {}, 5) as r:
                 assert await r.read() == b"data: a0123456789"
         assert server.connections == 1
+
+    asyncio.run(run())
+
+
+def test_a_chunk_s_data_is_passed_on_as_it_arrives_before_the_chunk_is_whole() -> None:
+    async def run() -> None:
+        go_on = asyncio.Event()
+
+        async def one_large_chunk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % 100_000 + b"a" * 1000)
+            await writer.drain()
+            await go_on.wait()  # the rest only once the client has the first thousand bytes
+            writer.write(b"b" * 99_000 + b"\r\n0\r\n\r\n")
+            await writer.drain()
+            return True
+
+        server = Server(one_large_chunk)
+        async with server as url:
+            client = HttpClient()
+            async with await client.post(url + "/", b"", {}, 5) as r:
+                pieces = r.iter_chunks()
+                assert await anext(pieces) == b"a" * 1000
+                go_on.set()
+                assert b"".join([p async for p in pieces]) == b"b" * 99_000
+            async with await client.post(url + "/", b"", {}, 5) as r:  # the connection is kept
+                go_on.set()
+                assert len(await r.read()) == 100_000
+        assert server.connections == 1
+
+    asyncio.run(run())
+
+
+def test_a_slow_reader_holds_a_fast_worker_back() -> None:
+    async def run() -> None:
+        size = 8 * HIGH_WATER_BYTES
+        server = Server(sends(answer(200, b"z" * size), wait_for_close=True))
+        async with server as url, await HttpClient().post(url + "/", b"", {}, 30) as r:
+            largest = total = 0
+            async for piece in r.iter_chunks():
+                largest, total = max(largest, len(piece)), total + len(piece)
+                await asyncio.sleep(0.02)  # the worker has sent all it could meanwhile
+        assert total == size
+        assert largest <= 2 * HIGH_WATER_BYTES  # what was received and not yet read stayed bounded
 
     asyncio.run(run())
 

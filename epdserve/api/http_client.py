@@ -1,13 +1,16 @@
-"""A lean HTTP/1.1 client for the one call on every request's path: the router's POST to a
-language-model worker, its answer read whole or relayed as it streams.
+"""A lean HTTP/1.1 client for the calls on every request's path: the router's POSTs to encoders
+and language-model workers, their answers read whole or relayed as they stream.
 
 aiohttp's client spends more of a request's CPU time than the rest of the router's handler
 (request objects, timers, tracing hooks, cookies, header processing); this client does only what
 a call between the roles needs. Connections are kept alive, one pool per worker address, and a
 reused connection the worker had closed while idle is replaced once before anything was read
-from it. The body is read by ``Content-Length``, by chunks, or to the close. A response read to
-its end gives its connection back to the pool; one left unread closes it, so that the worker
-sees its client leave and aborts the request.
+from it. The body is read by ``Content-Length``, by chunks (a chunk's data passed on as it
+arrives, not held until the chunk is whole), or to the close; while more than
+``HIGH_WATER_BYTES`` of it wait unread, reading pauses, so a slow reader holds the worker back
+instead of the router buffering for it. A response read to its end gives its connection back
+to the pool; one left unread closes it, so that the worker sees its client leave and aborts the
+request.
 
 Errors reading the worker's answer are ``UpstreamError`` (an ``OSError``, never a
 ``ConnectionResetError``, which the router keeps for its own client leaving); a request past its
@@ -28,6 +31,7 @@ from types import TracebackType
 from typing import cast
 
 MAX_HEAD_BYTES = 64 << 10  # a response's status line and headers
+HIGH_WATER_BYTES = 1 << 20  # of an answer received and not yet read; past it reading pauses
 KEEPALIVE_IDLE_S = 4.0  # an idle connection is dropped before a worker's keep-alive (uvicorn: 5 s) ends it
 NO_BODY_STATUSES = frozenset((204, 304))
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -76,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
+        self._paused = False  # reading paused: the buffer holds HIGH_WATER_BYTES not yet read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
@@ -86,6 +91,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         self.received += len(data)
+        if len(self.buffer) > HIGH_WATER_BYTES and not self._paused and self.transport is not None:
+            self._paused = True  # until the reader wants more: a slow reader holds the worker back
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -109,6 +117,12 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def resume(self) -> None:
+        """Read again if reading was paused."""
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -117,6 +131,7 @@ class _Connection(asyncio.Protocol):
         """Until more bytes arrived; ``UpstreamError`` (or the failure set) when none will."""
         if self.closed:
             raise self._why("the worker closed the connection")
+        self.resume()
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
@@ -144,6 +159,8 @@ class Response:
         self._keep_alive = True
         self._remaining = -1  # body bytes still to read by length; -1 chunked or to the close
         self._chunked = False
+        self._chunk_left = 0  # chunked: data bytes of the current chunk still to read
+        self._chunk_end = False  # chunked: the CRLF closing a chunk's data is next
         self._done = False  # the body was read to its end
 
     def _expire(self) -> None:
@@ -224,30 +241,41 @@ class Response:
                 yield piece
 
     async def _next_chunked(self) -> bytes:
-        """Every whole chunk now in the buffer (at least one), decoded; ``_done`` after the last."""
+        """What the buffer holds of the body now (at least a byte, or ``b""`` at its end), chunk
+        framing removed: a chunk's data is passed on as it arrives, not held until it is whole."""
         conn, out = self._conn, bytearray()
         while True:
-            line_end = conn.buffer.find(b"\r\n")
-            size = self._chunk_size(conn.buffer[:line_end]) if line_end >= 0 else -1
-            if size < 0 or len(conn.buffer) < line_end + 2 + size + 2:  # the chunk is not all here yet
-                if out:
-                    return bytes(out)
-                if line_end < 0 and len(conn.buffer) > MAX_HEAD_BYTES:
-                    raise UpstreamError("a malformed chunk")
-                await conn.more()
+            if self._chunk_left > 0:  # inside a chunk's data
+                if conn.buffer:
+                    piece = conn.buffer[: self._chunk_left]
+                    out += piece
+                    del conn.buffer[: len(piece)]
+                    self._chunk_left -= len(piece)
+                    self._chunk_end = self._chunk_left == 0
+                    continue
+            elif self._chunk_end:  # the CRLF after a chunk's data
+                if len(conn.buffer) >= 2:
+                    if conn.buffer[:2] != b"\r\n":
+                        raise UpstreamError("a malformed chunk")
+                    del conn.buffer[:2]
+                    self._chunk_end = False
+                    continue
+            elif (line_end := conn.buffer.find(b"\r\n")) >= 0:  # a chunk's size line
+                size = self._chunk_size(conn.buffer[:line_end])
+                del conn.buffer[: line_end + 2]
+                if size == 0:
+                    return bytes(out) + await self._trailers()
+                self._chunk_left = size
                 continue
-            if size == 0:
-                return bytes(out) + await self._trailers(line_end + 2)
-            start = line_end + 2
-            if conn.buffer[start + size : start + size + 2] != b"\r\n":
+            elif len(conn.buffer) > MAX_HEAD_BYTES:
                 raise UpstreamError("a malformed chunk")
-            out += conn.buffer[start : start + size]
-            del conn.buffer[: start + size + 2]
+            if out:  # all the buffer held; the rest when it is asked for
+                return bytes(out)
+            await conn.more()
 
-    async def _trailers(self, skip: int) -> bytes:
-        """After the last chunk: its line (``skip`` bytes) and the trailers up to the empty line."""
+    async def _trailers(self) -> bytes:
+        """After the last chunk's line: the trailers, up to the empty line."""
         conn = self._conn
-        del conn.buffer[:skip]
         while True:
             end = conn.buffer.find(b"\r\n")
             if end < 0:
@@ -279,6 +307,7 @@ class Response:
             self._timer = None
         conn = self._conn
         if self._done and self._keep_alive and not conn.closed and not conn.buffer and conn.error is None:
+            conn.resume()  # an idle connection must see the worker close it
             self._client.give_back(self._address, conn)
         else:
             conn.close()
