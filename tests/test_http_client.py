@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from epdserve.api.http_client import HIGH_WATER_BYTES, HttpClient, UpstreamError
+from epdserve.api.http_client import HIGH_WATER_BYTES, MAX_IDLE_PER_WORKER, HttpClient, UpstreamError
 from epdserve.launcher import free_port
 from tests.scripted_http import Reply, Server, answer
 
@@ -132,6 +132,29 @@ def test_a_slow_reader_holds_a_fast_worker_back() -> None:
                 await asyncio.sleep(0.02)  # the worker has sent all it could meanwhile
         assert total == size
         assert largest <= 2 * HIGH_WATER_BYTES  # what was received and not yet read stayed bounded
+
+    asyncio.run(run())
+
+
+def test_after_a_burst_only_so_many_idle_connections_are_kept() -> None:
+    async def run() -> None:
+        server = Server(by_length)
+        async with server as url:
+            client = HttpClient()
+            answers = [await client.post(url + "/", b"{}", {}, 5) for _ in range(MAX_IDLE_PER_WORKER + 6)]
+            for r in answers:  # all at once: one connection each
+                await r.read()
+                r.release()
+            assert server.connections == MAX_IDLE_PER_WORKER + 6
+            for _ in range(MAX_IDLE_PER_WORKER + 1):  # one after another: the kept ones are reused
+                async with await client.post(url + "/", b"{}", {}, 5) as r:
+                    await r.read()
+            assert server.connections == MAX_IDLE_PER_WORKER + 6
+            answers = [await client.post(url + "/", b"{}", {}, 5) for _ in range(MAX_IDLE_PER_WORKER + 1)]
+            assert server.connections == MAX_IDLE_PER_WORKER + 7  # the rest were closed, not kept
+            for r in answers:
+                r.release()
+            client.close()
 
     asyncio.run(run())
 

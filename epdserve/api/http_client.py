@@ -32,6 +32,7 @@ from typing import cast
 
 MAX_HEAD_BYTES = 64 << 10  # a response's status line and headers
 HIGH_WATER_BYTES = 1 << 20  # of an answer received and not yet read; past it reading pauses
+MAX_IDLE_PER_WORKER = 64  # idle connections kept to one address; more are closed when given back
 KEEPALIVE_IDLE_S = 4.0  # an idle connection is dropped before a worker's keep-alive (uvicorn: 5 s) ends it
 NO_BODY_STATUSES = frozenset((204, 304))
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -383,11 +384,14 @@ class HttpClient:
         return None
 
     def give_back(self, address: _Address, conn: _Connection) -> None:
-        conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(address, [])
-        idle.append(conn)
         if len(idle) > 8 and idle[0].closed:  # the worker closed some while they waited: drop those
             idle[:] = [c for c in idle if not c.closed]
+        if len(idle) >= MAX_IDLE_PER_WORKER:  # after a burst, keep what steady traffic reuses
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
 
     @staticmethod
     def _head(address: _Address, path: str, length: int, headers: Mapping[str, str]) -> bytes:
