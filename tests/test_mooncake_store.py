@@ -115,6 +115,24 @@ def test_concurrent_misses_compute_once_and_a_dead_holders_claim_lapses(master: 
     asyncio.run(main())
 
 
+def test_a_reader_s_first_call_waits_for_its_join(master: MooncakeMaster) -> None:
+    """A language-model instance makes its reader on the first store handle it gets: that handle's
+    entry must be found, not missed while the reader joins (an encoder's early call is a miss)."""
+
+    async def main() -> None:
+        encoder = member(master)
+        assert await encoder.wait_joined(20)
+        e = emb(5)
+        assert await encoder.put("u5", (1, 4, 4), e) is not None
+        reader = member(master, lend=False)  # asked at once, before it joined
+        got = await reader.get("u5")
+        assert got is not None and torch.equal(got.embeddings, e) and reader.stats.skipped == 0
+        for s in (encoder, reader):
+            await s.close()
+
+    asyncio.run(main())
+
+
 def test_a_dead_master_is_a_quick_miss(master: MooncakeMaster) -> None:
     async def main() -> None:
         early = member(master)  # asked at once: a miss, not a wait for the join

@@ -8,7 +8,9 @@ other untrusted input (``record``: MAC, identity, shape, checksum).
 
 The client's calls block (and take seconds when the master is gone), so they run on a small thread
 pool of their own, bounded by ``timeout_s`` like every store call. Joining starts when the member
-is made; until it is done every call is a miss (the encoder computes alone), never a wait. Mooncake keeps the first value
+is made; until it is done an encoder's calls are misses (it computes alone), never a wait, while a
+reader (a language-model instance, made on its first store handle) waits for the join up to
+``timeout_s``: a miss there would cost the request its embeddings. Mooncake keeps the first value
 written to a key, which makes claims: a claimant writes ``<token> <deadline>`` and has the claim
 when reading the key back gives its own token. A claim is renewed and released by overwriting it
 (with a later, or a past, deadline); one whose deadline passed is anyone's to take. Mooncake has no
@@ -53,6 +55,7 @@ class MooncakeStore(PackedStore):
         super().__init__(config, check)
         self._master = config.url.removeprefix("mooncake://")
         self._segment = config.segment_bytes if lend else 0
+        self._reader = not lend  # its first call waits for the join (an encoder's is a miss)
         self._client: Any = None
         self._setup_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epd-mooncake")
@@ -63,6 +66,8 @@ class MooncakeStore(PackedStore):
     async def _call(self, what: str, op: Callable[[], Awaitable[T]], default: T) -> T:
         if self._client is None:
             join = self._join
+            if not join.done() and self._reader:
+                await self.wait_joined(self.config.timeout_s)
             if not join.done():
                 self.stats.skipped += 1
                 return default
