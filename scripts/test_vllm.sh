@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM integration's tests: installs vLLM's CPU build (0.32) into its own virtual environment,
-# installs this package there with its [vllm] extra, and runs the tests marked `vllm` with that
-# interpreter. Fails (never skips) when vLLM cannot be installed or imported.
+# installs this package there with its [vllm] extra (and [store] and [mooncake]: the connector reads
+# Redis and Mooncake stores), and runs the tests marked `vllm` with that interpreter. Fails (never skips) when vLLM cannot be installed or imported.
 #
 #   VLLM_ENV=/path/to/venv scripts/test_vllm.sh [pytest args]   (default: .vllm-env in the repository)
 #
@@ -37,7 +37,7 @@ install_vllm() {
 if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     install_vllm
 fi
-"$PY" -m pip install -q --disable-pip-version-check -e ".[vllm]" "pytest>=8" "pytest-timeout>=2.3"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[vllm,store,mooncake]" "pytest>=8" "pytest-timeout>=2.3"
 if ! "$PY" -c "import vllm, epdserve.integrations.vllm.ec_connector" >/dev/null; then
     echo "test_vllm: vLLM or the connector does not import in $VENV" >&2
     exit 1

@@ -12,6 +12,7 @@ that allows it (a handle that fails must leave the answer exactly as vLLM comput
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import io
 import json
@@ -316,6 +317,60 @@ class TestEmbeddingsFromEpdserve:
         release(encoder, items[0]["ec_handle"])
         status, ok = chat(strict, media, encode(encoder, media))  # the instance serves on
         assert status == 200, ok
+
+
+# --------------------------------------------------------------------------- other connectors, the shared store
+
+
+def counter(url: str, name: str) -> float:
+    """A counter of a role's /metrics, summed over its labels, read as the operator."""
+    status, raw = http("GET", url + "/metrics", headers=internal_headers())
+    assert status == 200
+    lines = raw.decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + " ", name + "{")))
+
+
+@pytest.mark.parametrize("connector", ["tcp", "mooncake"])
+def test_a_connector_and_the_shared_store_reach_vllm(
+    connector: str, model_dir: Path, reference: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """epdserve's router in front of a vLLM that never encodes, its encoder on the ``tcp``
+    connector with a Redis store, or on ``mooncake`` with a Mooncake store: the media of a request
+    reach vLLM through the connector, and the same request again reaches it as the store's entries
+    (the router's directory hands vLLM their store handles; no encode call). Greedy answers are the
+    plain vLLM's both times, and every lease is given back."""
+    from epdserve.store.mooncake_master import master_binary, start_master
+    from tests.redis_server import redis_server
+
+    with contextlib.ExitStack() as stack:
+        if connector == "tcp":
+            server = stack.enter_context(redis_server())
+            monkeypatch.setenv("EPD_STORE_PASSWORD", server.password)  # the encoder's and vLLM's
+            store_url, extra = server.url, ["--ec-tcp-port", str(free_port())]
+        else:
+            if master_binary() is None:
+                pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
+            master = start_master()
+            stack.callback(master.stop)
+            store_url, extra = master.url, []
+        named = ["--model", str(model_dir), "--device", DEVICE, "--dtype", "float32"]
+        enc = stack.enter_context(
+            running(["encoder", *named, "--ec-connector", connector, *extra, "--store-url", store_url])
+        )
+        strict = stack.enter_context(vllm_serve(model_dir, {"local_encode": False, "store_url": store_url}))
+        url = stack.enter_context(running(["router", "--encoders", enc, "--pds", strict, "--pd-engine", "vllm"]))
+        for case in ("multi-image", "video"):
+            media = CASES[case]
+            status, want = chat(reference, media)
+            assert status == 200, want
+            for attempt in ("encoded", "from the store"):
+                status, got = chat(url, media)
+                assert status == 200, (case, attempt, got)
+                assert tokens(got) == tokens(want), (case, attempt)
+        distinct = len(CASES["multi-image"]) + len(CASES["video"])
+        assert counter(url, "epd_router_directory_hits_total") >= distinct  # every repeat from the store
+        assert counter(enc, "epd_encoder_items_total") <= distinct + 1  # encoded once (a lost race aside)
+        assert wait_released(enc) == 0
 
 
 # --------------------------------------------------------------------------- local encoding allowed
