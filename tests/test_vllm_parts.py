@@ -379,6 +379,43 @@ def test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down() -> None
         proc.wait()
 
 
+LEAVES_SOCKETS = """
+import os, socket, sys, time
+where = os.environ.get("VLLM_RPC_BASE_PATH", "")
+sock = socket.socket(socket.AF_UNIX)
+sock.bind(os.path.join(where, "engine.sock"))  # left behind, as vLLM leaves its ZMQ sockets
+print("rpc", where, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("operator_s", [False, True])
+def test_vllm_s_sockets_go_with_it_unless_the_operator_chose_where(
+    operator_s: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if operator_s:
+        monkeypatch.setenv(launch.RPC_DIR_ENV, str(tmp_path))
+    else:
+        monkeypatch.delenv(launch.RPC_DIR_ENV, raising=False)
+    proc = wrapper(sys.executable, "-c", LEAVES_SOCKETS)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line.startswith("[pd0 vllm] rpc /"), line
+        where = Path(line.split()[-1])
+        assert (where / "engine.sock").is_socket()
+        assert (where == tmp_path) is operator_s
+        if not operator_s:
+            assert where.name.startswith("epd-vllm-pd0-") and (where.stat().st_mode & 0o077) == 0  # private
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert where.exists() is operator_s  # ours removed with what vLLM left in it; the operator's kept
+
+
 FAKE_VLLM = """
 import http.server, subprocess, sys, threading, time
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # its engine core

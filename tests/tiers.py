@@ -60,6 +60,7 @@ TIERS: dict[str, str] = {
     "test_vllm_parts.py::test_up_with_vllm_refuses_what_it_cannot_run_in_one_line": "integration",
     "test_vllm_parts.py::test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down": "integration",
     "test_vllm_parts.py::test_the_vllm_wrapper_exits_as_vllm_did": "integration",
+    "test_vllm_parts.py::test_vllm_s_sockets_go_with_it_unless_the_operator_chose_where": "integration",
     "test_vllm_parts.py::test_the_vllm_wrapper_moves_vllm_s_front_end_off_the_engine_s_cores_once_it_is_up": "integration",
     "test_vllm_parts.py::test_up_counts_its_encoders_and_leaves_vllm_to_size_itself": "integration",
     # files of unit tests with a few that start processes

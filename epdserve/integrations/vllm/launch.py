@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -130,6 +131,7 @@ def _interpreter_of(script: str) -> str | None:
 
 
 WRAPPER = "epdserve.integrations.vllm.launch"  # the module ``up`` runs for each vLLM instance
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM creates its processes' ZMQ sockets
 
 
 def wrapper_args(
@@ -163,10 +165,32 @@ def run_wrapped(
 ) -> int:
     """Run ``cmd`` (vLLM), its lines prefixed on our stderr, until it exits; a SIGTERM, SIGINT
     or SIGHUP is passed on to it (SIGKILL after ``STOP_GRACE_S``). Its exit code is ours (128 +
-    signal when a signal ended it). ``front_end``: (cores, URL) as in ``wrapper_args``."""
+    signal when a signal ended it). ``front_end``: (cores, URL) as in ``wrapper_args``.
+
+    vLLM's processes talk over ZMQ sockets it creates in ``VLLM_RPC_BASE_PATH`` (the temporary
+    directory by default) and leaves behind when it stops, a handful each start; unless the
+    operator chose that directory, each start gets a private one, removed once vLLM is gone."""
+    env, rpc_dir = None, None
+    if RPC_DIR_ENV not in os.environ:
+        rpc_dir = tempfile.mkdtemp(prefix=f"epd-vllm-{name}-")
+        env = {**os.environ, RPC_DIR_ENV: rpc_dir}
+    try:
+        return _run(name, cmd, log_json, front_end, env)
+    finally:
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+
+
+def _run(
+    name: str,
+    cmd: Sequence[str],
+    log_json: bool,
+    front_end: tuple[Sequence[int], str] | None,
+    env: dict[str, str] | None,
+) -> int:
     try:
         child = subprocess.Popen(
-            list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env
         )
     except OSError as e:
         sys.stderr.write(prefixed(name, f"could not start {cmd[0]}: {e}", log_json))
