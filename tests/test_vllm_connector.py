@@ -165,7 +165,8 @@ def vllm_serve(model_dir: Path, ec_extra: dict | None = None) -> Iterator[str]:
         str(Path(sys.executable).with_name("vllm")), str(model_dir), MODEL, "127.0.0.1", port,
         ec_extra, VLLM_ARGS, connector=ec_extra is not None,
     )  # fmt: skip
-    env = dict(os.environ, **VLLM_ENV)
+    rpc = tempfile.TemporaryDirectory(prefix=f"vllm-{port}-rpc-")  # the sockets vLLM leaves behind
+    env = dict(os.environ, **VLLM_ENV, VLLM_RPC_BASE_PATH=rpc.name)
     log = tempfile.NamedTemporaryFile(prefix=f"vllm-{port}-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -194,6 +195,7 @@ def vllm_serve(model_dir: Path, ec_extra: dict | None = None) -> Iterator[str]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+        rpc.cleanup()
 
 
 @pytest.fixture(scope="module")
