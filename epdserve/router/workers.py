@@ -3,8 +3,9 @@ join (the command line, DNS names resolved again and again, registrations with h
 worker not on the command line only from the worker networks and with proof of the cluster
 credential, ``router.membership``) and leave (eviction when a registration lapses or a name no
 longer resolves); the probe loop that keeps their health, load reports, KV digests and the served
-model current; and the HTTP session every internal call goes through, each one signed
-(``signed``: ``security.peers``)."""
+model current; and the HTTP clients every internal call goes through, each call signed
+(``signed``: ``security.peers``): aiohttp's session for probes, registration and metrics, the
+lean client (``api.http_client``) for the calls on a request's path (``call``, ``http``)."""
 
 from __future__ import annotations
 
