@@ -64,17 +64,35 @@ def test_a_large_body_goes_whole() -> None:
     asyncio.run(run())
 
 
-def test_a_chunked_stream_arrives_as_it_is_sent_and_its_connection_is_kept() -> None:
+HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("first", "rest", "first_piece", "rest_pieces"),
+    [
+        # whole chunks (one with an extension), then the last chunk and a trailer
+        (
+            b"6\r\ndata: \r\n1;ext=1\r\na\r\n",
+            b"A\r\n0123456789\r\n0\r\nX-Trailer: t\r\n\r\n",
+            b"data: a",
+            b"0123456789",
+        ),
+        # one large chunk's first thousand bytes: passed on before the chunk is whole
+        (b"%x\r\n" % 100_000 + b"a" * 1000, b"b" * 99_000 + b"\r\n0\r\n\r\n", b"a" * 1000, b"b" * 99_000),
+    ],
+)
+def test_a_chunked_stream_arrives_as_it_is_sent_and_its_connection_is_kept(
+    first: bytes, rest: bytes, first_piece: bytes, rest_pieces: bytes
+) -> None:
     async def run() -> None:
         go_on = asyncio.Event()
 
         async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n")
-            writer.write(b"6\r\ndata: \r\n1;ext=1\r\na\r\n")
+            writer.write(HEAD + first)
             await writer.drain()
             if n == 1:
-                await go_on.wait()  # the client must have the first events before the rest is sent
-            writer.write(b"A\r\n0123456789\r\n0\r\nX-Trailer: t\r\n\r\n")
+                await go_on.wait()  # the client must have the first bytes before the rest is sent
+            writer.write(rest)
             await writer.drain()
             return True
 
@@ -83,39 +101,11 @@ def test_a_chunked_stream_arrives_as_it_is_sent_and_its_connection_is_kept() -> 
             client = HttpClient()
             async with await client.post(url + "/", b"{}", {}, 5) as r:
                 pieces = r.iter_chunks()
-                assert await anext(pieces) == b"data: a"
+                assert await anext(pieces) == first_piece
                 go_on.set()
-                assert b"".join([p async for p in pieces]) == b"0123456789"
+                assert b"".join([p async for p in pieces]) == rest_pieces
             async with await client.post(url + "/", b"{}", {}, 5) as r:
-                assert await r.read() == b"data: a0123456789"
-        assert server.connections == 1
-
-    asyncio.run(run())
-
-
-def test_a_chunk_s_data_is_passed_on_as_it_arrives_before_the_chunk_is_whole() -> None:
-    async def run() -> None:
-        go_on = asyncio.Event()
-
-        async def one_large_chunk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % 100_000 + b"a" * 1000)
-            await writer.drain()
-            await go_on.wait()  # the rest only once the client has the first thousand bytes
-            writer.write(b"b" * 99_000 + b"\r\n0\r\n\r\n")
-            await writer.drain()
-            return True
-
-        server = Server(one_large_chunk)
-        async with server as url:
-            client = HttpClient()
-            async with await client.post(url + "/", b"", {}, 5) as r:
-                pieces = r.iter_chunks()
-                assert await anext(pieces) == b"a" * 1000
-                go_on.set()
-                assert b"".join([p async for p in pieces]) == b"b" * 99_000
-            async with await client.post(url + "/", b"", {}, 5) as r:  # the connection is kept
-                go_on.set()
-                assert len(await r.read()) == 100_000
+                assert await r.read() == first_piece + rest_pieces
         assert server.connections == 1
 
     asyncio.run(run())

@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -359,24 +360,31 @@ def wrapper(*cmd: str) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down() -> None:
-    proc = wrapper(sys.executable, "-c", CHILD)
+@contextlib.contextmanager
+def wrapped(*cmd: str) -> Iterator[tuple[subprocess.Popen[str], IO[str]]]:
+    """The wrapper running ``cmd``, and its stderr; its whole group killed afterwards."""
+    proc = wrapper(*cmd)
     try:
         assert proc.stderr is not None
-        first = proc.stderr.readline()
+        yield proc, proc.stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down() -> None:
+    with wrapped(sys.executable, "-c", CHILD) as (proc, err):
+        first = err.readline()
         assert first.startswith("[pd0 vllm] started "), first
         helper = int(first.split()[-1])
-        assert proc.stderr.readline() == "[pd0 vllm] second line\n"
+        assert err.readline() == "[pd0 vllm] second line\n"
         proc.send_signal(signal.SIGTERM)  # the wrapper alone, as the kernel does when ``up`` dies
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 10
         while Path(f"/proc/{helper}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # reaped by init once killed
         assert not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split()[2]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 LEAVES_SOCKETS = """
@@ -397,10 +405,8 @@ def test_vllm_s_sockets_go_with_it_unless_the_operator_chose_where(
         monkeypatch.setenv(launch.RPC_DIR_ENV, str(tmp_path))
     else:
         monkeypatch.delenv(launch.RPC_DIR_ENV, raising=False)
-    proc = wrapper(sys.executable, "-c", LEAVES_SOCKETS)
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
+    with wrapped(sys.executable, "-c", LEAVES_SOCKETS) as (proc, err):
+        line = err.readline()
         assert line.startswith("[pd0 vllm] rpc /"), line
         where = Path(line.split()[-1])
         assert (where / "engine.sock").is_socket()
@@ -409,10 +415,6 @@ def test_vllm_s_sockets_go_with_it_unless_the_operator_chose_where(
             assert where.name.startswith("epd-vllm-pd0-") and (where.stat().st_mode & 0o077) == 0  # private
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     assert where.exists() is operator_s  # ours removed with what vLLM left in it; the operator's kept
 
 
