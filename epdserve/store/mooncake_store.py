@@ -9,14 +9,15 @@ other untrusted input (``record``: MAC, identity, shape, checksum).
 The client's calls block (and take seconds when the master is gone), so they run on a small thread
 pool of their own, bounded by ``timeout_s`` like every store call. Joining starts when the member
 is made; until it is done an encoder's calls are misses (it computes alone), never a wait, while a
-reader (a language-model instance, made on its first store handle) waits for the join up to
-``timeout_s``: a miss there would cost the request its embeddings. Mooncake keeps the first value
-written to a key, which makes claims: a claimant writes ``<token> <deadline>`` and has the claim
-when reading the key back gives its own token. A claim is renewed and released by overwriting it
-(with a later, or a past, deadline); one whose deadline passed is anyone's to take. Mooncake has no
-compare-and-set and a write may read back late on another member, so a claim is confirmed by
-reading it again after a short settle; two members racing for one item can still both win (the
-claims cut duplicates, they do not exclude them): that costs a duplicate encode, never a wrong entry.
+reader (a language-model instance, made on its first store handle) waits for its first join up
+to ``READER_FIRST_JOIN_S`` and for a later one up to ``timeout_s``: a miss there would cost the
+request its embeddings. Mooncake keeps the first value written to a key, which makes claims: a
+claimant writes ``<token> <deadline>`` and has the claim when reading the key back gives its own
+token. A claim is renewed and released by overwriting it (with a later, or a past, deadline); one
+whose deadline passed is anyone's to take. Mooncake has no compare-and-set and a write may read
+back late on another member, so a claim is confirmed by reading it again after a short settle;
+two members racing for one item can still both win (the claims cut duplicates, they do not exclude
+them): that costs a duplicate encode, never a wrong entry.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ MAX_CLAIM_BYTES = 64
 CLAIM_SETTLE_S = 0.01
 CLAIM_SETTLE_TRIES = 10
 CLAIM_CONFIRM_S = 0.05
+READER_FIRST_JOIN_S = 5.0  # how long a reader's first call waits for its join (import, master handshake)
 
 
 class MooncakeError(RuntimeError):
@@ -56,6 +58,7 @@ class MooncakeStore(PackedStore):
         self._master = config.url.removeprefix("mooncake://")
         self._segment = config.segment_bytes if lend else 0
         self._reader = not lend  # its first call waits for the join (an encoder's is a miss)
+        self._joined_once = False  # a reader waited for its first join (later ones: timeout_s)
         self._client: Any = None
         self._setup_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epd-mooncake")
@@ -66,8 +69,9 @@ class MooncakeStore(PackedStore):
     async def _call(self, what: str, op: Callable[[], Awaitable[T]], default: T) -> T:
         if self._client is None:
             join = self._join
-            if not join.done() and self._reader:
-                await self.wait_joined(self.config.timeout_s)
+            if not join.done() and self._reader:  # the first join may take an import and a handshake
+                await self.wait_joined(self.config.timeout_s if self._joined_once else READER_FIRST_JOIN_S)
+                self._joined_once = True
             if not join.done():
                 self.stats.skipped += 1
                 return default
