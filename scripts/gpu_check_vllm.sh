@@ -51,7 +51,10 @@ fi
 # 2 and 3: servers of our own, stopped whatever happens
 export EPD_CLUSTER_SECRET=${EPD_CLUSTER_SECRET:-$("$PY" -c 'import secrets; print(secrets.token_hex(32))')}
 PIDS=()
-cleanup() { for p in ${PIDS[@]+"${PIDS[@]}"}; do kill -TERM -- "-$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+# the ZMQ sockets each vLLM leaves behind when it stops: in a directory of our own, removed at the end
+VLLM_RPC_BASE_PATH=$(mktemp -d); export VLLM_RPC_BASE_PATH
+stop_servers() { for p in ${PIDS[@]+"${PIDS[@]}"}; do kill -TERM -- "-$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() { stop_servers; rm -rf "$VLLM_RPC_BASE_PATH"; }
 trap cleanup EXIT
 wait_healthy() {  # URL PID NAME: until URL/health answers; fails when the process exited
   for _ in $(seq 1 900); do
@@ -104,7 +107,7 @@ wait_healthy $RT_URL "$RT" router
 BENCH=(--num-requests 64 --concurrency 8 --output-len 64 --image-size 448 --no-progress)
 "$PY" -m epdserve.cli bench --url $RT_URL "${BENCH[@]}" --out "$OUT/bench-epd-encoder-vllm" \
   2>&1 | tee "$OUT/bench-epd-encoder-vllm.txt"
-cleanup; PIDS=()
+stop_servers; PIDS=()
 # shellcheck disable=SC2086
 setsid "$VENV/bin/vllm" serve "$MODEL" --served-model-name shapes-qwen2vl --port $((PORT + 4)) $VLLM_ARGS \
   >"$OUT/vllm-plain.log" 2>&1 &

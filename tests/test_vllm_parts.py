@@ -360,17 +360,27 @@ def wrapper(*cmd: str) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def stop_wrapper(proc: subprocess.Popen[str]) -> None:
+    """Stop the wrapper as ``up`` does (SIGTERM: it cleans up after vLLM), then kill whatever of its
+    group is left."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 @contextlib.contextmanager
 def wrapped(*cmd: str) -> Iterator[tuple[subprocess.Popen[str], IO[str]]]:
-    """The wrapper running ``cmd``, and its stderr; its whole group killed afterwards."""
+    """The wrapper running ``cmd``, and its stderr; stopped afterwards."""
     proc = wrapper(*cmd)
     try:
         assert proc.stderr is not None
         yield proc, proc.stderr
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_wrapper(proc)
 
 
 def test_the_vllm_wrapper_prefixes_lines_and_takes_vllm_s_helpers_down() -> None:
@@ -461,9 +471,7 @@ def test_the_vllm_wrapper_moves_vllm_s_front_end_off_the_engine_s_cores_once_it_
         assert os.sched_getaffinity(engine_core) == {engine}  # started before: stays with the engine
         assert os.sched_getaffinity(proc.pid) == {engine}
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_wrapper(proc)
     bad = subprocess.run([sys.executable, "-m", launch.WRAPPER, "--name", "pd0", "--front-end-cpus", "0", "--", "true"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--front-end-cpus and --url go together" in bad.stderr
