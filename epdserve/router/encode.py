@@ -38,7 +38,7 @@ from epdserve.router.metrics import RouterMetrics
 from epdserve.router.pool import NoWorker, Worker
 from epdserve.router.refs import MediaRef
 from epdserve.router.upstream import about_media, passthrough_error
-from epdserve.router.workers import FAST_PROBE_S, RELEASE_TIMEOUT_S, WorkerPools
+from epdserve.router.workers import FAST_PROBE_S, WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -306,15 +306,8 @@ class Encodes:
 
     async def _release_on(self, url: str, handles: list[dict]) -> None:
         body = encode_release(ReleaseRequest(handles=handles))
-        try:
-            status, _ = await self.workers.call(url + "/v1/release", body, RELEASE_TIMEOUT_S)
-        except OSError as e:  # TimeoutError included
-            log.warning("could not release %d leases on %s (they expire by TTL): %s", len(handles), url, e)
-            return
-        if status != 200:
-            log.warning("%s refused to release %d leases (HTTP %d; they expire by TTL)", url, len(handles), status)
-            return
-        self.metrics.leases_released.inc(len(handles))
+        if await self.workers.release(url + "/v1/release", body, f"release {len(handles)} leases"):
+            self.metrics.leases_released.inc(len(handles))
 
     def known(self, r: MediaRef) -> EncodedItem | None:
         return self.directory.known(r.directory_key) if r.directory_key is not None else None

@@ -46,7 +46,6 @@ from epdserve.router.pool import NoWorker, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.trail import Trail
 from epdserve.router.upstream import RetryableWorker, about_media, error_code, passthrough_error
-from epdserve.router.workers import RELEASE_TIMEOUT_S, WorkerPools
 
 if TYPE_CHECKING:
     from epdserve.api.tracing import Tracing
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     from epdserve.router.forward import Forwarder
     from epdserve.router.metrics import RouterMetrics
     from epdserve.router.placement import Placement
+    from epdserve.router.workers import WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -296,15 +296,8 @@ class SplitChat:
         if handle is None:
             return
         body = msgspec.json.encode({"handles": [handle]})
-        try:
-            status, _ = await self.workers.call(prefill.url + "/v1/kv/release", body, RELEASE_TIMEOUT_S)
-        except OSError as e:  # TimeoutError included
-            log.warning("could not give a KV lease back to %s (it expires by TTL): %s", prefill.url, e)
-            return
-        if status != 200:
-            log.warning("%s refused to take a KV lease back (HTTP %d; it expires by TTL)", prefill.url, status)
-            return
-        self.metrics.kv_released.inc()
+        if await self.workers.release(prefill.url + "/v1/kv/release", body, "give a KV lease back"):
+            self.metrics.kv_released.inc()
 
 
 class _Handoff:

@@ -192,6 +192,19 @@ class WorkerPools:
         async with await self.http.post(url, body, signed, timeout_s) as resp:
             return resp.status, await resp.read(MAX_CALL_ANSWER_BYTES)
 
+    async def release(self, url: str, body: bytes, what: str) -> bool:
+        """Give leases back to the worker that issued them (``what``: e.g. "release 3 leases", for
+        the log): whether it took them. Failures are logged, never raised: the leases expire by TTL."""
+        try:
+            status, _ = await self.call(url, body, RELEASE_TIMEOUT_S)
+        except OSError as e:  # TimeoutError included
+            log.warning("could not %s on %s (they expire by TTL): %s", what, url, e)
+            return False
+        if status != 200:
+            log.warning("%s refused to %s (HTTP %d; they expire by TTL)", url, what, status)
+            return False
+        return True
+
     async def admit(self, role: str, url: str, why: str) -> str | None:
         """None when a worker not on the command line may join: its address is in the worker
         networks and it proves it holds the cluster credential; else the reason (logged)."""

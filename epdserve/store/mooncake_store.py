@@ -58,7 +58,7 @@ class MooncakeStore(PackedStore):
         self._master = config.url.removeprefix("mooncake://")
         self._segment = config.segment_bytes if lend else 0
         self._reader = not lend  # its first call waits for the join (an encoder's is a miss)
-        self._joined_once = False  # a reader waited for its first join (later ones: timeout_s)
+        self._waited_first_join = False  # a reader waited for its first join (later ones: timeout_s)
         self._client: Any = None
         self._setup_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epd-mooncake")
@@ -70,8 +70,8 @@ class MooncakeStore(PackedStore):
         if self._client is None:
             join = self._join
             if not join.done() and self._reader:  # the first join may take an import and a handshake
-                await self.wait_joined(self.config.timeout_s if self._joined_once else READER_FIRST_JOIN_S)
-                self._joined_once = True
+                await self.wait_joined(self.config.timeout_s if self._waited_first_join else READER_FIRST_JOIN_S)
+                self._waited_first_join = True
             if not join.done():
                 self.stats.skipped += 1
                 return default
