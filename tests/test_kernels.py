@@ -178,6 +178,69 @@ def test_decode_attention_reads_the_paged_cache_as_sdpa_over_the_gathered_contex
     assert (out[untouched] == 7.0).all()  # rows of no decode sequence are left alone
 
 
+def _frame_kernel(kernels: CpuKernelOps) -> bool:
+    """Whether this CPU runs the compiled frame attention (AVX-512 bfloat16, no AMX)."""
+    return kernels.lib.epd_dot_available() == 1 and kernels.lib.epd_amx_available() != 1
+
+
+def _frames_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 SDPA within each frame of n rows: [frames · n, heads, D]."""
+    rows, heads, d = q.shape
+    qf, kf, vf = (y.float().reshape(rows // n, n, heads, d).transpose(1, 2) for y in (q, k, v))
+    return F.scaled_dot_product_attention(qf, kf, vf).transpose(1, 2).reshape(rows, heads, d)
+
+
+@pytest.mark.parametrize(("frames", "n", "heads", "d"), [(1, 256, 4, 80), (3, 67, 2, 64), (2, 129, 3, 128)])
+def test_frame_attention_attends_within_each_frame_as_sdpa(
+    kernels: CpuKernelOps, frames: int, n: int, heads: int, d: int
+) -> None:
+    torch.manual_seed(2)
+    # q and k of one fused projection, as a tower's rows hold them: rows with a stride
+    qkv = (3 * torch.randn(frames * n, 3, heads, d)).to(torch.bfloat16)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    out = kernels.frame_attention(q, k, v, n)
+    if not _frame_kernel(kernels):
+        assert out is None  # no AVX-512 bfloat16, or AMX: the tower keeps SDPA
+        return
+    assert out is not None and out.dtype == torch.bfloat16
+    want = _frames_by_sdpa(q, k, v, n)
+    assert_close_rel(out.float(), want, REL[torch.bfloat16])
+    # about as close to float32 as PyTorch's own bfloat16 SDPA comes
+    theirs = F.scaled_dot_product_attention(*(y.reshape(frames, n, heads, d).transpose(1, 2) for y in (q, k, v)))
+    theirs = theirs.transpose(1, 2).reshape(frames * n, heads, d).float()
+    assert float((out.float() - want).abs().max()) <= 2 * float((theirs - want).abs().max())
+
+
+def test_frame_attention_on_several_threads_equals_one(kernels: CpuKernelOps) -> None:
+    if not _frame_kernel(kernels):
+        pytest.skip("the frame attention runs on AVX-512 bfloat16 without AMX")
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2 * 100, 4, 64).to(torch.bfloat16) for _ in range(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.frame_attention(q, k, v, 100)
+        torch.set_num_threads(3)
+        three = kernels.frame_attention(q, k, v, 100)
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and three is not None
+    assert torch.equal(one, three)  # each (frame, head) is computed whole by one thread
+
+
+def test_frame_attention_leaves_what_it_does_not_take_to_sdpa(kernels: CpuKernelOps) -> None:
+    x = torch.randn(128, 2, 80)
+    assert kernels.frame_attention(x, x, x, 128) is None  # float32
+    b = x.to(torch.bfloat16)
+    assert kernels.frame_attention(b, b, b, 32) is None  # frames too short to gain
+    odd = torch.randn(128, 2, 48).to(torch.bfloat16)
+    assert kernels.frame_attention(odd, odd, odd, 128) is None  # a head size it does not unroll
+    assert TorchOps().frame_attention(b, b, b, 128) is None
+    if _frame_kernel(kernels):
+        with pytest.raises(ValueError, match="frames of 100 rows"):
+            kernels.frame_attention(b, b, b, 100)  # 128 rows are no whole number of frames
+
+
 @pytest.fixture
 def small_source(tmp_path: Path) -> Path:
     """A C++ source with the ABI entry points of the real one and nothing else: the cache,

@@ -880,6 +880,98 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 }
 #endif
 
+
+#if defined(__AVX512BF16__)
+// Bidirectional attention of a media tower's frames by AVX-512 bfloat16 dot products (CPUs with
+// AVX-512 bfloat16): per (frame, head), the scores of R query rows against 16 keys at a time from
+// keys packed as [n/16][d/2][16 keys x 2], summed in float32; softmax in float32 over the frame's
+// n keys; the probabilities rounded to bfloat16 and multiplied into values packed as
+// [n/2][d][2 keys] unnormalized, summed in float32, divided by the sum of the rounded weights
+// and rounded once. SDPA's arithmetic on the CPU (bfloat16 products summed in float32, the
+// weights rounded for the second product); the order of the sums differs.
+template <int R, int DB>
+void frame_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const bf16* vp, bf16* out, int64_t so,
+                int64_t n, float scale, float* s, uint32_t* pp) {
+    constexpr int64_t d = DB * 16, pairs = d / 2;
+    const int64_t nb = (n + 15) / 16, np = (n + 1) / 2;
+    for (int64_t j = 0; j < nb; ++j) {
+        __m512 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        const bf16* kj = kp + j * pairs * 32;
+        for (int64_t t = 0; t < pairs; ++t) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + t * 32);
+            for (int r = 0; r < R; ++r) {
+                uint32_t qp;  // a group's missing rows repeat its first (their sums are never used)
+                std::memcpy(&qp, q + (r < rows ? r : 0) * sq + 2 * t, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)), kv);
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * nb * 16 + j * 16, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+    }
+    float inv[R];
+    for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s + r * nb * 16;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+            mv = _mm512_mask_max_ps(mv, mask, mv, _mm512_maskz_loadu_ps(mask, sr + j));
+        }
+        const float m = _mm512_reduce_max_ps(mv);
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sr[j] = exp_approx(sr[j] - m);
+        // the weights as rounded for the product, and their own sum: they add up to one
+        bf16* pr = reinterpret_cast<bf16*>(pp + r * np);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+            const __m256bh w = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, sr + j));
+            _mm256_mask_storeu_epi16(pr + j, mask, (__m256i)w);
+            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16)));
+        }
+        if (n % 2) pr[n] = 0;  // the last pair's missing key
+        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 o[R][DB];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < DB; ++b) o[r][b] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < np; ++t) {
+        __m512bh vv[DB];
+        for (int b = 0; b < DB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + t * d * 2 + b * 32);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * np + t]));
+            for (int b = 0; b < DB; ++b) o[r][b] = _mm512_dpbf16_ps(o[r][b], pb, vv[b]);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int b = 0; b < DB; ++b)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * so + b * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][b], _mm512_set1_ps(inv[r]))));
+}
+
+// units [u0, u1) of (frame, head) = (u / heads, u % heads): q and out rows of n per frame (row
+// strides sq, so; a head's d columns at h * d), kp and vp packed per unit
+template <int DB>
+void frame_units(const bf16* q, int64_t sq, const bf16* kp, const bf16* vp, bf16* out, int64_t so, int64_t n,
+                 int64_t heads, int64_t u0, int64_t u1, float scale) {
+    constexpr int64_t d = DB * 16;
+    constexpr int R = DB > 5 ? 2 : 4;
+    const int64_t nb = (n + 15) / 16, np = (n + 1) / 2;
+    std::vector<float> s(R * nb * 16);
+    std::vector<uint32_t> pp(R * np);
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t f = u / heads, h = u % heads;
+        const bf16* qu = q + f * n * sq + h * d;
+        bf16* ou = out + f * n * so + h * d;
+        const bf16* ku = kp + u * nb * 16 * d;
+        const bf16* vu = vp + u * np * 2 * d;
+        for (int64_t i = 0; i < n; i += R) {
+            const int64_t rows = n - i < R ? n - i : R;
+            frame_rows<R, DB>(qu + i * sq, sq, rows, ku, vu, ou + i * so, so, n, scale, s.data(), pp.data());
+        }
+    }
+}
+#endif
+
 }  // namespace
 
 
@@ -890,7 +982,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 12; }
+int epd_kernels_abi() { return 13; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -1011,6 +1103,40 @@ int epd_dot_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;
+    return -1;
+#endif
+}
+
+// Attention within each of ``frames`` frames of n rows, ``heads`` heads of d (64, 80 or 128)
+// columns (``frame_units``), on up to ``threads`` threads; -1 without AVX-512 bfloat16 or for
+// sizes refused
+int epd_frame_attention(const uint16_t* q, int64_t sq, const uint16_t* kp, const uint16_t* vp, uint16_t* out,
+                        int64_t so, int64_t frames, int64_t n, int64_t heads, int64_t d, float scale, int64_t threads) {
+#if defined(__AVX512BF16__)
+    if (frames < 1 || n < 1 || heads < 1 || threads < 1 || sq < heads * d || so < heads * d) return -1;
+    if (d != 64 && d != 80 && d != 128) return -1;
+    const int64_t units = frames * heads;
+    const int parts = static_cast<int>(threads < units ? threads : units);
+    auto span = [&](int t) {
+        const int64_t a = units * t / parts, b = units * (t + 1) / parts;
+        if (d == 64) frame_units<4>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
+        if (d == 80) frame_units<5>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
+        if (d == 128) frame_units<8>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
+    };
+    if (parts == 1) {
+        span(0);
+        return 0;
+    }
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(parts)
+    span(omp_get_thread_num());
+#else
+    for (int t = 0; t < parts; ++t) span(t);
+#endif
+    return 0;
+#else
+    (void)q, (void)sq, (void)kp, (void)vp, (void)out, (void)so, (void)frames, (void)n, (void)heads, (void)d;
+    (void)scale, (void)threads;
     return -1;
 #endif
 }

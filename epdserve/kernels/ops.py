@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 CHUNK_ROWS_BUDGET = 64 * 1024  # new tokens x context of a prefill chunk the row-wise attention takes
 PARALLEL_ELEMENTS = 1 << 18  # an elementwise call smaller than this runs on the calling thread
+FRAME_HEAD_DIMS = (64, 80, 128)  # head sizes the compiled frame attention takes
+FRAME_MIN_ROWS = 64  # shorter frames stay with SDPA, whose fixed cost is no larger there
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,6 +70,12 @@ class LayerOps(Protocol):
         """``x * sigmoid(1.702 * x)`` (a vision MLP's activation)."""
         ...
 
+    def frame_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor | None:
+        """q, k, v [frames · n, heads, D]: each row attends over the n rows of its frame
+        (bidirectionally, scaled by D^-0.5) → [frames · n, heads, D]; None where these ops do not
+        take the shapes (the caller runs SDPA)."""
+        ...
+
 
 class TorchOps:
     """The layer's elementwise ops as PyTorch calls."""
@@ -91,6 +99,9 @@ class TorchOps:
 
     def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
+
+    def frame_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor | None:
+        return None
 
 
 def _rows(t: torch.Tensor, width: int) -> int:
@@ -132,6 +143,9 @@ class CpuKernelOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.workers = Workers("epd-ops")  # the large elementwise calls, split over torch's threads
+        # the frame attention runs on AVX-512 bfloat16 without AMX, where it was measured to beat
+        # SDPA; with AMX, PyTorch's own attention may reach the tiles, and keeps the work
+        self._dot = lib.epd_dot_available() == 1 and lib.epd_amx_available() != 1
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -210,6 +224,40 @@ class CpuKernelOps:
             lambda a, b: self.lib.epd_quick_gelu(code, xp + a * el, op + a * el, b - a),
             shares(n, Workers.threads(n, PARALLEL_ELEMENTS), 64),
         )
+        return out
+
+    def frame_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The compiled attention of ``epd_frame_attention`` (bfloat16; CPUs with AVX-512
+        bfloat16 and no AMX): keys and values packed for it here, per frame and head."""
+        rows, heads, d = q.shape
+        if q.dtype != torch.bfloat16 or d not in FRAME_HEAD_DIMS or n < FRAME_MIN_ROWS or not self._dot:
+            return None
+        if rows % n or k.shape != q.shape or v.shape != q.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"q, k and v must be alike, frames of {n} rows; got {q.shape}, {k.shape}, {v.shape}")
+        frames, blocks, pairs = rows // n, -(-n // 16), -(-n // 2)
+        # keys [frames, heads, n/16, D/2, 16, 2]: 16 keys' pair of columns in one 64-byte load
+        kf = F.pad(k.reshape(frames, n, heads, d), (0, 0, 0, 0, 0, 16 * blocks - n))
+        kp = kf.view(frames, blocks, 16, heads, d // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        # values [frames, heads, n/2, D, 2]: each column of two keys side by side
+        vf = F.pad(v.reshape(frames, n, heads, d), (0, 0, 0, 0, 0, 2 * pairs - n))
+        vp = vf.view(frames, pairs, 2, heads, d).permute(0, 3, 1, 4, 2).contiguous()
+        out = torch.empty((rows, heads, d), dtype=q.dtype)
+        status = self.lib.epd_frame_attention(
+            q.data_ptr(),
+            _rows(q, heads * d),
+            kp.data_ptr(),
+            vp.data_ptr(),
+            out.data_ptr(),
+            heads * d,
+            frames,
+            n,
+            heads,
+            d,
+            d**-0.5,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise ValueError(f"the frame attention refused {frames} frames of {n} rows, {heads} heads of {d}")
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

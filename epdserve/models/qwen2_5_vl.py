@@ -83,12 +83,19 @@ class Segments:
             (torch.tensor(s, device=device)[:, None] + torch.arange(n, device=device)) for n, s in starts.items()
         ]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v [N, heads, D] → [N, heads, D], each row attending within its segment."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """q, k, v [N, heads, D] → [N, heads, D], each row attending within its segment (its
+        rows gathered; by ``ops`` where they take it, else SDPA)."""
         out = torch.empty_like(q)
         for rows in self.batches:
-            qs, ks, vs = (y[rows].transpose(1, 2) for y in (q, k, v))  # [segments, heads, length, D]
-            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+            length = rows.shape[1]
+            qs, ks, vs = q[rows], k[rows], v[rows]  # [segments, length, heads, D]
+            fused = ops.frame_attention(qs.flatten(0, 1), ks.flatten(0, 1), vs.flatten(0, 1), length)
+            if fused is not None:
+                out[rows] = fused.view(qs.shape)
+            else:
+                heads_first = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+                out[rows] = F.scaled_dot_product_attention(*heads_first).transpose(1, 2)
         return out
 
 

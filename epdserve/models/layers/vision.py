@@ -57,9 +57,9 @@ def check_patches(c: VisionConfig, pixel_values: torch.Tensor, grids: Grids) -> 
 class AttentionSegments(Protocol):
     """A partition of a tower's patch rows into the groups that attend among themselves."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """q, k, v [N, heads, D] → [N, heads * D] (or [N, heads, D]), each row attending within
-        its segment, bidirectionally."""
+        its segment, bidirectionally (by ``ops`` where they take it)."""
         ...
 
 
@@ -82,14 +82,18 @@ class FrameRuns:
     def __init__(self, grids: Grids) -> None:
         self.runs = frame_runs(grids)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         heads, d = q.shape[1], q.shape[2]
         outs, start = [], 0
         for frames, size in self.runs:
             # frames of one size (of one item or of consecutive items) batch as [frames, heads, size, D]
             end = start + frames * size
-            qi, ki, vi = (y[start:end].view(frames, size, heads, d).transpose(1, 2) for y in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(frames * size, -1))
+            fused = ops.frame_attention(q[start:end], k[start:end], v[start:end], size)
+            if fused is not None:
+                outs.append(fused.view(frames * size, -1))
+            else:
+                qi, ki, vi = (y[start:end].view(frames, size, heads, d).transpose(1, 2) for y in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(frames * size, -1))
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -118,7 +122,7 @@ class VisionAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: AttentionSegments, ops: LayerOps
     ) -> torch.Tensor:
         q, k, v = rotated_qkv(self.qkv(x), self.num_heads, self.head_dim, cos, sin, ops)
-        return self.proj(segments.attend(q, k, v).reshape(x.shape[0], -1))
+        return self.proj(segments.attend(q, k, v, ops).reshape(x.shape[0], -1))
 
 
 class VisionMLP(nn.Module):
