@@ -14,7 +14,9 @@ Measures, in this process, for each thread count:
 - prefill of a text prompt of ``--prompt-tokens`` tokens, in one engine step, against the peak
   matmul rate: 2 x (linear weights) x tokens floating-point operations, attention not counted;
   and the rate of the linear layers alone (their operations over the time spent inside them);
-- the vision tower over one image of ``--image-size`` pixels a side, the same way.
+- the vision tower over one image of ``--image-size`` pixels a side, the same way; and its
+  attention over that image's frame alone (random q, k and v of the tower's heads), as the
+  tower runs it and through PyTorch's SDPA, 4 x heads x rows² x head size operations each.
 
 Prints one table; ``--json`` keeps every figure.
 """
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -103,6 +106,23 @@ class LinearClock:
         finally:
             self.on = False
         return self.flops / self.seconds / 1e12
+
+
+def attention_tflops(ops, rows: int, heads: int, d: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(a tower's attention over one frame of ``rows`` rows as ``ops`` run it, PyTorch's SDPA)
+    in TFLOP/s; where ``ops`` leave the shape to SDPA the two are the same call."""
+    q, k, v = (torch.randn(rows, heads, d).to(dtype) for _ in range(3))
+
+    def sdpa() -> object:  # as the tower calls it: [frames, heads, rows, D] views of its rows
+        return F.scaled_dot_product_attention(*(y.view(1, rows, heads, d).transpose(1, 2) for y in (q, k, v)))
+
+    def tower() -> object:
+        out = ops.frame_attention(q, k, v, rows)
+        return sdpa() if out is None else out
+
+    flops = 4 * heads * rows**2 * d
+    with torch.inference_mode():
+        return flops / _best(tower, 5) / 1e12, flops / _best(sdpa, 5) / 1e12
 
 
 def text_request(rid: str, tokens: int, out: int, seed: int, vocab: int) -> Request:
@@ -195,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
             vision_s = _best(lambda: visual(pixels, [v.grid_thw]), 2)
             vision_linears = clock.rate(lambda: visual(pixels, [v.grid_thw]))
         vision_flops = 2 * vision_params * patches
+        frame_rows = int(v.grid_thw[1] * v.grid_thw[2])
+        vc = cfg.vision
+        attention, sdpa = attention_tflops(visual.ops, frame_rows, vc.num_heads, vc.head_dim, dtype)
 
         row = {
             "threads": threads,
@@ -211,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             "vision_s": vision_s,
             "vision_tflops": vision_flops / vision_s / 1e12,
             "vision_linears_tflops": vision_linears,
+            "vision_attention_tflops": attention,
+            "vision_attention_sdpa_tflops": sdpa,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -225,14 +250,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| threads | bandwidth GB/s | peak matmul TFLOP/s | decode step ms | bound ms | step/bound | "
-        "prefill TFLOP/s | of peak | its linears | of peak | vision TFLOP/s | of peak | its linears | of peak |"
+        "prefill TFLOP/s | of peak | its linears | of peak | vision TFLOP/s | of peak | its linears | of peak | "
+        "its attention | of peak | SDPA's | of peak |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         peak = r["peak_tflops"]
         rates = " | ".join(
             f"{r[key]:.2f} | {r[key] / peak:.0%}"
-            for key in ("prefill_tflops", "prefill_linears_tflops", "vision_tflops", "vision_linears_tflops")
+            for key in (
+                "prefill_tflops",
+                "prefill_linears_tflops",
+                "vision_tflops",
+                "vision_linears_tflops",
+                "vision_attention_tflops",
+                "vision_attention_sdpa_tflops",
+            )
         )
         print(
             f"| {r['threads']} | {r['bandwidth_gbs']:.1f} | {peak:.2f} | {r['decode_ms']:.0f} | "
