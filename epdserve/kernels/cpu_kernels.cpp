@@ -613,17 +613,16 @@ int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t h
 }
 #endif
 
-// ``cols(a, b)`` for spans of 64-column groups of n output columns on up to ``threads`` threads of
-// the OpenMP runtime the process already runs (torch's, which the library shares when built by
-// GCC): torch's own threads would otherwise spin on the cores a second pool needs. A column's
-// sums do not depend on the split.
+// ``work(a, b)`` for spans of ``align``-unit groups of n units on up to ``threads`` threads of the
+// OpenMP runtime the process already runs (torch's, which the library shares when built by GCC):
+// torch's own threads would otherwise spin on the cores a second pool needs.
 template <typename F>
-void split_columns(int64_t n, int64_t threads, F&& cols) {
-    const int64_t groups = (n + 63) / 64;
+void split_spans(int64_t n, int64_t align, int64_t threads, F&& work) {
+    const int64_t groups = (n + align - 1) / align;
     const int parts = static_cast<int>(threads < groups ? threads : groups);
     auto span = [&](int t) {
-        const int64_t a = groups * t / parts * 64, b0 = groups * (t + 1) / parts * 64, b = b0 < n ? b0 : n;
-        if (a < b) cols(a, b);
+        const int64_t a = groups * t / parts * align, b0 = groups * (t + 1) / parts * align, b = b0 < n ? b0 : n;
+        if (a < b) work(a, b);
     };
     if (parts == 1) {
         span(0);
@@ -635,6 +634,13 @@ void split_columns(int64_t n, int64_t threads, F&& cols) {
 #else
     for (int t = 0; t < parts; ++t) span(t);
 #endif
+}
+
+// ``cols(a, b)`` for spans of 64-column groups of n output columns (``split_spans``): a column's
+// sums do not depend on the split
+template <typename F>
+void split_columns(int64_t n, int64_t threads, F&& cols) {
+    split_spans(n, 64, threads, cols);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1115,24 +1121,11 @@ int epd_frame_attention(const uint16_t* q, int64_t sq, const uint16_t* kp, const
 #if defined(__AVX512BF16__)
     if (frames < 1 || n < 1 || heads < 1 || threads < 1 || sq < heads * d || so < heads * d) return -1;
     if (d != 64 && d != 80 && d != 128) return -1;
-    const int64_t units = frames * heads;
-    const int parts = static_cast<int>(threads < units ? threads : units);
-    auto span = [&](int t) {
-        const int64_t a = units * t / parts, b = units * (t + 1) / parts;
+    split_spans(frames * heads, 1, threads, [&](int64_t a, int64_t b) {
         if (d == 64) frame_units<4>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
         if (d == 80) frame_units<5>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
         if (d == 128) frame_units<8>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
-    };
-    if (parts == 1) {
-        span(0);
-        return 0;
-    }
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(parts)
-    span(omp_get_thread_num());
-#else
-    for (int t = 0; t < parts; ++t) span(t);
-#endif
+    });
     return 0;
 #else
     (void)q, (void)sq, (void)kp, (void)vp, (void)out, (void)so, (void)frames, (void)n, (void)heads, (void)d;

@@ -237,10 +237,10 @@ class CpuKernelOps:
         frames, blocks, pairs = rows // n, -(-n // 16), -(-n // 2)
         # keys [frames, heads, n/16, D/2, 16, 2]: 16 keys' pair of columns in one 64-byte load
         kf = F.pad(k.reshape(frames, n, heads, d), (0, 0, 0, 0, 0, 16 * blocks - n))
-        kp = kf.view(frames, blocks, 16, heads, d // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        kp = kf.reshape(frames, blocks, 16, heads, d // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
         # values [frames, heads, n/2, D, 2]: each column of two keys side by side
         vf = F.pad(v.reshape(frames, n, heads, d), (0, 0, 0, 0, 0, 2 * pairs - n))
-        vp = vf.view(frames, pairs, 2, heads, d).permute(0, 3, 1, 4, 2).contiguous()
+        vp = vf.reshape(frames, pairs, 2, heads, d).permute(0, 3, 1, 4, 2).contiguous()
         out = torch.empty((rows, heads, d), dtype=q.dtype)
         status = self.lib.epd_frame_attention(
             q.data_ptr(),
