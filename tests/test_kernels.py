@@ -211,6 +211,34 @@ def test_frame_attention_attends_within_each_frame_as_sdpa(
     assert float((out.float() - want).abs().max()) <= 2 * float((theirs - want).abs().max())
 
 
+@pytest.mark.parametrize(
+    ("nq", "nk", "heads", "kv_heads", "d"), [(97, 97, 6, 2, 128), (65, 203, 4, 1, 64), (128, 131, 2, 2, 80)]
+)
+def test_causal_attention_of_a_prompt_chunk_equals_sdpa_over_its_prefix(
+    kernels: CpuKernelOps, nq: int, nk: int, heads: int, kv_heads: int, d: int
+) -> None:
+    torch.manual_seed(4)
+    q = (3 * torch.randn(nq, heads, d)).to(torch.bfloat16)
+    k, v = ((3 * torch.randn(nk, kv_heads, d)).to(torch.bfloat16) for _ in range(2))
+    out = kernels.causal_attention(q, k, v)
+    if not _frame_kernel(kernels):
+        assert out is None
+        return
+    assert out is not None
+    # the chunk's query i sits at position nk - nq + i: it sees keys 0..nk - nq + i
+    seen = torch.arange(nk)[None, :] <= (torch.arange(nq) + nk - nq)[:, None]
+    want = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None],
+        attn_mask=seen,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    assert_close_rel(out.float(), want, REL[torch.bfloat16])
+    with pytest.raises(ValueError, match="at least q's rows"):
+        kernels.causal_attention(q, k[: nq - 1], v[: nq - 1])
+
+
 def test_frame_attention_on_several_threads_equals_one(kernels: CpuKernelOps) -> None:
     if not _frame_kernel(kernels):
         pytest.skip("the frame attention runs on AVX-512 bfloat16 without AMX")

@@ -99,28 +99,36 @@ class PagedAttention:
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """SDPA for each prompt chunk, one sequence at a time, into its rows of ``out``."""
+        """Each prompt chunk's attention over its sequence so far, one sequence at a time, into
+        its rows of ``out``: the kernels' where they take it, else SDPA."""
         gqa = q.shape[1] != k.shape[1]
         per_block = kc.shape[1] * kc.shape[2] * kc.shape[3]
         # index_select over whole blocks: about twice as fast on CPU as advanced indexing by slot
         block_k, block_v = kc.view(kc.shape[0], per_block), vc.view(vc.shape[0], per_block)
         hkv, d = kc.shape[2], kc.shape[3]
         for s, blocks in zip(self.layout.prefills, self.prefill_blocks, strict=True):
-            qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
-            if s.q_len == s.ctx_len:  # whole sequence in this step: no cache read needed
-                ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-                vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            whole = s.q_len == s.ctx_len  # whole sequence in this step: no cache read needed
+            if whole:
+                ks, vs = k[rows], v[rows]
+            else:
+                ks = block_k.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].to(q.dtype)
+                vs = block_v.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].to(q.dtype)
+            fused = self.kernels.causal_attention(q[rows], ks, vs) if self.kernels is not None else None
+            if fused is not None:
+                out[rows] = fused
+                continue
+            qs, ks, vs = q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)  # [H, n, D]
+            if whole:
                 # 4-D, not 3-D: only a batched call takes PyTorch's flash kernel on CPU (3-D falls
                 # back to the unfused math path; docs/benchmarks.md)
                 o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, enable_gqa=gqa)[0]
             else:
-                ks = block_k.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].transpose(0, 1).to(q.dtype)
-                vs = block_v.index_select(0, blocks).view(-1, hkv, d)[: s.ctx_len].transpose(0, 1).to(q.dtype)
                 # query i sits at absolute position ctx_len - q_len + i
                 qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
                 mask = torch.arange(s.ctx_len, device=q.device)[None, :] <= qpos
                 o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, enable_gqa=gqa)[0]
-            out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+            out[rows] = o.transpose(0, 1)
 
     def _decode_in_place(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The kernels' decode attention into the decode rows of ``out`` (other rows untouched)."""

@@ -888,38 +888,50 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 
 
 #if defined(__AVX512BF16__)
-// Bidirectional attention of a media tower's frames by AVX-512 bfloat16 dot products (CPUs with
-// AVX-512 bfloat16): per (frame, head), the scores of R query rows against 16 keys at a time from
-// keys packed as [n/16][d/2][16 keys x 2], summed in float32; softmax in float32 over the frame's
-// n keys; the probabilities rounded to bfloat16 and multiplied into values packed as
-// [n/2][d][2 keys] unnormalized, summed in float32, divided by the sum of the rounded weights
+// Attention by AVX-512 bfloat16 dot products (CPUs with AVX-512 bfloat16): per (frame, query
+// head), the scores of R query rows against 16 keys at a time from keys packed as
+// [nk/16][d/2][16 keys x 2], summed in float32; softmax in float32 over the keys a row sees (all
+// nk, or a causal prefix); the weights rounded to bfloat16 and multiplied into values packed as
+// [nk/2][d][2 keys] unnormalized, summed in float32, divided by the sum of the rounded weights
 // and rounded once. SDPA's arithmetic on the CPU (bfloat16 products summed in float32, the
 // weights rounded for the second product); the order of the sums differs.
+
+// the first ``n`` of 16 lanes
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u); }
+
+// ``rows`` (up to R) query rows; row r sees the first ``seen + r`` keys (``causal``) or all nk
 template <int R, int DB>
-void frame_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const bf16* vp, bf16* out, int64_t so,
-                int64_t n, float scale, float* s, uint32_t* pp) {
+void attend_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const bf16* vp, bf16* out, int64_t so,
+                 int64_t nk, int64_t seen, bool causal, float scale, float* s, uint32_t* pp) {
     constexpr int64_t d = DB * 16, pairs = d / 2;
-    const int64_t nb = (n + 15) / 16, np = (n + 1) / 2;
-    for (int64_t j = 0; j < nb; ++j) {
+    const int64_t stride = (nk + 15) / 16 * 16, np = (nk + 1) / 2;
+    int64_t len[R];
+    for (int r = 0; r < R; ++r) {
+        const int64_t l = causal ? seen + (r < rows ? r : rows - 1) : nk;
+        len[r] = l < nk ? l : nk;
+    }
+    const int64_t most = len[R - 1], blocks = (most + 15) / 16, used = (most + 1) / 2;
+    for (int64_t j = 0; j < blocks; ++j) {
         __m512 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
         const bf16* kj = kp + j * pairs * 32;
         for (int64_t t = 0; t < pairs; ++t) {
             const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + t * 32);
             for (int r = 0; r < R; ++r) {
-                uint32_t qp;  // a group's missing rows repeat its first (their sums are never used)
-                std::memcpy(&qp, q + (r < rows ? r : 0) * sq + 2 * t, 4);
+                uint32_t qp;  // a group's missing rows repeat its last (their sums are never used)
+                std::memcpy(&qp, q + (r < rows ? r : rows - 1) * sq + 2 * t, 4);
                 acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)), kv);
             }
         }
-        for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * nb * 16 + j * 16, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * stride + j * 16, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
     }
     float inv[R];
     for (int64_t r = 0; r < rows; ++r) {
-        float* sr = s + r * nb * 16;
+        const int64_t n = len[r];
+        float* sr = s + r * stride;
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+            const __mmask16 mask = lanes(n - j);
             mv = _mm512_mask_max_ps(mv, mask, mv, _mm512_maskz_loadu_ps(mask, sr + j));
         }
         const float m = _mm512_reduce_max_ps(mv);
@@ -929,18 +941,18 @@ void frame_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const b
         bf16* pr = reinterpret_cast<bf16*>(pp + r * np);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+            const __mmask16 mask = lanes(n - j);
             const __m256bh w = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, sr + j));
             _mm256_mask_storeu_epi16(pr + j, mask, (__m256i)w);
             sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16)));
         }
-        if (n % 2) pr[n] = 0;  // the last pair's missing key
+        for (int64_t j = n; j < 2 * used; ++j) pr[j] = 0;  // keys this row does not see
         inv[r] = 1.f / _mm512_reduce_add_ps(sum);
     }
     __m512 o[R][DB];
     for (int r = 0; r < R; ++r)
         for (int b = 0; b < DB; ++b) o[r][b] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < np; ++t) {
+    for (int64_t t = 0; t < used; ++t) {
         __m512bh vv[DB];
         for (int b = 0; b < DB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + t * d * 2 + b * 32);
         for (int r = 0; r < R; ++r) {
@@ -954,25 +966,28 @@ void frame_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const b
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][b], _mm512_set1_ps(inv[r]))));
 }
 
-// units [u0, u1) of (frame, head) = (u / heads, u % heads): q and out rows of n per frame (row
-// strides sq, so; a head's d columns at h * d), kp and vp packed per unit
+// units [u0, u1) of (frame, query head) = (u / heads, u % heads): nq query and out rows per frame
+// (row strides sq, so; a head's d columns at h * d), keys and values packed per (frame, KV head),
+// nk per frame, query head h reading KV head h / (heads / kv_heads); with ``causal``, query row i
+// sees the first nk - nq + i + 1 keys
 template <int DB>
-void frame_units(const bf16* q, int64_t sq, const bf16* kp, const bf16* vp, bf16* out, int64_t so, int64_t n,
-                 int64_t heads, int64_t u0, int64_t u1, float scale) {
+void attend_units(const bf16* q, int64_t sq, const bf16* kp, const bf16* vp, bf16* out, int64_t so, int64_t nq,
+                  int64_t nk, int64_t heads, int64_t kv_heads, bool causal, int64_t u0, int64_t u1, float scale) {
     constexpr int64_t d = DB * 16;
     constexpr int R = DB > 5 ? 2 : 4;
-    const int64_t nb = (n + 15) / 16, np = (n + 1) / 2;
+    const int64_t nb = (nk + 15) / 16, np = (nk + 1) / 2, group = heads / kv_heads;
     std::vector<float> s(R * nb * 16);
     std::vector<uint32_t> pp(R * np);
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t f = u / heads, h = u % heads;
-        const bf16* qu = q + f * n * sq + h * d;
-        bf16* ou = out + f * n * so + h * d;
-        const bf16* ku = kp + u * nb * 16 * d;
-        const bf16* vu = vp + u * np * 2 * d;
-        for (int64_t i = 0; i < n; i += R) {
-            const int64_t rows = n - i < R ? n - i : R;
-            frame_rows<R, DB>(qu + i * sq, sq, rows, ku, vu, ou + i * so, so, n, scale, s.data(), pp.data());
+        const int64_t f = u / heads, h = u % heads, kvu = f * kv_heads + h / group;
+        const bf16* qu = q + f * nq * sq + h * d;
+        bf16* ou = out + f * nq * so + h * d;
+        const bf16* ku = kp + kvu * nb * 16 * d;
+        const bf16* vu = vp + kvu * np * 2 * d;
+        for (int64_t i = 0; i < nq; i += R) {
+            const int64_t rows = nq - i < R ? nq - i : R;
+            attend_rows<R, DB>(qu + i * sq, sq, rows, ku, vu, ou + i * so, so, nk, nk - nq + i + 1, causal, scale,
+                               s.data(), pp.data());
         }
     }
 }
@@ -988,7 +1003,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 13; }
+int epd_kernels_abi() { return 14; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -1113,23 +1128,26 @@ int epd_dot_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
 #endif
 }
 
-// Attention within each of ``frames`` frames of n rows, ``heads`` heads of d (64, 80 or 128)
-// columns (``frame_units``), on up to ``threads`` threads; -1 without AVX-512 bfloat16 or for
-// sizes refused
+// Attention within each of ``frames`` frames: nq query rows of ``heads`` heads against nk keys
+// and values of ``kv_heads`` heads, d (64, 80 or 128) columns a head, every key or (``causal``)
+// a causal prefix (``attend_units``), on up to ``threads`` threads; -1 without AVX-512 bfloat16
+// or for sizes refused
 int epd_frame_attention(const uint16_t* q, int64_t sq, const uint16_t* kp, const uint16_t* vp, uint16_t* out,
-                        int64_t so, int64_t frames, int64_t n, int64_t heads, int64_t d, float scale, int64_t threads) {
+                        int64_t so, int64_t frames, int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads,
+                        int64_t d, float scale, int causal, int64_t threads) {
 #if defined(__AVX512BF16__)
-    if (frames < 1 || n < 1 || heads < 1 || threads < 1 || sq < heads * d || so < heads * d) return -1;
+    if (frames < 1 || nq < 1 || nk < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || threads < 1) return -1;
+    if (sq < heads * d || so < heads * d || (causal && nk < nq)) return -1;
     if (d != 64 && d != 80 && d != 128) return -1;
     split_spans(frames * heads, 1, threads, [&](int64_t a, int64_t b) {
-        if (d == 64) frame_units<4>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
-        if (d == 80) frame_units<5>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
-        if (d == 128) frame_units<8>(q, sq, kp, vp, out, so, n, heads, a, b, scale);
+        if (d == 64) attend_units<4>(q, sq, kp, vp, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
+        if (d == 80) attend_units<5>(q, sq, kp, vp, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
+        if (d == 128) attend_units<8>(q, sq, kp, vp, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
     });
     return 0;
 #else
-    (void)q, (void)sq, (void)kp, (void)vp, (void)out, (void)so, (void)frames, (void)n, (void)heads, (void)d;
-    (void)scale, (void)threads;
+    (void)q, (void)sq, (void)kp, (void)vp, (void)out, (void)so, (void)frames, (void)nq, (void)nk, (void)heads;
+    (void)kv_heads, (void)d, (void)scale, (void)causal, (void)threads;
     return -1;
 #endif
 }

@@ -228,19 +228,41 @@ class CpuKernelOps:
 
     def frame_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor | None:
         """The compiled attention of ``epd_frame_attention`` (bfloat16; CPUs with AVX-512
-        bfloat16 and no AMX): keys and values packed for it here, per frame and head."""
-        rows, heads, d = q.shape
-        if q.dtype != torch.bfloat16 or d not in FRAME_HEAD_DIMS or n < FRAME_MIN_ROWS or not self._dot:
+        bfloat16 and no AMX), every row of a frame seeing all of it."""
+        if not self._attends(q, n):
             return None
-        if rows % n or k.shape != q.shape or v.shape != q.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        if q.shape[0] % n or k.shape != q.shape or v.shape != q.shape:
             raise ValueError(f"q, k and v must be alike, frames of {n} rows; got {q.shape}, {k.shape}, {v.shape}")
-        frames, blocks, pairs = rows // n, -(-n // 16), -(-n // 2)
-        # keys [frames, heads, n/16, D/2, 16, 2]: 16 keys' pair of columns in one 64-byte load
-        kf = F.pad(k.reshape(frames, n, heads, d), (0, 0, 0, 0, 0, 16 * blocks - n))
-        kp = kf.reshape(frames, blocks, 16, heads, d // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
-        # values [frames, heads, n/2, D, 2]: each column of two keys side by side
-        vf = F.pad(v.reshape(frames, n, heads, d), (0, 0, 0, 0, 0, 2 * pairs - n))
-        vp = vf.reshape(frames, pairs, 2, heads, d).permute(0, 3, 1, 4, 2).contiguous()
+        return self._attend(q, k, v, q.shape[0] // n, causal=False)
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """A prompt chunk's attention by the same kernel: q [nq, heads, D] the chunk's last rows
+        of the nk keys and values k, v [nk, kv_heads, D] (heads a multiple of kv_heads), query i
+        seeing the first nk − nq + i + 1 of them → [nq, heads, D]; None where the kernel does not
+        take the shapes (the caller runs SDPA)."""
+        if not self._attends(q, q.shape[0]):
+            return None
+        if k.shape != v.shape or k.shape[0] < q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"k and v must be alike, at least q's rows, heads dividing q's; got {k.shape}, {v.shape}")
+        return self._attend(q, k, v, 1, causal=True)
+
+    def _attends(self, q: torch.Tensor, rows: int) -> bool:
+        return self._dot and q.dtype == torch.bfloat16 and q.shape[2] in FRAME_HEAD_DIMS and rows >= FRAME_MIN_ROWS
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int, causal: bool) -> torch.Tensor:
+        """q [frames · nq, heads, D] against k, v [frames · nk, kv_heads, D]: keys and values packed
+        for ``epd_frame_attention`` here, per frame and KV head."""
+        rows, heads, d = q.shape
+        nq, nk, kv_heads = rows // frames, k.shape[0] // frames, k.shape[1]
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        blocks, pairs = -(-nk // 16), -(-nk // 2)
+        # keys [frames, kv_heads, nk/16, D/2, 16, 2]: 16 keys' pair of columns in one 64-byte load
+        kf = F.pad(k.reshape(frames, nk, kv_heads, d), (0, 0, 0, 0, 0, 16 * blocks - nk))
+        kp = kf.reshape(frames, blocks, 16, kv_heads, d // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        # values [frames, kv_heads, nk/2, D, 2]: each column of two keys side by side
+        vf = F.pad(v.reshape(frames, nk, kv_heads, d), (0, 0, 0, 0, 0, 2 * pairs - nk))
+        vp = vf.reshape(frames, pairs, 2, kv_heads, d).permute(0, 3, 1, 4, 2).contiguous()
         out = torch.empty((rows, heads, d), dtype=q.dtype)
         status = self.lib.epd_frame_attention(
             q.data_ptr(),
@@ -250,14 +272,17 @@ class CpuKernelOps:
             out.data_ptr(),
             heads * d,
             frames,
-            n,
+            nq,
+            nk,
             heads,
+            kv_heads,
             d,
             d**-0.5,
+            int(causal),
             torch.get_num_threads(),
         )
         if status:
-            raise ValueError(f"the frame attention refused {frames} frames of {n} rows, {heads} heads of {d}")
+            raise ValueError(f"the attention kernel refused {frames} frames of {nq} x {nk} rows, {heads} heads of {d}")
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
