@@ -42,6 +42,7 @@ from epdserve.common.dtypes import torch_dtype
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.request import Request
+from epdserve.kernels.ops import LayerOps
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from epdserve.shapes import ShapesWorld
@@ -108,7 +109,7 @@ class LinearClock:
         return self.flops / self.seconds / 1e12
 
 
-def attention_tflops(ops, rows: int, heads: int, d: int, dtype: torch.dtype) -> tuple[float, float]:
+def attention_tflops(ops: LayerOps, rows: int, heads: int, d: int, dtype: torch.dtype) -> tuple[float, float]:
     """(a tower's attention over one frame of ``rows`` rows as ``ops`` run it, PyTorch's SDPA)
     in TFLOP/s; where ``ops`` leave the shape to SDPA the two are the same call."""
     q, k, v = (torch.randn(rows, heads, d).to(dtype) for _ in range(3))

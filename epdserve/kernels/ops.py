@@ -145,7 +145,7 @@ class CpuKernelOps:
         self.workers = Workers("epd-ops")  # the large elementwise calls, split over torch's threads
         # the frame attention runs on AVX-512 bfloat16 without AMX, where it was measured to beat
         # SDPA; with AMX, PyTorch's own attention may reach the tiles, and keeps the work
-        self._dot = lib.epd_dot_available() == 1 and lib.epd_amx_available() != 1
+        self._attention_kernel = lib.epd_dot_available() == 1 and lib.epd_amx_available() != 1
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -247,7 +247,12 @@ class CpuKernelOps:
         return self._attend(q, k, v, 1, causal=True)
 
     def _attends(self, q: torch.Tensor, rows: int) -> bool:
-        return self._dot and q.dtype == torch.bfloat16 and q.shape[2] in FRAME_HEAD_DIMS and rows >= FRAME_MIN_ROWS
+        return (
+            self._attention_kernel
+            and q.dtype == torch.bfloat16
+            and q.shape[2] in FRAME_HEAD_DIMS
+            and rows >= FRAME_MIN_ROWS
+        )
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int, causal: bool) -> torch.Tensor:
         """q [frames · nq, heads, D] against k, v [frames · nk, kv_heads, D]: keys and values packed

@@ -31,7 +31,14 @@ from epdserve.models.config import ConfigError, VisionConfig
 from epdserve.models.layers.activation import activation
 from epdserve.models.layers.norm import RMSNorm
 from epdserve.models.layers.rotary import VisionRotaryEmbedding
-from epdserve.models.layers.vision import GridLike, PatchEmbed, PatchMerger, VisionBlock, check_patches
+from epdserve.models.layers.vision import (
+    GridLike,
+    PatchEmbed,
+    PatchMerger,
+    VisionBlock,
+    attend_frames,
+    check_patches,
+)
 from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from epdserve.models.qwen2_vl_layout import grid_list
 
@@ -87,15 +94,9 @@ class Segments:
         """q, k, v [N, heads, D] → [N, heads, D], each row attending within its segment (its
         rows gathered; by ``ops`` where they take it, else SDPA)."""
         out = torch.empty_like(q)
-        for rows in self.batches:
-            length = rows.shape[1]
-            qs, ks, vs = q[rows], k[rows], v[rows]  # [segments, length, heads, D]
-            fused = ops.frame_attention(qs.flatten(0, 1), ks.flatten(0, 1), vs.flatten(0, 1), length)
-            if fused is not None:
-                out[rows] = fused.view(qs.shape)
-            else:
-                heads_first = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-                out[rows] = F.scaled_dot_product_attention(*heads_first).transpose(1, 2)
+        for rows in self.batches:  # [segments, length]: the segments' rows gathered as frames
+            flat = rows.flatten()
+            out[rows] = attend_frames(q[flat], k[flat], v[flat], rows.shape[1], ops).view(*rows.shape, *q.shape[1:])
         return out
 
 

@@ -83,19 +83,24 @@ class FrameRuns:
         self.runs = frame_runs(grids)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        heads, d = q.shape[1], q.shape[2]
         outs, start = [], 0
         for frames, size in self.runs:
-            # frames of one size (of one item or of consecutive items) batch as [frames, heads, size, D]
+            # frames of one size (of one item or of consecutive items) attend in one call
             end = start + frames * size
-            fused = ops.frame_attention(q[start:end], k[start:end], v[start:end], size)
-            if fused is not None:
-                outs.append(fused.view(frames * size, -1))
-            else:
-                qi, ki, vi = (y[start:end].view(frames, size, heads, d).transpose(1, 2) for y in (q, k, v))
-                outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(frames * size, -1))
+            outs.append(attend_frames(q[start:end], k[start:end], v[start:end], size, ops).flatten(1))
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attend_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, ops: LayerOps) -> torch.Tensor:
+    """q, k, v [frames · n, heads, D], each run of n rows a frame → [frames · n, heads, D], every row
+    attending over its frame: by ``ops`` where they take it, else SDPA over [frames, heads, n, D]."""
+    fused = ops.frame_attention(q, k, v, n)
+    if fused is not None:
+        return fused
+    rows, heads, d = q.shape
+    qf, kf, vf = (y.reshape(rows // n, n, heads, d).transpose(1, 2) for y in (q, k, v))
+    return F.scaled_dot_product_attention(qf, kf, vf).transpose(1, 2).reshape(rows, heads, d)
 
 
 def rotated_qkv(
