@@ -899,6 +899,28 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 // the first ``n`` of 16 lanes
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u); }
 
+// the scaled scores of R query rows (``q[r]``) against KB blocks of 16 packed keys, into ``s``
+// (row stride ``stride``): R x KB independent sums, enough to cover the dot product's latency
+template <int R, int KB>
+inline void score_blocks(const bf16* const* q, const bf16* kj, int64_t pairs, float* s, int64_t stride,
+                         float scale) {
+    __m512 acc[R][KB];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < pairs; ++t) {
+        __m512bh kv[KB];
+        for (int b = 0; b < KB; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(kj + (b * pairs + t) * 32);
+        for (int r = 0; r < R; ++r) {
+            uint32_t qp;
+            std::memcpy(&qp, q[r] + 2 * t, 4);
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp));
+            for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qb, kv[b]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < KB; ++b) _mm512_storeu_ps(s + r * stride + b * 16, _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale)));
+}
+
 // ``rows`` (up to R) query rows; row r sees the first ``seen + r`` keys (``causal``) or all nk
 template <int R, int DB>
 void attend_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const bf16* vp, bf16* out, int64_t so,
@@ -911,20 +933,12 @@ void attend_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const 
         len[r] = l < nk ? l : nk;
     }
     const int64_t most = len[R - 1], blocks = (most + 15) / 16, used = (most + 1) / 2;
-    for (int64_t j = 0; j < blocks; ++j) {
-        __m512 acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-        const bf16* kj = kp + j * pairs * 32;
-        for (int64_t t = 0; t < pairs; ++t) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kj + t * 32);
-            for (int r = 0; r < R; ++r) {
-                uint32_t qp;  // a group's missing rows repeat its last (their sums are never used)
-                std::memcpy(&qp, q + (r < rows ? r : rows - 1) * sq + 2 * t, 4);
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)), kv);
-            }
-        }
-        for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * stride + j * 16, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
-    }
+    const bf16* qr[R];  // a group's missing rows repeat its last (their scores are never used)
+    for (int r = 0; r < R; ++r) qr[r] = q + (r < rows ? r : rows - 1) * sq;
+    constexpr int KB = 16 / R;
+    int64_t kb = 0;
+    for (; kb + KB <= blocks; kb += KB) score_blocks<R, KB>(qr, kp + kb * pairs * 32, pairs, s + kb * 16, stride, scale);
+    for (; kb < blocks; ++kb) score_blocks<R, 1>(qr, kp + kb * pairs * 32, pairs, s + kb * 16, stride, scale);
     float inv[R];
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = len[r];
