@@ -32,10 +32,8 @@ MAX_PIXELS = 448 * 448
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    out = build_published("qwen2_vl", tmp_path_factory.mktemp("ckpt") / "qwen2-vl-2b-l2", layers=2, vision_depth=2)
-    path = out / "preprocessor_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "max_pixels": MAX_PIXELS}))
-    return out
+    out = tmp_path_factory.mktemp("ckpt") / "qwen2-vl-2b-l2"
+    return build_published("qwen2_vl", out, layers=2, vision_depth=2, max_pixels=MAX_PIXELS)
 
 
 def requests() -> list[tuple[dict, list]]:
@@ -104,6 +102,23 @@ def test_a_cut_depth_keeps_the_widths_and_the_blocks_that_still_exist() -> None:
         published_config("qwen2_vl", layers=29)
 
 
+@pytest.mark.parametrize(("family", "patch"), [("qwen2_vl", 14), ("qwen2_5_vl", 14), ("qwen3_vl", 16)])
+def test_a_pixel_bound_resizes_a_large_image_below_it(tmp_path: Path, family: str, patch: int) -> None:
+    import transformers
+    from PIL import Image
+
+    from tests.checkpoints.published import bound_pixels
+
+    _, published = published_config(family)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(bound_pixels(published, MAX_PIXELS)))
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    grid = processor(images=[Image.new("RGB", (1600, 1200), (90, 140, 200))], return_tensors="pt")["image_grid_thw"]
+    area = int(grid[0, 1] * grid[0, 2]) * patch * patch
+    assert MAX_PIXELS // 2 < area <= MAX_PIXELS  # resized down to the bound, not past it
+    with pytest.raises(ValueError, match="max_pixels must be"):
+        bound_pixels(published, 1000)
+
+
 BUILD_CHECKPOINT = Path(__file__).resolve().parent.parent / "scripts" / "build_checkpoint.py"
 
 
@@ -111,7 +126,8 @@ BUILD_CHECKPOINT = Path(__file__).resolve().parent.parent / "scripts" / "build_c
     ("args", "message"),
     [
         (["qwen2_vl", "--size", "3b"], "no published 3b size of qwen2_vl"),
-        (["qwen2_5_vl", "--layers", "2"], "--layers and --vision-depth cut a published size"),
+        (["qwen2_5_vl", "--layers", "2"], "--max-pixels change a published size"),
+        (["qwen2_vl", "--size", "2b", "--max-pixels", "1000"], "max_pixels must be 3136..12845056"),
         (["qwen3_vl", "--size", "2b", "--vision-depth", "25"], "vision_depth must be 1..24"),
     ],
 )

@@ -240,12 +240,38 @@ def published_config(family: str, layers: int = 0, vision_depth: int = 0) -> tup
     return config, processor
 
 
-def build_published(family: str, out_dir: Path, seed: int = 0, layers: int = 0, vision_depth: int = 0) -> Path:
+def bound_pixels(processor: dict[str, Any], max_pixels: int) -> dict[str, Any]:
+    """``processor`` with its images' largest area lowered to ``max_pixels`` (Qwen2-VL's and
+    Qwen2.5-VL's ``max_pixels``; Qwen3-VL's ``size.longest_edge``, an area despite its name). A
+    serving machine smaller than the published bound wants this: a larger image is resized down
+    rather than encoded at up to 12.8 megapixels, and vLLM's encoder instance, which encodes the
+    largest item at start-up, finishes starting."""
+    bounded = dict(processor)
+    if "size" in bounded:
+        size = dict(bounded["size"])
+        low, high, key = size["shortest_edge"], size["longest_edge"], "size"
+    else:
+        low, high, key = bounded["min_pixels"], bounded["max_pixels"], "max_pixels"
+    if not low <= max_pixels <= high:
+        raise ValueError(f"max_pixels must be {low}..{high} (the processor's published bounds), got {max_pixels}")
+    if key == "size":
+        bounded["size"] = size | {"longest_edge": max_pixels}
+    else:
+        bounded["max_pixels"] = max_pixels
+    return bounded
+
+
+def build_published(
+    family: str, out_dir: Path, seed: int = 0, layers: int = 0, vision_depth: int = 0, max_pixels: int = 0
+) -> Path:
     """Write ``family``'s published-size checkpoint (bfloat16 safetensors, tokenizer, chat
-    template, generation and processor configs) into ``out_dir``."""
+    template, generation and processor configs) into ``out_dir``; ``max_pixels``: its images
+    bounded to that area (``bound_pixels``; 0: the published bound)."""
     import transformers
 
     config_json, processor = published_config(family, layers, vision_depth)
+    if max_pixels:
+        processor = bound_pixels(processor, max_pixels)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "config.json", config_json)
     config = transformers.AutoConfig.from_pretrained(out_dir)
