@@ -45,6 +45,7 @@ from epdserve.engine.request import Request
 from epdserve.kernels.ops import LayerOps
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
+from epdserve.models.layers.vision import attend_frames
 from epdserve.shapes import ShapesWorld
 
 
@@ -115,11 +116,11 @@ def attention_tflops(ops: LayerOps, rows: int, heads: int, d: int, dtype: torch.
     q, k, v = (torch.randn(rows, heads, d).to(dtype) for _ in range(3))
 
     def sdpa() -> object:  # as the tower calls it: [frames, heads, rows, D] views of its rows
-        return F.scaled_dot_product_attention(*(y.view(1, rows, heads, d).transpose(1, 2) for y in (q, k, v)))
+        qf, kf, vf = (y.view(1, rows, heads, d).transpose(1, 2) for y in (q, k, v))
+        return F.scaled_dot_product_attention(qf, kf, vf)
 
     def tower() -> object:
-        out = ops.frame_attention(q, k, v, rows)
-        return sdpa() if out is None else out
+        return attend_frames(q, k, v, rows, ops)
 
     flops = 4 * heads * rows**2 * d
     with torch.inference_mode():
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     model = engine.runner.model
     clock = LinearClock(model)
     visual = model.visual
+    vision = cfg.vision
+    if vision is None:
+        raise SystemExit(f"{args.model} has no vision tower to measure")
     step_params, layer_params, vision_params = weights(model)
     elem = torch.finfo(dtype).bits // 8
     step_weight_bytes = step_params * elem
@@ -217,8 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             vision_linears = clock.rate(lambda: visual(pixels, [v.grid_thw]))
         vision_flops = 2 * vision_params * patches
         frame_rows = int(v.grid_thw[1] * v.grid_thw[2])
-        vc = cfg.vision
-        attention, sdpa = attention_tflops(visual.ops, frame_rows, vc.num_heads, vc.head_dim, dtype)
+        attention, sdpa = attention_tflops(visual.ops, frame_rows, vision.num_heads, vision.head_dim, dtype)
 
         row = {
             "threads": threads,
@@ -249,12 +252,13 @@ def main(argv: list[str] | None = None) -> None:
         f"\n{args.model.name}, {args.dtype}: language-model layers {layer_params / 1e9:.2f} B parameters "
         f"(a decode step reads {step_weight_bytes / 1e9:.2f} GB), vision tower {vision_params / 1e9:.2f} B\n"
     )
-    print(
-        "| threads | bandwidth GB/s | peak matmul TFLOP/s | decode step ms | bound ms | step/bound | "
+    columns = (
+        "threads | bandwidth GB/s | peak matmul TFLOP/s | decode step ms | bound ms | step/bound | "
         "prefill TFLOP/s | of peak | its linears | of peak | vision TFLOP/s | of peak | its linears | of peak | "
-        "its attention | of peak | SDPA's | of peak |"
+        "its attention | of peak | SDPA's | of peak"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {columns} |")
+    print("|" + "---|" * len(columns.split(" | ")))
     for r in rows:
         peak = r["peak_tflops"]
         rates = " | ".join(

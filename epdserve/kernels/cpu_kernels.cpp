@@ -928,13 +928,14 @@ void attend_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const 
     constexpr int64_t d = DB * 16, pairs = d / 2;
     const int64_t stride = (nk + 15) / 16 * 16, np = (nk + 1) / 2;
     int64_t len[R];
+    const bf16* qr[R];
     for (int r = 0; r < R; ++r) {
-        const int64_t l = causal ? seen + (r < rows ? r : rows - 1) : nk;
+        const int64_t row = r < rows ? r : rows - 1;  // a group's missing rows repeat its last (never used)
+        const int64_t l = causal ? seen + row : nk;
         len[r] = l < nk ? l : nk;
+        qr[r] = q + row * sq;
     }
     const int64_t most = len[R - 1], blocks = (most + 15) / 16, used = (most + 1) / 2;
-    const bf16* qr[R];  // a group's missing rows repeat its last (their scores are never used)
-    for (int r = 0; r < R; ++r) qr[r] = q + (r < rows ? r : rows - 1) * sq;
     constexpr int KB = 16 / R;
     int64_t kb = 0;
     for (; kb + KB <= blocks; kb += KB) score_blocks<R, KB>(qr, kp + kb * pairs * 32, pairs, s + kb * 16, stride, scale);

@@ -246,19 +246,13 @@ def bound_pixels(processor: dict[str, Any], max_pixels: int) -> dict[str, Any]:
     serving machine smaller than the published bound wants this: a larger image is resized down
     rather than encoded at up to 12.8 megapixels, and vLLM's encoder instance, which encodes the
     largest item at start-up, finishes starting."""
-    bounded = dict(processor)
-    if "size" in bounded:
-        size = dict(bounded["size"])
-        low, high, key = size["shortest_edge"], size["longest_edge"], "size"
-    else:
-        low, high, key = bounded["min_pixels"], bounded["max_pixels"], "max_pixels"
+    size = processor.get("size")
+    low, high = (
+        (size["shortest_edge"], size["longest_edge"]) if size else (processor["min_pixels"], processor["max_pixels"])
+    )
     if not low <= max_pixels <= high:
         raise ValueError(f"max_pixels must be {low}..{high} (the processor's published bounds), got {max_pixels}")
-    if key == "size":
-        bounded["size"] = size | {"longest_edge": max_pixels}
-    else:
-        bounded["max_pixels"] = max_pixels
-    return bounded
+    return processor | ({"size": size | {"longest_edge": max_pixels}} if size else {"max_pixels": max_pixels})
 
 
 def build_published(
