@@ -172,12 +172,13 @@ def test_a_million_character_completion_prompt_is_refused_at_once(server: str) -
 
 def test_per_key_limits_answer_429_with_retry_after(server: str) -> None:
     slow = chat("Count.", max_tokens=64, min_tokens=64, ignore_eos=True)
-    with ThreadPoolExecutor(4) as pool:
-        held = [pool.submit(post, server, slow, "alice") for _ in range(3)]
-        results = [f.result() for f in held]
+    with ThreadPoolExecutor(6) as pool:
+        # six at once against two in flight a key: three could finish one after another before
+        # the third arrived (a 64-token answer of the embedded model is a fraction of a second)
+        results = list(pool.map(lambda _: post(server, slow, "alice"), range(6)))
         other = post(server, chat("Hi"), key="bob")
-    codes = sorted(r[0] for r in results)
-    assert codes == [200, 200, 429], codes
+    codes = [r[0] for r in results]
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
     refused = next(r for r in results if r[0] == 429)
     assert refused[1]["error"]["code"] == "rate_limit_exceeded" and int(refused[2]["Retry-After"]) >= 1
     assert other[0] == 200
@@ -248,13 +249,15 @@ def test_the_router_holds_each_key_to_its_share(server: str) -> None:
     try:
         wait_healthy(url, router)
         slow = chat("Count.", max_tokens=64, min_tokens=64, ignore_eos=True)
-        with ThreadPoolExecutor(4) as pool:
-            mine = [pool.submit(post, url, slow, "alice") for _ in range(2)]
+        with ThreadPoolExecutor(5) as pool:
+            # four at once against one in flight a key (two could finish one after the other)
+            mine = [pool.submit(post, url, slow, "alice") for _ in range(4)]
             time.sleep(0.2)
             theirs = pool.submit(post, url, chat("Hi"), "bob")
             results = [f.result() for f in mine]
             assert theirs.result()[0] == 200
-        assert sorted(r[0] for r in results) == [200, 429], [r[:2] for r in results]
+        codes = [r[0] for r in results]
+        assert codes.count(200) >= 1 and set(codes) == {200, 429}, [r[:2] for r in results]
         refused = next(r for r in results if r[0] == 429)
         assert refused[2]["Retry-After"] == "1" and refused[1]["error"]["type"] == "rate_limit_error"
     finally:
