@@ -219,7 +219,9 @@ def test_causal_attention_of_a_prompt_chunk_equals_sdpa_over_its_prefix(
 ) -> None:
     torch.manual_seed(4)
     q = (3 * torch.randn(nq, heads, d)).to(torch.bfloat16)
-    k, v = ((3 * torch.randn(nk, kv_heads, d)).to(torch.bfloat16) for _ in range(2))
+    # keys and values of one projection, as a whole prompt's hold them: rows with a stride
+    kv = (3 * torch.randn(nk, 2, kv_heads, d)).to(torch.bfloat16)
+    k, v = kv[:, 0], kv[:, 1]
     out = kernels.causal_attention(q, k, v)
     if not _frame_kernel(kernels):
         assert out is None
@@ -244,16 +246,21 @@ def test_frame_attention_on_several_threads_equals_one(kernels: CpuKernelOps) ->
         pytest.skip("the frame attention runs on AVX-512 bfloat16 without AMX")
     torch.manual_seed(3)
     q, k, v = (torch.randn(2 * 100, 4, 64).to(torch.bfloat16) for _ in range(3))
+    # six query heads on two KV heads: four threads split each KV head's run of query heads,
+    # and each packs the keys and values it reads
+    cq = torch.randn(70, 6, 128).to(torch.bfloat16)
+    ck, cv = (torch.randn(90, 2, 128).to(torch.bfloat16) for _ in range(2))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.frame_attention(q, k, v, 100)
-        torch.set_num_threads(3)
-        three = kernels.frame_attention(q, k, v, 100)
+        one = kernels.frame_attention(q, k, v, 100), kernels.causal_attention(cq, ck, cv)
+        torch.set_num_threads(4)
+        four = kernels.frame_attention(q, k, v, 100), kernels.causal_attention(cq, ck, cv)
     finally:
         torch.set_num_threads(threads)
-    assert one is not None and three is not None
-    assert torch.equal(one, three)  # each (frame, head) is computed whole by one thread
+    for a, b in zip(one, four, strict=True):
+        assert a is not None and b is not None
+        assert torch.equal(a, b)  # each (frame, head) is computed whole by one thread
 
 
 def test_frame_attention_leaves_what_it_does_not_take_to_sdpa(kernels: CpuKernelOps) -> None:

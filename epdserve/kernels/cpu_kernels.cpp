@@ -899,6 +899,23 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 // the first ``n`` of 16 lanes
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u); }
 
+// e^x on 16 lanes for the softmax (x <= 0 there): ``exp_approx``'s reduction and polynomial by
+// fused multiply-adds, the power of two applied by scalef (to zero far below)
+inline __m512 exp16(__m512 x) {
+    const auto fma = [](__m512 a, __m512 b, float c) { return _mm512_fmadd_ps(a, b, _mm512_set1_ps(c)); };
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = fma(_mm512_set1_ps(1.9875691500e-4f), r, 1.3981999507e-3f);
+    p = fma(p, r, 8.3334519073e-3f);
+    p = fma(p, r, 4.1665795894e-2f);
+    p = fma(p, r, 1.6666665459e-1f);
+    p = fma(p, r, 5.0000001201e-1f);
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
 // the scaled scores of R query rows (``q[r]``) against KB blocks of 16 packed keys, into ``s``
 // (row stride ``stride``): R x KB independent sums, enough to cover the dot product's latency
 template <int R, int KB>
@@ -949,60 +966,97 @@ void attend_rows(const bf16* q, int64_t sq, int64_t rows, const bf16* kp, const 
             const __mmask16 mask = lanes(n - j);
             mv = _mm512_mask_max_ps(mv, mask, mv, _mm512_maskz_loadu_ps(mask, sr + j));
         }
-        const float m = _mm512_reduce_max_ps(mv);
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) sr[j] = exp_approx(sr[j] - m);
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
         // the weights as rounded for the product, and their own sum: they add up to one
         bf16* pr = reinterpret_cast<bf16*>(pp + r * np);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 mask = lanes(n - j);
-            const __m256bh w = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, sr + j));
+            const __m256bh w = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + j), m)));
             _mm256_mask_storeu_epi16(pr + j, mask, (__m256i)w);
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16)));
+            const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16));
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, rounded));
         }
         for (int64_t j = n; j < 2 * used; ++j) pr[j] = 0;  // keys this row does not see
         inv[r] = 1.f / _mm512_reduce_add_ps(sum);
     }
-    __m512 o[R][DB];
-    for (int r = 0; r < R; ++r)
-        for (int b = 0; b < DB; ++b) o[r][b] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < used; ++t) {
-        __m512bh vv[DB];
-        for (int b = 0; b < DB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + t * d * 2 + b * 32);
-        for (int r = 0; r < R; ++r) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * np + t]));
-            for (int b = 0; b < DB; ++b) o[r][b] = _mm512_dpbf16_ps(o[r][b], pb, vv[b]);
+    // the values a pass of CB column blocks at a time: R x CB sums in registers, every value read
+    // once for the R rows
+    constexpr int CB = DB > 5 ? DB / 2 : DB;
+    for (int c0 = 0; c0 < DB; c0 += CB) {
+        __m512 o[R][CB];
+        for (int r = 0; r < R; ++r)
+            for (int b = 0; b < CB; ++b) o[r][b] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < used; ++t) {
+            __m512bh vv[CB];
+            for (int b = 0; b < CB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + t * d * 2 + (c0 + b) * 32);
+            for (int r = 0; r < R; ++r) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * np + t]));
+                for (int b = 0; b < CB; ++b) o[r][b] = _mm512_dpbf16_ps(o[r][b], pb, vv[b]);
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r)
+            for (int b = 0; b < CB; ++b)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * so + (c0 + b) * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][b], _mm512_set1_ps(inv[r]))));
+    }
+}
+
+// one (frame, KV head)'s nk keys and values, rows of a head's d columns at row strides sk, sv,
+// packed for ``attend_rows``: keys [nk/16][d/2][16 keys x 2], values [nk/2][d][2 keys], the keys
+// past nk zero
+void pack_kv(const bf16* k, int64_t sk, const bf16* v, int64_t sv, int64_t nk, int64_t d, bf16* kp, bf16* vp) {
+    const int64_t pairs = d / 2, nb = (nk + 15) / 16, np = (nk + 1) / 2;
+    uint32_t* kw = reinterpret_cast<uint32_t*>(kp);
+    for (int64_t jb = 0; jb < nb; ++jb)
+        for (int64_t i = 0; i < 16; ++i) {
+            const int64_t j = jb * 16 + i;
+            uint32_t* col = kw + jb * pairs * 16 + i;
+            if (j < nk) {
+                const bf16* row = k + j * sk;
+                for (int64_t t = 0; t < pairs; ++t) std::memcpy(col + t * 16, row + 2 * t, 4);
+            } else {
+                for (int64_t t = 0; t < pairs; ++t) col[t * 16] = 0;
+            }
+        }
+    for (int64_t t = 0; t < np; ++t) {
+        const bf16* v0 = v + 2 * t * sv;
+        const bf16* v1 = 2 * t + 1 < nk ? v0 + sv : nullptr;
+        bf16* o = vp + t * d * 2;
+        for (int64_t c = 0; c < d; ++c) {
+            o[2 * c] = v0[c];
+            o[2 * c + 1] = v1 ? v1[c] : 0;
         }
     }
-    for (int64_t r = 0; r < rows; ++r)
-        for (int b = 0; b < DB; ++b)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * so + b * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][b], _mm512_set1_ps(inv[r]))));
 }
 
 // units [u0, u1) of (frame, query head) = (u / heads, u % heads): nq query and out rows per frame
-// (row strides sq, so; a head's d columns at h * d), keys and values packed per (frame, KV head),
-// nk per frame, query head h reading KV head h / (heads / kv_heads); with ``causal``, query row i
-// sees the first nk - nq + i + 1 keys
+// (row strides sq, so; a head's d columns at h * d), nk key and value rows per frame (row
+// strides sk, sv), query head h reading KV head h / (heads / kv_heads), packed here once for the
+// run of units that read it; with ``causal``, query row i sees the first nk - nq + i + 1 keys
 template <int DB>
-void attend_units(const bf16* q, int64_t sq, const bf16* kp, const bf16* vp, bf16* out, int64_t so, int64_t nq,
-                  int64_t nk, int64_t heads, int64_t kv_heads, bool causal, int64_t u0, int64_t u1, float scale) {
+void attend_units(const bf16* q, int64_t sq, const bf16* k, int64_t sk, const bf16* v, int64_t sv, bf16* out,
+                  int64_t so, int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, bool causal, int64_t u0,
+                  int64_t u1, float scale) {
     constexpr int64_t d = DB * 16;
-    constexpr int R = DB > 5 ? 2 : 4;
+    constexpr int R = 4;
     const int64_t nb = (nk + 15) / 16, np = (nk + 1) / 2, group = heads / kv_heads;
     std::vector<float> s(R * nb * 16);
     std::vector<uint32_t> pp(R * np);
+    std::vector<bf16> kp(nb * 16 * d), vp(np * 2 * d);
+    int64_t packed = -1;
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t f = u / heads, h = u % heads, kvu = f * kv_heads + h / group;
+        const int64_t f = u / heads, h = u % heads, hk = h / group, kvu = f * kv_heads + hk;
+        if (kvu != packed) {
+            pack_kv(k + f * nk * sk + hk * d, sk, v + f * nk * sv + hk * d, sv, nk, d, kp.data(), vp.data());
+            packed = kvu;
+        }
         const bf16* qu = q + f * nq * sq + h * d;
         bf16* ou = out + f * nq * so + h * d;
-        const bf16* ku = kp + kvu * nb * 16 * d;
-        const bf16* vu = vp + kvu * np * 2 * d;
         for (int64_t i = 0; i < nq; i += R) {
             const int64_t rows = nq - i < R ? nq - i : R;
-            attend_rows<R, DB>(qu + i * sq, sq, rows, ku, vu, ou + i * so, so, nk, nk - nq + i + 1, causal, scale,
-                               s.data(), pp.data());
+            attend_rows<R, DB>(qu + i * sq, sq, rows, kp.data(), vp.data(), ou + i * so, so, nk, nk - nq + i + 1,
+                               causal, scale, s.data(), pp.data());
         }
     }
 }
@@ -1018,7 +1072,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 14; }
+int epd_kernels_abi() { return 15; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -1147,22 +1201,22 @@ int epd_dot_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
 // and values of ``kv_heads`` heads, d (64, 80 or 128) columns a head, every key or (``causal``)
 // a causal prefix (``attend_units``), on up to ``threads`` threads; -1 without AVX-512 bfloat16
 // or for sizes refused
-int epd_frame_attention(const uint16_t* q, int64_t sq, const uint16_t* kp, const uint16_t* vp, uint16_t* out,
-                        int64_t so, int64_t frames, int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads,
-                        int64_t d, float scale, int causal, int64_t threads) {
+int epd_frame_attention(const uint16_t* q, int64_t sq, const uint16_t* k, int64_t sk, const uint16_t* v,
+                        int64_t sv, uint16_t* out, int64_t so, int64_t frames, int64_t nq, int64_t nk, int64_t heads,
+                        int64_t kv_heads, int64_t d, float scale, int causal, int64_t threads) {
 #if defined(__AVX512BF16__)
     if (frames < 1 || nq < 1 || nk < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || threads < 1) return -1;
-    if (sq < heads * d || so < heads * d || (causal && nk < nq)) return -1;
+    if (sq < heads * d || so < heads * d || sk < kv_heads * d || sv < kv_heads * d || (causal && nk < nq)) return -1;
     if (d != 64 && d != 80 && d != 128) return -1;
     split_spans(frames * heads, 1, threads, [&](int64_t a, int64_t b) {
-        if (d == 64) attend_units<4>(q, sq, kp, vp, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
-        if (d == 80) attend_units<5>(q, sq, kp, vp, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
-        if (d == 128) attend_units<8>(q, sq, kp, vp, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
+        if (d == 64) attend_units<4>(q, sq, k, sk, v, sv, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
+        if (d == 80) attend_units<5>(q, sq, k, sk, v, sv, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
+        if (d == 128) attend_units<8>(q, sq, k, sk, v, sv, out, so, nq, nk, heads, kv_heads, causal, a, b, scale);
     });
     return 0;
 #else
-    (void)q, (void)sq, (void)kp, (void)vp, (void)out, (void)so, (void)frames, (void)nq, (void)nk, (void)heads;
-    (void)kv_heads, (void)d, (void)scale, (void)causal, (void)threads;
+    (void)q, (void)sq, (void)k, (void)sk, (void)v, (void)sv, (void)out, (void)so, (void)frames, (void)nq, (void)nk;
+    (void)heads, (void)kv_heads, (void)d, (void)scale, (void)causal, (void)threads;
     return -1;
 #endif
 }

@@ -255,25 +255,21 @@ class CpuKernelOps:
         )
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int, causal: bool) -> torch.Tensor:
-        """q [frames · nq, heads, D] against k, v [frames · nk, kv_heads, D]: keys and values packed
-        for ``epd_frame_attention`` here, per frame and KV head."""
+        """q [frames · nq, heads, D] against k, v [frames · nk, kv_heads, D], each row of any of them
+        its heads' columns contiguous at its own stride (views of a fused projection): the kernel
+        packs each frame's keys and values for a KV head itself."""
         rows, heads, d = q.shape
         nq, nk, kv_heads = rows // frames, k.shape[0] // frames, k.shape[1]
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-        blocks, pairs = -(-nk // 16), -(-nk // 2)
-        # keys [frames, kv_heads, nk/16, D/2, 16, 2]: 16 keys' pair of columns in one 64-byte load
-        kf = F.pad(k.reshape(frames, nk, kv_heads, d), (0, 0, 0, 0, 0, 16 * blocks - nk))
-        kp = kf.reshape(frames, blocks, 16, kv_heads, d // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
-        # values [frames, kv_heads, nk/2, D, 2]: each column of two keys side by side
-        vf = F.pad(v.reshape(frames, nk, kv_heads, d), (0, 0, 0, 0, 0, 2 * pairs - nk))
-        vp = vf.reshape(frames, pairs, 2, kv_heads, d).permute(0, 3, 1, 4, 2).contiguous()
         out = torch.empty((rows, heads, d), dtype=q.dtype)
         status = self.lib.epd_frame_attention(
             q.data_ptr(),
             _rows(q, heads * d),
-            kp.data_ptr(),
-            vp.data_ptr(),
+            k.data_ptr(),
+            _rows(k, kv_heads * d),
+            v.data_ptr(),
+            _rows(v, kv_heads * d),
             out.data_ptr(),
             heads * d,
             frames,
