@@ -87,12 +87,46 @@ def test_elementwise_kernels_equal_the_torch_ops(kernels: CpuKernelOps, dtype: t
     assert_close_rel(kernels.quick_gelu(h).float(), ref.quick_gelu(h).float(), REL[dtype])
 
 
+def _exp_like_the_kernels(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' e^x in float32, one IEEE operation at a time in their order (Cody-Waite
+    reduction, Cephes' polynomial, the power of two from its exponent bits)."""
+    x = x.clamp(-87.3, 88.7)
+    n = torch.floor(x * 1.44269504088896341 + 0.5)
+    r = x - n * 0.693359375 + n * 2.12194440e-4
+    p = torch.full_like(x, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + c
+    p = p * r * r + r + 1.0
+    return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def test_bfloat16_activations_are_the_scalar_formula_bit_for_bit(kernels: CpuKernelOps) -> None:
+    """Whatever lanes a CPU runs them on (and at any ragged length), quick GELU and
+    SiLU-and-multiply in bfloat16 compute the same float32 operations, rounded where PyTorch
+    rounds, as one element at a time would."""
+    torch.manual_seed(6)
+
+    def rnd(y: torch.Tensor) -> torch.Tensor:
+        return y.to(torch.bfloat16).float()
+
+    for n in (1, 15, 64, 77, 1000):
+        x = (torch.randn(3, n) * torch.tensor([1.0, 20.0, 300.0])[:, None]).to(torch.bfloat16)
+        xf = x.float()
+        a = rnd(xf * 1.702)
+        want = (xf * rnd(1.0 / (1.0 + _exp_like_the_kernels(-a)))).to(torch.bfloat16)
+        assert torch.equal(kernels.quick_gelu(x), want)
+        gate_up = torch.cat([x, x.flip(1) * 0.5], 1)
+        g, u = gate_up.float().chunk(2, 1)
+        want = (rnd(g / (1.0 + _exp_like_the_kernels(-g))) * u).to(torch.bfloat16)
+        assert torch.equal(kernels.silu_mul(gate_up), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_elementwise_calls_split_over_threads_equal_one_call(
     kernels: CpuKernelOps, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A call over enough elements runs in shares on torch's threads; every element is computed
-    as one call computes it, over strided rows too."""
+    """A call over enough elements is split over torch's threads (the kernel's own OpenMP spans);
+    every element is computed as one call computes it, over strided rows too."""
     from epdserve.kernels import ops as ops_module
 
     monkeypatch.setattr(ops_module, "PARALLEL_ELEMENTS", 1000)
@@ -101,9 +135,10 @@ def test_large_elementwise_calls_split_over_threads_equal_one_call(
     wide = (3 * torch.randn(37, 2 * 211 + 5)).to(dtype)
     gate_up = wide[:, : 2 * 211]  # rows a stride apart
     threads = torch.get_num_threads()
-    spans: list[int] = []
-    real = kernels.workers.run
-    monkeypatch.setattr(kernels.workers, "run", lambda fn, s: spans.append(len(s)) or real(fn, s))
+    spans: list[int] = []  # the thread count each call hands the kernel
+    for name in ("epd_quick_gelu", "epd_silu_mul"):
+        real = getattr(kernels.lib, name)
+        monkeypatch.setattr(kernels.lib, name, lambda *args, real=real: spans.append(args[-1]) or real(*args))
     try:
         torch.set_num_threads(1)
         one = kernels.quick_gelu(h), kernels.silu_mul(gate_up)

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # The two numbers Python and the C++ source must agree on, defined once on each side and checked
 # at load (``load_library``): the ABI of the signatures below (epd_kernels_abi()) and the length
 # of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
-ABI = 15
+ABI = 16
 POINTERS_PER_LAYER = 9
 # -fopenmp: the AVX-512 tile matmul splits its columns on the OpenMP runtime the process already
 # runs, torch's (GCC's libgomp, loaded by soname before this library); a compiler whose OpenMP
@@ -224,7 +224,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_add_rms_norm": [c_int, p, i64, p, i64, p, p, i64, i64, i64, f32],
         "epd_rotary": [c_int, p, i64, i64, i64, p, p, i64, i64],
         "epd_rotary_f32": [c_int, p, i64, i64, i64, p, p, i64, i64],
-        "epd_quick_gelu": [c_int, p, p, i64],
+        "epd_quick_gelu": [c_int, p, p, i64, i64],
         "epd_amx_available": [],
         "epd_amx_pack": [p, i64, i64, p],
         "epd_amx_linear": [p, i64, i64, i64, p, i64, p, p, i64],
@@ -233,7 +233,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_fma_available": [],
         "epd_fma_linear": [p, i64, i64, i64, p, i64, p, p, i64, i64],
         "epd_row_linear_f32": [p, i64, i64, i64, p, i64, p, p, i64, i64],
-        "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64],
+        "epd_silu_mul": [c_int, p, i64, p, i64, i64, i64, i64],
         "epd_write_kv": [c_int, p, i64, p, i64, i64, p, p, p, i64, i64],
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
         "epd_resize_bicubic_u8": [p, i64, i64, i64, p, i64, i64, c_int],

@@ -71,6 +71,55 @@ inline float exp_approx(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Sixteen lanes at a time, the same arithmetic as the scalar helpers above, result for result
+// (the compiler's own vectorization of those loops ran slower than PyTorch's three passes)
+
+// the first ``n`` of 16 lanes
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u); }
+
+inline __m512 load16(const bf16* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+// ``bf16_bits`` of each lane
+inline __m512i bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+// ``rnd<bf16>`` of each lane
+inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits16(v), 16)); }
+inline void store16(bf16* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits16(v))); }
+inline __m512 negate16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+}
+// ``exp_approx`` of each lane of N vectors, operation for operation; each step taken for all N
+// before the next, so that the CPU has N independent chains to overlap
+template <int N>
+inline void exp_approx16(__m512 (&x)[N]) {
+    const auto mul = [](__m512 a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); };
+    const auto add = [](__m512 a, float b) { return _mm512_add_ps(a, _mm512_set1_ps(b)); };
+    __m512 n[N], r[N], p[N];
+    for (int k = 0; k < N; ++k) x[k] = _mm512_max_ps(_mm512_min_ps(x[k], _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+    for (int k = 0; k < N; ++k)
+        n[k] = _mm512_roundscale_ps(add(mul(x[k], 1.44269504088896341f), 0.5f), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    for (int k = 0; k < N; ++k) r[k] = _mm512_add_ps(_mm512_sub_ps(x[k], mul(n[k], 0.693359375f)), mul(n[k], 2.12194440e-4f));
+    for (int k = 0; k < N; ++k) p[k] = add(mul(r[k], 1.9875691500e-4f), 1.3981999507e-3f);
+    for (int k = 0; k < N; ++k) p[k] = add(_mm512_mul_ps(p[k], r[k]), 8.3334519073e-3f);
+    for (int k = 0; k < N; ++k) p[k] = add(_mm512_mul_ps(p[k], r[k]), 4.1665795894e-2f);
+    for (int k = 0; k < N; ++k) p[k] = add(_mm512_mul_ps(p[k], r[k]), 1.6666665459e-1f);
+    for (int k = 0; k < N; ++k) p[k] = add(_mm512_mul_ps(p[k], r[k]), 5.0000001201e-1f);
+    for (int k = 0; k < N; ++k) p[k] = add(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p[k], r[k]), r[k]), r[k]), 1.f);
+    for (int k = 0; k < N; ++k) {
+        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n[k]), _mm512_set1_epi32(127)), 23);
+        x[k] = _mm512_mul_ps(p[k], _mm512_castsi512_ps(bits));
+    }
+}
+#endif
+
 // x (rows of n, row stride sx) [+= delta (stride sd), rounded] ; out = w * round(rms_norm(x))
 // (each loop reads what the previous one wrote from x itself, not from a scratch row: the loads
 // then never wait on a store the CPU cannot forward)
@@ -182,6 +231,52 @@ void quick_gelu(const T* __restrict x, T* __restrict out, int64_t n) {
         store(out + i, xi * rnd<T>(1.f / (1.f + exp_approx(-a))));
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// ``silu_mul`` of N vectors of a row from ``i`` (the last one's lanes ``m``)
+template <int N>
+inline void silu_mul16(const bf16* g, const bf16* u, bf16* o, int64_t i, __mmask16 m) {
+    __m512 gi[N], e[N];
+    for (int k = 0; k < N; ++k) gi[k] = load16(g + i + 16 * k, k == N - 1 ? m : 0xffff);
+    for (int k = 0; k < N; ++k) e[k] = negate16(gi[k]);
+    exp_approx16<N>(e);
+    for (int k = 0; k < N; ++k) {
+        const __mmask16 mk = k == N - 1 ? m : 0xffff;
+        const __m512 silu = _mm512_div_ps(gi[k], _mm512_add_ps(_mm512_set1_ps(1.f), e[k]));
+        store16(o + i + 16 * k, mk, _mm512_mul_ps(round16(silu), load16(u + i + 16 * k, mk)));
+    }
+}
+
+template <>
+void silu_mul(const bf16* __restrict gu, int64_t sg, bf16* __restrict out, int64_t so, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const bf16* g = gu + r * sg;
+        int64_t i = 0;
+        for (; i + 64 <= n; i += 64) silu_mul16<4>(g, g + n, out + r * so, i, 0xffff);
+        for (; i < n; i += 16) silu_mul16<1>(g, g + n, out + r * so, i, lanes(n - i));
+    }
+}
+
+// ``quick_gelu`` of N vectors from ``i`` (the last one's lanes ``m``)
+template <int N>
+inline void quick_gelu16(const bf16* x, bf16* out, int64_t i, __mmask16 m) {
+    __m512 xi[N], e[N];
+    for (int k = 0; k < N; ++k) xi[k] = load16(x + i + 16 * k, k == N - 1 ? m : 0xffff);
+    for (int k = 0; k < N; ++k) e[k] = negate16(round16(_mm512_mul_ps(xi[k], _mm512_set1_ps(1.702f))));
+    exp_approx16<N>(e);
+    for (int k = 0; k < N; ++k) {
+        const __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e[k]));
+        store16(out + i + 16 * k, k == N - 1 ? m : 0xffff, _mm512_mul_ps(xi[k], round16(sigmoid)));
+    }
+}
+
+template <>
+void quick_gelu(const bf16* __restrict x, bf16* __restrict out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) quick_gelu16<4>(x, out, i, 0xffff);
+    for (; i < n; i += 16) quick_gelu16<1>(x, out, i, lanes(n - i));
+}
+#endif
 
 // Eight lanes of float32 in GCC's vector extension: the compiler maps them to the machine's own
 // SIMD registers (AVX2, AVX-512, NEON), with no intrinsics to port.
@@ -896,9 +991,6 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 // and rounded once. SDPA's arithmetic on the CPU (bfloat16 products summed in float32, the
 // weights rounded for the second product); the order of the sums differs.
 
-// the first ``n`` of 16 lanes
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u); }
-
 // e^x on 16 lanes for the softmax (x <= 0 there): ``exp_approx``'s reduction and polynomial by
 // fused multiply-adds, the power of two applied by scalef (to zero far below)
 inline __m512 exp16(__m512 x) {
@@ -1072,7 +1164,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 15; }
+int epd_kernels_abi() { return 16; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -1099,18 +1191,25 @@ void epd_rotary_f32(int dtype, void* x, int64_t sx, int64_t heads, int64_t d, co
         rope_rows<false>((bf16*)x, sx, heads, d, cos, sin, sc, rows);
 }
 
-void epd_quick_gelu(int dtype, const void* x, void* out, int64_t n) {
-    if (dtype == 0)
-        quick_gelu((const float*)x, (float*)out, n);
-    else
-        quick_gelu((const bf16*)x, (bf16*)out, n);
+// (these two split their elements or rows over ``threads`` of the process's OpenMP threads, torch's
+// own: a second pool would contend with them for the cores while they wait for work)
+void epd_quick_gelu(int dtype, const void* x, void* out, int64_t n, int64_t threads) {
+    split_spans(n, 64, threads < 1 ? 1 : threads, [&](int64_t a, int64_t b) {
+        if (dtype == 0)
+            quick_gelu((const float*)x + a, (float*)out + a, b - a);
+        else
+            quick_gelu((const bf16*)x + a, (bf16*)out + a, b - a);
+    });
 }
 
-void epd_silu_mul(int dtype, const void* gu, int64_t sg, void* out, int64_t so, int64_t rows, int64_t n) {
-    if (dtype == 0)
-        silu_mul((const float*)gu, sg, (float*)out, so, rows, n);
-    else
-        silu_mul((const bf16*)gu, sg, (bf16*)out, so, rows, n);
+void epd_silu_mul(int dtype, const void* gu, int64_t sg, void* out, int64_t so, int64_t rows, int64_t n,
+                  int64_t threads) {
+    split_spans(rows, 1, threads < 1 ? 1 : threads, [&](int64_t a, int64_t b) {
+        if (dtype == 0)
+            silu_mul((const float*)gu + a * sg, sg, (float*)out + a * so, so, b - a, n);
+        else
+            silu_mul((const bf16*)gu + a * sg, sg, (bf16*)out + a * so, so, b - a, n);
+    });
 }
 
 int epd_write_kv(int dtype, const void* k, int64_t sk, const void* v, int64_t sv, int64_t width, void* kc, void* vc,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from epdserve.kernels import KernelChoice
 from epdserve.kernels.build import KernelBuildError, load_library
-from epdserve.kernels.parallel import Workers, shares
+from epdserve.kernels.parallel import Workers
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,6 @@ class CpuKernelOps:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.workers = Workers("epd-ops")  # the large elementwise calls, split over torch's threads
         # the frame attention runs on AVX-512 bfloat16 without AMX, where it was measured to beat
         # SDPA; with AMX, PyTorch's own attention may reach the tiles, and keeps the work
         self._attention_kernel = lib.epd_dot_available() == 1 and lib.epd_amx_available() != 1
@@ -218,11 +217,9 @@ class CpuKernelOps:
     def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        code, n, el = _DTYPE_CODE[x.dtype], x.numel(), x.element_size()
-        xp, op = x.data_ptr(), out.data_ptr()
-        self.workers.run(
-            lambda a, b: self.lib.epd_quick_gelu(code, xp + a * el, op + a * el, b - a),
-            shares(n, Workers.threads(n, PARALLEL_ELEMENTS), 64),
+        n = x.numel()
+        self.lib.epd_quick_gelu(
+            _DTYPE_CODE[x.dtype], x.data_ptr(), out.data_ptr(), n, Workers.threads(n, PARALLEL_ELEMENTS)
         )
         return out
 
@@ -292,11 +289,15 @@ class CpuKernelOps:
             raise ValueError("gate_up must hold two halves")
         n = two_n // 2
         out = torch.empty((rows, n), dtype=gate_up.dtype)
-        code, stride, el = _DTYPE_CODE[gate_up.dtype], _rows(gate_up, two_n), gate_up.element_size()
-        gp, op = gate_up.data_ptr(), out.data_ptr()
-        self.workers.run(
-            lambda a, b: self.lib.epd_silu_mul(code, gp + a * stride * el, stride, op + a * n * el, n, b - a, n),
-            shares(rows, Workers.threads(rows * n, PARALLEL_ELEMENTS), 1),
+        self.lib.epd_silu_mul(
+            _DTYPE_CODE[gate_up.dtype],
+            gate_up.data_ptr(),
+            _rows(gate_up, two_n),
+            out.data_ptr(),
+            n,
+            rows,
+            n,
+            Workers.threads(rows * n, PARALLEL_ELEMENTS),
         )
         return out
 

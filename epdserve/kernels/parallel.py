@@ -1,9 +1,11 @@
 """Splitting one compiled call over torch's intra-op threads.
 
-The compiled kernels are single-threaded and called through ctypes, which lets go of the
-interpreter for the call: a large call is cut into shares (output columns of a matmul, spans of
-an elementwise op), the calling thread runs the first and a small pool the others. Every share is
-computed exactly as in one call, so the result does not depend on the split or the thread count.
+Most compiled kernels split a large call themselves, over the process's OpenMP threads (torch's
+own), given a thread count from ``Workers.threads``. The AMX tile matmul runs single-threaded
+and is called through ctypes, which lets go of the interpreter for the call: a large call is cut
+into shares (output columns), the calling thread runs the first and a small pool the others.
+Either way every share is computed exactly as in one call, so the result does not depend on the
+split or the thread count.
 
 ``threads_for`` is how many threads a model's engine or tower gets when the operator leaves it to
 the server: every core the process may run on where its weights are large enough to split (reading
