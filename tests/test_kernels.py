@@ -244,6 +244,9 @@ def test_frame_attention_attends_within_each_frame_as_sdpa(
     theirs = F.scaled_dot_product_attention(*(y.reshape(frames, n, heads, d).transpose(1, 2) for y in (q, k, v)))
     theirs = theirs.transpose(1, 2).reshape(frames * n, heads, d).float()
     assert float((out.float() - want).abs().max()) <= 2 * float((theirs - want).abs().max())
+    # heads laid out apart from their columns (a transposed view) are read as their values
+    apart = [y.transpose(0, 1).contiguous().transpose(0, 1) for y in (q, k, v)]
+    assert torch.equal(kernels.frame_attention(*apart, n), out)
 
 
 @pytest.mark.parametrize(

@@ -252,13 +252,15 @@ class CpuKernelOps:
         )
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int, causal: bool) -> torch.Tensor:
-        """q [frames · nq, heads, D] against k, v [frames · nk, kv_heads, D], each row of any of them
-        its heads' columns contiguous at its own stride (views of a fused projection): the kernel
-        packs each frame's keys and values for a KV head itself."""
+        """q [frames · nq, heads, D] against k, v [frames · nk, kv_heads, D]: rows whose heads'
+        columns are contiguous are read in place at their own stride (views of a fused
+        projection), others copied so first; the kernel packs each frame's keys and values for a
+        KV head itself."""
         rows, heads, d = q.shape
         nq, nk, kv_heads = rows // frames, k.shape[0] // frames, k.shape[1]
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
         out = torch.empty((rows, heads, d), dtype=q.dtype)
         status = self.lib.epd_frame_attention(
             q.data_ptr(),
