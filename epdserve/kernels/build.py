@@ -33,9 +33,10 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
 ABI = 16
 POINTERS_PER_LAYER = 9
-# -fopenmp: the AVX-512 tile matmul splits its columns on the OpenMP runtime the process already
-# runs, torch's (GCC's libgomp, loaded by soname before this library); a compiler whose OpenMP
-# runtime is missing builds without it (NO_OPENMP), and that matmul then runs on one thread
+# -fopenmp: the compiled matmuls (but AMX's), the attention and the large elementwise kernels
+# split their work on the OpenMP runtime the process already runs, torch's (GCC's libgomp, loaded
+# by soname before this library); a compiler whose OpenMP runtime is missing builds without it
+# (NO_OPENMP), and those kernels then run on one thread
 FLAGS = (
     "-O3",
     "-march=native",
