@@ -72,8 +72,9 @@ inline float exp_approx(float x) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Sixteen lanes at a time, the same arithmetic as the scalar helpers above, result for result
-// (the compiler's own vectorization of those loops ran slower than PyTorch's three passes)
+// Sixteen lanes at a time, the same arithmetic as the scalar helpers above, result for result:
+// the compiler's vectorization of those loops leaves each exponential's dependent chain exposed,
+// where these take several vectors' chains step by step
 
 // the first ``n`` of 16 lanes
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u); }
@@ -237,13 +238,14 @@ void quick_gelu(const T* __restrict x, T* __restrict out, int64_t n) {
 template <int N>
 inline void silu_mul16(const bf16* g, const bf16* u, bf16* o, int64_t i, __mmask16 m) {
     __m512 gi[N], e[N];
-    for (int k = 0; k < N; ++k) gi[k] = load16(g + i + 16 * k, k == N - 1 ? m : 0xffff);
+    __mmask16 mk[N];
+    for (int k = 0; k < N; ++k) mk[k] = k == N - 1 ? m : 0xffff;
+    for (int k = 0; k < N; ++k) gi[k] = load16(g + i + 16 * k, mk[k]);
     for (int k = 0; k < N; ++k) e[k] = negate16(gi[k]);
     exp_approx16<N>(e);
     for (int k = 0; k < N; ++k) {
-        const __mmask16 mk = k == N - 1 ? m : 0xffff;
         const __m512 silu = _mm512_div_ps(gi[k], _mm512_add_ps(_mm512_set1_ps(1.f), e[k]));
-        store16(o + i + 16 * k, mk, _mm512_mul_ps(round16(silu), load16(u + i + 16 * k, mk)));
+        store16(o + i + 16 * k, mk[k], _mm512_mul_ps(round16(silu), load16(u + i + 16 * k, mk[k])));
     }
 }
 
@@ -261,12 +263,14 @@ void silu_mul(const bf16* __restrict gu, int64_t sg, bf16* __restrict out, int64
 template <int N>
 inline void quick_gelu16(const bf16* x, bf16* out, int64_t i, __mmask16 m) {
     __m512 xi[N], e[N];
-    for (int k = 0; k < N; ++k) xi[k] = load16(x + i + 16 * k, k == N - 1 ? m : 0xffff);
+    __mmask16 mk[N];
+    for (int k = 0; k < N; ++k) mk[k] = k == N - 1 ? m : 0xffff;
+    for (int k = 0; k < N; ++k) xi[k] = load16(x + i + 16 * k, mk[k]);
     for (int k = 0; k < N; ++k) e[k] = negate16(round16(_mm512_mul_ps(xi[k], _mm512_set1_ps(1.702f))));
     exp_approx16<N>(e);
     for (int k = 0; k < N; ++k) {
         const __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e[k]));
-        store16(out + i + 16 * k, k == N - 1 ? m : 0xffff, _mm512_mul_ps(xi[k], round16(sigmoid)));
+        store16(out + i + 16 * k, mk[k], _mm512_mul_ps(xi[k], round16(sigmoid)));
     }
 }
 
@@ -992,7 +996,9 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
 // weights rounded for the second product); the order of the sums differs.
 
 // e^x on 16 lanes for the softmax (x <= 0 there): ``exp_approx``'s reduction and polynomial by
-// fused multiply-adds, the power of two applied by scalef (to zero far below)
+// fused multiply-adds, the power of two applied by scalef (to zero far below). Not
+// ``exp_approx16``, which keeps the scalar code's roundings for the activations; the softmax has
+// no scalar twin to match and takes the shorter chain
 inline __m512 exp16(__m512 x) {
     const auto fma = [](__m512 a, __m512 b, float c) { return _mm512_fmadd_ps(a, b, _mm512_set1_ps(c)); };
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
