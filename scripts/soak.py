@@ -152,6 +152,13 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> str:
         return type(e).__name__
 
 
+def served_model(url: str) -> str:
+    """The id of the model the deployment serves (``--up-args "--model DIR"`` picks it)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return str(json.load(r)["data"][0]["id"])
+
+
 async def drive(url: str, model: str, args: argparse.Namespace, pids: dict[str, int]) -> dict:
     rng = random.Random(args.seed)
     world = ShapesWorld(args.seed)
@@ -224,7 +231,7 @@ def main() -> int:
             return 1
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         pids = role_pids(up.pid)
-        model = "shapes-qwen2vl"
+        model = served_model(f"http://127.0.0.1:{port}/v1/models")
         warm = argparse.Namespace(**{**vars(args), "minutes": args.warmup_s / 60})
         asyncio.run(drive(url, model, warm, pids))
         result = asyncio.run(drive(url, model, args, pids))
