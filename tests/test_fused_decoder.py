@@ -1,5 +1,6 @@
 """The fused decoder stack (kernels.fused): all layers of a row-wise step in one call of the
-compiled kernels, bit for bit the layer-by-layer path's outputs (bfloat16 on AMX only)."""
+compiled kernels, bit for bit the layer-by-layer path's outputs (bfloat16, on the tile engine of
+this CPU: AMX, AVX-512 bfloat16 or AVX2)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.inputs import InputBuilder
 from epdserve.hf_reference import HFReference
+from epdserve.kernels import tiles
 from epdserve.kernels.fused import FusedDecoder, RowWise
-from epdserve.kernels.tiles import load_amx
+from epdserve.kernels.tiles import load_tiles
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
 from tests.engine_utils import cases, drain
 from tests.test_engine_oracle import engine_request
 
-pytestmark = pytest.mark.skipif(load_amx() is None, reason="the fused stack runs on AMX only")
+ENGINE = None if (t := load_tiles()) is None else t.engine
+pytestmark = pytest.mark.skipif(ENGINE is None, reason="the fused stack needs a tile engine (AMX, AVX-512 or AVX2)")
 
 
 def bf16_engine(model_dir: Path, **kw) -> EngineCore:
@@ -27,8 +30,9 @@ def bf16_engine(model_dir: Path, **kw) -> EngineCore:
     return EngineCore.from_pretrained(model_dir, cfg)
 
 
-def test_the_fused_stack_equals_the_layer_by_layer_path_bit_for_bit(model_dir: Path) -> None:
-    eng = bf16_engine(model_dir)
+def compare_paths(eng: EngineCore, model_dir: Path) -> list[bool]:
+    """Serve every case at once through ``eng``, each row-wise step twice: layer by layer, then
+    through the stack; whether each step's outputs were equal."""
     lm = eng.runner.model.language_model
     fused = lm.fused
     assert isinstance(fused, FusedDecoder) and eng.runner.decode.name == "fused stack"
@@ -55,7 +59,32 @@ def test_the_fused_stack_equals_the_layer_by_layer_path_bit_for_bit(model_dir: P
         eng.add_request(req)  # all at once: decode rows of some with prompt chunks of others
     out = drain(eng)
     assert all(len(toks) > 0 for toks in out.values())
+    return compared
+
+
+def test_the_fused_stack_equals_the_layer_by_layer_path_bit_for_bit(model_dir: Path) -> None:
+    compared = compare_paths(bf16_engine(model_dir), model_dir)
     assert len(compared) > 10 and all(compared), compared
+
+
+@pytest.mark.skipif(ENGINE == "amx", reason="AMX's stack runs on one thread")
+def test_the_stacks_matmuls_split_over_threads_as_the_layers_do(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the AVX-512 and AVX2 engines the stack's matmuls split over torch's threads where the
+    layer-by-layer path's would (here every one, as if every weight were large), so the stack is
+    taken on any thread count; a column's sums do not depend on the split: still bit for bit."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(tiles, "PARALLEL_WEIGHT", 1)
+        eng = bf16_engine(model_dir)
+        fused = eng.runner.model.language_model.fused
+        assert fused is not None and fused.preferred() and fused.threads(1).tolist() == [2, 2, 2, 2]
+        compared = compare_paths(eng, model_dir)
+        assert len(compared) > 10 and all(compared), compared
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_greedy_tokens_are_the_same_with_and_without_the_fused_stack(model_dir: Path) -> None:
@@ -75,20 +104,19 @@ def test_greedy_tokens_are_the_same_with_and_without_the_fused_stack(model_dir: 
     assert outs[0] == outs[1]
 
 
-def test_with_threads_to_split_large_matmuls_the_stack_yields_to_the_layer_path(
+@pytest.mark.skipif(ENGINE != "amx", reason="the other engines' stacks split their matmuls")
+def test_with_threads_to_split_large_matmuls_the_amx_stack_yields_to_the_layer_path(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The stack runs on one thread; where torch has more and the matmuls are large enough to
+    """AMX's stack runs on one thread; where torch has more and the matmuls are large enough to
     split over them (reading a large weight is the work of a decode step), the layer-by-layer
     path, whose matmuls split, runs the row-wise steps instead."""
-    from epdserve.kernels import amx as amx_module
-
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         small = bf16_engine(model_dir).runner.model.language_model.fused
         assert small is not None and not small.splits and small.preferred()  # too small to split
-        monkeypatch.setattr(amx_module, "PARALLEL_WEIGHT", 1)  # as if every weight were large
+        monkeypatch.setattr(tiles, "PARALLEL_WEIGHT", 1)  # as if every weight were large
         eng = bf16_engine(model_dir)
         lm = eng.runner.model.language_model
         assert lm.fused is not None and lm.fused.splits and not lm.fused.preferred()

@@ -3,11 +3,11 @@
 ::
 
     the kernels build here (CPU, float32/bfloat16) and take the model's head size?
-      ├─ yes: every layer the plain Qwen2 shape, its matmuls packed for AMX?
+      ├─ yes: every layer the plain Qwen2 shape, its matmuls packed for one tile engine?
       │         ├─ yes ─► fused stack: all layers in one call (kernels.fused) on the steps whose
       │         │         every token attends row by row, the per-layer kernels on the others
-      │         │         (and on all steps when torch has more than one thread and the matmuls
-      │         │         are large enough to split over them: FusedDecoder.preferred)
+      │         │         (and, on AMX, on all steps when torch has more than one thread and the
+      │         │         matmuls are large enough to split over them: FusedDecoder.preferred)
       │         └─ no ──► per-layer kernels: KV write and row-wise attention reading the paged
       │                   cache in place (kernels.ops)
       └─ no ──► torch: PyTorch SDPA over views of a contiguous mirror of the decoding sequences'
@@ -71,8 +71,11 @@ def choose_decode_path(
     model (``lm.fused``), which runs it on the steps it fits."""
     tc = lm.config
     if isinstance(ops, CpuKernelOps) and ops.attends(tc.head_dim):
-        layers = lm.fused_layers()
-        fused = None if layers is None else FusedDecoder(ops.lib, lm.stack_shape(), layers, lm.norm.weight, kv.k, kv.v)
+        stack = lm.fused_layers()
+        fused = None
+        if stack is not None:
+            engine, layers = stack
+            fused = FusedDecoder(ops.lib, engine, lm.stack_shape(), layers, lm.norm.weight, kv.k, kv.v)
         lm.fused = fused
         path = DecodePath(kernels=ops, fused=fused)
     else:

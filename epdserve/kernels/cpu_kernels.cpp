@@ -672,44 +672,6 @@ void amx_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
     _tile_release();
 }
 
-// Every layer of a Qwen2-style decoder over the rows of one step whose tokens all attend row by
-// row over the paged cache (row r's query attends over ctx[r] positions of block-table row
-// table_rows[r]): the calls the Python layer makes, in its order and with its rounding points, in
-// one call (bit for bit the same outputs). x [rows, hidden] is the residual stream, updated in
-// place; out [rows, hidden] gets the final norm of it. -1 for an index out of range.
-int decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
-                  int64_t inter, float eps, float scale, bf16* x, int64_t rows, const bf16* final_norm, bf16* out,
-                  const bf16* cos, const bf16* sin, const int64_t* slots, int64_t num_blocks, int64_t block_size,
-                  const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows, const int64_t* ctx) {
-    const int64_t qkvw = (hq + 2 * hkv) * d, qw = hq * d;
-    std::vector<int64_t> q_rows(rows);
-    for (int64_t r = 0; r < rows; ++r) q_rows[r] = r;
-    // every index checked once, before any layer runs: a bad step changes nothing, in no layer
-    if (!slots_valid(slots, rows, num_blocks * block_size) ||
-        !attention_rows_valid(q_rows.data(), table, st, table_len, table_rows, ctx, rows, rows, num_blocks, block_size))
-        return -1;
-    std::vector<bf16> h(rows * hidden), qkv(rows * qkvw), attn(rows * qw), gu(rows * 2 * inter), act(rows * inter),
-        delta(rows * hidden);
-    const auto at = [](int64_t v) { return reinterpret_cast<bf16*>(static_cast<intptr_t>(v)); };
-    for (int64_t l = 0; l < layers; ++l) {
-        const int64_t* p = ptrs + l * LP_COUNT;
-        bf16 *kc = at(p[LP_K_CACHE]), *vc = at(p[LP_V_CACHE]);
-        add_rms_norm(x, hidden, l ? delta.data() : nullptr, hidden, at(p[LP_IN_NORM]), h.data(), hidden, rows, hidden,
-                     eps);
-        amx_linear(h.data(), hidden, rows, hidden, at(p[LP_QKV]), qkvw, at(p[LP_QKV_BIAS]), qkv.data(), qkvw);
-        rope_rows<true>(qkv.data(), qkvw, hq + hkv, d, cos, sin, d, rows);
-        copy_kv(qkv.data() + qw, qkvw, qkv.data() + qw + hkv * d, qkvw, hkv * d, kc, vc, slots, rows);
-        attend_rows(qkv.data(), qkvw, q_rows.data(), kc, vc, table, st, table_rows, ctx, rows, hq, hkv, d, block_size,
-                    scale, attn.data(), qw);
-        amx_linear(attn.data(), qw, rows, qw, at(p[LP_O]), hidden, nullptr, delta.data(), hidden);
-        add_rms_norm(x, hidden, delta.data(), hidden, at(p[LP_POST_NORM]), h.data(), hidden, rows, hidden, eps);
-        amx_linear(h.data(), hidden, rows, hidden, at(p[LP_GATE_UP]), 2 * inter, nullptr, gu.data(), 2 * inter);
-        silu_mul(gu.data(), 2 * inter, act.data(), inter, rows, inter);
-        amx_linear(act.data(), inter, rows, inter, at(p[LP_DOWN]), hidden, nullptr, delta.data(), hidden);
-    }
-    add_rms_norm(x, hidden, layers ? delta.data() : nullptr, hidden, final_norm, out, hidden, rows, hidden, eps);
-    return 0;
-}
 #endif
 
 // ``work(a, b)`` for spans of ``align``-unit groups of n units on up to ``threads`` threads of the
@@ -740,6 +702,52 @@ void split_spans(int64_t n, int64_t align, int64_t threads, F&& work) {
 template <typename F>
 void split_columns(int64_t n, int64_t threads, F&& cols) {
     split_spans(n, 64, threads, cols);
+}
+
+// The matmuls of a decoder layer, in the order the stack's ``linear`` is told which one it runs.
+enum StackMatmul { SM_QKV, SM_O, SM_GATE_UP, SM_DOWN, SM_COUNT };
+
+// Every layer of a Qwen2-style decoder over the rows of one step whose tokens all attend row by
+// row over the paged cache (row r's query attends over ctx[r] positions of block-table row
+// table_rows[r]): the calls the Python layer makes, in its order and with its rounding points, in
+// one call (bit for bit the same outputs). ``linear(which, x, sx, m, k, w, n, bias, out, so)`` is
+// the tile engine's product by the weight ``w`` of the layer's matmul ``which`` (StackMatmul).
+// x [rows, hidden] is the residual stream, updated in place; out [rows, hidden] gets the final
+// norm of it. -1 for an index out of range.
+template <typename Linear>
+int decoder_stack(Linear&& linear, const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv,
+                  int64_t d, int64_t inter, float eps, float scale, bf16* x, int64_t rows, const bf16* final_norm,
+                  bf16* out, const bf16* cos, const bf16* sin, const int64_t* slots, int64_t num_blocks,
+                  int64_t block_size, const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows,
+                  const int64_t* ctx) {
+    const int64_t qkvw = (hq + 2 * hkv) * d, qw = hq * d;
+    std::vector<int64_t> q_rows(rows);
+    for (int64_t r = 0; r < rows; ++r) q_rows[r] = r;
+    // every index checked once, before any layer runs: a bad step changes nothing, in no layer
+    if (!slots_valid(slots, rows, num_blocks * block_size) ||
+        !attention_rows_valid(q_rows.data(), table, st, table_len, table_rows, ctx, rows, rows, num_blocks, block_size))
+        return -1;
+    std::vector<bf16> h(rows * hidden), qkv(rows * qkvw), attn(rows * qw), gu(rows * 2 * inter), act(rows * inter),
+        delta(rows * hidden);
+    const auto at = [](int64_t v) { return reinterpret_cast<bf16*>(static_cast<intptr_t>(v)); };
+    for (int64_t l = 0; l < layers; ++l) {
+        const int64_t* p = ptrs + l * LP_COUNT;
+        bf16 *kc = at(p[LP_K_CACHE]), *vc = at(p[LP_V_CACHE]);
+        add_rms_norm(x, hidden, l ? delta.data() : nullptr, hidden, at(p[LP_IN_NORM]), h.data(), hidden, rows, hidden,
+                     eps);
+        linear(SM_QKV, h.data(), hidden, rows, hidden, at(p[LP_QKV]), qkvw, at(p[LP_QKV_BIAS]), qkv.data(), qkvw);
+        rope_rows<true>(qkv.data(), qkvw, hq + hkv, d, cos, sin, d, rows);
+        copy_kv(qkv.data() + qw, qkvw, qkv.data() + qw + hkv * d, qkvw, hkv * d, kc, vc, slots, rows);
+        attend_rows(qkv.data(), qkvw, q_rows.data(), kc, vc, table, st, table_rows, ctx, rows, hq, hkv, d, block_size,
+                    scale, attn.data(), qw);
+        linear(SM_O, attn.data(), qw, rows, qw, at(p[LP_O]), hidden, nullptr, delta.data(), hidden);
+        add_rms_norm(x, hidden, delta.data(), hidden, at(p[LP_POST_NORM]), h.data(), hidden, rows, hidden, eps);
+        linear(SM_GATE_UP, h.data(), hidden, rows, hidden, at(p[LP_GATE_UP]), 2 * inter, nullptr, gu.data(), 2 * inter);
+        silu_mul(gu.data(), 2 * inter, act.data(), inter, rows, inter);
+        linear(SM_DOWN, act.data(), inter, rows, inter, at(p[LP_DOWN]), hidden, nullptr, delta.data(), hidden);
+    }
+    add_rms_norm(x, hidden, layers ? delta.data() : nullptr, hidden, final_norm, out, hidden, rows, hidden, eps);
+    return 0;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -822,6 +830,24 @@ void fma_columns(const float* xf, int64_t k2, int64_t rows, const bf16* wp, int6
                 default: fma_tile<4>(x, k2, w, bb, o, so, cols);
             }
         }
+    }
+}
+
+// out [m, n] = x [m, k] . w^T (+ bias), w in the tile layout, on up to ``threads`` threads
+// (``split_columns``), row chunks of x widened to float32 once each
+void fma_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp, int64_t n, const bf16* bias,
+                bf16* out, int64_t so, int64_t threads) {
+    const int64_t kb = (k + 31) / 32, k2 = (k + 1) / 2 * 2;
+    int64_t chunk = FMA_CHUNK_FLOATS / k2 / FMA_ROWS * FMA_ROWS;
+    if (chunk < FMA_ROWS) chunk = FMA_ROWS;
+    std::vector<float> xf((m < chunk ? m : chunk) * k2, 0.0f);
+    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+        const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < k; ++j) xf[r * k2 + j] = load(x + (r0 + r) * sx + j);
+        split_columns(n, threads, [&](int64_t a, int64_t b) {
+            fma_columns(xf.data(), k2, rows, wp, kb, a, b, bias, out + r0 * so, so);
+        });
     }
 }
 #endif
@@ -982,6 +1008,15 @@ void dot_linear(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp,
                 dot_rows<1>(rows, x + r * sx, sx, k, w, kb, bb, out + r * so + b0 * 16, so, cols);
         }
     }
+}
+
+// dot_linear on up to ``threads`` threads (``split_columns``): a column's sums do not depend on it
+void dot_linear_split(const bf16* x, int64_t sx, int64_t m, int64_t k, const bf16* wp, int64_t n, const bf16* bias,
+                      bf16* out, int64_t so, int64_t threads) {
+    const int64_t kb = (k + 31) / 32;
+    split_columns(n, threads, [&](int64_t a, int64_t b) {
+        dot_linear(x, sx, m, k, wp + a / 16 * kb * 512, b - a, bias ? bias + a : nullptr, out + a, so);
+    });
 }
 #endif
 
@@ -1170,7 +1205,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 16; }
+int epd_kernels_abi() { return 17; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -1291,10 +1326,7 @@ int epd_dot_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
                    const uint16_t* bias, uint16_t* out, int64_t so, int64_t threads) {
 #if defined(__AVX512BF16__)
     if (m < 1 || k < 1 || n < 1 || sx < k || so < n || threads < 1) return -1;
-    const int64_t kb = (k + 31) / 32;
-    split_columns(n, threads, [&](int64_t a, int64_t b) {
-        dot_linear(x, sx, m, k, wp + a / 16 * kb * 512, b - a, bias ? bias + a : nullptr, out + a, so);
-    });
+    dot_linear_split(x, sx, m, k, wp, n, bias, out, so, threads);
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;
@@ -1342,18 +1374,7 @@ int epd_fma_linear(const uint16_t* x, int64_t sx, int64_t m, int64_t k, const ui
                    const uint16_t* bias, uint16_t* out, int64_t so, int64_t threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (m < 1 || k < 1 || n < 1 || sx < k || so < n || threads < 1) return -1;
-    const int64_t kb = (k + 31) / 32, k2 = (k + 1) / 2 * 2;
-    int64_t chunk = FMA_CHUNK_FLOATS / k2 / FMA_ROWS * FMA_ROWS;
-    if (chunk < FMA_ROWS) chunk = FMA_ROWS;
-    std::vector<float> xf((m < chunk ? m : chunk) * k2, 0.0f);
-    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-        const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < k; ++j) xf[r * k2 + j] = load(x + (r0 + r) * sx + j);
-        split_columns(n, threads, [&](int64_t a, int64_t b) {
-            fma_columns(xf.data(), k2, rows, wp, kb, a, b, bias, out + r0 * so, so);
-        });
-    }
+    fma_linear(x, sx, m, k, wp, n, bias, out, so, threads);
     return 0;
 #else
     (void)x, (void)sx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)out, (void)so, (void)threads;
@@ -1376,24 +1397,48 @@ int epd_row_linear_f32(const float* x, int64_t sx, int64_t m, int64_t k, const f
 #endif
 }
 
-// All layers of a decoder stack in one call (``decoder_stack``; bfloat16 on AMX): ``ptrs`` holds
-// LP_COUNT pointers per layer. -1 without AMX, for sizes refused, or an index out of range.
-int epd_decoder_stack(const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
-                      int64_t inter, float eps, float scale, uint16_t* x, int64_t rows, const uint16_t* final_norm,
-                      uint16_t* out, const uint16_t* cos, const uint16_t* sin, const int64_t* slots,
-                      int64_t num_blocks, int64_t block_size, const int64_t* table, int64_t st, int64_t table_len,
-                      const int64_t* table_rows, const int64_t* ctx) {
+// All layers of a decoder stack in one call (``decoder_stack``, bfloat16): ``ptrs`` holds
+// LP_COUNT pointers per layer, its weights in the tile layout, read by ``engine`` (0: AMX, 1:
+// AVX-512 bfloat16 dot products, 2: AVX2 multiply-adds), each of a layer's matmuls on
+// ``threads[which]`` threads (SM_COUNT of them; AMX takes one). -1 where that engine does not run
+// here, for sizes refused, or an index out of range.
+int epd_decoder_stack(int engine, const int64_t* threads, const int64_t* ptrs, int64_t layers, int64_t hidden,
+                      int64_t hq, int64_t hkv, int64_t d, int64_t inter, float eps, float scale, uint16_t* x,
+                      int64_t rows, const uint16_t* final_norm, uint16_t* out, const uint16_t* cos,
+                      const uint16_t* sin, const int64_t* slots, int64_t num_blocks, int64_t block_size,
+                      const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows,
+                      const int64_t* ctx) {
+    if (layers < 0 || rows < 1 || hidden < 1 || inter < 1 || hkv < 1 || hq % hkv || d % 8) return -1;
+    for (int i = 0; i < SM_COUNT; ++i)
+        if (threads[i] < 1) return -1;
+    const auto stack = [&](auto&& linear) {
+        return decoder_stack(linear, ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x, rows, final_norm, out,
+                             cos, sin, slots, num_blocks, block_size, table, st, table_len, table_rows, ctx);
+    };
+    switch (engine) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    if (!amx_permitted() || layers < 0 || rows < 1 || hidden < 1 || inter < 1 || hkv < 1 || hq % hkv || d % 8)
-        return -1;
-    return decoder_stack(ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x, rows, final_norm, out, cos, sin,
-                         slots, num_blocks, block_size, table, st, table_len, table_rows, ctx);
-#else
-    (void)ptrs, (void)layers, (void)hidden, (void)hq, (void)hkv, (void)d, (void)inter, (void)eps, (void)scale;
-    (void)x, (void)rows, (void)final_norm, (void)out, (void)cos, (void)sin, (void)slots, (void)num_blocks;
-    (void)block_size, (void)table, (void)st, (void)table_len, (void)table_rows, (void)ctx;
-    return -1;
+        case 0:
+            if (!amx_permitted()) return -1;
+            return stack([](int, const bf16* a, int64_t sa, int64_t m, int64_t k, const bf16* w, int64_t n,
+                            const bf16* bias, bf16* o, int64_t so) { amx_linear(a, sa, m, k, w, n, bias, o, so); });
 #endif
+#if defined(__AVX512BF16__)
+        case 1:
+            return stack([&](int which, const bf16* a, int64_t sa, int64_t m, int64_t k, const bf16* w, int64_t n,
+                             const bf16* bias, bf16* o, int64_t so) {
+                dot_linear_split(a, sa, m, k, w, n, bias, o, so, threads[which]);
+            });
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        case 2:
+            return stack([&](int which, const bf16* a, int64_t sa, int64_t m, int64_t k, const bf16* w, int64_t n,
+                             const bf16* bias, bf16* o, int64_t so) {
+                fma_linear(a, sa, m, k, w, n, bias, o, so, threads[which]);
+            });
+#endif
+        default:
+            return -1;
+    }
 }
 
 // ``in`` (h x w x c bytes) resized to oh x ow as Pillow's Image.resize(BICUBIC) does, into

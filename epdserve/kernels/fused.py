@@ -1,11 +1,13 @@
-"""A whole decoder stack in one call of the compiled kernels (bfloat16 on AMX).
+"""A whole decoder stack in one call of the compiled kernels (bfloat16, on the tile matmul).
 
 A decode step of a small model spends most of its time between kernels: every layer makes a dozen
 Python and PyTorch calls around its matmuls, norms, rotation and attention. ``FusedDecoder`` makes
 the same kernel calls, in the same order and with the same operands, from C++: one call per step
 for all layers, with outputs bit for bit those of the layer-by-layer path. It runs the steps whose
 every new token attends row by row over the paged cache (``RowWise``: decode tokens and short
-prompt chunks); the engine takes the layer-by-layer path for the others.
+prompt chunks); the engine takes the layer-by-layer path for the others. Its matmuls are those of
+the engine the layers' weights were packed for (``kernels.tiles``): AMX's on the calling thread,
+the AVX-512 and AVX2 ones' split over torch's threads as the layer-by-layer path splits them.
 
 The weights and the KV cache are fixed tensors: their addresses go into one table when the
 decoder is built, after every size and layout was checked; each call checks the step's own
@@ -21,7 +23,9 @@ from typing import NamedTuple
 import torch
 
 from epdserve.kernels.build import POINTERS_PER_LAYER
-from epdserve.kernels.tiles import TileMatmul
+from epdserve.kernels.tiles import Engine, TileMatmul
+
+ENGINE_CODES: dict[Engine, int] = {"amx": 0, "avx512": 1, "avx2": 2}  # epd_decoder_stack's ``engine``
 
 
 class StackShape(NamedTuple):
@@ -34,7 +38,7 @@ class StackShape(NamedTuple):
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's tensors as the kernel reads them (the matmul weights packed for AMX)."""
+    """One decoder layer's tensors as the kernel reads them (the matmul weights in the tile layout)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # packed [(heads + 2 kv_heads) * head_dim, hidden]
@@ -64,6 +68,7 @@ class FusedDecoder:
     def __init__(
         self,
         lib: ctypes.CDLL,
+        engine: Engine,
         shape: StackShape,
         layers: Sequence[LayerWeights],
         final_norm: torch.Tensor,
@@ -75,7 +80,7 @@ class FusedDecoder:
             raise ValueError("unsupported attention shape, or not one K and one V cache per layer")
         qkvw = (hq + 2 * hkv) * d
         size = TileMatmul.packed_size
-        self.lib, self.shape = lib, shape
+        self.lib, self.engine, self.shape = lib, engine, shape
         self.blocks, self.block_size = k_cache[0].shape[0], k_cache[0].shape[1]
         rows = []
         for i, (w, kc, vc) in enumerate(zip(layers, k_cache, v_cache, strict=True)):
@@ -94,17 +99,26 @@ class FusedDecoder:
             rows.append([p if isinstance(p, int) else p.data_ptr() for p in ptrs])
         _check(final_norm, h, "final norm")
         self.table = torch.tensor(rows, dtype=torch.int64).reshape(len(layers), POINTERS_PER_LAYER)
-        # the stack runs on one thread; matmuls this large split over torch's threads layer by layer
-        self.splits = any(TileMatmul.splits(1, k, n) for k, n in ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h)))
+        self.matmuls = ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h))  # (k, n) in StackMatmul's order
+        # AMX's stack runs on one thread; matmuls this large split over torch's threads layer by layer
+        self.splits = engine == "amx" and any(TileMatmul.splits(1, k, n) for k, n in self.matmuls)
         # the tensors whose addresses the table holds stay alive as long as it does
         self._held = (list(layers), list(k_cache), list(v_cache))
         self.final_norm = final_norm
 
     def preferred(self) -> bool:
-        """Whether the stack is the faster path for a row-wise step now: always on one thread;
-        with more, only when its matmuls are too small to split (``TileMatmul.splits``), since the
-        layer-by-layer path reads a large weight on every thread at once."""
+        """Whether the stack is the faster path for a row-wise step now: always where its matmuls
+        split themselves (AVX-512, AVX2); on AMX, on one thread, or with more only when its
+        matmuls are too small to split (``TileMatmul.splits``), since the layer-by-layer path reads
+        a large weight on every thread at once."""
         return not self.splits or torch.get_num_threads() == 1
+
+    def threads(self, rows: int) -> torch.Tensor:
+        """The threads each of a layer's matmuls splits over at ``rows`` rows: as many as
+        ``TileLinear`` would give it layer by layer (AMX: one)."""
+        n = torch.get_num_threads()
+        split = [self.engine != "amx" and n > 1 and TileMatmul.splits(rows, k, c) for k, c in self.matmuls]
+        return torch.tensor([n if s else 1 for s in split], dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: RowWise) -> torch.Tensor:
         """x [N, hidden] (the embeddings; overwritten: the residual stream) → final-normed hidden
@@ -125,7 +139,10 @@ class FusedDecoder:
         if table.dtype != torch.int64 or not table.is_contiguous() or table.dim() != 2:
             raise ValueError("the block table must be a contiguous int64 matrix")
         out = torch.empty_like(x)
+        threads = self.threads(n)
         status = self.lib.epd_decoder_stack(
+            ENGINE_CODES[self.engine],
+            threads.data_ptr(),
             self.table.data_ptr(),
             self.table.shape[0],
             s.hidden,
@@ -151,5 +168,7 @@ class FusedDecoder:
             step.ctx.data_ptr(),
         )
         if status:
-            raise ValueError("a KV slot, block-table row, context length or block id is out of range")
+            raise ValueError(
+                f"a KV slot, block-table row, context length or block id is out of range (or no {self.engine} here)"
+            )
         return out

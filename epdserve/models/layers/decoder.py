@@ -15,6 +15,7 @@ from torch import nn
 from epdserve.kernels.cpu_linear import LinearKernel, RowEmbedding, TileEmbedding, TileLinear, tie_head
 from epdserve.kernels.fused import FusedDecoder, LayerWeights, StackShape
 from epdserve.kernels.ops import LayerOps, TorchOps
+from epdserve.kernels.tiles import Engine
 from epdserve.models.base import AttentionBackend, DeepStack
 from epdserve.models.config import TextConfig
 from epdserve.models.layers.attention import Attention
@@ -104,24 +105,28 @@ class Qwen2LanguageModel(nn.Module):
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
         )
 
-    def fused_layers(self) -> list[LayerWeights] | None:
-        """The layers' tensors for a ``FusedDecoder``; None when a layer is not the plain
-        Qwen2 shape it runs (per-head q/k norms, an activation other than SiLU, biases past q/k/v)
-        or its matmuls are not packed for AMX."""
+    def fused_layers(self) -> tuple[Engine, list[LayerWeights]] | None:
+        """The tile engine and the layers' tensors for a ``FusedDecoder``; None when a layer is not
+        the plain Qwen2 shape it runs (per-head q/k norms, an activation other than SiLU, biases
+        past q/k/v) or its matmuls are not all packed for one tile engine."""
         out: list[LayerWeights] = []
+        engines: set[Engine] = set()
         for module in self.layers:
             layer = cast(DecoderLayer, module)
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
             linears = (qkv, o, gate_up, down)
-            if not all(isinstance(m, TileLinear) and m.matmul.engine == "amx" for m in linears):
+            if not all(isinstance(m, TileLinear) for m in linears):
                 return None
+            engines |= {cast(TileLinear, m).matmul.engine for m in linears}
             if attn.q_norm is not None or mlp.act is not F.silu or any(m.bias is not None for m in (o, gate_up, down)):
                 return None
             bias = qkv.bias.detach() if qkv.bias is not None else None
             norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
             out.append(LayerWeights(norms[0], qkv.weight, bias, o.weight, norms[1], gate_up.weight, down.weight))
-        return out
+        if len(engines) != 1:
+            return None
+        return engines.pop(), out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] → logits [M, vocab]; pass only the rows that are sampled."""
