@@ -5,9 +5,9 @@ with a mixed workload (text, fresh images, repeated images, streaming and not), 
 resident memory of every role and the bytes of its files in ``/dev/shm`` every ``--sample-s`` seconds, and
 reports per-status counts, each role's memory at the start of the measured window, at its end and
 at its peak, and its slope (a least-squares line through every sample of the window, in MB per
-hour, beyond what its bounded embedding cache took: fresh images fill an encoder's cache by
-design). Exits 1 when any request failed, or a role's memory (or ``/dev/shm``) grew by more than
-``--max-growth-mb`` over the window beyond its cache.
+hour, beyond what its bounded caches took: fresh images fill an encoder's embedding cache, and
+new blocks an engine core's KV cache, by design). Exits 1 when any request failed, or a role's
+memory (or ``/dev/shm``) grew by more than ``--max-growth-mb`` over the window beyond its caches.
 
     python scripts/soak.py --topology 1e+1pd --minutes 30 --concurrency 8 --out docs/results/soak-1e+1pd.json
 
@@ -71,15 +71,22 @@ def rss_mb(pid: int) -> float:
 
 
 def cache_mb(role: str) -> float:
-    """An encoder's embedding-cache bytes (bounded by --encoder-cache-bytes), from its /metrics."""
-    if not role.startswith("encoder:"):
+    """What a role holds by design, bounded, from its server's /metrics: an encoder's embedding
+    cache (up to --encoder-cache-bytes), a language-model engine core's KV-cache blocks used so far
+    (a CPU cache maps a block's pages on its first write, up to the size it planned at start-up)."""
+    name, _, port = role.partition(":")
+    if name == "encoder":
+        metric = "epd_encoder_cache_bytes"
+    elif port.endswith("/core"):
+        metric, port = "epd_kv_cache_touched_bytes", port.removesuffix("/core")
+    else:
         return 0.0
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{role.split(':')[1]}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return float("nan")
-    m = re.search(r"^epd_encoder_cache_bytes (\S+)$", text, re.MULTILINE)
+    m = re.search(rf"^{metric} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) / 2**20 if m else float("nan")
 
 
@@ -194,7 +201,7 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the memory baseline is taken")
     p.add_argument("--sample-s", type=float, default=10.0)
     p.add_argument(
-        "--max-growth-mb", type=float, default=50.0, help="allowed RSS growth per role beyond its embedding cache"
+        "--max-growth-mb", type=float, default=50.0, help="allowed RSS growth per role beyond its bounded caches"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
@@ -241,7 +248,8 @@ def main() -> int:
 
     first, last = result["samples"][0], result["samples"][-1]
     growth = {k: round(last[k] - first[k], 1) for k in pids}
-    # an encoder's embedding cache fills up to its byte budget by design: growth beyond it is a leak
+    # an encoder's embedding cache and an engine core's KV blocks fill up to their planned bytes by
+    # design: growth beyond them is a leak
     cache_growth = {k: round(last["cache"][k] - first["cache"][k], 1) for k in pids}
     other_growth = {k: round(growth[k] - cache_growth[k], 1) for k in pids}
     peak = {k: round(max(s[k] for s in result["samples"]), 1) for k in pids}
@@ -268,7 +276,7 @@ def main() -> int:
         "rss_end_mb": {k: round(last[k], 1) for k in pids},
         "rss_peak_mb": peak,
         "rss_growth_mb": growth,
-        "encoder_cache_growth_mb": cache_growth,
+        "cache_growth_mb": cache_growth,
         "rss_growth_beyond_cache_mb": other_growth,
         "rss_slope_beyond_cache_mb_per_h": slopes,
         "rss_slope_second_half_mb_per_h": late,

@@ -41,6 +41,32 @@ def test_prefix_cache_reuses_full_blocks_only() -> None:
     assert bm.match_prefix(c).num_tokens == 8
 
 
+def test_touched_blocks_count_every_block_ever_handed_out() -> None:
+    """A block's KV pages are mapped on its first write: the count of blocks ever handed out is
+    the distinct ids allocated, whatever was freed, reused or served from the prefix cache, and
+    reaches the whole cache, no more, once every block was used."""
+    bm = BlockManager(8, 4)
+    seen: set[int] = set()
+    held = []
+    for i, (tokens, base) in enumerate(((10, 0), (6, 0), (12, 100), (9, 200), (16, 300))):
+        r = make_request(f"r{i}", tokens, base=base)  # r1 shares r0's first block (prefix cache)
+        bm.take_cached(r, bm.match_prefix(r))
+        assert bm.allocate(r, tokens - r.num_computed_tokens)
+        seen |= set(r.block_ids)
+        assert bm.touched == len(seen) == max(seen) + 1
+        r.num_computed_tokens = tokens
+        bm.commit(r)
+        if i == 1:
+            held.append(r)
+        else:
+            bm.free(r)
+    assert bm.touched == 8  # the last request took every block still free: the whole cache
+    for r in held:
+        bm.free(r)
+    r = make_request("all", 32, base=1000)
+    assert bm.allocate(r, 32) and bm.touched == 8
+
+
 def test_same_text_different_image_never_shares_blocks() -> None:
     bm = BlockManager(32, 4)
     a = make_request("a", 12, mm=[image("img-A", 2, 4)])

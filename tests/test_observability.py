@@ -140,6 +140,7 @@ def test_the_router_is_one_scrape_target_for_the_deployment(deployment: Deployme
     own = scrape(pd)
     for name in ("epd_num_requests_running", "epd_time_to_first_token_seconds_bucket", "epd_prefix_cache_hits_total"):
         assert name in own
+    assert own["epd_kv_cache_touched_bytes"][0].value > 0  # the request's blocks, in every layer
     # anyone else gets the router's own metrics: no worker's, so no internal address
     public = scrape(deployment.url, operator=False)
     assert "epd_router_requests_total" in public and "epd_requests_total" not in public

@@ -30,6 +30,9 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # blocks ever handed out: a freed block goes to the back of the queue, so the never-used
+        # ones come first, in id order, and this is also the highest id handed out + 1
+        self.touched = 0
         self.hits = 0  # prefix-cache statistics (tokens)
         self.queries = 0
 
@@ -89,6 +92,7 @@ class BlockManager:
             return False
         for _ in range(need):
             bid, _ = self.free_queue.popitem(last=False)
+            self.touched = max(self.touched, bid + 1)
             h = self.block_hash[bid]
             if h is not None:  # evict its cached content
                 if self.cached.get(h) == bid:

@@ -418,6 +418,8 @@ class EngineCore:
             waiting=len(sch.waiting),
             kv_blocks_free=sch.blocks.num_free,
             kv_blocks_total=sch.blocks.num_blocks,
+            kv_blocks_touched=sch.blocks.touched,
+            kv_block_bytes=self.runner.kv.nbytes // sch.blocks.num_blocks,
             prefix_cache_hit_tokens=sch.blocks.hits,
             prefix_cache_query_tokens=sch.blocks.queries,
             preemptions=sch.num_preemptions,

@@ -31,7 +31,7 @@ from epdserve.transfer.config import ECConfig
 if TYPE_CHECKING:
     import torch
 
-ENGINE_PROTOCOL_VERSION = 4  # 4: a media item's placeholder runs (MediaSpec.runs)
+ENGINE_PROTOCOL_VERSION = 5  # 5: the KV cache's touched blocks (EngineStats); 4: placeholder runs (MediaSpec.runs)
 
 # "transferred": a prefill instance handed the request's KV to a decode instance after its first token
 FinishReason = Literal["stop", "length", "abort", "error", "transferred"]
@@ -222,6 +222,8 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     waiting: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_touched: int = 0  # blocks ever handed out (a CPU cache maps a block's pages on its first write)
+    kv_block_bytes: int = 0  # one block's bytes over every layer, K and V
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
     preemptions: int = 0

@@ -5,7 +5,8 @@ never waits for an encode. But each is idle much of the time: the encoder betwee
 language model while it waits for them. Through a core board (``common.core_board``) a computing
 role borrows the cores of those that are not: it marks itself computing around each unit of work,
 and before each layer reads the board and runs on its own cores plus its share of the idle ones.
-A role that starts computing takes its cores back at the borrowers' next layer.
+A role that starts computing takes its cores back at the borrowers' next layer (or next step,
+where a step runs the whole decoder stack in one call: ``kernels.fused``).
 
 The board is advisory: what is read from it only sets a thread count, clamped to the cores the
 process may run on.

@@ -201,6 +201,11 @@ class ChatService:
         m.gauge("kv_blocks_free", "free KV-cache blocks", stat("kv_blocks_free"))
         m.gauge("kv_cache_usage_perc", "fraction of KV-cache blocks in use (1 = full)", self._kv_usage)
         m.gauge(
+            "kv_cache_touched_bytes",
+            "bytes of the KV-cache blocks ever used (on a CPU: its pages mapped so far, up to the planned size)",
+            lambda: float(self.stats.kv_blocks_touched * self.stats.kv_block_bytes),
+        )
+        m.gauge(
             "load_ratio", "demand over capacity: KV usage, or requests over the batch (autoscaling)", self.load_ratio
         )
         counts = (
