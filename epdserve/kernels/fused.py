@@ -102,6 +102,7 @@ class FusedDecoder:
         self.matmuls = ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h))  # (k, n) in StackMatmul's order
         # AMX's stack runs on one thread; matmuls this large split over torch's threads layer by layer
         self.splits = engine == "amx" and any(TileMatmul.splits(1, k, n) for k, n in self.matmuls)
+        self._threads: dict[tuple[int, int], torch.Tensor] = {}  # (rows, torch's threads) -> ``threads``
         # the tensors whose addresses the table holds stay alive as long as it does
         self._held = (list(layers), list(k_cache), list(v_cache))
         self.final_norm = final_norm
@@ -115,10 +116,12 @@ class FusedDecoder:
 
     def threads(self, rows: int) -> torch.Tensor:
         """The threads each of a layer's matmuls splits over at ``rows`` rows: as many as
-        ``TileLinear`` would give it layer by layer (AMX: one)."""
-        n = torch.get_num_threads()
-        split = [self.engine != "amx" and n > 1 and TileMatmul.splits(rows, k, c) for k, c in self.matmuls]
-        return torch.tensor([n if s else 1 for s in split], dtype=torch.int64)
+        ``TileLinear`` would give it layer by layer (AMX: one), kept per (rows, torch's threads)."""
+        key = (rows, torch.get_num_threads())
+        if key not in self._threads:
+            counts = [1 if self.engine == "amx" else TileMatmul.threads(rows, k, n) for k, n in self.matmuls]
+            self._threads[key] = torch.tensor(counts, dtype=torch.int64)
+        return self._threads[key]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: RowWise) -> torch.Tensor:
         """x [N, hidden] (the embeddings; overwritten: the residual stream) → final-normed hidden

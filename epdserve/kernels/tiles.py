@@ -96,7 +96,7 @@ class TileMatmul:
         if m:
             if bias is not None:
                 bias = bias.contiguous()
-            threads = torch.get_num_threads() if self.splits(m, k, out_features) else 1
+            threads = self.threads(m, k, out_features)
             if self.engine != "amx":  # splits itself, on torch's own OpenMP threads
                 call = self.lib.epd_dot_linear if self.engine == "avx512" else self.lib.epd_fma_linear
                 bias_ptr = bias.data_ptr() if bias is not None else None
@@ -110,6 +110,12 @@ class TileMatmul:
                     shares(out_features, threads, BLOCK),
                 )
         return out.reshape(*x.shape[:-1], out_features)
+
+    @classmethod
+    def threads(cls, m: int, k: int, n: int) -> int:
+        """The threads a product of [m, k] rows by a [n, k] weight splits over: torch's intra-op
+        count where it splits (``splits``), else one."""
+        return torch.get_num_threads() if cls.splits(m, k, n) else 1
 
     @staticmethod
     def splits(m: int, k: int, n: int) -> bool:
