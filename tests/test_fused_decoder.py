@@ -4,17 +4,21 @@ this CPU: AMX, AVX-512 bfloat16 or AVX2)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from epdserve.common.core_board import make_board
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore
 from epdserve.engine.inputs import InputBuilder
 from epdserve.hf_reference import HFReference
 from epdserve.kernels import tiles
 from epdserve.kernels.fused import FusedDecoder, RowWise
+from epdserve.kernels.lending import CoreLender
 from epdserve.kernels.tiles import load_tiles
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.models.config import ModelConfig
@@ -30,9 +34,12 @@ def bf16_engine(model_dir: Path, **kw) -> EngineCore:
     return EngineCore.from_pretrained(model_dir, cfg)
 
 
-def compare_paths(eng: EngineCore, model_dir: Path) -> list[bool]:
+def compare_paths(
+    eng: EngineCore, model_dir: Path, around_stack: tuple[Callable[[], None], Callable[[], None]] | None = None
+) -> list[bool]:
     """Serve every case at once through ``eng``, each row-wise step twice: layer by layer, then
-    through the stack; whether each step's outputs were equal."""
+    through the stack (``around_stack``: called just before and just after it); whether each
+    step's outputs were equal."""
     lm = eng.runner.model.language_model
     fused = lm.fused
     assert isinstance(fused, FusedDecoder) and eng.runner.decode.name == "fused stack"
@@ -45,7 +52,11 @@ def compare_paths(eng: EngineCore, model_dir: Path) -> list[bool]:
         lm.fused = None  # the layer-by-layer path first (it writes the same k/v the fused one will)
         expected = forward(embeds, positions, attention, deepstack)
         lm.fused = fused
+        if around_stack is not None:
+            around_stack[0]()
         got = forward(embeds, positions, attention, deepstack)
+        if around_stack is not None:
+            around_stack[1]()
         compared.append(torch.equal(got, expected))
         return got
 
@@ -84,6 +95,39 @@ def test_the_stacks_matmuls_split_over_threads_as_the_layers_do(
         compared = compare_paths(eng, model_dir)
         assert len(compared) > 10 and all(compared), compared
     finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(ENGINE == "amx", reason="AMX's stack runs on one thread")
+def test_cores_lent_by_a_role_that_starts_computing_are_handed_back_between_layers(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A step on a core borrowed from an idle role (an encoder's): when that role starts
+    computing, the stack's next layer runs on the step's own core, and so does the rest of the
+    step (torch's threads too); a step whose lender stays idle keeps both. Bit for bit either way."""
+    threads = torch.get_num_threads()
+    board = make_board(tmp_path)
+    enc, pd = CoreLender(board, 1, cores=2), CoreLender(board, 1, cores=2)
+    try:
+        monkeypatch.setattr(tiles, "PARALLEL_WEIGHT", 1)  # as if every weight were large
+        eng = bf16_engine(model_dir)
+        fused = eng.runner.model.language_model.fused
+        assert fused is not None
+        fused.lender = pd
+        steps: list[int] = []
+
+        def borrow() -> None:  # every other step, the encoder starts before the stack's first layer
+            enc.board.mark(1, False, 0.0)
+            assert pd.refresh() == 2 and pd.loan is not None and pd.loan.own == 1
+            if len(steps) % 2 == 0:
+                enc.board.mark(1, True, time.monotonic())
+
+        compared = compare_paths(eng, model_dir, (borrow, lambda: steps.append(torch.get_num_threads())))
+        assert len(compared) > 10 and all(compared), compared
+        assert steps == [1, 2] * (len(steps) // 2) + [1] * (len(steps) % 2), steps
+    finally:
+        pd.close()
+        enc.close()
         torch.set_num_threads(threads)
 
 

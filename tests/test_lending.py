@@ -3,6 +3,7 @@ layer, and what the board refuses."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -83,6 +84,21 @@ def test_every_layer_runs_on_the_cores_available_when_it_starts(board: Path) -> 
             x = layer(x)
     assert seen == [2, 2, 1, 1]
     assert x.tolist() == [4.0, 4.0]
+
+
+def test_a_loan_names_the_flags_a_kernel_reads_to_hand_cores_back(board: Path) -> None:
+    enc, pd, busy = CoreLender(board, 2, cores=4), CoreLender(board, 1, cores=4), CoreLender(board, 1, cores=4)
+    busy.board.mark(1, True, time.monotonic())
+    with pd.computing() as n:
+        assert n == 2 and pd.loan is not None and pd.loan.own == 1  # a share of the encoder's cores
+        (address,) = pd.loan.flags.tolist()  # the encoder's flag: the busy role lends nothing
+        flag = ctypes.c_int32.from_address(address)  # where a compiled kernel reads it
+        assert flag.value == 0
+        enc.board.mark(2, True, time.monotonic())
+        assert flag.value == 1
+        assert pd.refresh() == 1 and pd.loan is None  # nothing is borrowed any more
+    for role in (busy, enc, pd):
+        role.close()
 
 
 def test_a_killed_role_lends_its_cores_and_its_slot_is_taken_again(board: Path) -> None:

@@ -9,6 +9,7 @@ needs torch, so ``up`` can make a board without loading it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -22,6 +23,7 @@ from epdserve.common.pids import pid_alive
 
 SLOTS = 64  # roles one board holds
 _SLOT = struct.Struct("<iiid")  # pid (0: free), own cores, computing (0/1), when it last stopped computing
+_COMPUTING = 8  # the offset of a slot's computing flag (an int32)
 SIZE = SLOTS * _SLOT.size
 MAX_OWN = 4096  # a slot claiming more cores than this is not read
 PREFIX = "epd-cores-"  # a board's name: PREFIX, its maker's pid, "-", a random part
@@ -65,6 +67,7 @@ class Seat:
     own: int  # cores that are its own
     computing: bool
     last: float  # time.monotonic() when it last stopped computing
+    flag: int = 0  # the address of its computing flag (an int32) in this process's map of the board
 
 
 class Board:
@@ -77,6 +80,7 @@ class Board:
             raise ValueError(f"{path}: not a core board of this user (its owner, mode or size differ)")
         self._fd = os.open(path, os.O_RDWR)
         self._map = mmap.mmap(self._fd, SIZE)
+        self._base = ctypes.addressof((ctypes.c_char * SIZE).from_buffer(self._map))
         self.slot = -1
 
     def claim(self, own: int) -> int:
@@ -103,7 +107,8 @@ class Board:
                 continue
             pid, own, computing, last = _SLOT.unpack_from(self._map, i * _SLOT.size)
             if pid > 0 and 0 < own <= MAX_OWN:
-                yield Seat(own, bool(computing), last) if pid_alive(pid) else Seat(own, False, 0.0)
+                flag = self._base + i * _SLOT.size + _COMPUTING
+                yield Seat(own, bool(computing), last, flag) if pid_alive(pid) else Seat(own, False, 0.0, flag)
 
     def close(self) -> None:
         """Give the slot back."""

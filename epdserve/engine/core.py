@@ -56,6 +56,8 @@ class EngineCore:
         self.lender = CoreLender(config.core_board, self.threads) if lends else None
         if self.lender is not None:
             self.lender.attach(model)
+            if self.runner.decode.fused is not None:  # the one-call stack hands borrowed cores back itself
+                self.runner.decode.fused.lender = self.lender
         self.scheduler = Scheduler(config)
         self.scheduler.media_needed = self._media_needed
         self.scheduler.vision_cost = self.runner.vision_cost

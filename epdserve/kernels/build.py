@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # The two numbers Python and the C++ source must agree on, defined once on each side and checked
 # at load (``load_library``): the ABI of the signatures below (epd_kernels_abi()) and the length
 # of a layer's row in the fused stack's pointer table (epd_layer_pointers(), LP_COUNT).
-ABI = 17
+ABI = 18
 POINTERS_PER_LAYER = 9
 # -fopenmp: the compiled matmuls (but AMX's), the attention and the large elementwise kernels
 # split their work on the OpenMP runtime the process already runs, torch's (GCC's libgomp, loaded
@@ -221,6 +221,9 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
     unavailable (see ``open_library``)."""
     lib = open_library(cache_dir)
     p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    # engine, threads, own threads, the lenders' flags and their count; the layers' table and shape;
+    # the step's rows, cache and block table
+    stack = [c_int, p, p, p, i64, p, *[i64] * 6, f32, f32, p, i64, *[p] * 5, i64, i64, p, i64, i64, p, p]
     signatures = {
         "epd_add_rms_norm": [c_int, p, i64, p, i64, p, p, i64, i64, i64, f32],
         "epd_rotary": [c_int, p, i64, i64, i64, p, p, i64, i64],
@@ -239,7 +242,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL:
         "epd_decode_attention": [c_int, p, i64, p, p, p, i64, p, i64, i64, p, p, *[i64] * 6, f32, p, i64],
         "epd_resize_bicubic_u8": [p, i64, i64, i64, p, i64, i64, c_int],
         "epd_frame_attention": [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, i64, f32, c_int, i64],
-        "epd_decoder_stack": [c_int, p, p, *[i64] * 6, f32, f32, p, i64, p, p, p, p, p, i64, i64, p, i64, i64, p, p],
+        "epd_decoder_stack": stack,
     }
     checked = {  # return 0, or -1 for an index out of range or sizes refused (the AMX ones: 1/0, 0/-1)
         "epd_write_kv",

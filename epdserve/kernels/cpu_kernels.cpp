@@ -711,11 +711,11 @@ enum StackMatmul { SM_QKV, SM_O, SM_GATE_UP, SM_DOWN, SM_COUNT };
 // row over the paged cache (row r's query attends over ctx[r] positions of block-table row
 // table_rows[r]): the calls the Python layer makes, in its order and with its rounding points, in
 // one call (bit for bit the same outputs). ``linear(which, x, sx, m, k, w, n, bias, out, so)`` is
-// the tile engine's product by the weight ``w`` of the layer's matmul ``which`` (StackMatmul).
-// x [rows, hidden] is the residual stream, updated in place; out [rows, hidden] gets the final
-// norm of it. -1 for an index out of range.
-template <typename Linear>
-int decoder_stack(Linear&& linear, const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv,
+// the tile engine's product by the weight ``w`` of the layer's matmul ``which`` (StackMatmul);
+// ``before_layer(l)`` runs before layer l. x [rows, hidden] is the residual stream, updated in
+// place; out [rows, hidden] gets the final norm of it. -1 for an index out of range.
+template <typename Linear, typename Before>
+int decoder_stack(Linear&& linear, Before&& before_layer, const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv,
                   int64_t d, int64_t inter, float eps, float scale, bf16* x, int64_t rows, const bf16* final_norm,
                   bf16* out, const bf16* cos, const bf16* sin, const int64_t* slots, int64_t num_blocks,
                   int64_t block_size, const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows,
@@ -731,6 +731,7 @@ int decoder_stack(Linear&& linear, const int64_t* ptrs, int64_t layers, int64_t 
         delta(rows * hidden);
     const auto at = [](int64_t v) { return reinterpret_cast<bf16*>(static_cast<intptr_t>(v)); };
     for (int64_t l = 0; l < layers; ++l) {
+        before_layer(l);
         const int64_t* p = ptrs + l * LP_COUNT;
         bf16 *kc = at(p[LP_K_CACHE]), *vc = at(p[LP_V_CACHE]);
         add_rms_norm(x, hidden, l ? delta.data() : nullptr, hidden, at(p[LP_IN_NORM]), h.data(), hidden, rows, hidden,
@@ -1205,7 +1206,7 @@ extern "C" {
 // The version of these exports' signatures and of the decoder stack's layer table: bumped with
 // any change to either. kernels/build.py holds the one Python copy of both numbers and refuses a
 // library whose answers differ (KernelBuildError), before any call.
-int epd_kernels_abi() { return 17; }
+int epd_kernels_abi() { return 18; }
 int epd_layer_pointers() { return LP_COUNT; }
 
 void epd_add_rms_norm(int dtype, void* x, int64_t sx, const void* delta, int64_t sd, const void* w, void* out,
@@ -1400,20 +1401,35 @@ int epd_row_linear_f32(const float* x, int64_t sx, int64_t m, int64_t k, const f
 // All layers of a decoder stack in one call (``decoder_stack``, bfloat16): ``ptrs`` holds
 // LP_COUNT pointers per layer, its weights in the tile layout, read by ``engine`` (0: AMX, 1:
 // AVX-512 bfloat16 dot products, 2: AVX2 multiply-adds), each of a layer's matmuls on
-// ``threads[which]`` threads (SM_COUNT of them; AMX takes one). -1 where that engine does not run
-// here, for sizes refused, or an index out of range.
-int epd_decoder_stack(int engine, const int64_t* threads, const int64_t* ptrs, int64_t layers, int64_t hidden,
-                      int64_t hq, int64_t hkv, int64_t d, int64_t inter, float eps, float scale, uint16_t* x,
-                      int64_t rows, const uint16_t* final_norm, uint16_t* out, const uint16_t* cos,
-                      const uint16_t* sin, const int64_t* slots, int64_t num_blocks, int64_t block_size,
-                      const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows,
-                      const int64_t* ctx) {
+// ``threads[which]`` threads (SM_COUNT of them; AMX takes one). Threads on cores lent by other
+// processes are handed back between layers: ``lenders`` holds the addresses of ``n_lenders``
+// int32 flags in shared memory (a lender's "computing"); once one reads nonzero before a layer,
+// that layer and the rest run on ``own_threads[which]``. 0, or 1 where the cores were handed back;
+// -1 where that engine does not run here, for sizes refused, or an index out of range.
+int epd_decoder_stack(int engine, const int64_t* threads, const int64_t* own_threads, const int64_t* lenders,
+                      int64_t n_lenders, const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv,
+                      int64_t d, int64_t inter, float eps, float scale, uint16_t* x, int64_t rows,
+                      const uint16_t* final_norm, uint16_t* out, const uint16_t* cos, const uint16_t* sin,
+                      const int64_t* slots, int64_t num_blocks, int64_t block_size, const int64_t* table, int64_t st,
+                      int64_t table_len, const int64_t* table_rows, const int64_t* ctx) {
     if (layers < 0 || rows < 1 || hidden < 1 || inter < 1 || hkv < 1 || hq % hkv || d % 8) return -1;
+    if (n_lenders < 0 || (n_lenders > 0 && (lenders == nullptr || own_threads == nullptr))) return -1;
     for (int i = 0; i < SM_COUNT; ++i)
-        if (threads[i] < 1) return -1;
+        if (threads[i] < 1 || (own_threads != nullptr && own_threads[i] < 1)) return -1;
+    const int64_t* cur = threads;  // the thread counts the matmuls run on now
+    const auto before_layer = [&](int64_t) {
+        if (cur == own_threads) return;
+        for (int64_t i = 0; i < n_lenders; ++i)
+            if (__atomic_load_n(reinterpret_cast<const int32_t*>(static_cast<intptr_t>(lenders[i])), __ATOMIC_ACQUIRE)) {
+                cur = own_threads;
+                return;
+            }
+    };
     const auto stack = [&](auto&& linear) {
-        return decoder_stack(linear, ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x, rows, final_norm, out,
-                             cos, sin, slots, num_blocks, block_size, table, st, table_len, table_rows, ctx);
+        const int status = decoder_stack(linear, before_layer, ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x,
+                                         rows, final_norm, out, cos, sin, slots, num_blocks, block_size, table, st,
+                                         table_len, table_rows, ctx);
+        return status < 0 ? status : cur == own_threads && own_threads != threads ? 1 : 0;
     };
     switch (engine) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -1426,14 +1442,14 @@ int epd_decoder_stack(int engine, const int64_t* threads, const int64_t* ptrs, i
         case 1:
             return stack([&](int which, const bf16* a, int64_t sa, int64_t m, int64_t k, const bf16* w, int64_t n,
                              const bf16* bias, bf16* o, int64_t so) {
-                dot_linear_split(a, sa, m, k, w, n, bias, o, so, threads[which]);
+                dot_linear_split(a, sa, m, k, w, n, bias, o, so, cur[which]);
             });
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
         case 2:
             return stack([&](int which, const bf16* a, int64_t sa, int64_t m, int64_t k, const bf16* w, int64_t n,
                              const bf16* bias, bf16* o, int64_t so) {
-                fma_linear(a, sa, m, k, w, n, bias, o, so, threads[which]);
+                fma_linear(a, sa, m, k, w, n, bias, o, so, cur[which]);
             });
 #endif
         default:

@@ -8,6 +8,8 @@ every new token attends row by row over the paged cache (``RowWise``: decode tok
 prompt chunks); the engine takes the layer-by-layer path for the others. Its matmuls are those of
 the engine the layers' weights were packed for (``kernels.tiles``): AMX's on the calling thread,
 the AVX-512 and AVX2 ones' split over torch's threads as the layer-by-layer path splits them.
+Threads on cores borrowed from idle roles (``kernels.lending``) are handed back between layers,
+as the layer-by-layer path hands them back: the kernel reads the lenders' flags on the core board.
 
 The weights and the KV cache are fixed tensors: their addresses go into one table when the
 decoder is built, after every size and layout was checked; each call checks the step's own
@@ -23,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from epdserve.kernels.build import POINTERS_PER_LAYER
+from epdserve.kernels.lending import CoreLender
 from epdserve.kernels.tiles import Engine, TileMatmul
 
 ENGINE_CODES: dict[Engine, int] = {"amx": 0, "avx512": 1, "avx2": 2}  # epd_decoder_stack's ``engine``
@@ -102,7 +105,8 @@ class FusedDecoder:
         self.matmuls = ((h, qkvw), (hq * d, h), (h, 2 * inter), (inter, h))  # (k, n) in StackMatmul's order
         # AMX's stack runs on one thread; matmuls this large split over torch's threads layer by layer
         self.splits = engine == "amx" and any(TileMatmul.splits(1, k, n) for k, n in self.matmuls)
-        self._threads: dict[tuple[int, int], torch.Tensor] = {}  # (rows, torch's threads) -> ``threads``
+        self._threads: dict[tuple[int, int], torch.Tensor] = {}  # (rows, threads) -> ``threads``
+        self.lender: CoreLender | None = None  # this role's seat on a core board, if it borrows cores
         # the tensors whose addresses the table holds stay alive as long as it does
         self._held = (list(layers), list(k_cache), list(v_cache))
         self.final_norm = final_norm
@@ -114,12 +118,13 @@ class FusedDecoder:
         a large weight on every thread at once."""
         return not self.splits or torch.get_num_threads() == 1
 
-    def threads(self, rows: int) -> torch.Tensor:
-        """The threads each of a layer's matmuls splits over at ``rows`` rows: as many as
-        ``TileLinear`` would give it layer by layer (AMX: one), kept per (rows, torch's threads)."""
-        key = (rows, torch.get_num_threads())
+    def threads(self, rows: int, count: int | None = None) -> torch.Tensor:
+        """The threads each of a layer's matmuls splits over at ``rows`` rows with ``count``
+        threads (default: torch's): as many as ``TileLinear`` would give it layer by layer (AMX:
+        one), kept per (rows, count)."""
+        key = (rows, torch.get_num_threads() if count is None else count)
         if key not in self._threads:
-            counts = [1 if self.engine == "amx" else TileMatmul.threads(rows, k, n) for k, n in self.matmuls]
+            counts = [1 if self.engine == "amx" else TileMatmul.threads(rows, k, n, key[1]) for k, n in self.matmuls]
             self._threads[key] = torch.tensor(counts, dtype=torch.int64)
         return self._threads[key]
 
@@ -143,9 +148,14 @@ class FusedDecoder:
             raise ValueError("the block table must be a contiguous int64 matrix")
         out = torch.empty_like(x)
         threads = self.threads(n)
+        loan = self.lender.loan if self.lender is not None else None
+        own = self.threads(n, loan.own) if loan is not None else threads
         status = self.lib.epd_decoder_stack(
             ENGINE_CODES[self.engine],
             threads.data_ptr(),
+            own.data_ptr(),
+            loan.flags.data_ptr() if loan is not None else None,
+            loan.flags.numel() if loan is not None else 0,
             self.table.data_ptr(),
             self.table.shape[0],
             s.hidden,
@@ -170,8 +180,10 @@ class FusedDecoder:
             step.table_rows.data_ptr(),
             step.ctx.data_ptr(),
         )
-        if status:
+        if status < 0:
             raise ValueError(
                 f"a KV slot, block-table row, context length or block id is out of range (or no {self.engine} here)"
             )
+        if status and self.lender is not None:  # the cores were handed back: the rest of the step without them
+            self.lender.refresh()
         return out

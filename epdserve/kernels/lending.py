@@ -5,8 +5,9 @@ never waits for an encode. But each is idle much of the time: the encoder betwee
 language model while it waits for them. Through a core board (``common.core_board``) a computing
 role borrows the cores of those that are not: it marks itself computing around each unit of work,
 and before each layer reads the board and runs on its own cores plus its share of the idle ones.
-A role that starts computing takes its cores back at the borrowers' next layer (or next step,
-where a step runs the whole decoder stack in one call: ``kernels.fused``).
+A role that starts computing takes its cores back at the borrowers' next layer: where a step runs
+the whole decoder stack in one call (``kernels.fused``), the compiled stack reads the lenders'
+flags on the board itself before each layer (``Loan``).
 
 The board is advisory: what is read from it only sets a thread count, clamped to the cores the
 process may run on.
@@ -18,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import NamedTuple, ParamSpec, TypeVar
 
 import torch
 
@@ -32,6 +33,15 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+class Loan(NamedTuple):
+    """The cores a unit of work runs on beyond its role's own: ``own`` threads without them, and
+    ``flags``, the addresses (int64) of the lenders' computing flags in this process's map of the
+    board, which a compiled kernel reads to hand the cores back mid-call."""
+
+    own: int
+    flags: torch.Tensor
+
+
 class CoreLender:
     """This process's seat on a board: ``computing`` around each unit of work, ``attach`` to a model
     so that every layer runs on the cores available when it starts."""
@@ -43,25 +53,39 @@ class CoreLender:
         self.board.claim(own)
         self.own = own
         self.cores = cores or affinity_cores()
+        self.loan: Loan | None = None  # the cores borrowed as of the last ``refresh``
+        self._flags: tuple[int, ...] = ()
 
     def available(self, now: float | None = None) -> int:
         """Cores to compute on now: this role's own, and its share (by own cores, among the roles
         computing) of those of the roles that are idle."""
+        return self._survey(now)[0]
+
+    def _survey(self, now: float | None = None) -> tuple[int, tuple[int, ...]]:
+        """``available()``, and the computing flags of the roles idle now (the lenders)."""
         now = time.monotonic() if now is None else now
         idle = busy = 0
+        flags = []
         for seat in self.board.others():
             if seat.computing or now - seat.last < GRACE_S:
                 busy += seat.own
             else:
                 idle += seat.own
+                flags.append(seat.flag)
         share = idle * self.own // (self.own + busy)
-        return max(1, min(self.own + share, self.cores))
+        return max(1, min(self.own + share, self.cores)), tuple(flags)
 
     def refresh(self) -> int:
-        """Set torch's intra-op threads of the calling thread to ``available()``."""
-        n = self.available()
+        """Set torch's intra-op threads of the calling thread to ``available()``; ``loan`` says
+        which of them are borrowed."""
+        n, flags = self._survey()
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
+        own = max(1, min(self.own, self.cores))
+        if n <= own:
+            self.loan = None
+        elif self.loan is None or flags != self._flags or self.loan.own != own:
+            self.loan, self._flags = Loan(own, torch.tensor(flags, dtype=torch.int64)), flags
         return n
 
     @contextlib.contextmanager

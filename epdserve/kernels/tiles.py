@@ -112,10 +112,12 @@ class TileMatmul:
         return out.reshape(*x.shape[:-1], out_features)
 
     @classmethod
-    def threads(cls, m: int, k: int, n: int) -> int:
-        """The threads a product of [m, k] rows by a [n, k] weight splits over: torch's intra-op
-        count where it splits (``splits``), else one."""
-        return torch.get_num_threads() if cls.splits(m, k, n) else 1
+    def threads(cls, m: int, k: int, n: int, count: int | None = None) -> int:
+        """The threads a product of [m, k] rows by a [n, k] weight splits over: ``count`` (default
+        torch's intra-op count) where it splits (``splits``), else one."""
+        if not cls.splits(m, k, n):
+            return 1
+        return torch.get_num_threads() if count is None else count
 
     @staticmethod
     def splits(m: int, k: int, n: int) -> bool:
