@@ -34,13 +34,13 @@ from epdserve.kernels.lending import GRACE_S
 LENDER = """
 import sys, threading, time
 import torch
-torch.set_num_threads(1)
 from epdserve.kernels.lending import CoreLender
 lender = CoreLender(sys.argv[1], 1)
 stop = threading.Event()
 a = torch.randn(512, 1536, dtype=torch.bfloat16)  # an encoder's work: matmuls on its one thread
 w = torch.randn(1536, 1536, dtype=torch.bfloat16)
 def burn(after):
+    torch.set_num_threads(1)  # this thread's count: its matmuls on the one core lent
     time.sleep(after)
     lender.board.mark(1, True, time.monotonic())
     while not stop.is_set():
