@@ -947,6 +947,12 @@ inline void dot_pair(__m512 (&acc)[R][B], const bf16* w, int64_t kb, int64_t p, 
     }
 }
 
+// Up to DOT_STREAM_ROWS rows the loop is short enough for the hardware's prefetchers to keep the
+// weight streaming from memory; with more rows of dot products a pair, each column block's weight
+// is fetched DOT_AHEAD pairs (64-byte lines) ahead.
+constexpr int DOT_STREAM_ROWS = 4;
+constexpr int64_t DOT_AHEAD = 64;
+
 template <int R, int B>
 void dot_tile(const bf16* x, int64_t sx, int64_t k, const bf16* w, int64_t kb, const bf16* bias, bf16* out,
               int64_t so, int64_t cols) {
@@ -956,6 +962,9 @@ void dot_tile(const bf16* x, int64_t sx, int64_t k, const bf16* w, int64_t kb, c
     uint32_t xp[R];
     const int64_t pairs = k / 2;
     for (int64_t p = 0; p < pairs; ++p) {
+        if constexpr (R > DOT_STREAM_ROWS)
+            for (int b = 0; b < B; ++b)
+                _mm_prefetch(reinterpret_cast<const char*>(w + b * kb * 512 + (p + DOT_AHEAD) * 32), _MM_HINT_T0);
         for (int r = 0; r < R; ++r) std::memcpy(&xp[r], x + r * sx + 2 * p, 4);
         dot_pair<R, B>(acc, w, kb, p, xp);
     }
