@@ -97,8 +97,11 @@ def test_a_loan_names_the_flags_a_kernel_reads_to_hand_cores_back(board: Path) -
         enc.board.mark(2, True, time.monotonic())
         assert flag.value == 1
         assert pd.refresh() == 1 and pd.loan is None  # nothing is borrowed any more
+    enc.board.mark(2, False, 0.0)
+    assert pd.refresh() == 2 and pd.loan is not None
     for role in (busy, enc, pd):
         role.close()
+    assert pd.loan is None  # its flags' addresses went with the board's map
 
 
 def test_a_killed_role_lends_its_cores_and_its_slot_is_taken_again(board: Path) -> None:

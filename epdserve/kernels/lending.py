@@ -119,5 +119,6 @@ class CoreLender:
         self.refresh()
 
     def close(self) -> None:
-        """Give the slot back."""
+        """Give the slot back (and the loan: its flags' addresses lie in the board's map)."""
+        self.loan = None
         self.board.close()
