@@ -715,11 +715,11 @@ enum StackMatmul { SM_QKV, SM_O, SM_GATE_UP, SM_DOWN, SM_COUNT };
 // ``before_layer(l)`` runs before layer l. x [rows, hidden] is the residual stream, updated in
 // place; out [rows, hidden] gets the final norm of it. -1 for an index out of range.
 template <typename Linear, typename Before>
-int decoder_stack(Linear&& linear, Before&& before_layer, const int64_t* ptrs, int64_t layers, int64_t hidden, int64_t hq, int64_t hkv,
-                  int64_t d, int64_t inter, float eps, float scale, bf16* x, int64_t rows, const bf16* final_norm,
-                  bf16* out, const bf16* cos, const bf16* sin, const int64_t* slots, int64_t num_blocks,
-                  int64_t block_size, const int64_t* table, int64_t st, int64_t table_len, const int64_t* table_rows,
-                  const int64_t* ctx) {
+int decoder_stack(Linear&& linear, Before&& before_layer, const int64_t* ptrs, int64_t layers, int64_t hidden,
+                  int64_t hq, int64_t hkv, int64_t d, int64_t inter, float eps, float scale, bf16* x, int64_t rows,
+                  const bf16* final_norm, bf16* out, const bf16* cos, const bf16* sin, const int64_t* slots,
+                  int64_t num_blocks, int64_t block_size, const int64_t* table, int64_t st, int64_t table_len,
+                  const int64_t* table_rows, const int64_t* ctx) {
     const int64_t qkvw = (hq + 2 * hkv) * d, qw = hq * d;
     std::vector<int64_t> q_rows(rows);
     for (int64_t r = 0; r < rows; ++r) q_rows[r] = r;
@@ -1428,11 +1428,13 @@ int epd_decoder_stack(int engine, const int64_t* threads, const int64_t* own_thr
     const int64_t* cur = threads;  // the thread counts the matmuls run on now
     const auto before_layer = [&](int64_t) {
         if (cur == own_threads) return;
-        for (int64_t i = 0; i < n_lenders; ++i)
-            if (__atomic_load_n(reinterpret_cast<const int32_t*>(static_cast<intptr_t>(lenders[i])), __ATOMIC_ACQUIRE)) {
+        for (int64_t i = 0; i < n_lenders; ++i) {
+            const auto* flag = reinterpret_cast<const int32_t*>(static_cast<intptr_t>(lenders[i]));
+            if (__atomic_load_n(flag, __ATOMIC_ACQUIRE)) {
                 cur = own_threads;
                 return;
             }
+        }
     };
     const auto stack = [&](auto&& linear) {
         const int status = decoder_stack(linear, before_layer, ptrs, layers, hidden, hq, hkv, d, inter, eps, scale, x,
