@@ -54,7 +54,7 @@ class CoreLender:
         self.own = own
         self.cores = cores or affinity_cores()
         self.loan: Loan | None = None  # the cores borrowed as of the last ``refresh``
-        self._flags: tuple[int, ...] = ()
+        self._flags: tuple[int, ...] = ()  # its lenders' flags, as ``_survey`` gives them
 
     def available(self, now: float | None = None) -> int:
         """Cores to compute on now: this role's own, and its share (by own cores, among the roles
@@ -84,7 +84,7 @@ class CoreLender:
         own = max(1, min(self.own, self.cores))
         if n <= own:
             self.loan = None
-        elif self.loan is None or flags != self._flags or self.loan.own != own:
+        elif self.loan is None or flags != self._flags:
             self.loan, self._flags = Loan(own, torch.tensor(flags, dtype=torch.int64)), flags
         return n
 
