@@ -129,6 +129,22 @@ def test_chunked_prefill_respects_token_budget() -> None:
     assert plan.scheduled[0].samples and not plan.scheduled[1].samples
 
 
+def test_a_step_holds_decodes_when_a_prompt_chunk_runs_beside_them() -> None:
+    sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=256))
+    a = make_request("a", 6)
+    sch.add(a)
+    plan = sch.schedule()
+    assert not plan.holds_decodes  # a prompt alone: nobody waits on it
+    a.num_computed_tokens += 6
+    a.output_token_ids.append(1)
+    assert not sch.schedule().holds_decodes  # a decode alone
+    b = make_request("b", 9, base=100)
+    sch.add(b)
+    plan = sch.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 1), ("b", 9)]
+    assert plan.holds_decodes  # a's next token waits on b's prompt
+
+
 def test_preemption_instead_of_crash_when_blocks_run_out() -> None:
     sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=4, max_num_batched_tokens=64, max_model_len=16))
     a, b = make_request("a", 8), make_request("b", 8)

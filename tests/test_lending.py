@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,11 @@ import torch
 from torch import nn
 
 from epdserve.common.core_board import SIZE, Board, make_board
+from epdserve.common.sampling_params import SamplingParams
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core import EngineCore
+from epdserve.engine.request import Request
+from epdserve.kernels import lending
 from epdserve.kernels.lending import GRACE_S, CoreLender
 
 
@@ -102,6 +108,94 @@ def test_a_loan_names_the_flags_a_kernel_reads_to_hand_cores_back(board: Path) -
     for role in (busy, enc, pd):
         role.close()
     assert pd.loan is None  # its flags' addresses went with the board's map
+
+
+def _until(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return cond()
+
+
+def test_a_yielding_role_stands_aside_for_the_urgent_step_running_now(board: Path) -> None:
+    enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)
+    waited: list[float] = []
+    with enc.computing():
+        with pd.computing():  # a step no decode waits on: the encoder keeps its core
+            assert enc.stand_aside() == 0.0 and pd.available() == 1
+        with pd.computing(urgent=True):
+            aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
+            aside.start()
+            assert _until(lambda: pd.available() == 2), "the urgent step may take the encoder's core"
+            time.sleep(0.05)
+            assert aside.is_alive(), "the encoder waits for the urgent step to end"
+        aside.join(5)
+        assert not aside.is_alive() and waited[0] >= 0.05
+        assert pd.available() == 1  # computing again: its core is its own
+    assert enc.yielded_s == waited[0] == enc.take_yielded() and enc.take_yielded() == 0.0
+
+
+def test_a_yielding_role_computes_between_two_urgent_steps(board: Path) -> None:
+    enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)
+    waited: list[float] = []
+    with enc.computing():
+        first = pd.computing(urgent=True)
+        first.__enter__()
+        aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
+        aside.start()
+        assert _until(lambda: pd.available() == 2)
+        first.__exit__(None, None, None)
+        with pd.computing(urgent=True):  # the next step starts at once, urgent too
+            aside.join(5)
+            assert not aside.is_alive(), "it waited for the step that ran, not for the next"
+            assert pd.available() == 1
+    assert len(waited) == 1
+
+
+def test_a_role_stands_aside_for_a_bounded_time(board: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lending, "YIELD_MAX_S", 0.05)
+    enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)
+    with enc.computing(), pd.computing(urgent=True):  # an urgent step that never ends
+        assert 0.05 <= enc.stand_aside() < 5
+        assert pd.available() == 1
+
+
+def test_only_a_yielding_role_stands_aside_between_its_layers(board: Path) -> None:
+    calls: list[float] = []
+    for yields in (False, True):
+        enc = CoreLender(board, 1, cores=2, yields=yields)
+        enc.stand_aside = lambda: calls.append(1.0) or 0.0  # type: ignore[method-assign]
+        model = nn.Sequential(nn.ModuleList([nn.Identity(), nn.Identity()]))
+        enc.attach(model)
+        for layer in model[0]:
+            layer(torch.zeros(1))
+        enc.close()
+    assert len(calls) == 2  # the yielding one's two layers
+
+
+def test_a_worker_is_urgent_while_a_prompt_holds_its_decodes(board: Path, model_dir: Path) -> None:
+    eng = EngineCore.from_pretrained(model_dir, EngineConfig(max_num_batched_tokens=64, num_kv_blocks=256))
+    eng.lender = CoreLender(board, 1, cores=2)  # as a worker of a model with large weights gets
+    enc = CoreLender(board, 1, cores=2, yields=True)
+    seen: list[tuple[bool, bool]] = []  # per step: a decode waits on a prompt; the encoder sees it urgent
+    execute = eng.runner.execute
+
+    def watched(plan):
+        seen.append((plan.holds_decodes, bool(enc._urgent_steps())))
+        return execute(plan)
+
+    eng.runner.execute = watched  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    eng.add_request(Request("a", list(range(10, 30)), params))
+    eng.step()  # a's prompt alone
+    eng.step()  # a decodes alone
+    eng.add_request(Request("b", list(range(40, 70)), params))
+    while eng.has_work:
+        eng.step()
+    assert seen[:3] == [(False, False), (False, False), (True, True)]  # b's prompt beside a's decode
+    assert all(held == urgent for held, urgent in seen) and not enc._urgent_steps()
+    eng.lender.close()
+    enc.close()
 
 
 def test_a_killed_role_lends_its_cores_and_its_slot_is_taken_again(board: Path) -> None:

@@ -1,9 +1,10 @@
 """A core board: the small shared-memory table through which a host's roles lend idle cores.
 
 Each role that computes on cores of its own has a slot: its pid, how many cores are its own,
-whether it is computing now and when it last stopped. ``up`` makes the board (readable and
-writable by its user only) and removes it; ``kernels.lending`` reads and writes it. Nothing here
-needs torch, so ``up`` can make a board without loading it.
+whether it is computing now (and whether urgently: running decodes wait on it) and when it last
+stopped. ``up`` makes the board (readable and writable by its user only) and removes it;
+``kernels.lending`` reads and writes it. Nothing here needs torch, so ``up`` can make a board
+without loading it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 from epdserve.common.pids import pid_alive
 
 SLOTS = 64  # roles one board holds
-_SLOT = struct.Struct("<iiid")  # pid (0: free), own cores, computing (0/1), when it last stopped computing
+_SLOT = struct.Struct("<iiid")  # pid (0: free), own cores, computing (0, 1, URGENT), when it last stopped computing
+URGENT = 2  # computing, and running decodes wait on it
 _COMPUTING = 8  # the offset of a slot's computing flag (an int32)
 SIZE = SLOTS * _SLOT.size
 MAX_OWN = 4096  # a slot claiming more cores than this is not read
@@ -66,8 +68,9 @@ class Seat:
 
     own: int  # cores that are its own
     computing: bool
-    last: float  # time.monotonic() when it last stopped computing
+    last: float  # time.monotonic() when it last stopped computing (while computing: when it started)
     flag: int = 0  # the address of its computing flag (an int32) in this process's map of the board
+    urgent: bool = False  # computing, and running decodes wait on it
 
 
 class Board:
@@ -96,8 +99,11 @@ class Board:
                     return i
         raise ValueError(f"the core board is full ({SLOTS} roles)")
 
-    def mark(self, own: int, computing: bool, last: float) -> None:
-        _SLOT.pack_into(self._map, self.slot * _SLOT.size, os.getpid(), own, int(computing), last)
+    def mark(self, own: int, computing: bool, last: float, urgent: bool = False) -> None:
+        """This role's slot: ``own`` cores, computing or not (``urgent``: running decodes wait on
+        it), ``last``: when it stopped computing, or started."""
+        state = URGENT if computing and urgent else int(computing)
+        _SLOT.pack_into(self._map, self.slot * _SLOT.size, os.getpid(), own, state, last)
 
     def others(self) -> Iterator[Seat]:
         """The other roles' slots (a slot with values out of range is skipped); a role killed
@@ -108,7 +114,10 @@ class Board:
             pid, own, computing, last = _SLOT.unpack_from(self._map, i * _SLOT.size)
             if pid > 0 and 0 < own <= MAX_OWN:
                 flag = self._base + i * _SLOT.size + _COMPUTING
-                yield Seat(own, bool(computing), last, flag) if pid_alive(pid) else Seat(own, False, 0.0, flag)
+                if pid_alive(pid):
+                    yield Seat(own, bool(computing), last, flag, computing == URGENT)
+                else:
+                    yield Seat(own, False, 0.0, flag)
 
     def close(self) -> None:
         """Give the slot back."""

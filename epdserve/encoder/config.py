@@ -36,6 +36,7 @@ class EncoderConfig:
     kernels: KernelChoice = "auto"  # auto: the tower's rotary in the fused C++ kernels (CPU, float32/bfloat16); torch
     threads: int = 0  # torch intra-op threads of the tower (0: every core it may run on for large weights, else 1)
     core_board: str = ""  # core-lending board of the host's roles (up --pin-cores makes one): borrow idle roles' cores
+    yield_to_decodes: bool = True  # on a core board: pause forwards, cores lent, while a worker's step holds decodes
     device: str = "cpu"  # torch device of the vision tower
     dtype: DType = "float32"  # weights and activations: float32 | bfloat16 | float16
     warmup: bool = True  # encode one small image of its own before serving

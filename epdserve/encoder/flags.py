@@ -17,6 +17,7 @@ ENCODER_FLAGS = (
     "kernels",
     "threads",
     "core_board",
+    "yield_to_decodes",
     "device",
     "dtype",
     "warmup",

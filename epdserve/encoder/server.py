@@ -144,9 +144,7 @@ class EncoderService:
             kernels=config.kernels,
         )
         # one media encoder per model: the vision tower, or an audio model's audio tower
-        visual = getattr(model, "visual", None)
-        if visual is None:
-            visual = getattr(model, "audio", None)
+        visual = getattr(model, "visual", None) or getattr(model, "audio", None)
         if not isinstance(visual, torch.nn.Module):
             raise ValueError(f"{config.model}: the model has no media encoder")
         self.threads = config.threads or threads_for(visual)
@@ -177,9 +175,9 @@ class EncoderService:
         )
         self.metrics, self.tracing = self.role.metrics, self.role.tracing
         self.window = self.role.window  # requests and items since the last stats line
-        # on a core board, forwards also run on the cores of the host's idle roles
+        # on a core board, forwards also run on the cores of the host's idle roles (and yield theirs)
         lends = bool(config.core_board) and threads_for(visual) > 1  # weights large enough to split
-        self.lender = CoreLender(config.core_board, self.threads) if lends else None
+        self.lender = CoreLender(config.core_board, self.threads, yields=config.yield_to_decodes) if lends else None
         forward: Any = visual
         if self.lender is not None:
             self.lender.attach(visual)
@@ -332,11 +330,14 @@ class EncoderService:
         m.inc("encoder_batch_items_total", report.items, help_text="items in batched vision forwards")
         m.inc("encoder_batch_rows_total", report.rows, help_text="patch rows in batched vision forwards")
         self.batch_size.observe(report.items)
+        aside = self.lender.take_yielded() if self.lender is not None else 0.0  # paused, its cores lent
+        m.inc("encoder_yielded_seconds_total", aside, help_text="seconds forwards paused for steps holding decodes")
+        seconds = max(report.seconds - aside, 1e-6)  # what the forward computed for
         if report.error is None:
-            self.load.served(report.rows, report.seconds)
-        if report.error is not None:
+            self.load.served(report.rows, seconds)
+        else:
             m.inc("encoder_batch_errors_total", help_text="vision forwards that failed")
-        self.forward_seconds.observe(report.seconds)
+        self.forward_seconds.observe(seconds)
 
     # ---- one request -----------------------------------------------------------------------
     async def encode(self, body: bytes) -> EncodeResponse:

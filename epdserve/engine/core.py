@@ -260,7 +260,8 @@ class EngineCore:
         if not plan.scheduled:
             return outputs
         try:
-            with self.lender.computing() if self.lender is not None else contextlib.nullcontext():
+            lent = self.lender.computing(urgent=plan.holds_decodes) if self.lender is not None else None
+            with lent or contextlib.nullcontext():
                 result = self.runner.execute(plan)
         except Exception as e:  # never let one bad step kill the engine: fail this step's requests
             log.exception("engine step failed")

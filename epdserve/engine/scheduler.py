@@ -55,6 +55,12 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def holds_decodes(self) -> bool:
+        """Whether a prompt's chunk runs beside requests that are decoding (they wait on it)."""
+        decoding = any(s.start >= s.request.prompt_len for s in self.scheduled)
+        return decoding and any(s.num_new_tokens > 1 for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:

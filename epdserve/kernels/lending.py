@@ -9,6 +9,11 @@ A role that starts computing takes its cores back at the borrowers' next layer: 
 the whole decoder stack in one call (``kernels.fused``), the compiled stack reads the lenders'
 flags on the board itself before each layer (``Loan``).
 
+A role whose work only delays first tokens (an encoder) also stands aside for one whose running
+decodes wait: a step that prefills a prompt beside decoding requests is marked urgent, and while
+one is, a yielding role pauses between its layers, its cores lent, so that the step runs on every
+core and the decodes it holds resume sooner.
+
 The board is advisory: what is read from it only sets a thread count, clamped to the cores the
 process may run on.
 """
@@ -28,6 +33,9 @@ from epdserve.kernels.parallel import affinity_cores
 
 # a role that stopped computing this recently is about to compute again (the gap between steps)
 GRACE_S = 0.02
+# a yielding role waits this long at most for an urgent one (whose step may have hung), polling
+YIELD_MAX_S = 10.0
+YIELD_POLL_S = 0.002
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,13 +54,17 @@ class CoreLender:
     """This process's seat on a board: ``computing`` around each unit of work, ``attach`` to a model
     so that every layer runs on the cores available when it starts."""
 
-    def __init__(self, path: str | Path, own: int, cores: int | None = None) -> None:
+    def __init__(self, path: str | Path, own: int, cores: int | None = None, *, yields: bool = False) -> None:
         """Claims a slot of the board at ``path`` for ``own`` cores; ``cores``: the most threads it
-        runs on (default: the cores this process may run on)."""
+        runs on (default: the cores this process may run on); ``yields``: pause between layers
+        while another role computes urgently."""
         self.board = Board(path)
         self.board.claim(own)
         self.own = own
         self.cores = cores or affinity_cores()
+        self.yields = yields
+        self.yielded_s = 0.0  # seconds spent standing aside, in all
+        self._yielded_taken = 0.0  # as of the last ``take_yielded``
         self.loan: Loan | None = None  # the cores borrowed as of the last ``refresh``
         self._flags: tuple[int, ...] = ()  # its lenders' flags, as ``_survey`` gives them
 
@@ -89,14 +101,42 @@ class CoreLender:
         return n
 
     @contextlib.contextmanager
-    def computing(self) -> Iterator[int]:
-        """Marks this role computing for the block (its own cores are then not lent), which runs
-        on the cores available at its start (``attach`` updates them layer by layer)."""
-        self.board.mark(self.own, True, time.monotonic())
+    def computing(self, urgent: bool = False) -> Iterator[int]:
+        """Marks this role computing for the block (its own cores are then not lent; ``urgent``:
+        running decodes wait on it), which runs on the cores available at its start (``attach``
+        updates them layer by layer)."""
+        self.board.mark(self.own, True, time.monotonic(), urgent)
         try:
             yield self.refresh()
         finally:
             self.board.mark(self.own, False, time.monotonic())
+
+    def stand_aside(self) -> float:
+        """If other roles compute urgently, mark this one idle (its cores lent at once) until the
+        steps they run now end (not later ones: it computes a layer between two), or
+        ``YIELD_MAX_S`` has passed, then computing again; the seconds it waited."""
+        steps = self._urgent_steps()
+        if not steps:
+            return 0.0
+        t0 = time.monotonic()
+        self.board.mark(self.own, False, t0 - GRACE_S)  # idle now, not "about to compute again"
+        try:
+            while steps & self._urgent_steps() and time.monotonic() - t0 < YIELD_MAX_S:
+                time.sleep(YIELD_POLL_S)
+        finally:
+            self.board.mark(self.own, True, time.monotonic())
+        waited = time.monotonic() - t0
+        self.yielded_s += waited
+        return waited
+
+    def take_yielded(self) -> float:
+        """Seconds spent standing aside since the last call."""
+        taken, self._yielded_taken = self.yielded_s - self._yielded_taken, self.yielded_s
+        return taken
+
+    def _urgent_steps(self) -> set[tuple[int, float]]:
+        """The urgent steps running now, each as its role's flag and when it started."""
+        return {(seat.flag, seat.last) for seat in self.board.others() if seat.urgent}
 
     def wrap(self, fn: Callable[P, R]) -> Callable[P, R]:
         """``fn`` run inside ``computing``."""
@@ -109,13 +149,15 @@ class CoreLender:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Refresh the thread count before each layer of ``model`` (every element of its module
-        lists: decoder layers, vision blocks)."""
+        lists: decoder layers, vision blocks), first standing aside if this role yields."""
         for m in model.modules():
             if isinstance(m, torch.nn.ModuleList):
                 for layer in m:
                     layer.register_forward_pre_hook(self._before_layer)
 
     def _before_layer(self, module: torch.nn.Module, args: object) -> None:
+        if self.yields:
+            self.stand_aside()
         self.refresh()
 
     def close(self) -> None:
