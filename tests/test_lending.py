@@ -152,6 +152,25 @@ def test_a_yielding_role_computes_between_two_urgent_steps(board: Path) -> None:
     assert len(waited) == 1
 
 
+def test_a_role_stands_aside_half_its_time_at_most(board: Path) -> None:
+    enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)
+    waited: list[float] = []
+    with enc.computing():
+        with pd.computing(urgent=True):
+            aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
+            aside.start()
+            time.sleep(0.1)
+        aside.join(5)
+        with pd.computing(urgent=True):  # the next urgent step: the encoder computes first, as long
+            assert enc.stand_aside() == 0.0 and pd.available() == 1
+            time.sleep(waited[0])
+            aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
+            aside.start()
+            assert _until(lambda: pd.available() == 2), "then it stands aside again"
+        aside.join(5)
+    assert len(waited) == 2 and waited[0] >= 0.1
+
+
 def test_a_role_stands_aside_for_a_bounded_time(board: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lending, "YIELD_MAX_S", 0.05)
     enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)

@@ -12,7 +12,8 @@ flags on the board itself before each layer (``Loan``).
 A role whose work only delays first tokens (an encoder) also stands aside for one whose running
 decodes wait: a step that prefills a prompt beside decoding requests is marked urgent, and while
 one is, a yielding role pauses between its layers, its cores lent, so that the step runs on every
-core and the decodes it holds resume sooner.
+core and the decodes it holds resume sooner; for half its time at most, so that a stream of such
+steps slows its work by half, not more.
 
 The board is advisory: what is read from it only sets a thread count, clamped to the cores the
 process may run on.
@@ -65,6 +66,7 @@ class CoreLender:
         self.yields = yields
         self.yielded_s = 0.0  # seconds spent standing aside, in all
         self._yielded_taken = 0.0  # as of the last ``take_yielded``
+        self._resumed, self._stood = 0.0, 0.0  # when it last stood aside, and for how long
         self.loan: Loan | None = None  # the cores borrowed as of the last ``refresh``
         self._flags: tuple[int, ...] = ()  # its lenders' flags, as ``_survey`` gives them
 
@@ -113,8 +115,11 @@ class CoreLender:
 
     def stand_aside(self) -> float:
         """If other roles compute urgently, mark this one idle (its cores lent at once) until the
-        steps they run now end (not later ones: it computes a layer between two), or
-        ``YIELD_MAX_S`` has passed, then computing again; the seconds it waited."""
+        steps they run now end (not later ones), or ``YIELD_MAX_S`` has passed, then computing
+        again; the seconds it waited. Half its time at most: after standing aside it computes as
+        long again before it does so again."""
+        if time.monotonic() - self._resumed < self._stood:
+            return 0.0
         steps = self._urgent_steps()
         if not steps:
             return 0.0
@@ -125,7 +130,8 @@ class CoreLender:
                 time.sleep(YIELD_POLL_S)
         finally:
             self.board.mark(self.own, True, time.monotonic())
-        waited = time.monotonic() - t0
+        self._resumed = time.monotonic()
+        self._stood = waited = self._resumed - t0
         self.yielded_s += waited
         return waited
 
