@@ -82,7 +82,15 @@ def vllm_flags(images: int) -> list[str]:
 
 
 def start_epdserve(
-    topology: str, pin: bool, dtype: str, model: Path, lm_engine: str, images: int, threads: int, pd_args: list[str]
+    topology: str,
+    pin: bool,
+    dtype: str,
+    model: Path,
+    lm_engine: str,
+    images: int,
+    threads: int,
+    pd_args: list[str],
+    encoder_args: list[str],
 ) -> Running:
     models = ["--dtype", dtype]  # every encoder and language-model instance
     extra: dict = {"extra_pd_args": [*models, *(["--threads", str(threads)] if threads else []), *pd_args]}
@@ -97,7 +105,7 @@ def start_epdserve(
         str(model) if model != default_model_dir() else None,
         port=free_port(),
         pin=pin,
-        extra_encoder_args=models,
+        extra_encoder_args=[*models, *encoder_args],
         extra_args=["--limit-mm-per-prompt", json.dumps({"image": images})],  # as many as vLLM is given
         **extra,
     )
@@ -226,8 +234,10 @@ def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model:
         run = start_vllm(topology, model, images)
     else:
         engine = "vllm" if system == "epdvllm" else "epdserve"
-        pd_args = shlex.split(args.pd_args)
-        run = start_epdserve(topology, args.pin_cores, args.dtype, model, engine, images, args.threads, pd_args)
+        pd_args, encoder_args = shlex.split(args.pd_args), shlex.split(args.encoder_args)
+        run = start_epdserve(
+            topology, args.pin_cores, args.dtype, model, engine, images, args.threads, pd_args, encoder_args
+        )
     rows = []
     try:
         for conc in args.concurrency:
@@ -308,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
         "--pd-args",
         default="",
         help="more flags for epdserve's own language-model workers and aggregated server, e.g. '--vision-step-s 0'",
+    )
+    ap.add_argument(
+        "--encoder-args",
+        default="",
+        help="more flags for epdserve's encoders, e.g. --encoder-args=--no-yield-to-decodes",
     )
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--runs", type=int, default=1, help="repeat everything; the summary is the median ratio")
