@@ -178,8 +178,12 @@ def test_not_ready_requests_wait_without_blocking_others() -> None:
 
 
 def test_text_only_requests_join_the_batch_before_earlier_media_ones() -> None:
-    # room for one new prompt per step (8 tokens each, a budget of 8)
-    sch = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, max_model_len=64))
+    # room for one new prompt per step (8 tokens each, a budget of 8); no media waits long enough to
+    # join the text's group, however slowly the test runs
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, max_model_len=64, media_max_wait_s=3600
+    )
+    sch = Scheduler(cfg)
     media = [make_request(f"m{i}", 8, mm=[image(f"img{i}", 2, 4)], base=100 * i) for i in range(3)]
     text = make_request("t", 8, base=900)
     for r in [*media, text]:  # the text request arrives last
