@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -96,3 +97,13 @@ def openai_client(url: str, timeout: float = 120.0, api_key: str = "none") -> op
 
     http_client = openai.DefaultHttpxClient(verify=False, timeout=timeout)
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout, http_client=http_client)
+
+
+def wait_until(check: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Whether ``check()`` holds within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return bool(check())

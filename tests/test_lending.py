@@ -24,6 +24,7 @@ from epdserve.engine.core import EngineCore
 from epdserve.engine.request import Request
 from epdserve.kernels import lending
 from epdserve.kernels.lending import GRACE_S, CoreLender
+from tests.server_utils import wait_until
 
 
 @pytest.fixture
@@ -110,13 +111,6 @@ def test_a_loan_names_the_flags_a_kernel_reads_to_hand_cores_back(board: Path) -
     assert pd.loan is None  # its flags' addresses went with the board's map
 
 
-def _until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return cond()
-
-
 def test_a_yielding_role_stands_aside_for_the_urgent_step_running_now(board: Path) -> None:
     enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)
     waited: list[float] = []
@@ -126,7 +120,7 @@ def test_a_yielding_role_stands_aside_for_the_urgent_step_running_now(board: Pat
         with pd.computing(urgent=True):
             aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
             aside.start()
-            assert _until(lambda: pd.available() == 2), "the urgent step may take the encoder's core"
+            assert wait_until(lambda: pd.available() == 2, 5), "the urgent step may take the encoder's core"
             time.sleep(0.05)
             assert aside.is_alive(), "the encoder waits for the urgent step to end"
         aside.join(5)
@@ -143,7 +137,7 @@ def test_a_yielding_role_computes_between_two_urgent_steps(board: Path) -> None:
         first.__enter__()
         aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
         aside.start()
-        assert _until(lambda: pd.available() == 2)
+        assert wait_until(lambda: pd.available() == 2, 5)
         first.__exit__(None, None, None)
         with pd.computing(urgent=True):  # the next step starts at once, urgent too
             aside.join(5)
@@ -166,7 +160,7 @@ def test_a_role_stands_aside_half_its_time_at_most(board: Path) -> None:
             time.sleep(waited[0])
             aside = threading.Thread(target=lambda: waited.append(enc.stand_aside()))
             aside.start()
-            assert _until(lambda: pd.available() == 2), "then it stands aside again"
+            assert wait_until(lambda: pd.available() == 2, 5), "then it stands aside again"
         aside.join(5)
     assert len(waited) == 2 and waited[0] >= 0.1
 

@@ -31,7 +31,7 @@ from epdserve.shapes import ShapesWorld
 from epdserve.transfer.config import ECConfig
 from epdserve.transfer.factory import make_consumer
 from epdserve.transfer.signing import sign
-from tests.server_utils import http, internal_headers
+from tests.server_utils import http, internal_headers, wait_until
 
 MODEL = "shapes-qwen2vl"
 API_KEY = "sk-test-0123456789abcdef"
@@ -115,15 +115,6 @@ def embeds_chat(item: dict, handle: dict | None = None, before: str = "") -> dic
     }
     lead = [{"type": "text", "text": before}] if before else []
     return chat([*lead, part, {"type": "text", "text": "Describe the image."}])
-
-
-def wait_until(check, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return bool(check())
 
 
 # ---------------------------------------------------------------------------- who may call what
