@@ -81,19 +81,13 @@ def vllm_flags(images: int) -> list[str]:
     ]
 
 
-def start_epdserve(
-    topology: str,
-    pin: bool,
-    dtype: str,
-    model: Path,
-    lm_engine: str,
-    images: int,
-    threads: int,
-    pd_args: list[str],
-    encoder_args: list[str],
-) -> Running:
-    models = ["--dtype", dtype]  # every encoder and language-model instance
-    extra: dict = {"extra_pd_args": [*models, *(["--threads", str(threads)] if threads else []), *pd_args]}
+def start_epdserve(topology: str, lm_engine: str, args: argparse.Namespace, model: Path) -> Running:
+    """Start epdserve's ``topology`` with ``lm_engine`` as its language-model engine, as the
+    command line ``args`` ask (dtype, pinning, threads, extra role flags)."""
+    images = args.images_per_request
+    models = ["--dtype", args.dtype]  # every encoder and language-model instance
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    extra: dict = {"extra_pd_args": [*models, *threads, *shlex.split(args.pd_args)]}
     if lm_engine == "vllm":  # vLLM's instances as the recipe starts its own: bfloat16, 1 GiB of KV
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         extra = {
@@ -104,8 +98,8 @@ def start_epdserve(
         Topology.parse(topology),
         str(model) if model != default_model_dir() else None,
         port=free_port(),
-        pin=pin,
-        extra_encoder_args=[*models, *encoder_args],
+        pin=args.pin_cores,
+        extra_encoder_args=[*models, *shlex.split(args.encoder_args)],
         extra_args=["--limit-mm-per-prompt", json.dumps({"image": images})],  # as many as vLLM is given
         **extra,
     )
@@ -197,8 +191,11 @@ def _start_vllm_epd(lab: Path, model: Path, images: int) -> None:
         ("epd_E", 8201, 0, "ec_producer", ["--mm-encoder-only", "--no-enable-prefix-caching"]),
         ("epd_PD", 8202, 1, "ec_consumer", []),
     ):
-        config = {"ec_connector": "ECExampleConnector", "ec_role": role}
-        config["ec_connector_extra_config"] = {"shared_storage_path": str(ec)}
+        config = {
+            "ec_connector": "ECExampleConnector",
+            "ec_role": role,
+            "ec_connector_extra_config": {"shared_storage_path": str(ec)},
+        }
         cmd = [vllm, "serve", str(model), "--port", str(port), *common, *extra]
         cmd += ["--ec-transfer-config", json.dumps(config)]
         log = open(lab / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -227,17 +224,15 @@ def _replace_proxy(lab: Path) -> None:
     _wait("http://127.0.0.1:8300", 60)
 
 
-def bench_one(system: str, topology: str, args, workload: WorkloadConfig, model: Path) -> list[dict]:
+def bench_one(
+    system: str, topology: str, args: argparse.Namespace, workload: WorkloadConfig, model: Path
+) -> list[dict]:
     """Start one system, measure it at every concurrency, stop it; one row per concurrency."""
     images = args.images_per_request
     if system == "vllm":
         run = start_vllm(topology, model, images)
     else:
-        engine = "vllm" if system == "epdvllm" else "epdserve"
-        pd_args, encoder_args = shlex.split(args.pd_args), shlex.split(args.encoder_args)
-        run = start_epdserve(
-            topology, args.pin_cores, args.dtype, model, engine, images, args.threads, pd_args, encoder_args
-        )
+        run = start_epdserve(topology, "vllm" if system == "epdvllm" else "epdserve", args, model)
     rows = []
     try:
         for conc in args.concurrency:
