@@ -45,7 +45,8 @@ from epdserve.bench.workload import WorkloadConfig
 from epdserve.common.dtypes import DTYPES
 from epdserve.launcher import free_port
 from epdserve.plan.calibrate import CalibrationConfig, calibrate_topologies, refit
-from epdserve.plan.model import Load, Prediction, Unsupported, predict
+from epdserve.plan.cores import Unsupported
+from epdserve.plan.model import Load, Prediction, predict
 from epdserve.plan.profile import Profile, load_profile, save_profile
 from epdserve.plan.record import load_samples
 from epdserve.up import Deployment, Topology

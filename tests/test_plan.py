@@ -435,7 +435,8 @@ def test_media_past_the_vision_bound_wait_behind_text_and_the_work_weighted_wait
     than one with images, and more with more load; images within the bound, or encoded before
     the engine, share the text's steps and wait as long. As in any work-conserving order, the
     prefill-weighted mean wait is first-come-first-served's (Pollaczek-Khinchine) either way."""
-    from epdserve.plan.model import VISION_STEP_S, Pool, Speeds, engine, request_kinds
+    from epdserve.plan.cores import Pool, Speeds
+    from epdserve.plan.model import VISION_STEP_S, engine, request_kinds
 
     pool, speed = Pool("engines", "pd", 1, True, True), Speeds(1.0, 1.0)
     kinds = request_kinds(profile(), WorkloadConfig(images_per_request=10, output_len=16, text_fraction=0.5))

@@ -29,7 +29,8 @@ from epdserve.config_flags import Flag, add_flags, values
 from epdserve.engine.config import EngineConfig
 from epdserve.memory import format_bytes
 from epdserve.plan import host
-from epdserve.plan.model import Load, Prediction, Unsupported, predict
+from epdserve.plan.cores import Unsupported
+from epdserve.plan.model import Load, Prediction, predict
 from epdserve.plan.profile import Profile, ProfileError, load_profile, save_profile
 from epdserve.topology import Topology
 
