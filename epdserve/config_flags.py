@@ -83,7 +83,7 @@ def add_flags(
 
     ``defaults=False``: every flag defaults to None, whatever its field's default, and the class is
     not imported; for flags a command hands on to the process that owns the config only when given."""
-    field_defaults = _defaults(config) if defaults else {}
+    field_defaults = config_defaults(config) if defaults else {}
     for flag in map(_flag, flags):
         f = field_info(config, flag.field)
         default = field_defaults.get(flag.field) if flag.default is _FROM_FIELD else flag.default
@@ -142,7 +142,8 @@ def _ref(config: type | str) -> str:
     return config if isinstance(config, str) else f"{config.__module__}:{config.__qualname__}"
 
 
-def _defaults(config: type | str) -> dict[str, Any]:
+def config_defaults(config: type | str) -> dict[str, Any]:
+    """The defaults of a config dataclass's fields that have one (by name)."""
     cls = config if isinstance(config, type) else _import(config)
     out = {}
     for f in dataclasses.fields(cls):

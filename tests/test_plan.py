@@ -17,6 +17,7 @@ from epdserve.bench.report import SLO
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.cli import main
 from epdserve.plan.burst import WaveJob, first_wave, run_percentile, run_time, wave_order
+from epdserve.plan.cores import Urgent, layout, speeds
 from epdserve.plan.model import Load, predict
 from epdserve.plan.planner import PlanConfig, candidates, plan
 from epdserve.plan.profile import (
@@ -33,6 +34,7 @@ from epdserve.plan.profile import (
 )
 from epdserve.plan.queues import encoder_station, erlang_c
 from epdserve.plan.record import SampleRecord, load_samples, save_samples
+from epdserve.topology import Topology
 
 # ---- factories -------------------------------------------------------------------------------------
 
@@ -301,12 +303,12 @@ def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
     fast = c.overhead(4) + c.encode(4, p.native_pixels) / 1.6 + c.prefill(tokens, 4, p.native_pixels) / 1.8
     assert own.ttft_by_kind_s["image"] == pytest.approx(alone, rel=0.01)
     assert lent.ttft_by_kind_s["image"] == pytest.approx(fast, rel=0.01)
-    assert lent.capacity_rps > own.capacity_rps
-    # under load the engine idles less: the encoders' speed (their busy share without lending over
-    # that with it) shrinks from the full speed-up toward none
+    assert predict(p, "1e+1pd", 2, quiet, yields=False).capacity_rps > own.capacity_rps
+    # under load the engine idles less: the speed of encoders that compute through (their busy share
+    # without lending over that with it) shrinks from the full speed-up toward none
     encode_speed = [
         predict(p, "1e+1pd", 2, image_load(f * own.capacity_rps, images=4), lend=False).utilization["encoders"]
-        / predict(p, "1e+1pd", 2, image_load(f * own.capacity_rps, images=4)).utilization["encoders"]
+        / predict(p, "1e+1pd", 2, image_load(f * own.capacity_rps, images=4), yields=False).utilization["encoders"]
         for f in (0.01, 0.5, 0.9)
     ]
     assert 1.6 > encode_speed[0] > encode_speed[1] > encode_speed[2] > 1
@@ -315,7 +317,7 @@ def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
     per_request = c.prefill(p.text_tokens, 0, 0.0) / 1.8 + 64 * c.decode_seq_s / 1.4
     assert predict(p, "1e+1pd", 2, text).utilization["engines"] == pytest.approx(per_request)
     # image-heavy: the encoders bound the capacity, lent a core while the engine idles
-    heavy = predict(p, "1e+1pd", 2, image_load(1.0, images=10, out=4))
+    heavy = predict(p, "1e+1pd", 2, image_load(1.0, images=10, out=4), yields=False)
     assert heavy.bottleneck == "encoders"
     assert heavy.capacity_rps > predict(p, "1e+1pd", 2, image_load(1.0, images=10, out=4), lend=False).capacity_rps
     # nothing to lend in one process, and nothing measured: the same predictions either way
@@ -413,6 +415,50 @@ def test_a_wave_prefills_held_media_after_the_other_prompts() -> None:
     # a text request ready only after a held prefill began waits for it (no preemption)
     late = WaveJob("text", False, 0.5, 0.3, 0.0)
     assert first_wave([image, late], engines=1, step_s=0.2) == pytest.approx([1.0, 1.3])
+
+
+def test_encoders_stand_aside_for_a_wave_prefill_beside_decodes() -> None:
+    """A prefill that starts while its engine decodes the requests it prefilled before runs at its
+    speed on the encoders' cores, and the encode in progress waits for it; the first prefill meets
+    no decodes, and without such a speed nothing changes."""
+    job = WaveJob("image", False, 1.0, 1.0, 0.0, 0.5)
+    assert first_wave([job] * 3, engines=1, step_s=0.2) == pytest.approx([2.0, 2.5, 4.1])
+    plain = job._replace(urgent_prefill_s=None)
+    assert first_wave([plain] * 3, engines=1, step_s=0.2) == pytest.approx([2.0, 3.0, 4.0])
+
+
+def test_a_prefill_beside_decodes_borrows_the_cores_of_encoders_that_stand_aside() -> None:
+    """Encoders that yield (``up``'s default where roles lend) lend their cores to the prompts that
+    hold running decodes even while they encode, and lose that time, half of it at most; where
+    roles keep their own cores nothing changes."""
+    c = lending_profile().paths["epd"]
+    lay = layout(Topology.parse("1e+1pd"), 2, lend=True, yields=True)
+    busy = {"encoders": 1.0, "engines": 0.5}  # the encoder never idles: it lends nothing of itself
+    plain, enc = speeds(c, lay, busy)
+    held, enc_held = speeds(c, lay, busy, {"engines": Urgent(0.5, 0.2)})
+    assert plain["engines"].prefill == pytest.approx(1.0)
+    assert held["engines"].prefill == pytest.approx(1 + 0.8 * 0.5)  # half its prefills at 1.8x
+    assert held["engines"].decode == plain["engines"].decode
+    assert enc == pytest.approx(1 + 0.6 * 0.5) and enc_held == pytest.approx(enc * 0.8)
+    assert speeds(c, lay, busy, {"engines": Urgent(1.0, 0.9)})[1] == pytest.approx(enc * 0.5)
+    for keeps in (layout(Topology.parse("1e+1pd"), 2, lend=True), layout(Topology.parse("1e+1pd"), 2, yields=True)):
+        assert speeds(c, keeps, busy, {"engines": Urgent(0.5, 0.2)}) == speeds(c, keeps, busy)
+    assert speeds(profile().paths["epd"], lay, busy, {"engines": Urgent(0.5, 0.2)})[1] == 1.0  # nothing lent
+
+
+def test_encoders_that_stand_aside_trade_their_capacity_for_the_prompts() -> None:
+    """Image-heavy load bounded by the encoders: standing aside for the prompts that hold decodes
+    costs the encoders time, so the deployment sustains less than one whose encoders compute
+    through, but never less than half its encoders' own speed; its prompts run faster."""
+    p = lending_profile()
+    heavy = image_load(1.0, images=10, out=16)
+    aside, through = predict(p, "1e+1pd", 2, heavy), predict(p, "1e+1pd", 2, heavy, yields=False)
+    own = predict(p, "1e+1pd", 2, heavy, lend=False)
+    assert aside.bottleneck == through.bottleneck == "encoders"
+    assert 0.5 * own.capacity_rps < aside.capacity_rps < through.capacity_rps
+    busy = predict(p, "1e+1pd", 2, image_load(0.8 * aside.capacity_rps, images=10, out=16))
+    busy_through = predict(p, "1e+1pd", 2, image_load(0.8 * aside.capacity_rps, images=10, out=16), yields=False)
+    assert busy.itl_s is not None and busy_through.itl_s is not None and busy.itl_s < busy_through.itl_s
 
 
 def test_a_runs_percentiles_are_interpolated_as_the_benchmark_does() -> None:
@@ -776,7 +822,18 @@ def test_cli_says_what_it_assumes_of_lending(tmp_path: Path, capsys: pytest.Capt
     lent = save_profile(lending_profile(), tmp_path / "lent.json")
     assert ttft(lent) < ttft(lent, "--no-lend-cores")
     assert main(["plan", "--profile", str(lent), *flags[:-1]]) == 0
-    assert "epd encode 1.60x, prefill 1.80x, decode 1.40x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "epd encode 1.60x, prefill 1.80x, decode 1.40x" in out and "stand aside for the prompts" in out
+    # encoders that compute through: their own capacity, and the flag in the command it recommends
+    heavy = ["--images-per-request", "10", "--output-len", "16", "--request-rate", "1", "--topologies", "1e+1pd"]
+    capacity = {}
+    for extra in ((), ("--no-yield-to-decodes",)):
+        assert main(["plan", "--profile", str(lent), *heavy, *extra, "--json"]) == 0
+        capacity[extra] = json.loads(capsys.readouterr().out)["ranked"][0]["capacity_rps"]
+    assert capacity[()] < capacity[("--no-yield-to-decodes",)]
+    assert main(["plan", "--profile", str(lent), *heavy, "--no-yield-to-decodes"]) == 0
+    out = capsys.readouterr().out
+    assert "compute through" in out and "--pin-cores --no-yield-to-decodes" in out
     assert main(["plan", "--profile", str(lent), *flags[:-1], "--no-lend-cores"]) == 0
     out = capsys.readouterr().out
     assert "own cores only" in out and "--pin-cores --no-lend-cores" in out

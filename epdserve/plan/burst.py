@@ -7,7 +7,9 @@ request of the wave goes through the stages in order at its deterministic cost: 
 (one request after another, a request's images split across them), then the prefill of its engine
 (requests spread round-robin over the engines, one prefill after another, a waiting request the
 scheduler holds behind prompts after the others; a request whose inputs arrive while its engine
-only decodes waits half a decode step). ``model.predict`` mixes these
+only decodes waits half a decode step). A prefill beside the decodes of requests prefilled before
+it may run faster, on the cores of encoders that stand aside for it, and they encode that much
+later (``WaveJob.urgent_prefill_s``). ``model.predict`` mixes these
 first tokens with the steady loop's for the rest of the run, and gives the run's percentiles as
 the benchmark computes them over so few values (``run_percentile``) and its request rate as the
 benchmark measures it: the requests over the time to the last answer (``run_time``), which in a
@@ -30,6 +32,7 @@ class WaveJob(NamedTuple):
     encode_s: float  # its encoders' work (0: no images, or no encoders: the engine encodes)
     prefill_s: float  # its prefill on its engine
     overhead_s: float  # front end, router and transfers: latency that occupies no stage
+    urgent_prefill_s: float | None = None  # its prefill beside decodes, encoders standing aside (None: no such)
 
 
 def wave_order(shares: dict[str, float], n: int) -> list[str]:
@@ -50,13 +53,28 @@ def first_wave(jobs: list[WaveJob], engines: int, step_s: float) -> list[float]:
     never decode)."""
     if engines < 1:
         raise ValueError(f"engines must be >= 1, got {engines}")
+    pauses: list[tuple[float, float]] = []  # when encoders stand aside for a prefill beside decodes
+    for _ in range(len(jobs) + 1):  # the pauses move the encodes, which move the prefills
+        ttfts, stood = _through(jobs, engines, step_s, pauses)
+        if stood == pauses:
+            break
+        pauses = stood
+    return ttfts
+
+
+def _through(
+    jobs: list[WaveJob], engines: int, step_s: float, pauses: list[tuple[float, float]]
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """``first_wave``'s first tokens with the encoders standing aside during ``pauses``, and the
+    pauses those prefills ask for."""
     encoders_free = 0.0
     ready = []
     for job in jobs:
         if job.encode_s > 0:
-            encoders_free += job.encode_s
+            encoders_free = _after(encoders_free, job.encode_s, pauses)
         ready.append(encoders_free if job.encode_s > 0 else 0.0)
     ttfts = [0.0] * len(jobs)
+    stood = []
     for e in range(engines):
         queue = list(range(e, len(jobs), engines))
         free = 0.0  # when its last prefill ends
@@ -67,9 +85,24 @@ def first_wave(jobs: list[WaveJob], engines: int, step_s: float) -> list[float]:
             start = max(ready[i], free)
             if ready[i] > free > 0:  # its engine went on to decode the requests it had prefilled
                 start += step_s / 2
-            free = start + jobs[i].prefill_s
+            urgent = jobs[i].urgent_prefill_s
+            if free > 0 and urgent is not None:  # beside the decodes of those it prefilled
+                stood.append((start, start + urgent))
+            free = start + (jobs[i].prefill_s if free == 0 or urgent is None else urgent)
             ttfts[i] = jobs[i].overhead_s + free
-    return ttfts
+    return ttfts, sorted(stood)
+
+
+def _after(start: float, work: float, pauses: list[tuple[float, float]]) -> float:
+    """When ``work`` seconds of encoding begun at ``start`` end, none done during ``pauses``."""
+    for a, b in pauses:
+        if b <= start:
+            continue
+        if a >= start + work:
+            break
+        work -= max(0.0, a - start)
+        start = b
+    return start + work
 
 
 def quantile(cdf: Callable[[float], float], q: float, hi: float = 1.0) -> float:

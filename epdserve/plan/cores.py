@@ -4,7 +4,9 @@ Each role is a pool of servers pinned as ``up --pin-cores`` pins them (``topolog
 Engines pinned to one core share it as the kernel does, equally among those that want it: each
 runs at 1 / (1 + the others' busy shares). Roles that lend each other idle cores (``up``'s default)
 run faster while the others idle: 1 + (x − 1) × the idle share of the others' cores, x the speed-up
-the calibration measured with every other role idle. ``model`` solves these speeds together with
+the calibration measured with every other role idle. Encoders that stand aside for a prompt that
+holds running decodes (the encoders' default where roles lend) hand their cores to it even while
+they encode, and lose that time, half of it at most. ``model`` solves these speeds together with
 the loads they give.
 """
 
@@ -16,6 +18,8 @@ from typing import NamedTuple
 
 from epdserve.plan.profile import PathCosts
 from epdserve.topology import Topology, plan_cores
+
+YIELD_SHARE = 0.5  # of an encoder's time at most (``kernels.lending.CoreLender.stand_aside``)
 
 
 class Unsupported(ValueError):
@@ -41,9 +45,10 @@ class Layout:
     engine_cores: dict[str, list[int]]  # each engine process ("pd0", "prefill0", ...) -> its cores
     own_cores: dict[str, frozenset[int]] = field(default_factory=dict)  # role ("encoders", a pool's) -> its cores
     lend: bool = False  # a computing role borrows the cores of idle roles (``up``'s default when pinned)
+    yields: bool = False  # lending encoders stand aside while an engine's prompt holds its running decodes
 
 
-def layout(topology: Topology, cores: int, lend: bool = False) -> Layout:
+def layout(topology: Topology, cores: int, lend: bool = False, yields: bool = False) -> Layout:
     if topology.aggregated:
         # one engine core process (one torch thread) with a core to itself; its front end takes another
         return Layout(0, (Pool("engines", "pd", 1, True, True),), {"pd0": [0]})
@@ -63,7 +68,7 @@ def layout(topology: Topology, cores: int, lend: bool = False) -> Layout:
         p.role: frozenset(c for name, cs in plan.engines.items() if name.startswith(p.prefix) for c in cs)
         for p in pools
     }
-    return Layout(min(topology.encoders, len(enc_cores)), pools, dict(plan.engines), own, lend)
+    return Layout(min(topology.encoders, len(enc_cores)), pools, dict(plan.engines), own, lend, lend and yields)
 
 
 def shares(lay: Layout, busy: dict[str, float]) -> dict[str, float]:
@@ -103,17 +108,31 @@ class Speeds(NamedTuple):
     decode: float
 
 
-def speeds(c: PathCosts, lay: Layout, busy: dict[str, float]) -> tuple[dict[str, Speeds], float]:
+class Urgent(NamedTuple):
+    """An engine's prompts that hold its running decodes, for which lending encoders stand aside."""
+
+    share: float  # of its prefills: those that run beside decoding sequences
+    busy: float  # share of its time spent on them
+
+
+def speeds(
+    c: PathCosts, lay: Layout, busy: dict[str, float], urgent: dict[str, Urgent] | None = None
+) -> tuple[dict[str, Speeds], float]:
     """(each pool's speeds, the encoders' speed) at the busy shares ``busy`` (role -> share of its
     time computing). Sharing a core slows an engine (``shares``); lent cores speed a role up by
     its calibrated speed-up (``PathCosts.lend_*_x``, measured with every other role idle) times the
-    share of the others' cores that is idle: a role that starts computing takes its cores back."""
+    share of the others' cores that is idle: a role that starts computing takes its cores back.
+    ``urgent`` (pool role -> its prompts that hold decodes): encoders that yield lend their cores
+    to those prompts even while they encode, and lose that time (``YIELD_SHARE`` at most)."""
+    holding = (urgent or {}) if lay.yields and lay.encoders and c.lends else {}
+    handed = {role: u.share for role, u in holding.items()}  # of its prefills: the encoders' cores lent
 
-    def lent(x: float, role: str) -> float:
-        return 1 + (x - 1) * idle_lent(lay, busy, role)
+    def lent(x: float, role: str, given: float = 0.0) -> float:
+        return 1 + (x - 1) * (given + (1 - given) * idle_lent(lay, busy, role))
 
     pools = {
-        role: Speeds(share * lent(c.lend_prefill_x, role), share * lent(c.lend_decode_x, role))
+        role: Speeds(share * lent(c.lend_prefill_x, role, handed.get(role, 0.0)), share * lent(c.lend_decode_x, role))
         for role, share in shares(lay, busy).items()
     }
-    return pools, lent(c.lend_encode_x, "encoders")
+    paused = min(YIELD_SHARE, sum(u.busy for u in holding.values()))
+    return pools, lent(c.lend_encode_x, "encoders") * (1 - paused)

@@ -47,9 +47,11 @@ from dataclasses import dataclass, field
 from epdserve.bench.report import SLO
 from epdserve.bench.sweep import topology_name
 from epdserve.bench.workload import WorkloadConfig
+from epdserve.config_flags import config_defaults
+from epdserve.encoder.config import EncoderConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.plan.burst import WaveJob, first_wave, quantile, run_percentile, run_time, wave_order
-from epdserve.plan.cores import Layout, Pool, Speeds, Unsupported, layout, speeds
+from epdserve.plan.cores import Layout, Pool, Speeds, Unsupported, Urgent, layout, speeds
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
 from epdserve.plan.queues import Station, encoder_station, priority_waits
 from epdserve.topology import Topology
@@ -57,6 +59,7 @@ from epdserve.topology import Topology
 MAX_BATCH = EngineConfig().max_num_seqs  # an engine never decodes more sequences at once
 VISION_STEP_S = EngineConfig().vision_step_s  # an engine's vision work that holds media behind prompts
 MEDIA_MAX_WAIT_S = EngineConfig().media_max_wait_s  # how long at most media is held behind text
+YIELDS = config_defaults(EncoderConfig)["yield_to_decodes"]  # lending encoders stand aside for prompts
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class _Engine:
     prefill_wait_s: dict[str, float]  # request kind -> mean wait of its prefill (queue, step in progress)
     busy: float  # share of time it wants its core (prefilling, or any sequence decoding)
     speed: Speeds  # its speeds against a core of its own
+    urgent: Urgent  # its prompts that hold running decodes
 
     @property
     def stable(self) -> bool:
@@ -182,12 +186,15 @@ def engine(
     growth = rate * out * d1 if pool.decode else 0.0
     load = rate * p_mean + growth
     if load >= 1:
-        return _Engine(load, math.inf, math.inf, dict.fromkeys((k.name for k in kinds), math.inf), 1.0, speed)
+        never = dict.fromkeys((k.name for k in kinds), math.inf)
+        return _Engine(load, math.inf, math.inf, never, 1.0, speed, Urgent(0.0, 0.0))
     # a sequence's own growth of the step, d1, comes on top of what the others' load stretches
     itl = (d0 + d1) / (1 - load) if pool.decode else 0.0
     batch = rate * out * itl
     # idle only with no prefill running and no sequence decoding (their number taken as Poisson)
     busy = 1 - (1 - load) * math.exp(-batch)
+    beside = 1 - math.exp(-batch) if pool.prefill and pool.decode else 0.0  # a prompt meets decodes
+    urgent = Urgent(beside, rate * p_mean * beside)
     wait = dict.fromkeys((k.name for k in kinds), 0.0)
     if pool.prefill:
         # held requests wait behind the others' prompts, the others for less (a non-preemptive
@@ -196,7 +203,7 @@ def engine(
         first = sum(k.share * x for k, x, h in zip(kinds, p, held, strict=True) if not h)
         waits = priority_waits(rate * p_sq / 2, growth, rate * first, load, MEDIA_MAX_WAIT_S)
         wait = {k.name: step + waits[h] for k, h in zip(kinds, held, strict=True)}
-    return _Engine(load, itl, batch, wait, busy, speed)
+    return _Engine(load, itl, batch, wait, busy, speed, urgent)
 
 
 FIXED_POINT_ROUNDS = 60  # speeds ↔ busy shares; they converge in a few dozen rounds
@@ -222,8 +229,9 @@ def state_at(
     never compute (busy 0). The busier a role, the slower the others (a shared core, fewer cores
     to lend) and so the busier they are: the shares rise from 0 to the least fixed point."""
     busy = dict.fromkeys((p.role for p in lay.pools), 0.0) | ({"encoders": 0.0} if lay.encoders else {})
+    urgent = {p.role: Urgent(0.0, 0.0) for p in lay.pools}
     for _ in range(FIXED_POINT_ROUNDS):
-        pool_speeds, enc_speed = speeds(c, lay, busy)
+        pool_speeds, enc_speed = speeds(c, lay, busy, urgent)
         enc = (
             encoder_station(rate * media_share, enc_work / enc_speed, lay.encoders)
             if lay.encoders
@@ -236,9 +244,11 @@ def state_at(
         new = {role: e.busy for role, e in engines.items()} | (
             {"encoders": min(1.0, enc.utilization)} if lay.encoders else {}
         )
-        if all(abs(new[r] - busy[r]) < 1e-9 for r in busy):
+        new_urgent = {role: e.urgent for role, e in engines.items()}
+        moved = [abs(x - y) for r in urgent for x, y in zip(new_urgent[r], urgent[r], strict=True)]
+        if max([abs(new[r] - busy[r]) for r in busy] + moved) < 1e-9:
             break
-        busy = new
+        busy, urgent = new, new_urgent
     return state
 
 
@@ -311,14 +321,14 @@ class _Case:
     bottleneck: str
 
 
-def _case(profile: Profile, topology: str, cores: int, load: Load, lend: bool) -> _Case:
+def _case(profile: Profile, topology: str, cores: int, load: Load, lend: bool, yields: bool) -> _Case:
     topo = Topology.parse(topology)
     path = path_of(topo)
     try:
         c = profile.costs(path)
     except ProfileError as e:
         raise Unsupported(str(e)) from None
-    lay = layout(topo, cores, lend)
+    lay = layout(topo, cores, lend, yields)
     kinds, media_share, enc_work = _media(profile, load, c)
     cap, bottleneck = capacity(c, kinds, load.workload.output_len, lay, media_share, enc_work)
     return _Case(topology_name(topo), path, cores, lay, c, kinds, media_share, enc_work, cap, bottleneck)
@@ -424,14 +434,17 @@ def _with_first_wave(
     busy = dict.fromkeys(lay.own_cores, 1.0 if wave_n > 1 else 0.0)
     pool_speeds, encode_speed = speeds(c, lay, busy)
     speed = pool_speeds[first_pool.role]
+    # a prefill beside the decodes of those before it, on the cores of encoders that stand aside
+    urgent = speeds(c, lay, busy, {first_pool.role: Urgent(1.0, 0.0)})[0][first_pool.role].prefill
     of = {k.name: k for k in kinds}
     jobs = []
     for name in wave_order({k.name: k.share for k in kinds}, wave_n):
         k = of[name]
         encode = _encoder_work(c, k, lay) / encode_speed if k.images and lay.encoders else 0.0
-        prefill = c.prefill(k.prompt_tokens, k.images, k.pixels) / speed.prefill
+        work = c.prefill(k.prompt_tokens, k.images, k.pixels)
         held = not lay.encoders and held_behind_prompts(c, k, speed.prefill)
-        jobs.append(WaveJob(name, held, encode, prefill, c.overhead(k.images)))
+        beside = work / urgent if lay.yields and lay.encoders and c.lends and first_pool.decode else None
+        jobs.append(WaveJob(name, held, encode, work / speed.prefill, c.overhead(k.images), beside))
     step = (c.decode_step_s + c.decode_seq_s) / speed.decode if first_pool.decode else 0.0
     wave = first_wave(jobs, first_pool.n, step)
     total = load.requests
@@ -459,12 +472,15 @@ def _wait_cdf(t: float, mean: float, prob: float) -> float:
     return 1.0 - prob * math.exp(-t * prob / mean)
 
 
-def predict(profile: Profile, topology: str, cores: int, load: Load, lend: bool = True) -> Prediction:
+def predict(
+    profile: Profile, topology: str, cores: int, load: Load, lend: bool = True, yields: bool = YIELDS
+) -> Prediction:
     """The prediction for ``topology`` pinned to ``cores`` cores under ``load``; ``Unsupported`` when
     the profile or the cores cannot serve it. A closed loop is solved for its arrival rate.
     ``lend``: its roles lend each other idle cores (``up --pin-cores``'s default), as fast as the
-    profile's lending speed-ups say (none where it has none)."""
-    case = _case(profile, topology, cores, load, lend)
+    profile's lending speed-ups say (none where it has none); ``yields``: lending encoders stand
+    aside for the prompts that hold running decodes (the encoders' default)."""
+    case = _case(profile, topology, cores, load, lend, yields)
     if load.request_rate > 0:
         return _evaluate(case, load, load.request_rate)
     # closed loop: N clients, each sending again when its answer ends, so N = λ × E2E(λ); E2E grows

@@ -30,7 +30,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.memory import format_bytes
 from epdserve.plan import host
 from epdserve.plan.cores import Unsupported
-from epdserve.plan.model import Load, Prediction, predict
+from epdserve.plan.model import YIELDS, Load, Prediction, predict
 from epdserve.plan.profile import Profile, ProfileError, load_profile, save_profile
 from epdserve.topology import Topology
 
@@ -45,6 +45,7 @@ class PlanConfig:
     cores: int = 0  # cores the deployment may use (0: those of the profiled machine)
     max_replicas: int = 4  # most encoder and worker instances together in a candidate
     lend_cores: bool = True  # roles lend each other idle cores, as up --pin-cores starts them (the profile's speed-ups)
+    yield_to_decodes: bool = YIELDS  # lending encoders stand aside for prompts that hold decodes, as up runs them
     topologies: tuple[str, ...] = ()  # predict only these (names as ``epdserve up --topology`` reads them)
 
     def __post_init__(self) -> None:
@@ -101,7 +102,7 @@ def plan(profile: Profile, config: PlanConfig) -> Plan:
     predictions, skipped = [], {}
     for name in names:
         try:
-            predictions.append(predict(profile, name, cores, config.load, config.lend_cores))
+            predictions.append(predict(profile, name, cores, config.load, config.lend_cores, config.yield_to_decodes))
         except Unsupported as e:
             skipped[name] = str(e)
     closed = config.load.request_rate == 0
@@ -131,6 +132,7 @@ def why(result: Plan) -> str:
     lines = [
         f"recommendation: {best.topology}  (epdserve up --topology {best.topology} --pin-cores"
         + ("" if result.config.lend_cores else " --no-lend-cores")
+        + ("" if result.config.yield_to_decodes or not result.config.lend_cores else " --no-yield-to-decodes")
         + ")",
         f"  expected: TTFT p50 {_ms(best.ttft_p50_s)} ms, p90 {_ms(best.ttft_p90_s)} ms, ITL {_ms(best.itl_s)} ms, "
         f"{best.throughput_rps:.2f} req/s"
@@ -165,7 +167,7 @@ def format_plan(result: Plan, profile: Profile) -> str:
         f"epdserve plan: {w.images_per_request} img × {w.image_size or 'own size'} px, prompt {w.prompt_tokens or 'short'}, "
         f"{w.output_len} output tokens, text {100 * w.text_fraction:.0f}%, {arrival}, SLO {load.slo}",
         f"profile: {profile.source} ({profile.nproc} CPUs, {profile.cpu_model}); planned on {result.cores} cores",
-        lending_line(profile, result.config.lend_cores),
+        lending_line(profile, result.config.lend_cores, result.config.yield_to_decodes),
         "",
         f"{'#':>2} {'topology':<11}{'cap req/s':>10}  {'bottleneck':<16}{'TTFT p50':>9}{'p90':>8}{'ITL':>7}"
         f"{'E2E':>8}{'req/s':>8}{'SLO %':>7}{'goodput':>9}",
@@ -186,16 +188,22 @@ def format_plan(result: Plan, profile: Profile) -> str:
     return "\n".join([*head, *rows, *(["", *skipped] if skipped else []), "", why(result)])
 
 
-def lending_line(profile: Profile, lend: bool) -> str:
-    """What the predictions assume of core lending, and the speed-ups they use."""
+def lending_line(profile: Profile, lend: bool, yields: bool = YIELDS) -> str:
+    """What the predictions assume of core lending, the speed-ups they use, and whether encoders
+    stand aside for the prompts that hold decodes."""
     if not lend:
         return "roles on their own cores only (up --no-lend-cores)"
     lent = {name: c for name, c in profile.paths.items() if c.lends}
     if not lent:
         return "roles lend idle cores, but the profile measured no speed-up from it: predicted on their own cores"
-    return "roles lend idle cores; speed-up of a role computing alone: " + "; ".join(
-        f"{name} encode {c.lend_encode_x:.2f}x, prefill {c.lend_prefill_x:.2f}x, decode {c.lend_decode_x:.2f}x"
-        for name, c in lent.items()
+    aside = "stand aside for" if yields else "compute through (up --no-yield-to-decodes)"
+    return (
+        "roles lend idle cores; speed-up of a role computing alone: "
+        + "; ".join(
+            f"{name} encode {c.lend_encode_x:.2f}x, prefill {c.lend_prefill_x:.2f}x, decode {c.lend_decode_x:.2f}x"
+            for name, c in lent.items()
+        )
+        + f"; encoders {aside} the prompts that hold decodes"
     )
 
 
@@ -218,6 +226,7 @@ def plan_json(result: Plan, profile: Profile) -> dict[str, Any]:
             "cores": result.cores,
             "profile_source": profile.source,
             "lend_cores": result.config.lend_cores,
+            "yield_to_decodes": result.config.yield_to_decodes,
             "recommendation": best.topology if best else None,
             "why": why(result),
             "ranked": [dataclasses.asdict(p) for p in result.ranked],
@@ -231,7 +240,7 @@ def plan_json(result: Plan, profile: Profile) -> dict[str, Any]:
 # the workload fields the model covers (no video, no reused media), flags as epdserve bench has them
 PLAN_WORKLOAD_FLAGS = ("images_per_request", "image_size", "prompt_tokens", "output_len", "text_fraction")
 LOAD_FLAGS = ("request_rate", "concurrency")
-PLAN_FLAGS = ("cores", "max_replicas", "lend_cores")
+PLAN_FLAGS = ("cores", "max_replicas", "lend_cores", "yield_to_decodes")
 # the engine's settings the memory account reads (--memory, --host-memory)
 MEMORY_ENGINE_FLAGS = (
     "dtype",
