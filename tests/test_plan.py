@@ -823,7 +823,10 @@ def test_cli_says_what_it_assumes_of_lending(tmp_path: Path, capsys: pytest.Capt
     assert ttft(lent) < ttft(lent, "--no-lend-cores")
     assert main(["plan", "--profile", str(lent), *flags[:-1]]) == 0
     out = capsys.readouterr().out
-    assert "epd encode 1.60x, prefill 1.80x, decode 1.40x" in out and "stand aside for the prompts" in out
+    assert (
+        "epd encode 1.60x, prefill 1.80x, decode 1.40x" in out
+        and "prompts that hold decodes, encoders stand aside for them" in out
+    )
     # encoders that compute through: their own capacity, and the flag in the command it recommends
     heavy = ["--images-per-request", "10", "--output-len", "16", "--request-rate", "1", "--topologies", "1e+1pd"]
     capacity = {}
@@ -833,7 +836,7 @@ def test_cli_says_what_it_assumes_of_lending(tmp_path: Path, capsys: pytest.Capt
     assert capacity[()] < capacity[("--no-yield-to-decodes",)]
     assert main(["plan", "--profile", str(lent), *heavy, "--no-yield-to-decodes"]) == 0
     out = capsys.readouterr().out
-    assert "compute through" in out and "--pin-cores --no-yield-to-decodes" in out
+    assert "encoders compute through them" in out and "--pin-cores --no-yield-to-decodes" in out
     assert main(["plan", "--profile", str(lent), *flags[:-1], "--no-lend-cores"]) == 0
     out = capsys.readouterr().out
     assert "own cores only" in out and "--pin-cores --no-lend-cores" in out

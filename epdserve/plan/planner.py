@@ -196,14 +196,14 @@ def lending_line(profile: Profile, lend: bool, yields: bool = YIELDS) -> str:
     lent = {name: c for name, c in profile.paths.items() if c.lends}
     if not lent:
         return "roles lend idle cores, but the profile measured no speed-up from it: predicted on their own cores"
-    aside = "stand aside for" if yields else "compute through (up --no-yield-to-decodes)"
+    aside = "stand aside for them" if yields else "compute through them (up --no-yield-to-decodes)"
     return (
         "roles lend idle cores; speed-up of a role computing alone: "
         + "; ".join(
             f"{name} encode {c.lend_encode_x:.2f}x, prefill {c.lend_prefill_x:.2f}x, decode {c.lend_decode_x:.2f}x"
             for name, c in lent.items()
         )
-        + f"; encoders {aside} the prompts that hold decodes"
+        + f"; for prompts that hold decodes, encoders {aside}"
     )
 
 
