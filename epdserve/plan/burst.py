@@ -85,10 +85,11 @@ def _through(
             start = max(ready[i], free)
             if ready[i] > free > 0:  # its engine went on to decode the requests it had prefilled
                 start += step_s / 2
-            urgent = jobs[i].urgent_prefill_s
+            prefill, urgent = jobs[i].prefill_s, jobs[i].urgent_prefill_s
             if free > 0 and urgent is not None:  # beside the decodes of those it prefilled
-                stood.append((start, start + urgent))
-            free = start + (jobs[i].prefill_s if free == 0 or urgent is None else urgent)
+                prefill = urgent
+                stood.append((start, start + prefill))
+            free = start + prefill
             ttfts[i] = jobs[i].overhead_s + free
     return ttfts, sorted(stood)
 

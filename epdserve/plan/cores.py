@@ -115,6 +115,12 @@ class Urgent(NamedTuple):
     busy: float  # share of its time spent on them
 
 
+def stands_aside(c: PathCosts, lay: Layout) -> bool:
+    """Whether ``lay``'s encoders hand their cores to the prompts that hold decodes: they yield,
+    and the profile measured a speed-up from lent cores."""
+    return lay.yields and lay.encoders > 0 and c.lends
+
+
 def speeds(
     c: PathCosts, lay: Layout, busy: dict[str, float], urgent: dict[str, Urgent] | None = None
 ) -> tuple[dict[str, Speeds], float]:
@@ -124,7 +130,7 @@ def speeds(
     share of the others' cores that is idle: a role that starts computing takes its cores back.
     ``urgent`` (pool role -> its prompts that hold decodes): encoders that yield lend their cores
     to those prompts even while they encode, and lose that time (``YIELD_SHARE`` at most)."""
-    holding = (urgent or {}) if lay.yields and lay.encoders and c.lends else {}
+    holding = (urgent or {}) if stands_aside(c, lay) else {}
     handed = {role: u.share for role, u in holding.items()}  # of its prefills: the encoders' cores lent
 
     def lent(x: float, role: str, given: float = 0.0) -> float:

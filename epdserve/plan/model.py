@@ -51,7 +51,7 @@ from epdserve.config_flags import config_defaults
 from epdserve.encoder.config import EncoderConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.plan.burst import WaveJob, first_wave, quantile, run_percentile, run_time, wave_order
-from epdserve.plan.cores import Layout, Pool, Speeds, Unsupported, Urgent, layout, speeds
+from epdserve.plan.cores import Layout, Pool, Speeds, Unsupported, Urgent, layout, speeds, stands_aside
 from epdserve.plan.profile import PathCosts, Profile, ProfileError
 from epdserve.plan.queues import Station, encoder_station, priority_waits
 from epdserve.topology import Topology
@@ -443,7 +443,7 @@ def _with_first_wave(
         encode = _encoder_work(c, k, lay) / encode_speed if k.images and lay.encoders else 0.0
         work = c.prefill(k.prompt_tokens, k.images, k.pixels)
         held = not lay.encoders and held_behind_prompts(c, k, speed.prefill)
-        beside = work / urgent if lay.yields and lay.encoders and c.lends and first_pool.decode else None
+        beside = work / urgent if stands_aside(c, lay) and first_pool.decode else None
         jobs.append(WaveJob(name, held, encode, work / speed.prefill, c.overhead(k.images), beside))
     step = (c.decode_step_s + c.decode_seq_s) / speed.decode if first_pool.decode else 0.0
     wave = first_wave(jobs, first_pool.n, step)

@@ -188,7 +188,7 @@ def format_plan(result: Plan, profile: Profile) -> str:
     return "\n".join([*head, *rows, *(["", *skipped] if skipped else []), "", why(result)])
 
 
-def lending_line(profile: Profile, lend: bool, yields: bool = YIELDS) -> str:
+def lending_line(profile: Profile, lend: bool, yields: bool) -> str:
     """What the predictions assume of core lending, the speed-ups they use, and whether encoders
     stand aside for the prompts that hold decodes."""
     if not lend:
