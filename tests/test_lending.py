@@ -165,6 +165,18 @@ def test_a_role_stands_aside_half_its_time_at_most(board: Path) -> None:
     assert len(waited) == 2 and waited[0] >= 0.1
 
 
+def test_the_share_of_its_time_a_role_stands_aside_is_one_setting(board: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After standing aside for t seconds a role computes t × (1 − share) / share before it stands
+    aside again: at a quarter, three times as long."""
+    monkeypatch.setattr(lending, "YIELD_MAX_S", 0.05)
+    enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)
+    with enc.computing(), pd.computing(urgent=True):  # an urgent step that never ends
+        for share, stands in ((0.5, True), (0.25, False)):
+            monkeypatch.setattr(lending, "YIELD_SHARE", share)
+            enc._stood, enc._resumed = 1.0, time.monotonic() - 2.0  # stood 1 s, computed 2 s since
+            assert (enc.stand_aside() > 0) is stands
+
+
 def test_a_role_stands_aside_for_a_bounded_time(board: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lending, "YIELD_MAX_S", 0.05)
     enc, pd = CoreLender(board, 1, cores=2, yields=True), CoreLender(board, 1, cores=2)

@@ -16,6 +16,7 @@ from epdserve.bench.client import percentile
 from epdserve.bench.report import SLO
 from epdserve.bench.workload import WorkloadConfig
 from epdserve.cli import main
+from epdserve.kernels.lending import YIELD_SHARE
 from epdserve.plan.burst import WaveJob, first_wave, run_percentile, run_time, wave_order
 from epdserve.plan.cores import Urgent, layout, speeds
 from epdserve.plan.model import Load, predict
@@ -440,7 +441,7 @@ def test_a_prefill_beside_decodes_borrows_the_cores_of_encoders_that_stand_aside
     assert held["engines"].prefill == pytest.approx(1 + 0.8 * 0.5)  # half its prefills at 1.8x
     assert held["engines"].decode == plain["engines"].decode
     assert enc == pytest.approx(1 + 0.6 * 0.5) and enc_held == pytest.approx(enc * 0.8)
-    assert speeds(c, lay, busy, {"engines": Urgent(1.0, 0.9)})[1] == pytest.approx(enc * 0.5)
+    assert speeds(c, lay, busy, {"engines": Urgent(1.0, 0.9)})[1] == pytest.approx(enc * (1 - YIELD_SHARE))
     for keeps in (layout(Topology.parse("1e+1pd"), 2, lend=True), layout(Topology.parse("1e+1pd"), 2, yields=True)):
         assert speeds(c, keeps, busy, {"engines": Urgent(0.5, 0.2)}) == speeds(c, keeps, busy)
     assert speeds(profile().paths["epd"], lay, busy, {"engines": Urgent(0.5, 0.2)})[1] == 1.0  # nothing lent

@@ -12,8 +12,8 @@ flags on the board itself before each layer (``Loan``).
 A role whose work only delays first tokens (an encoder) also stands aside for one whose running
 decodes wait: a step that prefills a prompt beside decoding requests is marked urgent, and while
 one is, a yielding role pauses between its layers, its cores lent, so that the step runs on every
-core and the decodes it holds resume sooner; for half its time at most, so that a stream of such
-steps slows its work by half, not more.
+core and the decodes it holds resume sooner; for half its time at most (``YIELD_SHARE``), so
+that a stream of such steps slows its work by half, not more.
 
 The board is advisory: what is read from it only sets a thread count, clamped to the cores the
 process may run on.
@@ -37,6 +37,9 @@ GRACE_S = 0.02
 # a yielding role waits this long at most for an urgent one (whose step may have hung), polling
 YIELD_MAX_S = 10.0
 YIELD_POLL_S = 0.002
+# a yielding role stands aside for this share of its time at most, so that a stream of urgent
+# steps slows its work by that share, not more
+YIELD_SHARE = 0.5
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -116,9 +119,10 @@ class CoreLender:
     def stand_aside(self) -> float:
         """If other roles compute urgently, mark this one idle (its cores lent at once) until the
         steps they run now end (not later ones), or ``YIELD_MAX_S`` has passed, then computing
-        again; the seconds it waited. Half its time at most: after standing aside it computes as
-        long again before it does so again."""
-        if time.monotonic() - self._resumed < self._stood:
+        again; the seconds it waited. ``YIELD_SHARE`` of its time at most: after standing aside for t
+        seconds it computes t × (1 − share) / share (as long again, at a half) before it does so
+        again."""
+        if time.monotonic() - self._resumed < self._stood * (1 - YIELD_SHARE) / YIELD_SHARE:
             return 0.0
         steps = self._urgent_steps()
         if not steps:

@@ -6,8 +6,8 @@ runs at 1 / (1 + the others' busy shares). Roles that lend each other idle cores
 run faster while the others idle: 1 + (x − 1) × the idle share of the others' cores, x the speed-up
 the calibration measured with every other role idle. Encoders that stand aside for a prompt that
 holds running decodes (the encoders' default where roles lend) hand their cores to it even while
-they encode, and lose that time, half of it at most. ``model`` solves these speeds together with
-the loads they give.
+they encode, and lose that time, half of it at most (``kernels.lending.YIELD_SHARE``). ``model``
+solves these speeds together with the loads they give.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from epdserve.kernels.lending import YIELD_SHARE
 from epdserve.plan.profile import PathCosts
 from epdserve.topology import Topology, plan_cores
-
-YIELD_SHARE = 0.5  # of an encoder's time at most (``kernels.lending.CoreLender.stand_aside``)
 
 
 class Unsupported(ValueError):
