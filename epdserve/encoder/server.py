@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, NamedTuple, TypeVar, get_args
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from PIL import Image
@@ -53,6 +53,7 @@ from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.common.rates import CostRate
 from epdserve.encoder.batcher import BatcherClosed, BatchReport, EncodeBatcher, EncodeError, QueueFull
 from epdserve.encoder.config import EncoderConfig
+from epdserve.encoder.metrics import PIXEL_ITEMS, VISUAL_TOKENS, declare_metrics
 from epdserve.encoder.protocol import (
     EncodedItem,
     EncodeItem,
@@ -90,8 +91,6 @@ from epdserve.transfer.factory import make_producer
 from epdserve.transfer.header import WireHeader, to_handle
 from epdserve.transfer.pixels import PixelItem, PixelReader, processor_digest
 
-VISUAL_TOKENS = "visual tokens (embedding rows) served, by how"
-PIXEL_ITEMS = "items that arrived decoded (the router's pixel handles): not fetched, hashed or decoded here"
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STORED_REMEMBERED = 65536  # uuids whose store entries this encoder remembers (for store handles on cache hits)
@@ -182,11 +181,12 @@ class EncoderService:
         if self.lender is not None:
             self.lender.attach(visual)
             forward = self.lender.wrap(visual)
+        self.rows_of = prompt_layout(model_config).num_placeholders  # an item's placeholder tokens
         self.batcher = EncodeBatcher(
             forward,
             config.batcher,
             EmbeddingCache(config.encoder_cache_bytes),
-            rows_of=prompt_layout(model_config).num_placeholders,
+            rows_of=self.rows_of,
             device=config.device,
             dtype=config.torch_dtype,
             on_batch=self._on_batch,
@@ -208,12 +208,15 @@ class EncoderService:
                 config.model_name,
                 config.ec.key(STORE_PURPOSE),
                 model_config.text.hidden_size,
-                prompt_layout(model_config).num_placeholders,
+                self.rows_of,
                 levels=model_config.feature_levels,
             )
             self.store = open_store(config.ec.store, check, lend=True)
         self.load = EncoderLoad()  # the autoscaling signal
-        self._init_metrics()
+        hist = declare_metrics(
+            self.metrics, self.batcher, self.producer, self.store, self.load_report, self.checkpoint_tensors
+        )
+        self.forward_seconds, self.request_seconds, self.put_seconds, self.batch_size = hist
         self.metrics.gauge(
             "encoder_load_ratio",
             "visual work offered over what the vision forward serves (autoscaling)",
@@ -272,58 +275,6 @@ class EncoderService:
             await self.store.close()
 
     # ---- metrics ---------------------------------------------------------------------------
-    def _init_metrics(self) -> None:
-        m, b = self.metrics, self.batcher
-        m.gauge("encoder_queue_depth", "media items waiting for a vision forward", lambda: b.queue_depth)
-        m.gauge("encoder_cache_bytes", "bytes held by the local embedding cache", lambda: b.cache.nbytes)
-        m.gauge("encoder_cache_items", "items held by the local embedding cache", lambda: len(b.cache))
-        m.gauge(
-            "encoder_coalesced_items",
-            "submissions that joined an in-flight forward of the same item",
-            lambda: b.coalesced,
-        )
-        n = len(self.load_report.tensors)
-        m.gauge("encoder_weight_tensors_loaded", "checkpoint tensors read at startup (vision tower only)", lambda: n)
-        total = self.checkpoint_tensors
-        m.gauge("encoder_checkpoint_tensors", "tensors in the checkpoint (all parts)", lambda: total)
-        self.forward_seconds = m.histogram("encoder_forward_seconds", "wall time of one batched vision forward")
-        self.request_seconds = m.histogram("encode_request_seconds", "wall time of one /v1/encode request")
-        self.put_seconds = m.histogram("encoder_put_seconds", "wall time of one EC-connector put")
-        self.batch_size = m.histogram(
-            "encoder_batch_size", "distinct items per batched vision forward", buckets=(1, 2, 4, 8, 16, 32, 64)
-        )
-        failures = m.counter("encoder_put_failures_total", "EC-connector puts that failed, by cause", ("cause",))
-        for cause in ("full", "error"):
-            failures.labels(cause=cause)
-        # declared up front so a scrape shows zeros before the first request
-        for status in get_args(ItemStatus):
-            m.inc("encoder_items_total", 0, {"status": status}, "media items encoded, by how")
-            m.inc("encoder_visual_tokens_total", 0, {"status": status}, VISUAL_TOKENS)
-        if self.store is not None:
-            st = self.store.stats
-            for name, text in (
-                ("hits", "items found in the shared store"),
-                ("misses", "items not in the shared store"),
-                ("rejected", "store entries that failed validation"),
-                ("writes", "items written to the shared store"),
-                ("errors", "store operations that failed or timed out"),
-                ("skipped", "store operations skipped after a recent failure"),
-                ("waits", "items another encoder was computing"),
-                ("takeovers", "claims taken over from an encoder that stopped computing"),
-            ):
-                m.gauge(f"encoder_store_{name}_total", text, partial(getattr, st, name))
-        m.inc("encoder_batches_total", 0, help_text="batched vision forwards run")
-        m.inc("encoder_put_bytes_total", 0, help_text="bytes put into the EC connector")
-        m.inc("encoder_batch_items_total", 0, help_text="items in batched vision forwards")
-        m.inc("encoder_batch_rows_total", 0, help_text="patch rows in batched vision forwards")
-        m.inc("encode_requests_total", 0, help_text="/v1/encode requests received")
-        m.inc("encoder_pixel_items_total", 0, help_text=PIXEL_ITEMS)
-        p = self.producer
-        m.gauge("encoder_ec_live_handles", "leases issued and not yet released or expired", lambda: p.live_handles)
-        m.gauge("encoder_ec_live_entries", "embedding payloads held for consumers", lambda: p.live_entries)
-        m.gauge("encoder_ec_held_bytes", "payload bytes held for consumers", lambda: p.held_bytes)
-        m.gauge("encoder_ec_capacity_bytes", "bytes the EC connector can hold", lambda: p.capacity_bytes)
-
     def _on_batch(self, report: BatchReport) -> None:
         m = self.metrics
         m.inc("encoder_batches_total", help_text="batched vision forwards run")
