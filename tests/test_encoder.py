@@ -270,6 +270,47 @@ def test_one_bad_item_fails_the_request_and_names_the_item(encoder: Encoder) -> 
     assert status == 400 and body["error"]["param"] == "items[1].url"
 
 
+def image_item(seed: int) -> dict[str, str]:
+    return {"modality": "image", "url": data_url(png_bytes(ShapesWorld(seed).scene().render()), "image/png")}
+
+
+def test_items_the_prompt_cannot_hold_are_refused_before_any_is_encoded(
+    encoder: Encoder, processor: VisionProcessor
+) -> None:
+    """Two new images against a prompt's room: past it, the call is refused as the language model
+    would refuse the prompt, and no forward runs; within it they are encoded."""
+    seeds = (60, 61)
+    items = [image_item(seed) for seed in seeds]
+    grids = [processor.image(ShapesWorld(seed).scene().render()).grid_thw for seed in seeds]
+    tokens = sum(t * h * w // 4 for t, h, w in grids)  # placeholders: 2x2 patches merged
+    batches = encoder.metric("epd_encoder_batches_total")
+    for context in ({"max_model_len": tokens}, {"max_model_len": tokens + 40, "completion_tokens": 41}):
+        status, body = encoder.encode(items, context=context)
+        assert status == 400, body
+        error = body["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "messages", body
+        assert f"{tokens} or more tokens" in error["message"]
+    assert encoder.metric("epd_encoder_batches_total") == batches  # the vision tower never ran
+    for context in ({"max_model_len": tokens + 1}, {"max_model_len": tokens + 40, "completion_tokens": 40}):
+        status, body = encoder.encode(items, context=context)  # the placeholders fit, with a token to spare
+        assert status == 200 and sum(it["num_embeddings"] for it in body["items"]) == tokens, body
+    # an item this encoder has cached is counted as well (its tokens are in the prompt all the same)
+    t, h, w = processor.image(ShapesWorld(62).scene().render()).grid_thw
+    room = {"max_model_len": t * h * w // 4 + 1}  # the new item alone fits
+    status, body = encoder.encode([items[0], image_item(62)], context=room)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    status, body = encoder.encode([items[0]], context={"max_model_len": tokens})
+    assert status == 200 and body["items"][0]["status"] == "cache_hit", body
+
+
+def test_a_bad_item_fails_its_call_without_holding_the_others_counted(encoder: Encoder) -> None:
+    bad = {"modality": "image", "url": "data:image/png;base64,%%%"}
+    status, body = encoder.encode([image_item(63), bad], context={"max_model_len": 4096})
+    assert status == 400 and body["error"]["param"] == "items[1].url", body
+    status, body = encoder.encode([image_item(64)], context={"max_model_len": 0})  # no context has no room
+    assert status == 400 and "context.max_model_len" in body["error"]["message"], body
+
+
 def test_not_json_and_unknown_routes(encoder: Encoder) -> None:
     status, body = http("POST", encoder.url + "/v1/encode", b"{not json", headers=internal_headers())
     assert status == 400 and "JSON" in json.loads(body)["error"]["message"]

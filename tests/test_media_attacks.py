@@ -143,3 +143,40 @@ def test_a_stream_of_malformed_files_does_not_take_encoders_out(deployment: Depl
     assert encoders_healthy(deployment)
     for enc in deployment.encoders:
         assert http("GET", enc + "/health")[0] == 200
+
+
+def encoder_batches(d: Deployment) -> float:
+    """Vision forwards the encoders have run, all of them together."""
+    total = 0.0
+    for url in d.encoders:
+        status, body = http("GET", url + "/metrics")
+        assert status == 200
+        total += sum(
+            float(line.split()[-1])
+            for line in body.decode().splitlines()
+            if line.startswith("epd_encoder_batches_total ")
+        )
+    return total
+
+
+@pytest.mark.parametrize("via", ["encoders", "frontend", "adaptive", "worker"])
+def test_media_the_prompt_cannot_hold_is_refused_before_it_is_encoded(deployment: Deployment, via: str) -> None:
+    """New images whose placeholders alone leave no room for the completion asked for: every path
+    answers as the worker would, 400 context_length_exceeded, and no encoder runs its vision tower
+    for them; with a smaller completion the same images are served."""
+    url = (deployment.pd if via == "worker" else deployment.routers[via]) + "/v1/chat/completions"
+    seed = {"encoders": 200, "frontend": 210, "adaptive": 220, "worker": 230}[via]
+    content = [normal_image(seed + i) for i in range(4)] + [{"type": "text", "text": "Compare them."}]
+
+    def ask(max_tokens: int) -> tuple[int, dict]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        status, raw = http("POST", url, json.dumps(body).encode())
+        return status, json.loads(raw)
+
+    context = int(PD_ARGS[PD_ARGS.index("--max-model-len") + 1])
+    batches = encoder_batches(deployment)
+    status, body = ask(context - 8)  # four images hold at least 4 x 12 placeholders
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert encoder_batches(deployment) == batches
+    status, body = ask(4)
+    assert status == 200, body

@@ -4,9 +4,10 @@ One request carries the media items of one (or several) chat requests that the r
 this encoder; the response carries, per item and in request order, the layout metadata the
 language model needs and the EC-connector handle of the embeddings::
 
-    → {"version": 3, "model": "shapes-qwen2vl",
-       "items": [{"modality": "image", "url": "data:image/png;base64,..."}]}
-    ← {"version": 3,
+    → {"version": 4, "model": "shapes-qwen2vl",
+       "items": [{"modality": "image", "url": "data:image/png;base64,..."}],
+       "context": {"max_model_len": 4096, "completion_tokens": 64}}
+    ← {"version": 4,
        "items": [{"uuid": "<sha256>", "modality": "image", "grid_thw": [1, 8, 8], "num_embeddings": 16,
                   "dtype": "float32", "shape": [16, 256], "ec_handle": {"connector": "shm", ...},
                   "status": "computed",
@@ -16,10 +17,16 @@ language model needs and the EC-connector handle of the embeddings::
 An item may carry ``pixels`` instead of ``url``: a signed handle on its decoded frames in the
 router's slab (``transfer.pixels``), when the router decodes media itself (``--frontend-decode``).
 
+``context`` is the room of the prompt the items go into: the model's context length less the
+completion the client asked for. Items whose placeholder tokens together exceed it are refused
+(400, ``context_length_exceeded``) once all of them are counted and before any is encoded, so a
+request the language model would refuse costs the encoder its preprocessing only. Without it
+(a caller that does not know the context) nothing is counted.
+
 A video item also carries ``second_per_grid``, the seconds of video one temporal patch spans
 (from the clip's own timing, ``media.decode``), which the language model's prompt depends on
 (Qwen2.5-VL's positions, Qwen3-VL's timestamps). It is optional and a response's unknown fields
-are ignored, so peers of version 3 without it still talk: a router that gets none leaves it out,
+are ignored, so peers without it still talk: a router that gets none leaves it out,
 and the worker falls back to the processor's fps.
 
 Every message goes through the ``encode_*`` / ``decode_*`` functions below, which check the
@@ -32,10 +39,10 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from epdserve.api.errors import BadRequest
+from epdserve.api.errors import BadRequest, context_too_long
 from epdserve.api.protocol import SecondPerGrid, param_of
 
-ENCODER_PROTOCOL_VERSION: Final = 3  # bump on any incompatible change of the messages below (3: "pixels")
+ENCODER_PROTOCOL_VERSION: Final = 4  # bump on any incompatible change of the messages below (4: "context")
 
 MAX_RELEASE_HANDLES: Final = 1024  # handles one /v1/release call may carry
 MAX_LEASES: Final = 2  # handles one item may be given
@@ -68,6 +75,23 @@ class EncodeItem(msgspec.Struct, forbid_unknown_fields=True):
     pixels: dict[str, Any] | None = None
 
 
+class Context(msgspec.Struct, forbid_unknown_fields=True):
+    """The room of the prompt an encode call's items go into."""
+
+    max_model_len: PositiveInt  # the language model's context length (prompt + completion)
+    completion_tokens: NonNegativeInt = 0  # the completion the client asked for (0: none asked)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The most tokens the prompt may hold: with a completion asked for, what it leaves;
+        else all but the one token a completion needs (the language-model worker's own rule)."""
+        return self.max_model_len - self.completion_tokens if self.completion_tokens else self.max_model_len - 1
+
+    def refuse(self, tokens: int) -> BadRequest:
+        """The client's answer when the items hold ``tokens`` placeholder tokens, too many."""
+        return context_too_long(self.max_model_len, tokens, self.completion_tokens)
+
+
 class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """POST /v1/encode."""
 
@@ -76,6 +100,7 @@ class EncodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # handles per item: 2 when a decode instance may need the embeddings too (P/D: it recomputes
     # the prefill when the KV cannot be loaded); the second is a lease on the same stored payload
     leases: Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASES)] = 1
+    context: Context | None = None  # the prompt's room: the items' placeholder tokens are counted against it
     version: int = ENCODER_PROTOCOL_VERSION
 
 

@@ -63,6 +63,7 @@ from epdserve.encoder.protocol import (
     decode_release,
     decode_request,
 )
+from epdserve.encoder.room import PromptRoom, Seat
 from epdserve.encoder.warmup import warm_up
 from epdserve.engine.inputs import MediaInput
 from epdserve.engine.memory import plan_encoder
@@ -296,7 +297,10 @@ class EncoderService:
         req = decode_request(body, cfg.max_items_per_request)
         if req.model != cfg.model_name:
             raise NotFound.model(req.model)
-        outcomes = await asyncio.gather(*(self._item(it) for it in req.items), return_exceptions=True)
+        room = PromptRoom(req.context, len(req.items))
+        outcomes = await asyncio.gather(*(self._seated(it, room.seat()) for it in req.items), return_exceptions=True)
+        if room.refusal is not None:  # none of them was encoded
+            raise room.refusal
         ready: list[_Ready] = []
         for i, out in enumerate(outcomes):
             if isinstance(out, MediaError):
@@ -338,7 +342,14 @@ class EncoderService:
             )
         return EncodeResponse(items=items)
 
-    async def _item(self, item: EncodeItem) -> _Ready:
+    async def _seated(self, item: EncodeItem, seat: Seat) -> _Ready:
+        try:
+            return await self._item(item, seat)
+        finally:
+            seat.leave()  # counted already, unless it failed before its tokens were known
+
+    async def _item(self, item: EncodeItem, seat: Seat) -> _Ready:
+        """One item, counted in its call's room (``seat``) before it is encoded."""
         resolver = self.resolver
         if resolver is None:
             raise Unavailable("the encoder is starting")
@@ -358,22 +369,24 @@ class EncoderService:
             )
         cached = self.batcher.lookup(uuid)
         if cached is not None:
+            await seat.admit(cached.embeddings.shape[0])
             second = await self._video_timing(item, uuid, data, second)
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
             return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored, second)
         if self.store is None:
-            return self._timed(await self._compute(item, uuid, data, t0, t1, second))
+            return self._timed(await self._compute(item, uuid, data, t0, t1, second, seat))
         store, cfg = self.store, self.config.ec.store
         got = await fetch_or_claim(store, uuid, cfg.wait_s)
         if isinstance(got, StoredItem):
+            await seat.admit(got.embeddings.shape[0])
             self.batcher.remember(uuid, got.grid_thw, got.embeddings)
             self._remember_stored(uuid, got.header)
             second = await self._video_timing(item, uuid, data, second)
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
         async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
-            ready = await self._compute(item, uuid, data, t0, t1, second)
+            ready = await self._compute(item, uuid, data, t0, t1, second, seat)
             if ready.status == "computed":
                 header = await store.put(uuid, ready.grid_thw, ready.embeddings)
                 if header is not None:
@@ -459,10 +472,11 @@ class EncoderService:
         return media, time.thread_time() - t
 
     async def _compute(
-        self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float, second: float | None
+        self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float, second: float | None, seat: Seat
     ) -> _Ready:
-        """Preprocess and encode one item here (the batcher joins it with concurrent ones);
-        ``second``: a pixel handle's video timing (a URL's comes with its preprocessing)."""
+        """Preprocess and encode one item here (the batcher joins it with concurrent ones), once its
+        call's items fit their room (``seat``); ``second``: a pixel handle's video timing (a URL's
+        comes with its preprocessing)."""
         try:
             media, cpu_s = await run_decode(self.executor, partial(self._timed_preprocess, item, data))
         except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
@@ -472,6 +486,7 @@ class EncoderService:
         t2 = time.perf_counter()
         if media.pixel_values is None:  # process_bytes always returns pixels
             raise ApiError("preprocessing produced no pixels")
+        await seat.admit(self.rows_of(media.grid_thw))
         self.load.offer(media.pixel_values.shape[0])
         self.preprocess_cpu_s += cpu_s
         self.preprocess_patches += media.pixel_values.shape[0]

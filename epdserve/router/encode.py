@@ -17,9 +17,12 @@ import msgspec
 
 from epdserve.api.errors import Overloaded, Timeout, Unavailable, WorkerFailed
 from epdserve.api.logs import REQUEST_ID_HEADER
+from epdserve.api.protocol import SamplingRequest
+from epdserve.api.quota import requested_max_tokens
 from epdserve.api.tracing import Tracing
 from epdserve.assets import default_model_dir
 from epdserve.encoder.protocol import (
+    Context,
     EncodedItem,
     EncodeItem,
     EncodeRequest,
@@ -110,11 +113,14 @@ class Encodes:
         if self.frontend is not None:
             await self.frontend.close()
 
-    async def encode(self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
+    async def encode(
+        self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "", context: Context | None = None
+    ) -> None:
         """Fill ``ref.result`` for every ref (``leases`` handles per item: 2 when a decode instance
         gets its own): from the media directory where it covers the item, else by encoders, one
         encode per item at a time across concurrent requests (``directory``). ``rid``: the
-        request's id, for the encoders' access lines."""
+        request's id, for the encoders' access lines; ``context``: the prompt's room, which the
+        encoders count the items against before they encode any (``context_of``)."""
         todo = list(refs)
         self.directory_keys(todo)
         for r in todo:
@@ -141,7 +147,7 @@ class Encodes:
                 lead.append(r)
             try:
                 if lead:
-                    await self._encode_refs(model, lead, leases, rid)
+                    await self._encode_refs(model, lead, leases, rid, context)
             finally:
                 for r in lead:
                     if r.result is not None and r.result.store_handle is not None:
@@ -164,13 +170,15 @@ class Encodes:
             if r.from_directory and r.directory_key is not None:
                 self.directory.forget(r.directory_key)
 
-    async def _encode_refs(self, model: str, refs: list[MediaRef], leases: int, rid: str = "") -> None:
+    async def _encode_refs(
+        self, model: str, refs: list[MediaRef], leases: int, rid: str = "", context: Context | None = None
+    ) -> None:
         """Fill ``ref.result`` for every ref by encoders (with ``--frontend-decode``, items the
         router decoded itself go as pixel handles, given back once every call is over)."""
         try:
             if self.frontend is not None:  # pixel handles instead of URLs where it can
                 await self.frontend.prepare(model, refs)
-            await self._encode_groups(model, refs, leases, rid)
+            await self._encode_groups(model, refs, leases, rid, context)
         finally:
             if self.frontend is not None:  # every call that carried them is over
                 self.frontend.release(refs)
@@ -185,7 +193,9 @@ class Encodes:
             await asyncio.sleep(FAST_PROBE_S)
         return True
 
-    async def _encode_groups(self, model: str, refs: list[MediaRef], leases: int, rid: str) -> None:
+    async def _encode_groups(
+        self, model: str, refs: list[MediaRef], leases: int, rid: str, context: Context | None
+    ) -> None:
         """Items grouped per encoder, one call per group, failed groups retried elsewhere."""
         pending = list(refs)
         tried: set[str] = set()
@@ -211,7 +221,7 @@ class Encodes:
                 ) from None
             n = self.config.max_items_per_encode
             calls = [(w, rs[i : i + n]) for w, rs in groups.values() for i in range(0, len(rs), n)]
-            results = await asyncio.gather(*(self._encode_on(model, w, rs, leases, rid) for w, rs in calls))
+            results = await asyncio.gather(*(self._encode_on(model, w, rs, leases, rid, context) for w, rs in calls))
             pending = []
             for (w, rs), outcome in zip(calls, results, strict=True):
                 if outcome is not _Outcome.OK:
@@ -221,9 +231,11 @@ class Encodes:
                     self.metrics.encoder_retries.inc()
                     pending += rs
 
-    async def _encode_on(self, model: str, w: Worker, refs: list[MediaRef], leases: int, rid: str) -> _Outcome:
+    async def _encode_on(
+        self, model: str, w: Worker, refs: list[MediaRef], leases: int, rid: str, context: Context | None
+    ) -> _Outcome:
         items = [EncodeItem(r.modality, None if r.pixels else r.url, r.pixels) for r in refs]  # type: ignore[arg-type]
-        body = encode_request(EncodeRequest(model=model, items=items, leases=leases))
+        body = encode_request(EncodeRequest(model=model, items=items, leases=leases, context=context))
         patches = sum(r.patches for r in refs)
         w.outstanding += 1
         w.patches += patches
@@ -267,10 +279,12 @@ class Encodes:
             r.result, r.encoder = item, w.url
         return _Outcome.OK
 
-    async def encode_shielded(self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
+    async def encode_shielded(
+        self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "", context: Context | None = None
+    ) -> None:
         """``encode``, finishing in the background if the client leaves meanwhile: the leases the
         encoders issue for it are then given back as soon as they arrive, not after their TTL."""
-        task = asyncio.ensure_future(self.encode(model, refs, leases, rid))
+        task = asyncio.ensure_future(self.encode(model, refs, leases, rid, context))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -282,6 +296,14 @@ class Encodes:
 
             task.add_done_callback(release)
             raise
+
+    def context_of(self, req: SamplingRequest) -> Context | None:
+        """The room of ``req``'s prompt: the workers' context length less the completion it asks
+        for (None while the context length is not known)."""
+        limit = self.workers.context_len()
+        if limit is None or limit < 1:
+            return None
+        return Context(max_model_len=limit, completion_tokens=requested_max_tokens(req) or 0)
 
     def take_leases(self, refs: list[MediaRef]) -> dict[str, list[dict]]:
         """The leases the refs hold, per encoder; the refs forget them."""

@@ -173,7 +173,9 @@ class SplitChat:
                 if not e.worker_ok:
                     exclude.add(e.url)
                 if refs:
-                    await self.encodes.encode_shielded(req.model, refs, 1, trail.request_id)
+                    await self.encodes.encode_shielded(
+                        req.model, refs, 1, trail.request_id, self.encodes.context_of(req)
+                    )
         raise AssertionError("unreachable")
 
     async def _stream(
