@@ -19,7 +19,7 @@ from epdserve.cli import main
 from epdserve.kernels.lending import YIELD_SHARE
 from epdserve.plan.burst import WaveJob, first_wave, run_percentile, run_time, wave_order
 from epdserve.plan.cores import Urgent, layout, speeds
-from epdserve.plan.model import Load, predict
+from epdserve.plan.model import Load, _media, others_busy, predict, state_at
 from epdserve.plan.planner import PlanConfig, candidates, plan
 from epdserve.plan.profile import (
     PROFILE_VERSION,
@@ -324,6 +324,29 @@ def test_lending_speeds_a_role_up_while_the_others_idle() -> None:
     # nothing to lend in one process, and nothing measured: the same predictions either way
     assert predict(p, "aggregated", 2, quiet) == predict(p, "aggregated", 2, quiet, lend=False)
     assert predict(profile(), "1e+1pd", 2, quiet) == predict(profile(), "1e+1pd", 2, quiet, lend=False)
+
+
+def test_a_closed_loops_request_meets_the_others_busy_while_it_is_elsewhere() -> None:
+    """In a closed loop the other clients' busy time falls in the time this request spends away
+    from a role: a loop of two whose encoder the others keep busy 46 % of the time finds it busy
+    85 % of the time while it prefills. So the encoder lends its core to that prefill less often
+    than the others' load alone says; open arrivals and a single client are as they were."""
+    assert others_busy({"encoders": 0.46}, 2)["encoders"] == pytest.approx(0.46 / 0.54)
+    assert others_busy({"encoders": 0.4, "engines": 0.2}, 5) == pytest.approx(
+        {"encoders": 0.4 / 0.9, "engines": 0.2 / 0.95}
+    )
+    assert others_busy({"encoders": 0.7}, 2)["encoders"] == 1.0  # busy whenever this request is away
+    assert others_busy({"encoders": 0.46}, 1) == others_busy({"encoders": 0.46}, 0) == {"encoders": 0.46}
+    p = lending_profile()
+    c = p.paths["epd"]
+    load = Load(WorkloadConfig(images_per_request=10, output_len=16), concurrency=2)
+    kinds, share, work = _media(p, load, c)
+    lay = layout(Topology.parse("1e+1pd"), 2, lend=True)
+    seen = 0.4 * predict(p, "1e+1pd", 2, load).throughput_rps
+    arrivals, loop = state_at(c, kinds, 16, lay, seen, share, work), state_at(c, kinds, 16, lay, seen, share, work, 2)
+    assert loop.engines["engines"].speed.prefill < arrivals.engines["engines"].speed.prefill
+    assert loop.encode_speed < arrivals.encode_speed
+    assert state_at(c, kinds, 16, lay, seen, share, work, 1) == arrivals
 
 
 def test_over_capacity_is_unstable_not_a_number(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,8 @@ Waiting times are taken as 0 with probability 1 − π and exponential otherwise
 some station is busy on arrival), which gives TTFT quantiles and the share of requests within an
 SLO; goodput = throughput × that share. A closed loop of N clients is solved for the λ at which
 N = λ × E2E; its requests meet the other N − 1 clients' requests only (the arrival theorem), so
-their waits and speeds are those of the load λ·(N − 1)/N: one client never waits, and while it
+their waits are those of the load λ·(N − 1)/N, and their speeds those of that load's busy shares
+as a request away from a role meets them (``others_busy``): one client never waits, and while it
 encodes the engine idles. A closed loop of a given number of requests (``Load.requests``) starts
 with all its clients sending at once: that first wave goes through the stages one request after
 another (``burst``), and the run's TTFT mixes its first tokens with the steady loop's for the
@@ -223,15 +224,24 @@ class _State:
 
 
 def state_at(
-    c: PathCosts, kinds: list[Kind], out: int, lay: Layout, rate: float, media_share: float, enc_work: float
+    c: PathCosts,
+    kinds: list[Kind],
+    out: int,
+    lay: Layout,
+    rate: float,
+    media_share: float,
+    enc_work: float,
+    clients: int = 0,
 ) -> _State:
     """Every role at ``rate``: speeds and busy shares solved together, starting from roles that
     never compute (busy 0). The busier a role, the slower the others (a shared core, fewer cores
-    to lend) and so the busier they are: the shares rise from 0 to the least fixed point."""
+    to lend) and so the busier they are: the shares rise from 0 to the least fixed point.
+    ``clients``: ``rate`` is what the other clients of a closed loop of that many bring, and the
+    speeds are those a request of it meets (``others_busy``)."""
     busy = dict.fromkeys((p.role for p in lay.pools), 0.0) | ({"encoders": 0.0} if lay.encoders else {})
     urgent = {p.role: Urgent(0.0, 0.0) for p in lay.pools}
     for _ in range(FIXED_POINT_ROUNDS):
-        pool_speeds, enc_speed = speeds(c, lay, busy, urgent)
+        pool_speeds, enc_speed = speeds(c, lay, others_busy(busy, clients), urgent)
         enc = (
             encoder_station(rate * media_share, enc_work / enc_speed, lay.encoders)
             if lay.encoders
@@ -250,6 +260,21 @@ def state_at(
             break
         busy, urgent = new, new_urgent
     return state
+
+
+def others_busy(busy: dict[str, float], clients: int) -> dict[str, float]:
+    """Each role's busy share as a request of a closed loop of ``clients`` meets it while it is
+    elsewhere, from ``busy``, the shares the other clients' load gives. A role serves the loop's
+    requests one at a time (an engine's batch overlaps some: for it this is an upper bound), so
+    the others keep it busy while this request is not there: their ``b`` falls into the
+    1 − b / (clients − 1) of the time this request spends away from it (its own share of the
+    role's time is one client's, b / (clients − 1)). So the cores a role lends are idle less
+    often than the others' load alone says: in a loop of two whose encoder is busy 92 % of the
+    time, a prompt finds it idle 15 % of its time, not 54 %. Open arrivals (``clients`` below 2):
+    ``busy`` as it is."""
+    if clients < 2:
+        return busy
+    return {role: min(1.0, b / max(1e-9, 1 - b / (clients - 1))) for role, b in busy.items()}
 
 
 # (share of the requests, latency without waiting, mean wait, chance to wait) of one request kind
@@ -366,7 +391,7 @@ def _evaluate(case: _Case, load: Load, rate: float) -> Prediction:
         return base
     if load.request_rate == 0:  # a closed loop: a request meets the other clients' load only
         seen = rate * (load.concurrency - 1) / load.concurrency
-        state = state_at(c, kinds, out, lay, seen, media_share, enc_work)
+        state = state_at(c, kinds, out, lay, seen, media_share, enc_work, load.concurrency)
         enc, engines = state.encoders, state.engines
     first_pool = lay.pools[0]  # the pool that prefills
     first, decoder = engines[first_pool.role], engines[lay.pools[-1].role]
