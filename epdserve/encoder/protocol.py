@@ -20,8 +20,9 @@ router's slab (``transfer.pixels``), when the router decodes media itself (``--f
 ``context`` is the room of the prompt the items go into: the model's context length less the
 completion the client asked for. Items whose placeholder tokens together exceed it are refused
 (400, ``context_length_exceeded``) once all of them are counted and before any is encoded, so a
-request the language model would refuse costs the encoder its preprocessing only. Without it
-(a caller that does not know the context) nothing is counted.
+request the language model would refuse costs the encoder its preprocessing only; a call with a
+context carries the items of one chat request. Without it (a caller that does not know the
+context) nothing is counted.
 
 A video item also carries ``second_per_grid``, the seconds of video one temporal patch spans
 (from the clip's own timing, ``media.decode``), which the language model's prompt depends on
