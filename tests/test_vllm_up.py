@@ -167,6 +167,32 @@ def test_up_with_vllm_answers_as_epdserve_s_up_and_leaves_nothing(tmp_path: Path
         assert wait_for(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
 
 
+def test_vllm_s_own_load_generator_runs_against_epdserve(tmp_path: Path) -> None:
+    """``vllm bench serve``, a third-party client, against ``epdserve up``: its multimodal chat
+    benchmark (two images a prompt) and its text completions benchmark, every request answered
+    with every token it asked for."""
+    vllm = Path(sys.executable).with_name("vllm")
+    model = str(Path(__file__).resolve().parents[1] / "epdserve" / "assets" / "shapes-qwen2vl")
+    runs = {
+        "chat": ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm",
+                 "--random-mm-base-items-per-request", "2", "--random-mm-bucket-config", "{(112, 112, 1): 1.0}",
+                 "--random-mm-limit-mm-per-prompt", json.dumps({"image": 2, "video": 0})],
+        "completions": ["--backend", "openai", "--dataset-name", "random"],
+    }  # fmt: skip
+    with up(tmp_path, "--topology", "1e+1pd") as u:
+        url = u.wait_ready().removesuffix("/v1")
+        for name, args in runs.items():
+            cmd = [str(vllm), "bench", "serve", "--base-url", url, "--model", "shapes-qwen2vl", "--tokenizer", model,
+                   "--num-prompts", "12", "--random-input-len", "32", "--random-output-len", "16",
+                   "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--save-result",
+                   "--result-dir", str(tmp_path), "--result-filename", f"{name}.json", *args]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=600)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            result = json.loads((tmp_path / f"{name}.json").read_text())
+            assert (result["completed"], result["failed"]) == (12, 0), (name, result)
+            assert result["total_output_tokens"] == 12 * 16, (name, result["total_output_tokens"])
+
+
 def test_up_with_vllm_that_fails_at_start_says_so_in_one_line(tmp_path: Path) -> None:
     """A flag vLLM refuses: ``up`` names the instance that exited, and starts nothing more."""
     with up(tmp_path, "--lm-engine", "vllm", "--vllm-args", "--no-such-vllm-flag 1", env=VLLM_ENV) as u:
