@@ -16,10 +16,16 @@ import pytest
 import redis
 import torch
 
+from epdserve.api.media import MediaResolver
+from epdserve.assets import default_model_dir
 from epdserve.bench.workload import image_data_url
 from epdserve.common.store_config import StoreConfig
 from epdserve.encoder.protocol import ENCODER_PROTOCOL_VERSION
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
+from epdserve.media.fetch import decode_data_url
+from epdserve.media.hashing import media_uuid
+from epdserve.media.limits import MediaLimits
+from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.store.base import Claim
@@ -215,3 +221,30 @@ def test_encoders_share_work_through_the_store_and_survive_its_death(server: Red
             status, out = _encode(url, seed)
             assert status == 200, out
         assert _metric(a, "encoder_store_errors_total") + _metric(a, "encoder_store_skipped_total") >= 1
+
+
+def test_items_waiting_for_another_encoder_hold_no_claim_of_their_calls_others(server: RedisServer) -> None:
+    """A call's items are counted in its prompt's room before any of them is claimed: while one
+    waits for the claim another encoder holds on it, the call's other item is computed and written
+    (were it claimed first, it would wait in the room holding its claim, and an encoder counting
+    the same two items the other way round would wait for it in turn)."""
+    x, y = (image_data_url(ShapesWorld(seed).sample("describe").scenes[0].render()) for seed in (40, 41))
+    processor = VisionProcessor(ProcessorConfig.from_pretrained(default_model_dir()))
+    with ThreadPoolExecutor(1) as pool:
+        kwargs = MediaResolver("shapes-qwen2vl", processor, MediaLimits(), pool).processor_kwargs
+    uuid_x, uuid_y = (media_uuid("shapes-qwen2vl", "image", decode_data_url(u, MediaLimits()), kwargs) for u in (x, y))
+    prefix = "epd:ec:v1:shapes-qwen2vl:"
+    with _encoders(server, 1) as (a,):
+        raw(server).set(prefix + "claim:" + uuid_y, "another-encoder", px=10_000)  # computing y, slowly
+        items = [{"modality": "image", "url": u} for u in (x, y)]
+        body = {"version": ENCODER_PROTOCOL_VERSION, "model": "shapes-qwen2vl", "items": items,
+                "context": {"max_model_len": 4096}}  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(post_json, a + "/v1/encode", body, internal_headers())
+            deadline = time.monotonic() + 6
+            while not raw(server).exists(prefix + uuid_x) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert raw(server).exists(prefix + uuid_x), "x waited for y's claim"
+            assert not call.done()  # y still waits for the other encoder
+            status, out = call.result(timeout=60)  # its claim lapsed: y computed here
+        assert status == 200 and [it["status"] for it in out["items"]] == ["computed", "computed"], out

@@ -7,7 +7,10 @@ encode call carries the prompt's room (``protocol.Context``), and its items wait
 once each knows its placeholder tokens (after preprocessing, or from a cache or store hit):
 together within the room, they go on to the vision tower; past it, every one of them is refused,
 none encoded. A call's items are those of one chat request that one encoder encodes; its text and
-the items other encoders got are not counted here (the worker counts the whole prompt).
+the items other encoders got are not counted here (the worker counts the whole prompt). With a
+shared store an item is counted before the encoder claims it (``store.single_flight``): no claim
+is held while the call's other items are counted, so two encoders counting the same items in
+opposite orders never wait for each other.
 """
 
 from __future__ import annotations

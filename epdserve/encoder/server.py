@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -108,6 +109,14 @@ class _Ready(NamedTuple):
     timings: ItemTimings
     stored: WireHeader | None = None  # its shared-store entry, when this encoder knows there is one
     second_per_grid: float | None = None  # a video's seconds per temporal patch (None: not a video)
+
+
+class _Prepared(NamedTuple):
+    """One item preprocessed and counted in its call's room."""
+
+    media: VisionInput | MediaInput
+    pixels: np.ndarray  # its patches (or log-mel frames)
+    done: float  # when its preprocessing ended (perf_counter)
 
 
 def _remember(table: OrderedDict[str, T], uuid: str, value: T) -> None:
@@ -375,8 +384,11 @@ class EncoderService:
             stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
             return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored, second)
         if self.store is None:
-            return self._timed(await self._compute(item, uuid, data, t0, t1, second, seat))
+            return self._timed(await self._compute(item, uuid, await self._prepare(item, data, seat), t0, t1, second))
         store, cfg = self.store, self.config.ec.store
+        # an item the store lacks is counted before it is claimed: no claim is held while the
+        # call's other items are counted (they may wait for claims other encoders hold)
+        prepared = None if await store.present(uuid) else await self._prepare(item, data, seat)
         got = await fetch_or_claim(store, uuid, cfg.wait_s)
         if isinstance(got, StoredItem):
             await seat.admit(got.embeddings.shape[0])
@@ -386,7 +398,9 @@ class EncoderService:
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
         async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
-            ready = await self._compute(item, uuid, data, t0, t1, second, seat)
+            if prepared is None:  # the entry went between the probe and the claim
+                prepared = await self._prepare(item, data, seat)
+            ready = await self._compute(item, uuid, prepared, t0, t1, second)
             if ready.status == "computed":
                 header = await store.put(uuid, ready.grid_thw, ready.embeddings)
                 if header is not None:
@@ -471,27 +485,32 @@ class EncoderService:
         media = self._preprocess(item, data, cancelled)
         return media, time.thread_time() - t
 
-    async def _compute(
-        self, item: EncodeItem, uuid: str, data: bytes | None, t0: float, t1: float, second: float | None, seat: Seat
-    ) -> _Ready:
-        """Preprocess and encode one item here (the batcher joins it with concurrent ones), once its
-        call's items fit their room (``seat``); ``second``: a pixel handle's video timing (a URL's
-        comes with its preprocessing)."""
+    async def _prepare(self, item: EncodeItem, data: bytes | None, seat: Seat) -> _Prepared:
+        """Preprocess one item, then count it in its call's room (``seat``): the call's items go on
+        to the vision tower only together, within the room."""
         try:
             media, cpu_s = await run_decode(self.executor, partial(self._timed_preprocess, item, data))
         except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
             raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
             raise BadRequest(f"The {item.modality} could not be preprocessed: {e}") from None
-        t2 = time.perf_counter()
+        done = time.perf_counter()
         if media.pixel_values is None:  # process_bytes always returns pixels
             raise ApiError("preprocessing produced no pixels")
-        await seat.admit(self.rows_of(media.grid_thw))
-        self.load.offer(media.pixel_values.shape[0])
         self.preprocess_cpu_s += cpu_s
         self.preprocess_patches += media.pixel_values.shape[0]
+        await seat.admit(self.rows_of(media.grid_thw))
+        return _Prepared(media, media.pixel_values, done)
+
+    async def _compute(
+        self, item: EncodeItem, uuid: str, prepared: _Prepared, t0: float, t1: float, second: float | None
+    ) -> _Ready:
+        """Encode one preprocessed item here (the batcher joins it with concurrent ones);
+        ``second``: a pixel handle's video timing (a URL's comes with its preprocessing)."""
+        media, pixels = prepared.media, prepared.pixels
+        self.load.offer(pixels.shape[0])
         try:
-            res = await self.batcher.encode(uuid, media.grid_thw, torch.from_numpy(media.pixel_values))
+            res = await self.batcher.encode(uuid, media.grid_thw, torch.from_numpy(pixels))
         except QueueFull as e:
             raise Overloaded(f"The encoder is overloaded: {e}.", retry_after_s=self.config.retry_after_s) from None
         except BatcherClosed as e:
@@ -500,7 +519,7 @@ class EncoderService:
             raise ApiError(f"Encoding failed: {e}", code="encode_failed") from None
         timings = ItemTimings(
             fetch_ms=_ms(t1 - t0),
-            preprocess_ms=_ms(t2 - t1),
+            preprocess_ms=_ms(prepared.done - t1),
             queue_ms=_ms(res.queue_s),
             encode_ms=_ms(res.encode_s),
         )
