@@ -82,7 +82,7 @@ from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
 from epdserve.models.loader import checkpoint_files, load_model
 from epdserve.models.registry import prompt_layout
-from epdserve.store.base import EmbeddingStore
+from epdserve.store.base import Claim, EmbeddingStore
 from epdserve.store.factory import open_store
 from epdserve.store.record import STORE_PURPOSE, EntryCheck, Grid, StoredItem
 from epdserve.store.single_flight import fetch_or_claim, holding
@@ -386,10 +386,12 @@ class EncoderService:
         if self.store is None:
             return self._timed(await self._compute(item, uuid, await self._prepare(item, data, seat), t0, t1, second))
         store, cfg = self.store, self.config.ec.store
-        # an item the store lacks is counted before it is claimed: no claim is held while the
-        # call's other items are counted (they may wait for claims other encoders hold)
-        prepared = None if await store.present(uuid) else await self._prepare(item, data, seat)
-        got = await fetch_or_claim(store, uuid, cfg.wait_s)
+        got: StoredItem | Claim | None = await store.get(uuid)
+        if got is None:
+            # counted before it is claimed: no claim is held while the call's other items are
+            # counted (they may wait for claims other encoders hold)
+            prepared = await self._prepare(item, data, seat)
+            got = await fetch_or_claim(store, uuid, cfg.wait_s, missed=True)
         if isinstance(got, StoredItem):
             await seat.admit(got.embeddings.shape[0])
             self.batcher.remember(uuid, got.grid_thw, got.embeddings)
@@ -398,8 +400,6 @@ class EncoderService:
             timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
             return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
         async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
-            if prepared is None:  # the entry went between the probe and the claim
-                prepared = await self._prepare(item, data, seat)
             ready = await self._compute(item, uuid, prepared, t0, t1, second)
             if ready.status == "computed":
                 header = await store.put(uuid, ready.grid_thw, ready.embeddings)

@@ -279,12 +279,11 @@ class Encodes:
             r.result, r.encoder = item, w.url
         return _Outcome.OK
 
-    async def encode_shielded(
-        self, model: str, refs: list[MediaRef], leases: int = 1, rid: str = "", context: Context | None = None
-    ) -> None:
-        """``encode``, finishing in the background if the client leaves meanwhile: the leases the
-        encoders issue for it are then given back as soon as they arrive, not after their TTL."""
-        task = asyncio.ensure_future(self.encode(model, refs, leases, rid, context))
+    async def encode_shielded(self, req: SamplingRequest, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
+        """``encode`` for ``req``'s media (its model, against its prompt's room), finishing in the
+        background if the client leaves meanwhile: the leases the encoders issue for it are then
+        given back as soon as they arrive, not after their TTL."""
+        task = asyncio.ensure_future(self.encode(req.model, refs, leases, rid, self.context_of(req)))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -173,9 +173,7 @@ class SplitChat:
                 if not e.worker_ok:
                     exclude.add(e.url)
                 if refs:
-                    await self.encodes.encode_shielded(
-                        req.model, refs, 1, trail.request_id, self.encodes.context_of(req)
-                    )
+                    await self.encodes.encode_shielded(req, refs, 1, trail.request_id)
         raise AssertionError("unreachable")
 
     async def _stream(

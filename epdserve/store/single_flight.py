@@ -19,11 +19,14 @@ from epdserve.store.record import StoredItem
 POLL_S = 0.02
 
 
-async def fetch_or_claim(store: EmbeddingStore, uuid: str, wait_s: float) -> StoredItem | Claim:
+async def fetch_or_claim(store: EmbeddingStore, uuid: str, wait_s: float, missed: bool = False) -> StoredItem | Claim:
+    """The entry of ``uuid``, or a claim to compute it; ``missed``: the caller has just looked for
+    the entry and found none (the first look is skipped)."""
     deadline = time.monotonic() + wait_s
     waited = False
     while True:
-        item = await store.get(uuid)
+        item = None if missed else await store.get(uuid)
+        missed = False
         if item is not None:
             return item
         claim = await store.claim(uuid)
