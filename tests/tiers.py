@@ -25,6 +25,7 @@ TIERS: dict[str, str] = {
     "test_encoder_batcher.py": "unit",
     "test_encoder_protocol.py": "unit",
     "test_encoder_service.py": "unit",
+    "test_error_answers.py": "unit",
     "test_engine_core.py": "unit",
     "test_engine_oracle.py": "unit",
     "test_fused_decoder.py": "unit",

@@ -24,10 +24,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except (ApiError, MediaError) as exc:
-        e = from_media_error(exc) if isinstance(exc, MediaError) else exc
-        resp = json_response(e.to_json(), e.status)
-        resp.headers.update(e.headers)
-        return resp
+        # no local may hold the error: its traceback holds this frame, and such a cycle keeps the
+        # failed request's buffers (its media's pixels) alive until a full garbage collection
+        return error_response(from_media_error(exc) if isinstance(exc, MediaError) else exc)
     except web.HTTPRequestEntityTooLarge:
         return json_response(PayloadTooLarge("The request body is too large.").to_json(), 413)
     except web.HTTPException as e:  # unknown route, wrong method, ...
@@ -36,6 +35,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as e:  # keep serving; report a clean 500
         log.exception("unhandled error")
         return json_response(ApiError(f"Internal server error: {type(e).__name__}").to_json(), 500)
+
+
+def error_response(e: ApiError) -> web.Response:
+    """The OpenAI-style JSON answer to ``e``, with its headers (Retry-After)."""
+    resp = json_response(e.to_json(), e.status)
+    resp.headers.update(e.headers)
+    return resp
 
 
 async def read_body(request: web.Request, max_bytes: int) -> bytes:

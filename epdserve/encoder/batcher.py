@@ -287,7 +287,9 @@ class EncodeBatcher:
         except Exception as e:
             seconds = time.perf_counter() - start
             log.exception("vision forward of %d items (%d patch rows) failed", len(batch), rows)
-            err = e if isinstance(e, EncodeError) else EncodeError(f"vision forward failed: {type(e).__name__}: {e}")
+            # a fresh error for the waiters: ``e``'s traceback holds this frame and its batch's pixels
+            why = str(e) if isinstance(e, EncodeError) else f"vision forward failed: {type(e).__name__}: {e}"
+            err = EncodeError(why)
             with self._lock:
                 for job in batch:
                     self._inflight.pop(job.uuid, None)
