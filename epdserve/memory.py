@@ -11,14 +11,16 @@ counts instances per host with it.
                         step's token budget of patches, whichever is larger
         embeddings      the embedding slab: the largest item's rows plus a step's, all feature levels
         encoder cache   EngineConfig.encoder_cache_bytes
-                        (a decode role meets no media: none of these three)
+        pending media   float32 pixels waiting for the tower (vision loaded): the bound
+                        max_pending_media_bytes, or the largest item where that is larger
+                        (a decode role meets no media: none of these four)
         decode mirror   the contiguous decode KV (PyTorch attention only): max_num_seqs x max_model_len tokens
         KV cache        blocks x block bytes: from --kv-cache-memory, or what --memory-fraction of the
                         free memory leaves after the rest, or --num-kv-blocks
 
     encoder role
         weights, vision (its largest forward: encode_token_budget patches or the largest item),
-        embeddings (that forward's output), encoder cache
+        embeddings (that forward's output), encoder cache, pending media
 
 A KV block holds ``block_size`` tokens of every layer's keys and values:
 ``2 x layers x block_size x kv_heads x head_dim x dtype bytes``. Counted bytes are upper bounds of
@@ -99,6 +101,12 @@ def max_item_patches(vision: VisionConfig, max_pixels: int, video_max_pixels: in
     return max(image, groups * (video_max_pixels // vision.patch_size**2))
 
 
+def pending_media_bytes(vision: VisionConfig, bound: int, item_patches: int) -> int:
+    """Float32 pixels a role holds for its tower (``media.pending``): ``bound``, or the largest
+    item where that is larger (one item is always let through); 0 without a bound to count."""
+    return max(bound, item_patches * vision.patch_dim * F32) if bound else 0
+
+
 def embedding_bytes(model: ModelConfig, tokens: int, dtype_bytes: int) -> int:
     """``tokens`` rows of media embeddings, every feature level (DeepStack) side by side."""
     return tokens * model.feature_levels * model.text.hidden_size * dtype_bytes
@@ -117,6 +125,7 @@ class RoleMemory:
     vision: int = 0  # the vision tower's largest forward
     embeddings: int = 0  # the embedding slab
     encoder_cache: int = 0
+    pending_media: int = 0  # preprocessed pixels waiting for the vision tower
     decode_mirror: int = 0
     kv_blocks: int = 0
     kv_cache: int = 0
@@ -125,7 +134,8 @@ class RoleMemory:
     @property
     def fixed(self) -> int:
         """Everything but the KV cache."""
-        return self.weights + self.activations + self.vision + self.embeddings + self.encoder_cache + self.decode_mirror
+        media = self.vision + self.embeddings + self.encoder_cache + self.pending_media
+        return self.weights + self.activations + media + self.decode_mirror
 
     @property
     def total(self) -> int:
@@ -139,6 +149,7 @@ class RoleMemory:
             ("vision peak", self.vision),
             ("embedding slab", self.embeddings),
             ("encoder cache", self.encoder_cache),
+            ("pending media", self.pending_media),
             ("decode mirror", self.decode_mirror),
         )
         parts += [f"{name} {format_bytes(b)}" for name, b in named if b]
@@ -161,13 +172,15 @@ def engine_memory(
     item_patches: int,
     vision: bool,
     decode_mirror: bool,
+    pending_media: int = 0,
     num_kv_blocks: int = 0,
     kv_cache_memory: int = 0,
     budget: int = 0,
     weights: int | None = None,
 ) -> RoleMemory:
     """A language-model role's account. Its KV blocks: ``kv_cache_memory`` worth, else what
-    ``budget`` leaves after the rest, else ``num_kv_blocks``. MemoryBudgetError when the rest
+    ``budget`` leaves after the rest, else ``num_kv_blocks``; ``pending_media``: the bound of its
+    pixels waiting for the tower (``media.pending``; counted where the tower is loaded). MemoryBudgetError when the rest
     alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
@@ -186,6 +199,9 @@ def engine_memory(
         if model.vision is not None and not decode
         else 0,
         encoder_cache=0 if decode else encoder_cache_bytes,
+        pending_media=pending_media_bytes(model.vision, pending_media, item_patches)
+        if loaded and model.vision is not None and not decode
+        else 0,
         decode_mirror=max_num_seqs * max_model_len * kv_block_bytes(model.text, 1, b) if decode_mirror else 0,
         budget=budget,
     )
@@ -220,10 +236,12 @@ def encoder_memory(
     encode_token_budget: int,
     encoder_cache_bytes: int,
     item_patches: int,
+    pending_media: int = 0,
     budget: int = 0,
     weights: int | None = None,
 ) -> RoleMemory:
-    """An encoder role's account; MemoryBudgetError when it exceeds ``budget`` (0: none)."""
+    """An encoder role's account; MemoryBudgetError when it exceeds ``budget`` (0: none).
+    ``pending_media``: the bound of its pixels waiting for the tower (``media.pending``)."""
     vision = model.vision_config
     b = DTYPE_BYTES[dtype]
     rows = max(encode_token_budget, item_patches)  # an item larger than the budget is encoded alone
@@ -233,6 +251,7 @@ def encoder_memory(
         vision=vision_forward_bytes(vision, rows, b),
         embeddings=embedding_bytes(model, rows // vision.spatial_merge_size**2, b),
         encoder_cache=encoder_cache_bytes,
+        pending_media=pending_media_bytes(vision, pending_media, item_patches),
         budget=budget,
     )
     if budget and out.total > budget:
@@ -271,6 +290,7 @@ def account_engine(
         item_patches=item_patches(model_dir, model),
         vision=vision,
         decode_mirror=not fused,
+        pending_media=config.max_pending_media_bytes,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         budget=int(config.memory_fraction * free),
@@ -278,7 +298,7 @@ def account_engine(
 
 
 def account_encoder(
-    model_dir: str | Path, dtype: str, encode_token_budget: int, encoder_cache_bytes: int
+    model_dir: str | Path, dtype: str, encode_token_budget: int, encoder_cache_bytes: int, pending_media: int
 ) -> RoleMemory:
     """``encoder_memory`` of an encoder on ``model_dir`` (an audio tower: its weights only)."""
     model = ModelConfig.from_pretrained(model_dir)
@@ -291,6 +311,7 @@ def account_encoder(
         encode_token_budget=encode_token_budget,
         encoder_cache_bytes=encoder_cache_bytes,
         item_patches=item_patches(model_dir, model),
+        pending_media=pending_media,
     )
 
 

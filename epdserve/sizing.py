@@ -111,7 +111,13 @@ def accounts(
     for role, vision in wanted:
         if vision is None:
             out.append(
-                account_encoder(model_dir, encoder.dtype, encoder.encode_token_budget, encoder.encoder_cache_bytes)
+                account_encoder(
+                    model_dir,
+                    encoder.dtype,
+                    encoder.encode_token_budget,
+                    encoder.encoder_cache_bytes,
+                    encoder.max_pending_media_bytes,
+                )
             )
         else:
             out.append(account_engine(model_dir, engine, role, vision, fused, free))

@@ -45,7 +45,7 @@ UP_FORWARDED = (
     (QUOTA, QUOTA_FLAGS, "public"),
     (EXPOSURE, ("public_metrics",), "public"),
     (SERVER, ("served_model_name",), "models"),
-    (ENGINE, ("kernels", "threads", "device", "dtype"), "models"),
+    (ENGINE, ("kernels", "threads", "device", "dtype", "max_pending_media_bytes"), "models"),
     (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
     (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "vision_step_s"), "lm"),
     (ENGINE, ("kv_cache_memory", "memory_fraction"), "lm"),
@@ -152,7 +152,9 @@ def vllm_args_of(args: argparse.Namespace) -> list[str]:
 # the flags that size a role's memory, as ``up`` hands them on (the rest: each role's default)
 SIZING_ENGINE_FLAGS: tuple[str, ...] = ("dtype", "kernels", "device", "max_model_len", "max_num_seqs")
 SIZING_ENGINE_FLAGS += ("max_num_batched_tokens", "num_kv_blocks", "block_size", "kv_cache_memory", "memory_fraction")
-SIZING_ENCODER_FLAGS = ("dtype", "kernels", "device", "encode_token_budget", "encoder_cache_bytes")
+SIZING_ENGINE_FLAGS += ("max_pending_media_bytes",)
+SIZING_ENCODER_FLAGS: tuple[str, ...] = ("dtype", "kernels", "device", "encode_token_budget", "encoder_cache_bytes")
+SIZING_ENCODER_FLAGS += ("max_pending_media_bytes",)
 
 
 def up_sizing(args: argparse.Namespace) -> Settings:

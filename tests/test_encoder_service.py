@@ -140,21 +140,30 @@ def test_a_full_shm_slab_is_a_429_not_a_crash(model_dir: Path) -> None:
     run(model_dir, scenario)
 
 
+async def running_held(
+    service: EncoderService, request: Awaitable[tuple[int, dict]]
+) -> tuple[asyncio.Event, asyncio.Future]:
+    """``request`` sent and its forward started, held until the returned event is set (as is every
+    forward after it)."""
+    real = service.batcher.visual
+    gate = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def held(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10)
+        return real(pixels, grid)
+
+    service.batcher.visual = held
+    warm_up = service.batcher.batches  # the service's own warm-up forward
+    first = asyncio.ensure_future(request)
+    while service.batcher.batches == warm_up:
+        await asyncio.sleep(0.01)
+    return gate, first
+
+
 def test_an_overloaded_queue_is_a_429(model_dir: Path) -> None:
     async def scenario(service: EncoderService, post) -> None:
-        real = service.batcher.visual
-        gate = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def held(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-            asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10)
-            return real(pixels, grid)
-
-        service.batcher.visual = held
-        warm_up = service.batcher.batches  # the service's own warm-up forward
-        first = asyncio.ensure_future(post(body(4)))  # running, held
-        while service.batcher.batches == warm_up:
-            await asyncio.sleep(0.01)
+        gate, first = await running_held(service, post(body(4)))
         second = asyncio.ensure_future(post(body(5)))  # queued: the queue is full
         while service.batcher.queue_depth == 0:
             await asyncio.sleep(0.01)
@@ -164,3 +173,31 @@ def test_an_overloaded_queue_is_a_429(model_dir: Path) -> None:
         assert (await first)[0] == 200 and (await second)[0] == 200
 
     run(model_dir, scenario, max_queued_items=1)
+
+
+def test_media_past_the_pending_bound_is_a_429_and_given_back(model_dir: Path) -> None:
+    """Bounded at one byte, an encoder holds one item's pixels at a time: another item waits at its
+    client (429) while the first is in the tower, and each item's bytes are given back however its
+    call ends."""
+
+    async def scenario(service: EncoderService, post) -> None:
+        real = service.batcher.visual
+
+        def failing(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("injected fault")
+
+        gate, first = await running_held(service, post(body(7)))
+        assert service.pending.held > 0
+        status, err = await post(body(8))
+        assert status == 429 and err["error"]["type"] == "rate_limit_error" and err["retry_after"] == "1"
+        assert "wait for the vision tower" in err["error"]["message"]
+        gate.set()
+        assert (await first)[0] == 200 and service.pending.held == 0
+        service.batcher.visual = failing
+        assert (await post(body(8)))[0] == 500 and service.pending.held == 0
+        service.batcher.visual = real
+        status, ok = await post(body(8))
+        assert status == 200 and ok["items"][0]["status"] == "computed" and service.pending.held == 0
+        assert service.pending.refused == 1
+
+    run(model_dir, scenario, max_pending_media_bytes=1)

@@ -189,6 +189,27 @@ def test_an_encoder_counts_its_largest_forward() -> None:
         )
 
 
+def test_the_media_a_role_holds_for_its_tower_is_counted_at_its_bound() -> None:
+    model = qwen2_vl_2b()
+    item = 65536 * 1176 * 4  # the largest image's float32 patches
+    for bound in (64 << 20, 1 << 30):
+        pd = engine_memory(model, **_engine(model, num_kv_blocks=256, pending_media=bound))
+        enc = encoder_memory(
+            model,
+            dtype="bfloat16",
+            encode_token_budget=8192,
+            encoder_cache_bytes=0,
+            item_patches=65536,
+            pending_media=bound,
+        )
+        assert pd.pending_media == enc.pending_media == max(bound, item)  # one item is always let through
+        assert f"pending media {format_bytes(max(bound, item))}" in pd.line()
+        assert enc.total == enc.weights + enc.vision + enc.embeddings + enc.pending_media
+    tower_less = engine_memory(model, **_engine(model, num_kv_blocks=256, pending_media=1 << 30, vision=False))
+    decode = engine_memory(model, **_engine(model, role="decode", num_kv_blocks=256, pending_media=1 << 30))
+    assert tower_less.pending_media == decode.pending_media == 0  # no pixels ever reach them
+
+
 def test_available_memory_is_some_of_the_machine() -> None:
     assert 0 < available_memory("cpu") <= host_memory()
 
@@ -260,7 +281,7 @@ def test_plan_memory_prints_how_many_of_each_role_fit() -> None:
     r = subprocess.run(
         [
             *(sys.executable, "-m", "epdserve.cli", "plan", "--memory", "--model", str(default_model_dir())),
-            *("--host-memory", "1GiB", "--host-cores", "3", "--num-kv-blocks", "512"),
+            *("--host-memory", "3GiB", "--host-cores", "3", "--num-kv-blocks", "512"),
         ],
         capture_output=True,
         text=True,
@@ -268,12 +289,12 @@ def test_plan_memory_prints_how_many_of_each_role_fit() -> None:
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == "host: 1.00 GiB, 3 cores"
+    assert lines[0] == "host: 3.00 GiB, 3 cores"
     pd = next(line for line in lines if line.strip().startswith("pd (vision tower)"))
     account = next(line for line in lines if line.strip().startswith("pd memory:"))
     assert "KV cache 64.0 MiB (512 blocks)" in account  # 512 blocks of 128 KiB
     total = parse_bytes(account.rsplit("total ", 1)[1].replace(" ", ""))
-    assert f"-> {min(3, (1 << 30) // total)} instances" in " ".join(pd.split())
+    assert f"-> {min(3, (3 << 30) // total)} instances" in " ".join(pd.split())
 
 
 def test_up_plan_and_each_role_count_the_same_bytes() -> None:
@@ -286,14 +307,14 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
 
     model_dir = default_model_dir()
     engine = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_batched_tokens": 512}
-    fit = check_fit(
-        model_dir, Settings(engine, {"dtype": "float32"}), 2, {"prefill": 1, "decode": 3}, True, accounts_here
-    )
+    engine["max_pending_media_bytes"] = 80 << 20
+    encoder = {"dtype": "float32", "max_pending_media_bytes": 80 << 20}  # as up hands the flag to both
+    fit = check_fit(model_dir, Settings(engine, encoder), 2, {"prefill": 1, "decode": 3}, True, accounts_here)
     config = EngineConfig(**engine)  # type: ignore[arg-type]
-    budget = EncoderConfig(model=model_dir).encode_token_budget
+    enc = EncoderConfig(model=model_dir)
     started = {
         "encoder": plan_encoder(
-            model_dir, "float32", "cpu", budget, EncoderConfig(model=model_dir).encoder_cache_bytes
+            model_dir, "float32", "cpu", enc.encode_token_budget, enc.encoder_cache_bytes, 80 << 20
         ),
         "prefill": plan_engine(model_dir, config, "prefill", True),
         "decode": plan_engine(model_dir, config, "decode", True),

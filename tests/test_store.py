@@ -215,6 +215,8 @@ def test_encoders_share_work_through_the_store_and_survive_its_death(server: Red
         assert statuses.count("computed") == 1, statuses
         after = _metric(a, "encoder_batch_items_total") + _metric(b, "encoder_batch_items_total")
         assert after - before == 1
+        # whether computed, waited for or read from the store, each item gave its pixels' bytes back
+        assert _metric(a, "encoder_pending_media_bytes") == _metric(b, "encoder_pending_media_bytes") == 0
         # the store dies: encoders compute alone, no request fails
         server.kill()
         for url, seed in ((a, 3), (b, 3), (a, 1)):

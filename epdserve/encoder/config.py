@@ -11,9 +11,11 @@ import torch
 from epdserve.api.auth import AuthConfig
 from epdserve.api.registration import RegistrationConfig
 from epdserve.common.dtypes import DType, torch_dtype
+from epdserve.common.units import ByteSize
 from epdserve.encoder.batcher import BatcherConfig
 from epdserve.kernels import KernelChoice
 from epdserve.media.limits import MediaLimits
+from epdserve.media.pending import PENDING_MEDIA_BYTES
 from epdserve.transfer.config import ECConfig
 
 
@@ -29,6 +31,7 @@ class EncoderConfig:
     encode_forward_s: float = 0.5  # most seconds (as timed) of one vision forward; 1 item at least; 0: no bound
     batch_wait_ms: float = 0.0  # extra wait for more items before a forward (0: batch what is queued)
     max_queued_items: int = 1024  # items waiting for a forward beyond which requests get 429
+    max_pending_media_bytes: ByteSize = PENDING_MEDIA_BYTES  # pixels held for the tower; past it 429 (1 item always)
     encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
     max_items_per_request: int = 32  # media items one /v1/encode request may carry
     max_request_bytes: int = 64 << 20  # largest request body
@@ -52,7 +55,7 @@ class EncoderConfig:
         torch_dtype(self.dtype)  # raises for an unknown name
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")
-        for name in ("max_items_per_request", "max_request_bytes"):
+        for name in ("max_items_per_request", "max_request_bytes", "max_pending_media_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("encoder_cache_bytes", "threads", "preprocess_threads"):

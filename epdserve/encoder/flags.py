@@ -14,6 +14,7 @@ ENCODER_FLAGS = (
     "encode_forward_s",
     Flag("batch_wait_ms", "--encode-batch-wait-ms"),
     "encoder_cache_bytes",
+    "max_pending_media_bytes",
     "kernels",
     "threads",
     "core_board",

@@ -12,6 +12,7 @@ from prometheus_client import Histogram
 from epdserve.api.metrics import Metrics
 from epdserve.encoder.batcher import EncodeBatcher
 from epdserve.encoder.protocol import ItemStatus
+from epdserve.media.pending import PendingMedia
 from epdserve.models.loader import LoadReport
 from epdserve.store.base import EmbeddingStore
 from epdserve.transfer.base import ECProducer
@@ -34,10 +35,17 @@ def declare_metrics(
     store: EmbeddingStore | None,
     load_report: LoadReport,
     checkpoint_tensors: int,
+    pending: PendingMedia,
 ) -> Histograms:
     """Every metric of an encoder on ``metrics``; the histograms it observes into."""
     m, b = metrics, batcher
     m.gauge("encoder_queue_depth", "media items waiting for a vision forward", lambda: b.queue_depth)
+    m.gauge("encoder_pending_media_bytes", "preprocessed media held for the vision tower", lambda: pending.held)
+    m.gauge(
+        "encoder_pending_media_refused",
+        "items refused (429) because the media held for the vision tower was at its bound",
+        lambda: pending.refused,
+    )
     m.gauge("encoder_cache_bytes", "bytes held by the local embedding cache", lambda: b.cache.nbytes)
     m.gauge("encoder_cache_items", "items held by the local embedding cache", lambda: len(b.cache))
     m.gauge(

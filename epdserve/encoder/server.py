@@ -64,6 +64,7 @@ from epdserve.encoder.protocol import (
     decode_release,
     decode_request,
 )
+from epdserve.encoder.publish import Publisher, handle_nbytes
 from epdserve.encoder.room import PromptRoom, Seat
 from epdserve.encoder.warmup import warm_up
 from epdserve.engine.inputs import MediaInput
@@ -77,6 +78,7 @@ from epdserve.media.budget import run_decode
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
+from epdserve.media.pending import Pending, PendingFull, PendingMedia
 from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
@@ -87,7 +89,7 @@ from epdserve.store.factory import open_store
 from epdserve.store.record import STORE_PURPOSE, EntryCheck, Grid, StoredItem
 from epdserve.store.single_flight import fetch_or_claim, holding
 from epdserve.transfer import signing
-from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
+from epdserve.transfer.base import ECProducer, Handle, TransferError
 from epdserve.transfer.config import STORE_HANDLE
 from epdserve.transfer.factory import make_producer
 from epdserve.transfer.header import WireHeader, to_handle
@@ -117,6 +119,7 @@ class _Prepared(NamedTuple):
     media: VisionInput | MediaInput
     pixels: np.ndarray  # its patches (or log-mel frames)
     done: float  # when its preprocessing ended (perf_counter)
+    held: Pending  # its bytes among the media waiting for the tower: released once it is encoded
 
 
 def _remember(table: OrderedDict[str, T], uuid: str, value: T) -> None:
@@ -142,7 +145,12 @@ class EncoderService:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         memory = plan_encoder(
-            config.model, config.dtype, config.device, config.encode_token_budget, config.encoder_cache_bytes
+            config.model,
+            config.dtype,
+            config.device,
+            config.encode_token_budget,
+            config.encoder_cache_bytes,
+            config.max_pending_media_bytes,
         )  # refuses before any weight is read
         log.info("%s", memory.line())
         model, self.load_report = load_model(
@@ -183,6 +191,9 @@ class EncoderService:
             "epdserve-encoder", config.otlp_traces_endpoint, self._stats_fields, config.log_stats_interval_s
         )
         self.metrics, self.tracing = self.role.metrics, self.role.tracing
+        self.publisher = Publisher(
+            self.producer, config.model_name, self.feature_levels, self.metrics, config.retry_after_s
+        )
         self.window = self.role.window  # requests and items since the last stats line
         # on a core board, forwards also run on the cores of the host's idle roles (and yield theirs)
         lends = bool(config.core_board) and threads_for(visual) > 1  # weights large enough to split
@@ -223,8 +234,15 @@ class EncoderService:
             )
             self.store = open_store(config.ec.store, check, lend=True)
         self.load = EncoderLoad()  # the autoscaling signal
+        self.pending = PendingMedia(config.max_pending_media_bytes)  # pixels held until encoded
         hist = declare_metrics(
-            self.metrics, self.batcher, self.producer, self.store, self.load_report, self.checkpoint_tensors
+            self.metrics,
+            self.batcher,
+            self.producer,
+            self.store,
+            self.load_report,
+            self.checkpoint_tensors,
+            self.pending,
         )
         self.forward_seconds, self.request_seconds, self.put_seconds, self.batch_size = hist
         self.metrics.gauge(
@@ -321,7 +339,7 @@ class EncoderService:
                 raise out
             ready.append(out)
         loop = asyncio.get_running_loop()
-        handles = await loop.run_in_executor(self.put_executor, self._put_all, ready, req.leases)
+        handles = await loop.run_in_executor(self.put_executor, self.publisher.put_all, ready, req.leases)
         items: list[EncodedItem] = []
         for r, (handle, *more) in zip(ready, handles, strict=True):
             self.put_seconds.observe(r.timings.put_ms / 1000)
@@ -384,29 +402,37 @@ class EncoderService:
             stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
             return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored, second)
         if self.store is None:
-            return self._timed(await self._compute(item, uuid, await self._prepare(item, data, seat), t0, t1, second))
+            alone = await self._prepare(item, data, seat)
+            with alone.held:
+                return self._timed(await self._compute(item, uuid, alone, t0, t1, second))
         store, cfg = self.store, self.config.ec.store
         got: StoredItem | Claim | None = await store.get(uuid)
-        if got is None:
-            # counted before it is claimed: no claim is held while the call's other items are
-            # counted (they may wait for claims other encoders hold)
-            prepared = await self._prepare(item, data, seat)
-            got = await fetch_or_claim(store, uuid, cfg.wait_s, missed=True)
-        if isinstance(got, StoredItem):
-            await seat.admit(got.embeddings.shape[0])
-            self.batcher.remember(uuid, got.grid_thw, got.embeddings)
-            self._remember_stored(uuid, got.header)
-            second = await self._video_timing(item, uuid, data, second)
-            timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
-            return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
-        async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
-            ready = await self._compute(item, uuid, prepared, t0, t1, second)
-            if ready.status == "computed":
-                header = await store.put(uuid, ready.grid_thw, ready.embeddings)
-                if header is not None:
-                    self._remember_stored(uuid, header)
-                    ready = ready._replace(stored=header)
-        return self._timed(ready)
+        prepared: _Prepared | None = None
+        try:
+            if got is None:
+                # counted before it is claimed: no claim is held while the call's other items are
+                # counted (they may wait for claims other encoders hold)
+                prepared = await self._prepare(item, data, seat)
+                got = await fetch_or_claim(store, uuid, cfg.wait_s, missed=True)
+            if isinstance(got, StoredItem):
+                await seat.admit(got.embeddings.shape[0])
+                self.batcher.remember(uuid, got.grid_thw, got.embeddings)
+                self._remember_stored(uuid, got.header)
+                second = await self._video_timing(item, uuid, data, second)
+                timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
+                return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
+            assert prepared is not None  # a claim follows a miss
+            async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
+                ready = await self._compute(item, uuid, prepared, t0, t1, second)
+                if ready.status == "computed":
+                    header = await store.put(uuid, ready.grid_thw, ready.embeddings)
+                    if header is not None:
+                        self._remember_stored(uuid, header)
+                        ready = ready._replace(stored=header)
+            return self._timed(ready)
+        finally:
+            if prepared is not None:
+                prepared.held.release()
 
     async def _ensure_stored(self, uuid: str, grid: Grid, embeddings: torch.Tensor) -> WireHeader | None:
         """The store entry of an item this encoder has cached, written again if the store lost it
@@ -499,8 +525,16 @@ class EncoderService:
             raise ApiError("preprocessing produced no pixels")
         self.preprocess_cpu_s += cpu_s
         self.preprocess_patches += media.pixel_values.shape[0]
-        await seat.admit(self.rows_of(media.grid_thw))
-        return _Prepared(media, media.pixel_values, done)
+        try:
+            held = self.pending.take(media.pixel_values.nbytes)
+        except PendingFull as e:
+            raise Overloaded(f"The encoder is overloaded: {e}.", retry_after_s=self.config.retry_after_s) from None
+        try:
+            await seat.admit(self.rows_of(media.grid_thw))
+        except BaseException:
+            held.release()
+            raise
+        return _Prepared(media, media.pixel_values, done, held)
 
     async def _compute(
         self, item: EncodeItem, uuid: str, prepared: _Prepared, t0: float, t1: float, second: float | None
@@ -528,56 +562,10 @@ class EncoderService:
         status: ItemStatus = "cache_hit" if res.cache_hit else "computed"
         return _Ready(item, uuid, media.grid_thw, res.embeddings, status, timings, second_per_grid=second)
 
-    def _put_all(self, ready: list[_Ready], leases: int) -> list[list[Handle]]:
-        """Put every item's embeddings (runs on the put thread): ``leases`` handles per item, the
-        later ones leases on the payload the first stored."""
-        handles: list[list[Handle]] = []
-        model_id = self.config.model_name
-        for i, r in enumerate(ready):
-            t0 = time.perf_counter()
-            try:
-                handles.append([])
-                for _ in range(leases):
-                    handles[-1].append(self.producer.put(r.uuid, r.embeddings, model_id, self.feature_levels))
-            except ProducerFull as e:
-                # consumers hold everything the connector can store: a load signal, not a failure,
-                # so the encoder stays healthy and the router spreads or sheds the load
-                self._release_all([h for hs in handles for h in hs])
-                self.metrics.inc("encoder_put_failures_total", labels={"cause": "full"})
-                log.warning("EC connector full: %s", e)
-                raise Overloaded(
-                    "The encoder's embedding store is full; retry shortly.",
-                    param=f"items[{i}]",
-                    retry_after_s=self.config.retry_after_s,
-                ) from None
-            except TransferError as e:
-                self._release_all([h for hs in handles for h in hs])
-                self.metrics.inc("encoder_put_failures_total", labels={"cause": "error"})
-                raise Unavailable(f"The embeddings could not be published: {e}", param=f"items[{i}]") from None
-            r.timings.put_ms = _ms(time.perf_counter() - t0)
-        return handles
-
-    def _release_all(self, handles: list[Handle]) -> int:
-        """Producer-side release of leases this encoder issued (abandoned requests); returns how many
-        were live. Handles that do not verify or are not this producer's are ignored."""
-        released = 0
-        for h in handles:
-            try:
-                released += bool(self.producer.release(h))
-            except TransferError as e:
-                log.warning("refused a release: %s", e)
-        return released
-
     async def release(self, body: bytes) -> int:
         req = decode_release(body)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.put_executor, self._release_all, req.handles)
-
-
-def handle_nbytes(handle: Handle, tensor: torch.Tensor) -> int:
-    """Bytes a put moved: the handle's ``nbytes`` when it reports one, else the tensor's size."""
-    n = handle.get("nbytes")
-    return n if isinstance(n, int) else tensor.numel() * tensor.element_size()
+        return await loop.run_in_executor(self.put_executor, self.publisher.release_all, req.handles)
 
 
 def _ms(seconds: float) -> float:

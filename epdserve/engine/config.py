@@ -8,6 +8,7 @@ from typing import Literal, get_args
 from epdserve.common.dtypes import DType, check_dtype
 from epdserve.common.units import ByteSize
 from epdserve.kernels import KernelChoice
+from epdserve.media.pending import PENDING_MEDIA_BYTES
 
 PDRole = Literal["both", "prefill", "decode"]  # what an instance does of a request (P/D disaggregation)
 
@@ -26,6 +27,7 @@ class EngineConfig:
     # a large vision tower then gives each request of a burst its first token in turn:
     vision_step_s: float = 0.5  # vision seconds (as timed) of new requests a step admits; past it, one in a step without prompts; 0: no bound
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
+    max_pending_media_bytes: ByteSize = PENDING_MEDIA_BYTES  # pixels held for the tower; past it 429 (1 item always)
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 0  # torch intra-op threads (0: every core it may run on for a model with large weights, else 1)
@@ -45,6 +47,8 @@ class EngineConfig:
             raise ValueError("give kv_cache_memory or memory_fraction, not both")
         if not self.sized_by_memory and self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
+        if self.max_pending_media_bytes < 1:
+            raise ValueError("max_pending_media_bytes must be >= 1")
         if self.media_max_wait_s < 0 or self.vision_step_s < 0 or self.threads < 0:
             raise ValueError("media_max_wait_s, vision_step_s and threads must be >= 0")
         cpu_list(self.cpus)

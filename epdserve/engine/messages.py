@@ -141,6 +141,13 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     arrival: float = 0.0
     kv: KVTransfer | None = None
 
+    def sent(self) -> AddRequest:
+        """The request as its front end keeps it once the core has it: without its pixels, by far
+        its largest part and the core's own from then on."""
+        if all(m.pixels is None for m in self.media):
+            return self
+        return msgspec.structs.replace(self, media=[msgspec.structs.replace(m, pixels=None) for m in self.media])
+
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
     request_ids: list[str]

@@ -39,7 +39,6 @@ class Generation:
 
     def __init__(self, service: ChatService, add: AddRequest) -> None:
         self.s = service
-        self.add = add
         self.detok = Detokenizer(service.tokenizer, add.params.stop)
         self.completion_tokens = 0
         self.prompt_tokens = len(add.prompt_token_ids)
@@ -49,6 +48,7 @@ class Generation:
             self.detok.push([add.kv.first_token])
             self.completion_tokens = 1
         self._outputs = service.core.generate(add)
+        self.add = add.sent()  # the core has the pixels now
 
     async def aclose(self) -> None:
         await self._outputs.aclose()  # type: ignore[attr-defined]

@@ -104,12 +104,14 @@ class ChatHandlers:
         try:
             if not is_internal(request):  # a client's share (api.quota); the router counted its calls
                 ticket = s.quotas.admit(Quotas.client(request))
-            req, add = await s.prepare(body, is_internal(request))
-            t_prepared = time.perf_counter()
-            kind = request_kind(req)
-            if ticket is not None:
-                ticket.reserve(len(add.prompt_token_ids) + add.params.max_tokens)
-            gen, first = await Generation.started(s, add)
+            req, add, held = await s.prepare(body, is_internal(request))
+            with held:
+                t_prepared = time.perf_counter()
+                kind = request_kind(req)
+                if ticket is not None:
+                    ticket.reserve(len(add.prompt_token_ids) + add.params.max_tokens)
+                gen, first = await Generation.started(s, add)
+                add = gen.add  # without the pixels: the core has them, this request keeps no copy
         except BaseException as e:
             if ticket is not None:
                 ticket.failed()

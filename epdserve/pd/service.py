@@ -17,7 +17,7 @@ from typing import get_args
 
 from epdserve.api import logs
 from epdserve.api.chat_messages import template_messages
-from epdserve.api.errors import BadRequest, NotFound, context_too_long
+from epdserve.api.errors import BadRequest, NotFound, Overloaded, context_too_long
 from epdserve.api.load import LoadReport, worker_ratio
 from epdserve.api.media import MediaResolver
 from epdserve.api.protocol import (
@@ -43,6 +43,7 @@ from epdserve.engine.messages import AddRequest, EngineStats, KVTransfer, StageT
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
 from epdserve.media.fetch import media_session
+from epdserve.media.pending import Pending, PendingFull, PendingMedia
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
@@ -94,6 +95,7 @@ class ChatService:
         self.core_died: str | None = None
         self.stats = EngineStats()
         self.vision_rate = CostRate()  # seconds per patch of raw media encoded here
+        self.pending = PendingMedia(engine.max_pending_media_bytes)  # pixels the core holds for its tower
         self.fetch_rate = CostRate()  # seconds per embedding byte fetched from encoders
         role = {"both": "pd", "prefill": "prefill", "decode": "decode"}[config.role]
         self.role = RoleBasics(
@@ -286,15 +288,21 @@ class ChatService:
         with contextlib.suppress(ConnectionError, TimeoutError):
             self.stats = await self.core.stats()
 
-    async def prepare(self, body: bytes, internal: bool = False) -> tuple[ChatRequest, AddRequest]:
-        """Validate, resolve media and build the engine request. Handles of a request that fails
-        here are given back at once: nothing a rejected request was given stays held."""
+    async def prepare(self, body: bytes, internal: bool = False) -> tuple[ChatRequest, AddRequest, Pending]:
+        """Validate, resolve media and build the engine request, its pixels counted among those
+        held for the vision tower (release the ``Pending`` once its first token is out). Handles of
+        a request that fails here are given back at once: nothing a rejected request was given
+        stays held."""
         cfg = self.config
         req = decode_chat_request(body, cfg.limits, cfg.max_prompt_chars)
         check_embeds_trust(req, internal, cfg.enable_mm_embeds)
         check_kv_trust(req, internal)
         try:
-            return req, await self._prepare(req)
+            add = await self._prepare(req)
+            try:  # until its first token the core holds its pixels: a burst waits at its clients
+                return req, add, self.pending.take(sum(len(m.pixels.data) for m in add.media if m.pixels is not None))
+            except PendingFull as e:
+                raise Overloaded(f"The server is overloaded: {e}.") from None
         except BaseException:
             if internal:
                 kv = req.kv_transfer_params

@@ -45,8 +45,9 @@ async def warm_up(service: ChatService) -> None:
     start = time.perf_counter()
     image = service.core.vision and "image" in service.model_config.modalities
     try:
-        _, add = await service.prepare(warmup_body(service.config.model_name, image))
-        gen, _ = await Generation.started(service, add)
+        _, add, held = await service.prepare(warmup_body(service.config.model_name, image))
+        with held:
+            gen, _ = await Generation.started(service, add)
         try:
             async for _ in gen.rest():
                 pass

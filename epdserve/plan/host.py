@@ -46,10 +46,12 @@ ROLES: dict[str, Wanted] = {
 
 def roles(model_dir: Path, engine: EngineConfig) -> dict[str, RoleMemory]:
     """The account of every role of a deployment of ``model_dir`` under ``engine`` (encoders: in
-    its dtype, otherwise their defaults): the one ``up`` sums and each role checks at start-up."""
+    its dtype and with its bound of pending media, as ``up`` hands them on, otherwise their
+    defaults): the one ``up`` sums and each role checks at start-up."""
     from epdserve.encoder.config import EncoderConfig
 
-    encoder = EncoderConfig(model=model_dir, dtype=engine.dtype)
+    pending = engine.max_pending_media_bytes
+    encoder = EncoderConfig(model=model_dir, dtype=engine.dtype, max_pending_media_bytes=pending)
     found = accounts(model_dir, engine, encoder, list(ROLES.values()), 0)
     return dict(zip(ROLES, found, strict=True))
 

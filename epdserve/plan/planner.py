@@ -250,6 +250,7 @@ MEMORY_ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "num_kv_blocks",
     "kv_cache_memory",
+    "max_pending_media_bytes",  # the engine's and, as up hands it on, the encoders'
 )
 
 
