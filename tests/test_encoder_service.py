@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def run(model_dir: Path, scenario: Scenario, **config: object) -> None:
         ec = ECConfig(shm_bytes=1 << 20, instance="test-encoder-service")
         auth = AuthConfig(cluster=ClusterCredential.load())
         service = EncoderService(EncoderConfig(model=model_dir, threads=1, ec=ec, auth=auth, **config))  # type: ignore[arg-type]
-        runner = web.AppRunner(build_app(service))
+        runner = web.AppRunner(build_app(service), handler_cancellation=True)  # as a role runs it
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -201,3 +202,49 @@ def test_media_past_the_pending_bound_is_a_429_and_given_back(model_dir: Path) -
         assert service.pending.refused == 1
 
     run(model_dir, scenario, max_pending_media_bytes=1)
+
+
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_caller_that_leaves_costs_no_forward_and_no_lease(model_dir: Path) -> None:
+    """An item whose caller left while it was queued is never encoded and its pixels are given
+    back; a put its caller left during gives its leases back once done."""
+
+    async def scenario(service: EncoderService, post) -> None:
+        gate, first = await running_held(service, post(body(20)))
+        held_by_first = service.pending.held
+        left = asyncio.ensure_future(post(body(21)))
+        await until(lambda: service.batcher.queue_depth == 1)
+        left.cancel()  # the caller closes its connection
+        await until(lambda: service.pending.held == held_by_first)
+        gate.set()
+        assert (await first)[0] == 200
+        forwards = service.batcher.batches
+        await until(lambda: service.batcher.queue_depth == 0)
+        await asyncio.sleep(0.2)
+        assert service.batcher.batches == forwards and service.pending.held == 0
+
+        real_put, putting, release = service.producer.put, threading.Event(), threading.Event()
+
+        def slow_put(key: str, tensor: torch.Tensor, model_id: str, levels: int = 1):
+            putting.set()
+            release.wait(10)
+            return real_put(key, tensor, model_id, levels)
+
+        service.producer.put = slow_put  # type: ignore[method-assign]
+        live = service.producer.live_handles
+        left = asyncio.ensure_future(post(body(22)))
+        await until(putting.is_set)
+        left.cancel()
+        await asyncio.sleep(0.2)  # the handler is cancelled while the put goes on
+        release.set()
+        await until(lambda: service.producer.live_handles == live)
+        service.producer.put = real_put  # type: ignore[method-assign]
+        assert (await post(body(23)))[0] == 200 and service.producer.live_handles == live + 1
+
+    run(model_dir, scenario)

@@ -15,6 +15,7 @@ import pytest
 from epdserve.api.auth import AuthConfig
 from epdserve.api.errors import Overloaded, Timeout, WorkerFailed
 from epdserve.api.metrics import Metrics
+from epdserve.api.protocol import ChatRequest
 from epdserve.api.tracing import Tracing
 from epdserve.encoder.protocol import EncodedItem, EncodeResponse, encode_response
 from epdserve.launcher import free_port
@@ -206,5 +207,35 @@ def test_a_refused_release_is_logged_and_not_counted(caplog: pytest.LogCaptureFi
         assert counted(metrics, "router_leases_released_total") == 0
         assert "refused to release 1 leases (HTTP 401" in caplog.text
         assert "could not release 1 leases" in caplog.text
+
+    asyncio.run(run())
+
+
+def test_a_client_that_leaves_closes_the_call_to_its_encoder() -> None:
+    """The encode of a request whose client left is not left to run: the call is closed at once (its
+    encoder then drops the items it still queues), not when the encoder answers."""
+
+    async def run() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+            await reader.read()  # answers nothing until the caller closes
+            server.closed_by_client.set()
+            return False
+
+        server = Server(silent)
+        async with server as url:
+            config = RouterConfig(encoders=(url,), auth=AuthConfig(cluster=ClusterCredential.generate()))
+            metrics = RouterMetrics.create(Metrics())
+            encodes = Encodes(config, metrics, WorkerPools(config, metrics.registry), Tracing("test", ""))
+            req = msgspec.json.decode(
+                b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', type=ChatRequest
+            )
+            handler = asyncio.ensure_future(encodes.encode_shielded(req, refs()))
+            while not server.requests:
+                await asyncio.sleep(0.01)
+            handler.cancel()  # the client left
+            await asyncio.wait_for(server.closed_by_client.wait(), 5)  # the timeout is far later
+            assert config.encode_timeout_s > 30
+            await encodes.drain()
+            encodes.workers.http.close()
 
     asyncio.run(run())

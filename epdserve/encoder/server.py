@@ -338,8 +338,7 @@ class EncoderService:
             if isinstance(out, BaseException):
                 raise out
             ready.append(out)
-        loop = asyncio.get_running_loop()
-        handles = await loop.run_in_executor(self.put_executor, self.publisher.put_all, ready, req.leases)
+        handles = await self._put(ready, req.leases)
         items: list[EncodedItem] = []
         for r, (handle, *more) in zip(ready, handles, strict=True):
             self.put_seconds.observe(r.timings.put_ms / 1000)
@@ -368,6 +367,23 @@ class EncoderService:
                 )
             )
         return EncodeResponse(items=items)
+
+    async def _put(self, ready: list[_Ready], leases: int) -> list[list[Handle]]:
+        """The call's embeddings put on the put thread; if the caller leaves meanwhile, the leases
+        the put issues go back as soon as it is done (nobody will read them)."""
+        loop = asyncio.get_running_loop()
+        putting = loop.run_in_executor(self.put_executor, self.publisher.put_all, ready, leases)
+        try:
+            return await asyncio.shield(putting)
+        except asyncio.CancelledError:
+
+            def give_back(f: asyncio.Future[list[list[Handle]]]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    handles = [h for hs in f.result() for h in hs]
+                    loop.run_in_executor(self.put_executor, self.publisher.release_all, handles)
+
+            putting.add_done_callback(give_back)
+            raise
 
     async def _seated(self, item: EncodeItem, seat: Seat) -> _Ready:
         try:

@@ -280,9 +280,10 @@ class Encodes:
         return _Outcome.OK
 
     async def encode_shielded(self, req: SamplingRequest, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
-        """``encode`` for ``req``'s media (its model, against its prompt's room), finishing in the
-        background if the client leaves meanwhile: the leases the encoders issue for it are then
-        given back as soon as they arrive, not after their TTL."""
+        """``encode`` for ``req``'s media (its model, against its prompt's room). If the client
+        leaves meanwhile, its calls to encoders are closed (an encoder drops the items they still
+        queue, and gives back the leases of a put it was making), and the leases of the calls that
+        were answered go back once the encode has wound down, not after their TTL."""
         task = asyncio.ensure_future(self.encode(req.model, refs, leases, rid, self.context_of(req)))
         try:
             await asyncio.shield(task)
@@ -294,6 +295,7 @@ class Encodes:
                 self.release(self.take_leases(refs))
 
             task.add_done_callback(release)
+            task.cancel()  # nobody will read it: the encoders' queues are not spent on it
             raise
 
     def context_of(self, req: SamplingRequest) -> Context | None:
