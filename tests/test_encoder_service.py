@@ -248,3 +248,18 @@ def test_a_caller_that_leaves_costs_no_forward_and_no_lease(model_dir: Path) -> 
         assert (await post(body(23)))[0] == 200 and service.producer.live_handles == live + 1
 
     run(model_dir, scenario)
+
+
+def test_a_forward_every_caller_left_stops_at_its_next_layer(model_dir: Path) -> None:
+    async def scenario(service: EncoderService, post) -> None:
+        gate, left = await running_held(service, post(body(40)))
+        left.cancel()  # its only caller leaves while its forward is under way
+        await until(lambda: service.pending.held == 0)
+        gate.set()
+        await until(lambda: service.batcher.abandoned == 1)
+        assert service.batcher.alive
+        status, ok = await post(body(40))  # nothing of the stopped forward was kept
+        assert status == 200 and ok["items"][0]["status"] == "computed"
+        assert service.batcher.abandoned == 1
+
+    run(model_dir, scenario)

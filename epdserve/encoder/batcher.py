@@ -15,7 +15,8 @@ Invariants, kept under ``_lock``:
 * a uuid is never both in the cache and in ``_inflight`` when the lock is free.
 
 A forward that raises fails exactly the jobs of that batch (with ``EncodeError``); the worker
-keeps serving the queue.
+keeps serving the queue. A forward whose every caller has left stops before the tower's next layer
+(``stop_abandoned``) and keeps nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class BatcherClosed(RuntimeError):
 
 class QueueFull(RuntimeError):
     """More items are queued than the batcher accepts; the caller should retry later."""
+
+
+class Abandoned(RuntimeError):
+    """Every caller of the running batch has left: its forward stops before its next layer."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,8 @@ class EncodeBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="epd-encoder-forward", daemon=True)
         self.batches = 0  # forwards run (worker thread writes, others read)
+        self.abandoned = 0  # of them, stopped part-way: every caller had left
+        self._running: list[_Job] = []  # the batch in the tower (worker thread)
         self.row_rate = CostRate()  # seconds per patch row of the recent forwards (0: none timed yet; worker thread)
         self.coalesced = 0  # submissions that joined an in-flight job of the same uuid
 
@@ -172,6 +179,20 @@ class EncodeBatcher:
             self._resolve(job, BatcherClosed("the encoder is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+
+    def stop_abandoned(self, tower: torch.nn.Module) -> None:
+        """Before each layer of ``tower`` (every element of its module lists), stop the forward of
+        a batch whose callers have all left: a large image nobody waits for no longer holds the
+        tower for the rest of its forward."""
+        for m in tower.modules():
+            if isinstance(m, torch.nn.ModuleList):
+                for layer in m:
+                    layer.register_forward_pre_hook(self._still_wanted)
+
+    def _still_wanted(self, module: torch.nn.Module, args: object) -> None:
+        batch = self._running
+        if batch and all(job.abandoned() for job in batch):
+            raise Abandoned(f"every caller of the {len(batch)} items left")
 
     @property
     def alive(self) -> bool:
@@ -277,13 +298,23 @@ class EncodeBatcher:
             with torch.inference_mode():
                 pixels = torch.cat([j.pixel_values for j in batch]).to(self.device, self.dtype)
                 grid = torch.tensor([j.grid_thw for j in batch], dtype=torch.long)
-                out = self.visual(pixels, grid)
+                self._running = batch
+                try:
+                    out = self.visual(pixels, grid)
+                finally:
+                    self._running = []
                 sizes = [self._rows_of(j.grid_thw) for j in batch]
                 if out.shape[0] != sum(sizes):
                     raise EncodeError(f"the vision tower returned {out.shape[0]} rows for {sum(sizes)} embeddings")
                 # own storage per item, so a cached item does not pin the whole batch's output,
                 # in pages of its own, so it does not pin the heap around it either
                 parts = [in_own_pages(p.to("cpu")) for p in out.split(sizes)]
+        except Abandoned:  # nobody to answer: the items are computed afresh if asked again
+            self.abandoned += 1
+            with self._lock:
+                for job in batch:
+                    self._inflight.pop(job.uuid, None)
+            return
         except Exception as e:
             seconds = time.perf_counter() - start
             log.exception("vision forward of %d items (%d patch rows) failed", len(batch), rows)

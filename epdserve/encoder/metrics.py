@@ -47,6 +47,9 @@ def declare_metrics(
         lambda: pending.refused,
     )
     m.gauge("encoder_cache_bytes", "bytes held by the local embedding cache", lambda: b.cache.nbytes)
+    m.gauge(
+        "encoder_forwards_abandoned", "vision forwards stopped part-way: every caller had left", lambda: b.abandoned
+    )
     m.gauge("encoder_cache_items", "items held by the local embedding cache", lambda: len(b.cache))
     m.gauge(
         "encoder_coalesced_items",

@@ -212,6 +212,7 @@ class EncoderService:
             dtype=config.torch_dtype,
             on_batch=self._on_batch,
         )
+        self.batcher.stop_abandoned(visual)
         self.resolver: MediaResolver | None = None
         self.preprocess_cpu_s = 0.0  # CPU seconds of preprocessing items computed here
         self.preprocess_patches = 0  # and their patches (adaptive dispatch reads the rate)
