@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from epdserve.cache.embedding_cache import EmbeddingCache
-from epdserve.encoder.batcher import BatcherClosed, BatcherConfig, EncodeBatcher, EncodeError, QueueFull
+from epdserve.encoder.batcher import Abandoned, BatcherClosed, BatcherConfig, EncodeBatcher, EncodeError, QueueFull
 
 torch.set_num_threads(1)
 
@@ -230,3 +230,57 @@ def test_config_is_validated() -> None:
         BatcherConfig(token_budget=0)
     with pytest.raises(ValueError, match="max_wait_ms"):
         BatcherConfig(max_wait_ms=-1)
+
+
+class LayeredTower(torch.nn.Module):
+    """A tower of layers in a module list (as the vision towers are), merging rows like FakeTower;
+    ``gate`` holds each forward before its first layer until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.layers_run = 0
+
+    def forward(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        self.gate.wait(10)
+        for block in self.blocks:
+            pixels = block(pixels)
+            self.layers_run += 1
+        return pixels.reshape(-1, MERGE * MERGE * PATCH_DIM)
+
+
+def test_a_forward_nobody_waits_for_stops_and_one_a_caller_joined_runs_again() -> None:
+    async def main() -> None:
+        tower = LayeredTower()
+        b = EncodeBatcher(tower, BatcherConfig(), EmbeddingCache(1 << 20), rows_of=lambda g: g[0] * g[1] * g[2] // 4)
+        b.stop_abandoned(tower)
+        b.start()
+        gone = asyncio.ensure_future(b.encode("u0", *item(0)))
+        await _wait_for(tower.entered.is_set)
+        gone.cancel()  # its only caller leaves while it is in the tower
+        await asyncio.sleep(0)
+        tower.gate.set()
+        await _wait_for(lambda: b.abandoned == 1)
+        assert tower.layers_run == 0 and b.lookup("u0") is None  # stopped before its first layer, nothing kept
+
+        # the check and a caller joining race: a forward stopped while a caller waits on it runs again
+        tower.gate.clear()
+        tower.entered.clear()
+        once = [True]
+
+        def stop_once(module: torch.nn.Module, args: object) -> None:
+            if once.pop() if once else False:
+                raise Abandoned("as if every caller had left")
+
+        tower.blocks[0].register_forward_pre_hook(stop_once)
+        waiting = asyncio.ensure_future(b.encode("u1", *item(1)))
+        await _wait_for(tower.entered.is_set)
+        tower.gate.set()
+        result = await asyncio.wait_for(waiting, 10)
+        assert torch.equal(result.embeddings, expected(item(1)[1])) and b.abandoned == 2
+        b.close()
+
+    asyncio.run(main())

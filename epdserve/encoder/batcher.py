@@ -313,7 +313,10 @@ class EncodeBatcher:
             self.abandoned += 1
             with self._lock:
                 for job in batch:
-                    self._inflight.pop(job.uuid, None)
+                    if job.abandoned():
+                        self._inflight.pop(job.uuid, None)
+                    else:  # a caller joined it since the check (coalescing): it runs again
+                        self._queue.appendleft(job)
             return
         except Exception as e:
             seconds = time.perf_counter() - start
