@@ -6,7 +6,9 @@ compresses to a few KB, and report what its processes held and how it answered.
 Each request carries one ``side`` x ``side`` PNG of one colour (a pixel apart, so none is a cache
 hit) and asks for one token. Every second the script sums the resident memory of the processes
 whose command line names epdserve, and the machine's MemAvailable; when ``--seconds`` have passed
-it cancels what is left, then sends one small image request and times it. It prints one JSON line.
+it cancels what is left, then sends one small image request and times it. With ``--text-every``,
+a short text request is sent that often during the flood, each timed to its answer. It prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import base64
 import io
 import json
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -71,10 +74,26 @@ async def main(args: argparse.Namespace) -> dict:
             key = type(e).__name__
         codes[key] = codes.get(key, 0) + 1
 
+    text_seconds: list[float] = []
+
+    async def text(session: aiohttp.ClientSession) -> None:
+        t0 = time.monotonic()
+        payload = {"model": args.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hello!"}]}
+        try:
+            async with session.post(endpoint, json=payload) as r:
+                await r.read()
+                if r.status == 200:
+                    text_seconds.append(time.monotonic() - t0)
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+
     peak, low = resident_mib(), available_mib()
     start = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.seconds)) as session:
         tasks = [asyncio.create_task(one(session, i)) for i in range(args.requests)]
+        if args.text_every:
+            n = int(args.seconds // args.text_every) - 1
+            tasks += [asyncio.create_task(after(args.text_every * (k + 1), text(session))) for k in range(n)]
         while time.monotonic() - start < args.seconds and not all(t.done() for t in tasks):
             await asyncio.sleep(1)
             peak, low = max(peak, resident_mib()), min(low, available_mib())
@@ -82,7 +101,7 @@ async def main(args: argparse.Namespace) -> dict:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     codes["cancelled"] = args.requests - sum(codes.values())  # still waiting when the time was up
-    after = time.monotonic()
+    t_after = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.after_timeout)) as session:
         try:
             async with session.post(endpoint, json=body(args.model, png(448, 10**6))) as r:
@@ -98,8 +117,18 @@ async def main(args: argparse.Namespace) -> dict:
         "min_available_mib": low,
         "resident_after_mib": resident_mib(),
         "then_448px_request": then,
-        "then_448px_seconds": round(time.monotonic() - after, 1),
+        "then_448px_seconds": round(time.monotonic() - t_after, 1),
+        **(
+            {"text_answered": len(text_seconds), "text_seconds": sorted(round(t, 2) for t in text_seconds)}
+            if args.text_every
+            else {}
+        ),
     }
+
+
+async def after(delay: float, work: Awaitable[None]) -> None:
+    await asyncio.sleep(delay)
+    await work
 
 
 if __name__ == "__main__":
@@ -110,4 +139,5 @@ if __name__ == "__main__":
     p.add_argument("--side", type=int, default=1700, help="image side in pixels")
     p.add_argument("--seconds", type=float, default=60.0, help="how long the flood's clients wait")
     p.add_argument("--after-timeout", type=float, default=600.0, help="how long the request after it may take")
+    p.add_argument("--text-every", type=float, default=0.0, help="seconds between text requests during it (0: none)")
     print(json.dumps(asyncio.run(main(p.parse_args()))))
