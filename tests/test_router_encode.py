@@ -229,7 +229,7 @@ def test_a_client_that_leaves_closes_the_call_to_its_encoder() -> None:
             req = msgspec.json.decode(
                 b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', type=ChatRequest
             )
-            handler = asyncio.ensure_future(encodes.encode_shielded(req, refs()))
+            handler = asyncio.ensure_future(encodes.encode_for(req, refs()))
             while not server.requests:
                 await asyncio.sleep(0.01)
             handler.cancel()  # the client left

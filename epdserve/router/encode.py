@@ -279,7 +279,7 @@ class Encodes:
             r.result, r.encoder = item, w.url
         return _Outcome.OK
 
-    async def encode_shielded(self, req: SamplingRequest, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
+    async def encode_for(self, req: SamplingRequest, refs: list[MediaRef], leases: int = 1, rid: str = "") -> None:
         """``encode`` for ``req``'s media (its model, against its prompt's room). If the client
         leaves meanwhile, its calls to encoders are closed (an encoder drops the items they still
         queue, and gives back the leases of a put it was making), and the leases of the calls that

@@ -127,7 +127,7 @@ class Placement:
                 worker.outstanding += 1
                 worker.awaiting += 1
             try:
-                await self.encodes.encode_shielded(req, todo, leases, trail.request_id)
+                await self.encodes.encode_for(req, todo, leases, trail.request_id)
             except (Unavailable, WorkerFailed):
                 if not self._raw_fallback(worker, todo):
                     raise

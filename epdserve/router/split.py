@@ -173,7 +173,7 @@ class SplitChat:
                 if not e.worker_ok:
                     exclude.add(e.url)
                 if refs:
-                    await self.encodes.encode_shielded(req, refs, 1, trail.request_id)
+                    await self.encodes.encode_for(req, refs, 1, trail.request_id)
         raise AssertionError("unreachable")
 
     async def _stream(
