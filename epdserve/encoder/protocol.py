@@ -118,6 +118,11 @@ class ItemTimings(msgspec.Struct, kw_only=True):
     put_ms: float = 0.0  # handing the embeddings to the EC connector
 
 
+def ms(seconds: float) -> float:
+    """``seconds`` as an ``ItemTimings`` field holds them."""
+    return round(seconds * 1000, 3)
+
+
 class EncodedItem(msgspec.Struct, kw_only=True):
     """Metadata of one encoded item; the embeddings themselves travel through ``ec_handle``."""
 

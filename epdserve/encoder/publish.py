@@ -12,7 +12,7 @@ import torch
 
 from epdserve.api.errors import Overloaded, Unavailable
 from epdserve.api.metrics import Metrics
-from epdserve.encoder.protocol import ItemTimings
+from epdserve.encoder.protocol import ItemTimings, ms
 from epdserve.transfer.base import ECProducer, Handle, ProducerFull, TransferError
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Publisher:
                 self.release_all([h for hs in handles for h in hs])
                 self.metrics.inc("encoder_put_failures_total", labels={"cause": "error"})
                 raise Unavailable(f"The embeddings could not be published: {e}", param=f"items[{i}]") from None
-            r.timings.put_ms = round((time.perf_counter() - t0) * 1000, 3)
+            r.timings.put_ms = ms(time.perf_counter() - t0)
         return handles
 
     def release_all(self, handles: list[Handle]) -> int:

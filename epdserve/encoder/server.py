@@ -63,6 +63,7 @@ from epdserve.encoder.protocol import (
     ItemTimings,
     decode_release,
     decode_request,
+    ms,
 )
 from epdserve.encoder.publish import Publisher, handle_nbytes
 from epdserve.encoder.room import PromptRoom, Seat
@@ -415,7 +416,7 @@ class EncoderService:
         if cached is not None:
             await seat.admit(cached.embeddings.shape[0])
             second = await self._video_timing(item, uuid, data, second)
-            timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
+            timings = ItemTimings(fetch_ms=ms(t1 - t0), preprocess_ms=ms(time.perf_counter() - t1))
             stored = await self._ensure_stored(uuid, cached.grid_thw, cached.embeddings)
             return _Ready(item, uuid, cached.grid_thw, cached.embeddings, "cache_hit", timings, stored, second)
         if self.store is None:
@@ -436,7 +437,7 @@ class EncoderService:
                 self.batcher.remember(uuid, got.grid_thw, got.embeddings)
                 self._remember_stored(uuid, got.header)
                 second = await self._video_timing(item, uuid, data, second)
-                timings = ItemTimings(fetch_ms=_ms(t1 - t0), preprocess_ms=_ms(time.perf_counter() - t1))
+                timings = ItemTimings(fetch_ms=ms(t1 - t0), preprocess_ms=ms(time.perf_counter() - t1))
                 return _Ready(item, uuid, got.grid_thw, got.embeddings, "store_hit", timings, got.header, second)
             assert prepared is not None  # a claim follows a miss
             async with holding(store, uuid, got, cfg.claim_ttl_s / 3):
@@ -569,10 +570,10 @@ class EncoderService:
         except EncodeError as e:
             raise ApiError(f"Encoding failed: {e}", code="encode_failed") from None
         timings = ItemTimings(
-            fetch_ms=_ms(t1 - t0),
-            preprocess_ms=_ms(prepared.done - t1),
-            queue_ms=_ms(res.queue_s),
-            encode_ms=_ms(res.encode_s),
+            fetch_ms=ms(t1 - t0),
+            preprocess_ms=ms(prepared.done - t1),
+            queue_ms=ms(res.queue_s),
+            encode_ms=ms(res.encode_s),
         )
         if isinstance(media, MediaInput):
             second = media.second_per_grid
@@ -583,7 +584,3 @@ class EncoderService:
         req = decode_release(body)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.put_executor, self.publisher.release_all, req.handles)
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 3)
