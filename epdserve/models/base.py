@@ -7,6 +7,7 @@ paged cache and attends over each sequence's context.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -18,6 +19,19 @@ if TYPE_CHECKING:
     from epdserve.kernels.fused import RowWise
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
+
+# a media encoder's forward that pauses after each of its layers and returns the embeddings, so
+# that an engine can spread one large item's forward over several steps (``engine.vision_slices``)
+Stages = Generator[None, None, "torch.Tensor"]
+
+
+def run_stages(stages: Stages) -> torch.Tensor:
+    """Run a forward written as ``Stages`` to its end, without pausing."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value
 
 
 class DeepStack(NamedTuple):

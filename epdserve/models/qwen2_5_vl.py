@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels.ops import LayerOps, TorchOps
+from epdserve.models.base import Stages, run_stages
 from epdserve.models.config import ConfigError, VisionConfig
 from epdserve.models.layers.activation import activation
 from epdserve.models.layers.norm import RMSNorm
@@ -148,6 +149,10 @@ class Qwen2_5_VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
         → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
+        return run_stages(self.stages(pixel_values, grid_thw))
+
+    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> Stages:
+        """``forward``, pausing after each block."""
         grids = grid_list(grid_thw)
         check_patches(self.config, pixel_values, grids)
         unit = self.config.spatial_merge_size**2  # patches per merged token: they move together
@@ -163,6 +168,7 @@ class Qwen2_5_VisionTower(nn.Module):
         frames = Segments(frame_lengths(grids), x.device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in self.full_attention else windows, self.ops)
+            yield
         merged = self.merger(x)
         out = torch.empty_like(merged)
         out[order] = merged  # back to processor order

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from epdserve.kernels.ops import LayerOps, TorchOps
+from epdserve.models.base import Stages, run_stages
 from epdserve.models.config import ALL_PARTS, ModelConfig, VisionConfig
 from epdserve.models.layers.decoder import Qwen2LanguageModel
 from epdserve.models.layers.rotary import VisionRotaryEmbedding, init_rotary_buffers
@@ -52,6 +53,10 @@ class Qwen2VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
         → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
+        return run_stages(self.stages(pixel_values, grid_thw))
+
+    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> Stages:
+        """``forward``, pausing after each block."""
         grids = grid_list(grid_thw)
         check_patches(self.config, pixel_values, grids)
         x = self.patch_embed(pixel_values)
@@ -59,6 +64,7 @@ class Qwen2VisionTower(nn.Module):
         frames = FrameRuns(grids)
         for block in self.blocks:
             x = block(x, cos, sin, frames, self.ops)
+            yield
         return self.merger(x)
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from epdserve.kernels.ops import LayerOps, TorchOps
+from epdserve.models.base import Stages, run_stages
 from epdserve.models.config import VisionConfig
 from epdserve.models.layers.rotary import VisionRotaryEmbedding, merge_window_hw
 from epdserve.models.layers.vision import FrameRuns, GridLike, PatchEmbed, VisionBlock, check_patches
@@ -101,6 +102,10 @@ class Qwen3VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> torch.Tensor:
         """pixel_values [P, patch_dim] of n items concatenated, grid_thw [n, 3] in patches
         → [sum t*h*w / merge², feature_levels * out_hidden_size], the items' rows in order."""
+        return run_stages(self.stages(pixel_values, grid_thw))
+
+    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> Stages:
+        """``forward``, pausing after each block."""
         grids = grid_list(grid_thw)
         check_patches(self.config, pixel_values, grids)
         x = self.patch_embed(pixel_values)
@@ -113,6 +118,7 @@ class Qwen3VisionTower(nn.Module):
             x = block(x, cos, sin, frames, self.ops)
             if i in taps:
                 levels.append(self.deepstack_merger_list[taps.index(i)](x))
+            yield
         return torch.cat([self.merger(x), *levels], dim=1)
 
 
