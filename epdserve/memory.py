@@ -8,7 +8,9 @@ counts instances per host with it.
         activations     the largest step: max_num_batched_tokens rows through one decoder layer,
                         its prefill attention scores, and float32 logits of max_num_seqs rows
         vision          the tower's largest forward (vision loaded): the largest allowed item, or a
-                        step's token budget of patches, whichever is larger
+                        step's token budget of patches, whichever is larger; and beside it the
+                        forward of the largest item paused between layers (an image too large for
+                        a step is encoded in slices between steps)
         embeddings      the embedding slab: the largest item's rows plus a step's, all feature levels
         encoder cache   EngineConfig.encoder_cache_bytes
         pending media   float32 pixels waiting for the tower (vision loaded): the bound
@@ -90,6 +92,15 @@ def vision_forward_bytes(vision: VisionConfig, patches: int, dtype_bytes: int) -
     v = vision
     per_row = (3 * v.embed_dim + 2 * v.mlp_hidden_dim) * dtype_bytes
     per_row += (v.patch_dim + 2 * v.head_dim + 2 * v.embed_dim) * F32
+    return patches * per_row
+
+
+def vision_paused_bytes(vision: VisionConfig, patches: int, dtype_bytes: int) -> int:
+    """What a vision forward over ``patches`` rows holds paused between two layers: the residual,
+    its input rows and rotary angles, and the DeepStack levels merged so far."""
+    v = vision
+    per_row = (v.embed_dim + v.patch_dim) * dtype_bytes + 2 * v.head_dim * F32
+    per_row += (v.feature_levels - 1) * v.out_hidden_size * dtype_bytes // v.spatial_merge_size**2
     return patches * per_row
 
 
@@ -194,7 +205,9 @@ def engine_memory(
         role=role,
         weights=w,
         activations=lm_step_bytes(model.text, max_num_batched_tokens, max_num_seqs, max_model_len, b),
-        vision=vision_forward_bytes(model.vision, rows, b) if loaded and model.vision is not None and not decode else 0,
+        vision=vision_forward_bytes(model.vision, rows, b) + vision_paused_bytes(model.vision, item_patches, b)
+        if loaded and model.vision is not None and not decode
+        else 0,
         embeddings=embedding_bytes(model, item_patches // merge2 + max_num_batched_tokens, b)
         if model.vision is not None and not decode
         else 0,

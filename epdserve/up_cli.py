@@ -47,7 +47,7 @@ UP_FORWARDED = (
     (SERVER, ("served_model_name",), "models"),
     (ENGINE, ("kernels", "threads", "device", "dtype", "max_pending_media_bytes"), "models"),
     (ENGINE, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"), "lm"),
-    (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "vision_step_s"), "lm"),
+    (ENGINE, ("enable_prefix_caching", "media_max_wait_s", "vision_step_s", "vision_slice_s"), "lm"),
     (ENGINE, ("kv_cache_memory", "memory_fraction"), "lm"),
     (ENCODER, ("encode_token_budget", "encode_forward_s", "encoder_cache_bytes", "yield_to_decodes"), "encoders"),
     (MEDIA, MEDIA_FLAGS, "all"),

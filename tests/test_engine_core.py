@@ -299,3 +299,42 @@ def test_media_that_waited_long_is_held_for_a_prompt_but_lets_no_new_prompt_star
     sch.add(make_request("t", 4, base=200))  # arrived after it
     assert step() == []  # a's last chunk: m waits for it, and t waits behind m
     assert step() == ["m", "t"]
+
+
+def test_a_request_with_an_image_too_large_for_a_step_waits_for_its_slices() -> None:
+    """The plan names the first waiting request whose image the runner encodes in slices; it joins
+    no step (holds no block) until the image is encoded, while text and smaller media go ahead.
+    An image inside a cached prefix is not asked for: the runner is asked from where its KV ends."""
+    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=256, max_model_len=64)
+    sch = Scheduler(cfg)
+    large = {"big": image("img-big", 0, 4), "big2": image("img-big2", 0, 4)}
+    asked: list[tuple[str, int]] = []
+
+    def sliced_item(req: Request, start: int) -> MediaItem | None:
+        asked.append((req.request_id, start))
+        item = large.get(req.request_id)
+        return item if item is not None and start < item.end else None
+
+    sch.sliced_item = sliced_item
+    big = make_request("big", 8, mm=[large["big"]])
+    sch.add(big)
+    sch.add(make_request("big2", 8, mm=[large["big2"]], base=100))
+    sch.add(make_request("m", 8, mm=[image("img-m", 2, 4)], base=200))
+    sch.add(make_request("t", 8, base=300))
+    step = _stepper(sch)
+    assert sorted(step()) == ["m", "t"]
+    assert sch.schedule().slice == (big, large["big"])  # the first in order
+    assert not big.block_ids and big.status is Status.WAITING
+    del large["big"]  # its image is encoded
+    out = sch.schedule()
+    assert [s.request.request_id for s in out.scheduled if s.start == 0] == ["big"]
+    assert out.slice is not None and out.slice[0].request_id == "big2"
+    # the same prompt again, its KV cached past the image: the runner is asked from the cached end
+    for s in out.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        sch.blocks.commit(s.request)
+    large["again"] = image("img-big", 0, 4)
+    asked.clear()
+    sch.add(make_request("again", 8, mm=[large["again"]]))
+    out = sch.schedule()
+    assert ("again", 4) in asked and "again" in [s.request.request_id for s in out.scheduled]

@@ -57,6 +57,7 @@ TIERS: dict[str, str] = {
     "test_lending.py": "integration",
     "test_tiers.py": "unit",
     "test_transfer_security.py": "unit",
+    "test_vision_slices.py": "unit",
     "test_vllm_parts.py": "unit",
     "test_vllm_parts.py::test_up_with_vllm_not_installed_fails_in_one_line": "integration",
     "test_vllm_parts.py::test_up_with_vllm_refuses_what_it_cannot_run_in_one_line": "integration",

@@ -26,6 +26,7 @@ class EngineConfig:
     media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
     # a large vision tower then gives each request of a burst its first token in turn:
     vision_step_s: float = 0.5  # vision seconds (as timed) of new requests a step admits; past it, one in a step without prompts; 0: no bound
+    vision_slice_s: float = 4.0  # an image whose forward takes longer: encoded between steps, this long a step; 0: no
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     max_pending_media_bytes: ByteSize = PENDING_MEDIA_BYTES  # pixels held for the tower; past it 429 (1 item always)
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
@@ -49,8 +50,8 @@ class EngineConfig:
             raise ValueError("max_model_len does not fit in the KV cache")
         if self.max_pending_media_bytes < 1:
             raise ValueError("max_pending_media_bytes must be >= 1")
-        if self.media_max_wait_s < 0 or self.vision_step_s < 0 or self.threads < 0:
-            raise ValueError("media_max_wait_s, vision_step_s and threads must be >= 0")
+        if min(self.media_max_wait_s, self.vision_step_s, self.vision_slice_s, self.threads) < 0:
+            raise ValueError("media_max_wait_s, vision_step_s, vision_slice_s and threads must be >= 0")
         cpu_list(self.cpus)
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")

@@ -21,7 +21,7 @@ import torch
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.engine.embeddings import EmbeddingFetcher, Fetched
 from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, ErrorKind, FinishReason, StageTimes
-from epdserve.engine.model_runner import ModelRunner
+from epdserve.engine.model_runner import ModelRunner, StepResult
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
 from epdserve.kernels.lending import CoreLender
@@ -61,6 +61,7 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self.scheduler.media_needed = self._media_needed
         self.scheduler.vision_cost = self.runner.vision_cost
+        self.scheduler.sliced_item = self.runner.sliced_item
         self.fetches_skipped = 0  # media items not fetched: their KV was cached here
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -256,16 +257,27 @@ class EngineCore:
         plan = self.scheduler.schedule()
         for req in plan.preempted:  # a decode request that loaded its KV recomputes: it needs its media now
             self._fetch_media(req)
-        self.last_step_idle = not plan.scheduled
-        if not plan.scheduled:
+        runner = self.runner
+        if plan.slice is not None and runner.slicing is None:
+            runner.start_slices(*plan.slice)
+        self.last_step_idle = not plan.scheduled and runner.slicing is None
+        if self.last_step_idle:
             return outputs
+        slicing = runner.slicing is not None
         try:
-            lent = self.lender.computing(urgent=plan.holds_decodes) if self.lender is not None else None
+            urgent = plan.holds_decodes or (slicing and plan.decoding)  # decodes wait for the slice too
+            lent = self.lender.computing(urgent=urgent) if self.lender is not None else None
             with lent or contextlib.nullcontext():
-                result = self.runner.execute(plan)
+                result = runner.execute(plan) if plan.scheduled else StepResult({}, {})
+                if slicing:
+                    failed = runner.advance_slices(self.config.vision_slice_s)
+                    if failed is not None and failed[0] in self.requests:
+                        outputs.append(self._fail(self.requests[failed[0]], failed[1], "media"))
         except Exception as e:  # never let one bad step kill the engine: fail this step's requests
             log.exception("engine step failed")
             return outputs + [self._fail(s.request, f"internal error: {e}", "internal") for s in plan.scheduled]
+        if not plan.scheduled:
+            return outputs
         self.num_steps += 1
         outputs += [self._fail(self.requests[rid], msg, "media") for rid, msg in result.failed.items()]
         for s in plan.scheduled:

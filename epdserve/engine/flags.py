@@ -16,6 +16,7 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "media_max_wait_s",
     "vision_step_s",
+    "vision_slice_s",
     "max_pending_media_bytes",
     "kernels",
     Flag("cpus", "--engine-cpus"),

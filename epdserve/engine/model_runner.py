@@ -34,6 +34,7 @@ from epdserve.engine.kv_cache import BlockTable, KVCache
 from epdserve.engine.request import MediaItem, Request
 from epdserve.engine.sampler import Sampled, sample
 from epdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from epdserve.engine.vision_slices import SlicedEncode
 from epdserve.kernels.cpu_linear import row_bucket
 from epdserve.kernels.ops import kernels_in_use, select_ops
 from epdserve.models.base import DeepStack
@@ -49,6 +50,11 @@ class MediaError(RuntimeError):
 # the model attribute holding each modality's encoder (None there: not loaded in this process);
 # every item of one encoder is encoded in one forward, whose input rows it concatenates
 _ENCODERS = {"image": "visual", "video": "visual", "audio": "audio"}
+
+
+def _patches(it: MediaItem) -> int:
+    """Patch rows of an item's pixels (0 once encoded)."""
+    return 0 if it.pixel_values is None else int(it.pixel_values.shape[0])
 
 
 @dataclass
@@ -94,6 +100,8 @@ class ModelRunner:
         self.vision_patches = 0  # patches this instance encoded itself (raw media)
         self.vision_seconds = 0.0  # and the seconds those forwards took
         self.vision_rate = CostRate()  # seconds per patch of the recent vision forwards (0: none timed yet)
+        self.slicing: SlicedEncode | None = None  # a large item encoded between steps (engine.vision_slices)
+        self.sliced_items = 0  # items encoded that way
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
@@ -116,8 +124,12 @@ class ModelRunner:
         return (torch.tensor(block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs).to(self.device)
 
     def release(self, request_id: str) -> None:
-        """The request left the engine: its block-table row is free again."""
+        """The request left the engine: its block-table row is free again, and the forward of its
+        item encoded in slices stops."""
         self.table.release(request_id)
+        if self.slicing is not None and self.slicing.owner == request_id:
+            self.slicing.close()
+            self.slicing = None
         if self.decode.mirror is not None:
             self.decode.mirror.forget(request_id)
 
@@ -158,20 +170,83 @@ class ModelRunner:
             grid = torch.tensor([it.grid_thw for it in group], dtype=torch.long, device=self.device)
             emb = encoder(values, grid)
             if attr == "visual":
-                # what a raw image or video costs this instance (the router's adaptive dispatch reads it)
                 if emb.is_cuda:
                     torch.cuda.synchronize(emb.device)  # the forward's time, not its launch
                 seconds = time.perf_counter() - t0
-                self.vision_patches += values.shape[0]
-                self.vision_seconds += seconds
-                self.vision_rate.add(seconds, values.shape[0])
-            for it, e in zip(group, emb.split([it.length for it in group]), strict=True):
-                it.embeddings = e
-                it.pixel_values = None  # pixels are not needed again
-                # a copy of its own: a view would keep the whole group's output alive in the cache
-                self.encoder_cache.put(it.uuid, in_own_pages(e))
+                self._timed(values.shape[0], seconds)
+            self._keep(group, emb)
         for it, twin in twins:
             it.embeddings, it.pixel_values = twin.embeddings, None
+
+    def _timed(self, patches: int, seconds: float) -> None:
+        """What a raw image or video costs this instance (the router's adaptive dispatch reads it)."""
+        self.vision_patches += patches
+        self.vision_seconds += seconds
+        self.vision_rate.add(seconds, patches)
+
+    def _keep(self, group: list[MediaItem], emb: torch.Tensor) -> None:
+        """Hand each item of ``group`` its rows of the group's embeddings, and cache them."""
+        for it, e in zip(group, emb.split([it.length for it in group]), strict=True):
+            it.embeddings = e
+            it.pixel_values = None  # pixels are not needed again
+            # a copy of its own: a view would keep the whole group's output alive in the cache
+            self.encoder_cache.put(it.uuid, in_own_pages(e))
+
+    def _needs_tower(self, it: MediaItem) -> bool:
+        """The vision tower must encode ``it`` here (no embeddings, none cached, pixels at hand)."""
+        return (
+            it.embeddings is None
+            and it.pixel_values is not None
+            and _ENCODERS.get(it.modality) == "visual"
+            and it.uuid not in self.encoder_cache
+        )
+
+    def sliced_item(self, req: Request, start: int) -> MediaItem | None:
+        """The image of ``req`` (at or past prompt position ``start``) to encode in slices between
+        steps, None when there is none: the one in progress for it, or the first whose forward would
+        alone take longer than ``vision_slice_s`` at the recent rate (before any forward was timed,
+        the first of its images). Slices need a tower that pauses (``stages``)."""
+        job = self.slicing
+        if job is not None and job.owner == req.request_id:
+            return job.item
+        bound = self.config.vision_slice_s
+        if not bound or not hasattr(getattr(self.model, "visual", None), "stages"):
+            return None
+        rate = self.vision_rate.value
+        for it in req.mm_items:
+            if it.end > start and self._needs_tower(it) and (not rate or _patches(it) * rate > bound):
+                return it
+        return None
+
+    @torch.inference_mode()
+    def start_slices(self, req: Request, item: MediaItem) -> None:
+        """Begin encoding ``item`` of ``req`` in slices (``advance_slices`` runs them)."""
+        assert item.pixel_values is not None and self.slicing is None
+        values = item.pixel_values.to(self.device, self.dtype)
+        grid = torch.tensor([item.grid_thw], dtype=torch.long, device=self.device)
+        self.slicing = SlicedEncode(req.request_id, item, values.shape[0], self.model.visual.stages(values, grid))
+
+    @torch.inference_mode()
+    def advance_slices(self, budget_s: float) -> tuple[str, str] | None:
+        """Run the next slice of the item encoded in slices; once its last layer ran, the item holds
+        its embeddings. (request id, error) when its forward failed: only that request fails."""
+        job = self.slicing
+        assert job is not None
+        try:
+            emb = job.advance(budget_s)
+        except MediaError as e:
+            self.slicing = None
+            return job.owner, str(e)
+        except Exception as e:  # a bad item must not take the engine down
+            self.slicing = None
+            log.exception("vision encoding failed for %s", job.owner)
+            return job.owner, f"vision encoding failed: {e}"
+        if emb is not None:
+            self.slicing = None
+            self._timed(job.patches, job.seconds)
+            self._keep([job.item], emb)
+            self.sliced_items += 1
+        return None
 
     def vision_cost(self, req: Request, start: int, end: int) -> float:
         """Seconds the vision tower would spend on the items of prompt positions [start, end) of
@@ -179,13 +254,8 @@ class ModelRunner:
         forward was timed."""
         if not self.vision_rate.value:
             return 0.0
-        patches = sum(
-            it.pixel_values.shape[0]
-            for it in req.mm_items
-            if it.offset < end and it.end > start and it.embeddings is None and it.pixel_values is not None
-            and _ENCODERS.get(it.modality) == "visual" and it.uuid not in self.encoder_cache
-        )  # fmt: skip
-        return patches * self.vision_rate.value
+        items = [it for it in req.mm_items if it.offset < end and it.end > start and self._needs_tower(it)]
+        return sum(_patches(it) for it in items) * self.vision_rate.value
 
     def _check_width(self, items: list[MediaItem]) -> None:
         """Every item's embeddings carry all of the model's feature levels (connectors and the

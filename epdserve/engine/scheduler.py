@@ -8,7 +8,10 @@ within ``vision_step_s``. The first of them joins past the bound only in a step 
 prompt (the running requests all decode): a prompt whose first token the step gives, or whose
 next chunk it runs, never waits for another request's images beyond the bound. One that has
 waited long and is held for such a prompt lets no new prompt start ahead of it, so it joins as
-soon as the prompts in progress end. When a running request cannot get a block, the most
+soon as the prompts in progress end. A request with an image whose forward alone would take
+longer than ``vision_slice_s`` joins no step until that image is encoded, in slices between steps
+(``engine.vision_slices``); the plan names the first such request and image. When a running
+request cannot get a block, the most
 recently admitted running request is preempted (blocks freed, recomputed later) — the engine
 never crashes for lack of memory.
 
@@ -21,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
@@ -50,16 +54,22 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # the first waiting request with an image to encode in slices, and that image (a MediaItem)
+    slice: tuple[Request, Any] | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def decoding(self) -> bool:
+        """Whether some request of the step decodes."""
+        return any(s.start >= s.request.prompt_len for s in self.scheduled)
+
+    @property
     def holds_decodes(self) -> bool:
         """Whether a prompt's chunk runs beside requests that are decoding (they wait on it)."""
-        decoding = any(s.start >= s.request.prompt_len for s in self.scheduled)
-        return decoding and any(s.num_new_tokens > 1 for s in self.scheduled)
+        return self.decoding and any(s.num_new_tokens > 1 for s in self.scheduled)
 
 
 class Scheduler:
@@ -75,6 +85,9 @@ class Scheduler:
         # set by the engine core: seconds the vision tower would spend on a request's prompt
         # positions [start, end)
         self.vision_cost: Callable[[Request, int, int], float] | None = None
+        # set by the engine core: the image of a request, at or past a prompt position, to encode
+        # in slices between steps (None: none)
+        self.sliced_item: Callable[[Request, int], Any] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -108,13 +121,16 @@ class Scheduler:
         #    that has waited ``media_max_wait_s`` joins the first group (nothing starves).
         now = time.perf_counter()
         order = sorted(self.waiting, key=lambda r: not self._first(r, now))  # stable: FIFO within
+        sliced = {id(r): it for r in order if (it := self._sliced(r)) is not None}
+        first = next((r for r in order if id(r) in sliced), None)
+        out.slice = (first, sliced[id(first)]) if first is not None else None
         vision = sum(self._vision(s.request, s.start, s.end) for s in out.scheduled)
         vision_full = False  # a request was held back for the vision budget: later media wait too
         prompts = any(s.start < s.request.prompt_len for s in out.scheduled)  # a prompt is in this step
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or out.preempted:
                 break
-            if not req.ready:
+            if not req.ready or id(req) in sliced:
                 continue
             if req.kv_rows is not None:  # its prompt's KV came from a prefill instance
                 req.num_computed_tokens = req.prompt_len
@@ -149,6 +165,16 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return out
+
+    def _sliced(self, req: Request) -> Any:
+        """The image a waiting request waits for, encoded in slices; None when it has none."""
+        if self.sliced_item is None or not req.mm_items or not req.ready or req.kv_rows is not None:
+            return None
+        item = self.sliced_item(req, 0)
+        if item is not None and self.blocks.enable_prefix_caching:
+            # an image whose KV is cached is not needed again
+            item = self.sliced_item(req, self.blocks.match_prefix(req, count=False).num_tokens)
+        return item
 
     def _vision(self, req: Request, start: int, end: int) -> float:
         if self.vision_cost is None or not self.config.vision_step_s or not req.mm_items or start >= req.prompt_len:
