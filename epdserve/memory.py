@@ -9,7 +9,7 @@ counts instances per host with it.
                         its prefill attention scores, and float32 logits of max_num_seqs rows
         vision          the tower's largest forward (vision loaded): the largest allowed item, or a
                         step's token budget of patches, whichever is larger; and beside it the
-                        forward of the largest item paused between layers (an image too large for
+                        forward of the largest item paused within a block (an image too large for
                         a step is encoded in slices between steps)
         embeddings      the embedding slab: the largest item's rows plus a step's, all feature levels
         encoder cache   EngineConfig.encoder_cache_bytes
@@ -96,10 +96,11 @@ def vision_forward_bytes(vision: VisionConfig, patches: int, dtype_bytes: int) -
 
 
 def vision_paused_bytes(vision: VisionConfig, patches: int, dtype_bytes: int) -> int:
-    """What a vision forward over ``patches`` rows holds paused between two layers: the residual,
-    its input rows and rotary angles, and the DeepStack levels merged so far."""
+    """What a vision forward over ``patches`` rows holds paused within a block's attention
+    (``models.layers.vision.VisionBlock``'s stages): the residual, the rotated q and k, v, the
+    heads attended so far; its input rows and rotary angles, and the DeepStack levels merged so far."""
     v = vision
-    per_row = (v.embed_dim + v.patch_dim) * dtype_bytes + 2 * v.head_dim * F32
+    per_row = (5 * v.embed_dim + v.patch_dim) * dtype_bytes + 2 * v.head_dim * F32
     per_row += (v.feature_levels - 1) * v.out_hidden_size * dtype_bytes // v.spatial_merge_size**2
     return patches * per_row
 

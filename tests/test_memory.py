@@ -127,9 +127,10 @@ def test_largest_step_and_largest_image_of_qwen2_vl_2b() -> None:
     # (3 x 2 x 14 x 14), rotary cos+sin (2 x 80) and rotated q+k (2 x 1280) in float32
     per_patch = (3 * 1280 + 2 * 5120) * 2 + (1176 + 2 * 80 + 2 * 1280) * 4
     assert vision_forward_bytes(vision, 65536, 2) == 65536 * per_patch
-    # paused between layers: the residual (1280) and input rows (1176) in bfloat16, cos+sin (2 x 80)
-    # in float32; a language-model role with the tower holds one beside its largest forward
-    assert vision_paused_bytes(vision, 65536, 2) == 65536 * ((1280 + 1176) * 2 + 2 * 80 * 4)
+    # paused within a block's attention: the residual, rotated q and k, v and the heads attended
+    # (5 x 1280) and input rows (1176) in bfloat16, cos+sin (2 x 80) in float32; a language-model
+    # role with the tower holds one beside its largest forward
+    assert vision_paused_bytes(vision, 65536, 2) == 65536 * ((5 * 1280 + 1176) * 2 + 2 * 80 * 4)
     pd = engine_memory(model, **_engine(model, num_kv_blocks=256))
     assert pd.vision == vision_forward_bytes(vision, 65536, 2) + vision_paused_bytes(vision, 65536, 2)
 

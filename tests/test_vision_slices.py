@@ -1,4 +1,4 @@
-"""Images too large for a step's vision bound, encoded a slice of the tower's layers at a time
+"""Images too large for a step's vision bound, encoded a slice of the tower's forward at a time
 between engine steps: the same embeddings and tokens as one forward, decodes that go on meanwhile,
 and a forward that stops when its request leaves or fails only its request."""
 
@@ -12,20 +12,24 @@ import torch
 
 from epdserve.api.tokenizer import FastTokenizer
 from epdserve.common.sampling_params import SamplingParams
+from epdserve.engine import vision_slices
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core import EngineCore, request_from
 from epdserve.engine.inputs import InputBuilder, MediaInput
 from epdserve.engine.messages import AddRequest, WireTensor
-from epdserve.engine.request import Request
+from epdserve.engine.request import MediaItem, Request
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
+from epdserve.models.base import Stages
 from epdserve.models.config import ModelConfig
+from epdserve.models.layers import vision
 from epdserve.models.loader import load_model
 from epdserve.shapes import ShapesWorld
 from tests import checkpoints
 from tests.engine_utils import drain
+from tests.numerics import assert_close_rel
 from tests.server_utils import TEST_DEVICE
 
-SLICED = 1e-9  # every image takes longer: each is encoded in slices of one layer
+SLICED = 1e-9  # every image takes longer: each is encoded in slices of one stage
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
 
 
@@ -62,7 +66,12 @@ class Requests:
 
 
 def engine(ckpt: Path, vision_slice_s: float) -> EngineCore:
-    cfg = EngineConfig(device=TEST_DEVICE, num_kv_blocks=256, max_model_len=1024, vision_slice_s=vision_slice_s)
+    """An engine whose images longer than ``vision_slice_s`` are encoded in slices; SLICED: every
+    image, in slices of one stage (the step's vision bound is as small)."""
+    step = SLICED if vision_slice_s == SLICED else EngineConfig.vision_step_s
+    cfg = EngineConfig(
+        device=TEST_DEVICE, num_kv_blocks=256, max_model_len=1024, vision_slice_s=vision_slice_s, vision_step_s=step
+    )
     return EngineCore.from_pretrained(ckpt, cfg)
 
 
@@ -81,29 +90,54 @@ def steps(eng: EngineCore) -> list[tuple[bool, dict[str, list[int]], dict[str, s
     return out
 
 
-def test_a_tower_paused_after_each_layer_gives_its_forward(ckpt: Path) -> None:
+def run(stages: Stages) -> tuple[torch.Tensor, int]:
+    """The output of a forward run as stages, and how often it paused."""
+    pauses = 0
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value, pauses
+        pauses += 1
+
+
+def test_a_tower_paused_after_each_layer_gives_its_forward(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each block: the same operations, the same output. Within blocks too (every head its
+    own stage, the MLP a row at a time, so small here is the stage bound): other shapes of the
+    same products, the same output to a relative tolerance."""
     model, _ = load_model(ckpt, parts=frozenset({"vision"}))
     visual: Any = model.visual
     reqs = Requests(ckpt)
     pixels = torch.cat([torch.from_numpy(v.pixel_values) for v in reqs.images])
     grids = torch.tensor([v.grid_thw for v in reqs.images])
+    depth, heads = visual.config.depth, visual.config.num_heads
     with torch.inference_mode():
         whole = visual(pixels, grids)
-        stages = visual.stages(pixels, grids)
-        pauses = 0
-        while True:
-            try:
-                next(stages)
-            except StopIteration as done:
-                sliced = done.value
-                break
-            pauses += 1
-    assert pauses == visual.config.depth
-    assert torch.equal(sliced, whole)  # the same operations on the same shapes
+        sliced, pauses = run(visual.stages(pixels, grids))
+        assert pauses == depth
+        assert torch.equal(sliced, whole)
+        monkeypatch.setattr(vision, "STAGE_MACS", 1)  # a head (per thread) at a time, the MLP a row at a time
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+        finer, pauses = run(visual.stages(pixels, grids, within_blocks=True))
+        assert pauses == depth * (1 + heads + pixels.shape[0])
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two heads a stage: both threads attend
+        two, pauses = run(visual.stages(pixels, grids, within_blocks=True))
+        assert pauses == depth * (1 + heads // 2 + pixels.shape[0])
+    assert_close_rel(finer, whole)
+    assert_close_rel(two, whole)
+
+
+def stages_of(ckpt: Path, reqs: Requests) -> int:
+    """The pauses of the engine's forward of ``reqs``' first image (within blocks too)."""
+    model, _ = load_model(ckpt, parts=frozenset({"vision"}))
+    v = reqs.images[0]
+    visual: Any = model.visual
+    with torch.inference_mode():
+        return run(visual.stages(torch.from_numpy(v.pixel_values), [v.grid_thw], within_blocks=True))[1]
 
 
 def test_images_encoded_in_slices_give_the_tokens_of_one_forward(ckpt: Path) -> None:
-    """Every image in slices (one layer a step) against the same engine encoding inside steps;
+    """Every image in slices (one stage a step) against the same engine encoding inside steps;
     each slice runs beside the other requests' decodes and prompts."""
     reqs = Requests(ckpt)
     want = drain_all(engine(ckpt, 0), reqs)
@@ -125,7 +159,7 @@ def drain_all(eng: EngineCore, reqs: Requests) -> dict[str, list[int]]:
 
 def test_decodes_go_on_while_an_image_is_encoded_in_slices(model_dir: Path) -> None:
     """A running request gets a token in every step that runs a slice; the image's request joins
-    only once its last layer ran (the decodes never wait for the whole forward)."""
+    only once its last stage ran (the decodes never wait for the whole forward)."""
     reqs = Requests(model_dir)
     alone = engine(model_dir, 0)
     alone.add_request(reqs.image("m", 0))
@@ -137,8 +171,7 @@ def test_decodes_go_on_while_an_image_is_encoded_in_slices(model_dir: Path) -> N
     eng.add_request(reqs.image("m", 0))
     log = steps(eng)
     sliced = [tokens for slicing, tokens, _ in log if slicing]
-    depth = ModelConfig.from_pretrained(model_dir).vision_config.depth
-    assert len(sliced) == depth + 1  # a layer a step, then the merger
+    assert len(sliced) == stages_of(model_dir, reqs) + 1  # a stage a step, then the merger
     assert all(len(tokens.get("t", [])) == 1 and "m" not in tokens for tokens in sliced)
     assert [t for _, tokens, _ in log for t in tokens.get("m", [])] == want
 
@@ -150,11 +183,7 @@ def test_a_request_that_leaves_stops_its_sliced_forward(model_dir: Path) -> None
     eng.step()
     eng.step()
     job = eng.runner.slicing
-    assert (
-        job is not None
-        and job.owner == "gone"
-        and job.slices == 2 < ModelConfig.from_pretrained(model_dir).vision_config.depth
-    )
+    assert job is not None and job.owner == "gone" and job.slices == 2 < stages_of(model_dir, reqs)
     eng.abort("gone")
     assert eng.runner.slicing is None and not eng.has_work
     assert "img-0" not in eng.runner.encoder_cache and eng.runner.vision_patches == 0  # nothing kept
@@ -180,3 +209,32 @@ def test_an_image_that_fails_in_slices_fails_only_its_request(model_dir: Path) -
             got.setdefault(rid, []).extend(ids)
     assert {rid: got[rid] for rid in want} == want
     eng.scheduler.blocks.check_integrity()
+
+
+def test_a_slice_runs_the_stages_that_fit_the_steps_vision_bound(model_dir: Path) -> None:
+    reqs = Requests(model_dir)
+    cfg = EngineConfig(device=TEST_DEVICE, num_kv_blocks=256, vision_slice_s=SLICED, vision_step_s=60.0)
+    eng = EngineCore.from_pretrained(model_dir, cfg)
+    eng.add_request(reqs.image("m", 0))
+    eng.step()  # the whole forward fits the bound: done in the first step's slice
+    assert eng.runner.slicing is None and eng.runner.sliced_items == 1
+
+
+def test_a_slice_stops_before_a_stage_that_would_pass_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stages of 1 s (a clock that the stages move): a budget of 2.5 s runs two, then stops before
+    a third (2 s spent + 1 s for the next); a budget of 0 runs one; the last returns the output."""
+    clock = [0.0]
+    monkeypatch.setattr(vision_slices.time, "perf_counter", lambda: clock[0])
+
+    def layers(n: int) -> Stages:
+        for _ in range(n):
+            clock[0] += 1.0
+            yield
+        return torch.ones(1)
+
+    job = vision_slices.SlicedEncode("r", MediaItem("img", "image", 0, 1, (1, 2, 2)), 4, layers(5))
+    assert job.advance(2.5) is None and clock[0] == 2.0
+    assert job.advance(0.0) is None and clock[0] == 3.0
+    assert job.advance(2.5) is None and clock[0] == 5.0
+    out = job.advance(2.5)  # nothing left but the return
+    assert out is not None and job.seconds == 5.0 and job.slices == 4

@@ -26,7 +26,7 @@ class EngineConfig:
     media_max_wait_s: float = 1.0  # text-only requests join the batch first; media that waited this long too
     # a large vision tower then gives each request of a burst its first token in turn:
     vision_step_s: float = 0.5  # vision seconds (as timed) of new requests a step admits; past it, one in a step without prompts; 0: no bound
-    vision_slice_s: float = 4.0  # an image whose forward takes longer: encoded between steps, this long a step; 0: no
+    vision_slice_s: float = 4.0  # an image whose forward takes longer is encoded between steps, a slice a step; 0: no
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     max_pending_media_bytes: ByteSize = PENDING_MEDIA_BYTES  # pixels held for the tower; past it 429 (1 item always)
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch

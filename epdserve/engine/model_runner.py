@@ -224,11 +224,13 @@ class ModelRunner:
         assert item.pixel_values is not None and self.slicing is None
         values = item.pixel_values.to(self.device, self.dtype)
         grid = torch.tensor([item.grid_thw], dtype=torch.long, device=self.device)
-        self.slicing = SlicedEncode(req.request_id, item, values.shape[0], self.model.visual.stages(values, grid))
+        sync = torch.cuda.synchronize if values.is_cuda else None
+        stages = self.model.visual.stages(values, grid, within_blocks=True)
+        self.slicing = SlicedEncode(req.request_id, item, values.shape[0], stages, sync)
 
     @torch.inference_mode()
     def advance_slices(self, budget_s: float) -> tuple[str, str] | None:
-        """Run the next slice of the item encoded in slices; once its last layer ran, the item holds
+        """Run the next slice of the item encoded in slices; once its last stage ran, the item holds
         its embeddings. (request id, error) when its forward failed: only that request fails."""
         job = self.slicing
         assert job is not None

@@ -11,9 +11,8 @@ waited long and is held for such a prompt lets no new prompt start ahead of it, 
 soon as the prompts in progress end. A request with an image whose forward alone would take
 longer than ``vision_slice_s`` joins no step until that image is encoded, in slices between steps
 (``engine.vision_slices``); the plan names the first such request and image. When a running
-request cannot get a block, the most
-recently admitted running request is preempted (blocks freed, recomputed later) — the engine
-never crashes for lack of memory.
+request cannot get a block, the most recently admitted running request is preempted (blocks
+freed, recomputed later) — the engine never crashes for lack of memory.
 
 The plan (``SchedulerOutput``) holds request references and token counts only, no tensors.
 """

@@ -39,6 +39,7 @@ from epdserve.models.layers.vision import (
     VisionBlock,
     attend_frames,
     check_patches,
+    run_block,
 )
 from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from epdserve.models.qwen2_vl_layout import grid_list
@@ -90,6 +91,10 @@ class Segments:
         self.batches = [
             (torch.tensor(s, device=device)[:, None] + torch.arange(n, device=device)) for n, s in starts.items()
         ]
+
+    @property
+    def pairs(self) -> int:
+        return sum(rows.shape[0] * rows.shape[1] ** 2 for rows in self.batches)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """q, k, v [N, heads, D] → [N, heads, D], each row attending within its segment (its
@@ -151,8 +156,8 @@ class Qwen2_5_VisionTower(nn.Module):
         → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
         return run_stages(self.stages(pixel_values, grid_thw))
 
-    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> Stages:
-        """``forward``, pausing after each block."""
+    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike, within_blocks: bool = False) -> Stages:
+        """``forward``, pausing after each block (and within blocks: ``VisionBlock``'s stages)."""
         grids = grid_list(grid_thw)
         check_patches(self.config, pixel_values, grids)
         unit = self.config.spatial_merge_size**2  # patches per merged token: they move together
@@ -167,7 +172,8 @@ class Qwen2_5_VisionTower(nn.Module):
         windows = Segments(window_lengths, x.device)
         frames = Segments(frame_lengths(grids), x.device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if i in self.full_attention else windows, self.ops)
+            segments = frames if i in self.full_attention else windows
+            x = yield from run_block(block, within_blocks, x, cos, sin, segments, self.ops)
             yield
         merged = self.merger(x)
         out = torch.empty_like(merged)

@@ -33,6 +33,7 @@ from epdserve.models.layers.vision import (
     PatchMerger,
     VisionBlock,
     check_patches,
+    run_block,
 )
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
 from epdserve.models.weights import FUSED_PROJECTIONS, load_checkpoint
@@ -55,15 +56,15 @@ class Qwen2VisionTower(nn.Module):
         → [sum t*h*w / merge², out_hidden_size], the items' embeddings concatenated in order."""
         return run_stages(self.stages(pixel_values, grid_thw))
 
-    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> Stages:
-        """``forward``, pausing after each block."""
+    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike, within_blocks: bool = False) -> Stages:
+        """``forward``, pausing after each block (and within blocks: ``VisionBlock``'s stages)."""
         grids = grid_list(grid_thw)
         check_patches(self.config, pixel_values, grids)
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary(grids)
         frames = FrameRuns(grids)
         for block in self.blocks:
-            x = block(x, cos, sin, frames, self.ops)
+            x = yield from run_block(block, within_blocks, x, cos, sin, frames, self.ops)
             yield
         return self.merger(x)
 

@@ -28,7 +28,7 @@ from epdserve.kernels.ops import LayerOps, TorchOps
 from epdserve.models.base import Stages, run_stages
 from epdserve.models.config import VisionConfig
 from epdserve.models.layers.rotary import VisionRotaryEmbedding, merge_window_hw
-from epdserve.models.layers.vision import FrameRuns, GridLike, PatchEmbed, VisionBlock, check_patches
+from epdserve.models.layers.vision import FrameRuns, GridLike, PatchEmbed, VisionBlock, check_patches, run_block
 from epdserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError, grid_list
 
@@ -104,8 +104,8 @@ class Qwen3VisionTower(nn.Module):
         → [sum t*h*w / merge², feature_levels * out_hidden_size], the items' rows in order."""
         return run_stages(self.stages(pixel_values, grid_thw))
 
-    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike) -> Stages:
-        """``forward``, pausing after each block."""
+    def stages(self, pixel_values: torch.Tensor, grid_thw: GridLike, within_blocks: bool = False) -> Stages:
+        """``forward``, pausing after each block (and within blocks: ``VisionBlock``'s stages)."""
         grids = grid_list(grid_thw)
         check_patches(self.config, pixel_values, grids)
         x = self.patch_embed(pixel_values)
@@ -115,7 +115,7 @@ class Qwen3VisionTower(nn.Module):
         taps = self.config.deepstack_visual_indexes
         frames = FrameRuns(grids)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames, self.ops)
+            x = yield from run_block(block, within_blocks, x, cos, sin, frames, self.ops)
             if i in taps:
                 levels.append(self.deepstack_merger_list[taps.index(i)](x))
             yield

@@ -15,12 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels.ops import LayerOps
+from epdserve.models.base import Stages
 from epdserve.models.config import VisionConfig
 from epdserve.models.layers.activation import activation
 from epdserve.models.qwen2_vl_layout import MediaPlaceholderError
 
 GridLike = torch.Tensor | Sequence[Sequence[int]]
 Grids = list[tuple[int, int, int]]
+
+# the most multiply-adds a block run in stages (an engine's large image, ``engine.vision_slices``)
+# does without a pause: its attention in groups of heads, its MLP in groups of rows, within this
+STAGE_MACS = 1 << 36
 
 
 class PatchEmbed(nn.Module):
@@ -57,6 +62,11 @@ def check_patches(c: VisionConfig, pixel_values: torch.Tensor, grids: Grids) -> 
 class AttentionSegments(Protocol):
     """A partition of a tower's patch rows into the groups that attend among themselves."""
 
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs of the attention: each segment's length squared, summed."""
+        ...
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """q, k, v [N, heads, D] → [N, heads * D] (or [N, heads, D]), each row attending within
         its segment, bidirectionally (by ``ops`` where they take it)."""
@@ -81,6 +91,10 @@ class FrameRuns:
 
     def __init__(self, grids: Grids) -> None:
         self.runs = frame_runs(grids)
+
+    @property
+    def pairs(self) -> int:
+        return sum(frames * size * size for frames, size in self.runs)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         outs, start = [], 0
@@ -164,12 +178,60 @@ class VisionBlock(nn.Module):
         self.norm2 = norm(config.embed_dim)
         self.attn = VisionAttention(config)
         self.mlp = mlp(config)
+        self.row_macs = 3 * config.embed_dim * config.mlp_hidden_dim  # the MLP's per row, gated or not
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: AttentionSegments, ops: LayerOps
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: AttentionSegments,
+        ops: LayerOps,
+        staged: bool = False,
+    ) -> torch.Tensor | Stages:
+        """The block's output; ``staged``: the same as ``Stages`` that pause within the block, its
+        attention and MLP in parts of ``STAGE_MACS`` at most (through ``__call__``, so that the
+        hooks on the block still run before it)."""
+        if staged:
+            return self._stages(x, cos, sin, segments, ops)
         x = x + self.attn(self.norm1(x), cos, sin, segments, ops)
         return x + self.mlp(self.norm2(x), ops)
+
+    def _stages(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: AttentionSegments, ops: LayerOps
+    ) -> Stages:
+        a, rows = self.attn, x.shape[0]
+        q, k, v = rotated_qkv(a.qkv(self.norm1(x)), a.num_heads, a.head_dim, cos, sin, ops)
+        v = v.contiguous()  # held across pauses: v's rows alone, not the whole fused projection
+        per_head = 2 * segments.pairs * a.head_dim
+        # a group of heads within the bound, but of a head per thread at least: the attention of a
+        # frame spreads over its heads
+        fewest = min(a.num_heads, torch.get_num_threads())
+        divisors = [g for g in range(1, a.num_heads + 1) if a.num_heads % g == 0]
+        within = [g for g in divisors if g * per_head <= STAGE_MACS]
+        group = max([min(g for g in divisors if g >= fewest), *within])
+        heads = []
+        for h in range(0, a.num_heads, group):
+            yield
+            heads.append(
+                segments.attend(q[:, h : h + group], k[:, h : h + group], v[:, h : h + group], ops).reshape(rows, -1)
+            )
+        x = x + a.proj(torch.cat(heads, dim=1))
+        del q, k, v, heads  # not held across the MLP's pauses
+        step = max(1, STAGE_MACS // self.row_macs)
+        out = torch.empty_like(x)
+        for r in range(0, rows, step):
+            yield
+            part = x[r : r + step]
+            out[r : r + step] = part + self.mlp(self.norm2(part), ops)
+        return out
+
+
+def run_block(block: nn.Module, within: bool, *args: object) -> Stages:
+    """``block`` on ``args`` as stages: pausing within it (``within``), else in one call."""
+    if within:
+        return (yield from block(*args, staged=True))
+    return block(*args)
 
 
 class PatchMerger(nn.Module):
