@@ -269,7 +269,7 @@ class EngineCore:
             lent = self.lender.computing(urgent=urgent) if self.lender is not None else None
             with lent or contextlib.nullcontext():
                 result = runner.execute(plan) if plan.scheduled else StepResult({}, {})
-                if slicing:  # a step's vision bound of its layers (no bound: the slice size itself)
+                if slicing:  # as much of its forward as a step's vision bound allows (none: the slice bound)
                     failed = runner.advance_slices(self.config.vision_step_s or self.config.vision_slice_s)
                     if failed is not None and failed[0] in self.requests:
                         outputs.append(self._fail(self.requests[failed[0]], failed[1], "media"))
