@@ -102,6 +102,7 @@ class ModelRunner:
         self.vision_rate = CostRate()  # seconds per patch of the recent vision forwards (0: none timed yet)
         self.slicing: SlicedEncode | None = None  # a large item encoded between steps (engine.vision_slices)
         self.sliced_items = 0  # items encoded that way
+        self._pauses = hasattr(getattr(model, "visual", None), "stages")  # its tower can run in slices
         self.hidden_size = tc.hidden_size
         self.vocab_size = tc.vocab_size
         self.feature_levels: int = model.config.feature_levels  # embedding width = levels x hidden_size
@@ -210,7 +211,7 @@ class ModelRunner:
         if job is not None and job.owner == req.request_id:
             return job.item
         bound = self.config.vision_slice_s
-        if not bound or not hasattr(getattr(self.model, "visual", None), "stages"):
+        if not bound or not self._pauses:
             return None
         rate = self.vision_rate.value
         for it in req.mm_items:
