@@ -128,8 +128,8 @@ class VisionProcessor:
         None resizes with Pillow."""
         self.config = config
         self.resampler = resampler
-        self._mean = np.asarray(config.image_mean, dtype=np.float32)[:, None, None]
-        self._std = np.asarray(config.image_std, dtype=np.float32)[:, None, None]
+        self._mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]  # per channel of a patch row
+        self._std = np.asarray(config.image_std, dtype=np.float32)[:, None]
 
     def _resized_pixels(self, img: Image.Image, max_pixels: int) -> np.ndarray:
         """The image as RGB pixels [h, w, 3] (uint8) at the size the vision tower takes."""
@@ -150,25 +150,22 @@ class VisionProcessor:
         max_pixels = c.max_pixels if modality == "image" else c.video_max_pixels
         return smart_resize(height, width, c.factor, c.min_pixels, max_pixels) == (height, width)
 
-    def _frame(self, img: Image.Image, max_pixels: int) -> np.ndarray:
-        return self._normalized(self._resized_pixels(img, max_pixels))
-
-    def _normalized(self, img: Image.Image | np.ndarray) -> np.ndarray:
-        c = self.config
-        arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1)  # C, H, W
-        # same arithmetic order as the reference: rescale, then normalize
-        arr = arr * np.float32(c.rescale_factor)
-        return (arr - self._mean) / self._std
-
     def _patchify(self, frames: np.ndarray) -> VisionInput:
-        """frames: (T, C, H, W) with T a multiple of temporal_patch_size."""
+        """frames: (T, H, W, C) RGB pixels (uint8), T a multiple of temporal_patch_size. The float32
+        patches are made once, cast as they are gathered and normalized in place, so that preprocessing
+        holds little more than its result (the reference's order: rescale, then normalize)."""
         c = self.config
-        t, ch, h, w = frames.shape
+        t, h, w, ch = frames.shape
         ps, m, tp = c.patch_size, c.merge_size, c.temporal_patch_size
         gt, gh, gw = t // tp, h // ps, w // ps
-        x = frames.reshape(gt, tp, ch, gh // m, m, ps, gw // m, m, ps)
-        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        flat = np.ascontiguousarray(x.reshape(gt * gh * gw, ch * tp * ps * ps), dtype=np.float32)
+        x = frames.reshape(gt, tp, gh // m, m, ps, gw // m, m, ps, ch)
+        x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # gt, rows, cols of merge groups, m, m, C, tp, ps, ps
+        flat = np.empty((gt * gh * gw, ch * tp * ps * ps), dtype=np.float32)
+        flat.reshape(x.shape)[...] = x
+        rows = flat.reshape(-1, ch, tp * ps * ps)
+        rows *= np.float32(c.rescale_factor)
+        rows -= self._mean
+        rows /= self._std
         return VisionInput(flat, (gt, gh, gw))
 
     def resized_image(self, img: Image.Image) -> Image.Image:
@@ -193,13 +190,12 @@ class VisionProcessor:
         ]
 
     def image(self, img: Image.Image) -> VisionInput:
-        arr = self._frame(img, self.config.max_pixels)
-        frames = np.broadcast_to(arr[None], (self.config.temporal_patch_size, *arr.shape))
-        return self._patchify(np.asarray(frames))
+        arr = self._resized_pixels(img, self.config.max_pixels)
+        return self._patchify(np.broadcast_to(arr[None], (self.config.temporal_patch_size, *arr.shape)))
 
     def video(self, frames: list[Image.Image]) -> VisionInput:
         c = self.config
-        arrs = [self._normalized(f) for f in self._video_pixels(frames)]
+        arrs = self._video_pixels(frames)
         while len(arrs) % c.temporal_patch_size:
             arrs.append(arrs[-1])  # pad with the last frame, as the reference does
         return self._patchify(np.stack(arrs))
