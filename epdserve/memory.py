@@ -13,8 +13,8 @@ counts instances per host with it.
                         a step is encoded in slices between steps)
         embeddings      the embedding slab: the largest item's rows plus a step's, all feature levels
         encoder cache   EngineConfig.encoder_cache_bytes
-        pending media   float32 pixels waiting for the tower (vision loaded): the bound
-                        max_pending_media_bytes, or the largest item where that is larger
+        pending media   media decoded, preprocessed or waiting for the tower (vision loaded): the
+                        bound max_pending_media_bytes, or the largest item's where that is larger
                         (a decode role meets no media: none of these four)
         decode mirror   the contiguous decode KV (PyTorch attention only): max_num_seqs x max_model_len tokens
         KV cache        blocks x block bytes: from --kv-cache-memory, or what --memory-fraction of the
@@ -113,10 +113,11 @@ def max_item_patches(vision: VisionConfig, max_pixels: int, video_max_pixels: in
     return max(image, groups * (video_max_pixels // vision.patch_size**2))
 
 
-def pending_media_bytes(vision: VisionConfig, bound: int, item_patches: int) -> int:
-    """Float32 pixels a role holds for its tower (``media.pending``): ``bound``, or the largest
-    item where that is larger (one item is always let through); 0 without a bound to count."""
-    return max(bound, item_patches * vision.patch_dim * F32) if bound else 0
+def pending_media_bytes(vision: VisionConfig, bound: int, item_patches: int, item_bytes: int = 0) -> int:
+    """Media a role holds for its tower, from decoding to the forward (``media.pending``): ``bound``,
+    or the largest item's where that is larger (one item is always let through): its float32
+    pixels, or ``item_bytes`` (what preprocessing it holds at most); 0 without a bound to count."""
+    return max(bound, item_patches * vision.patch_dim * F32, item_bytes) if bound else 0
 
 
 def embedding_bytes(model: ModelConfig, tokens: int, dtype_bytes: int) -> int:
@@ -185,6 +186,7 @@ def engine_memory(
     vision: bool,
     decode_mirror: bool,
     pending_media: int = 0,
+    item_bytes: int = 0,
     num_kv_blocks: int = 0,
     kv_cache_memory: int = 0,
     budget: int = 0,
@@ -192,7 +194,8 @@ def engine_memory(
 ) -> RoleMemory:
     """A language-model role's account. Its KV blocks: ``kv_cache_memory`` worth, else what
     ``budget`` leaves after the rest, else ``num_kv_blocks``; ``pending_media``: the bound of its
-    pixels waiting for the tower (``media.pending``; counted where the tower is loaded). MemoryBudgetError when the rest
+    media held for the tower (``media.pending``; counted where the tower is loaded), ``item_bytes``
+    what preprocessing the largest item holds. MemoryBudgetError when the rest
     alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
@@ -213,7 +216,7 @@ def engine_memory(
         if model.vision is not None and not decode
         else 0,
         encoder_cache=0 if decode else encoder_cache_bytes,
-        pending_media=pending_media_bytes(model.vision, pending_media, item_patches)
+        pending_media=pending_media_bytes(model.vision, pending_media, item_patches, item_bytes)
         if loaded and model.vision is not None and not decode
         else 0,
         decode_mirror=max_num_seqs * max_model_len * kv_block_bytes(model.text, 1, b) if decode_mirror else 0,
@@ -251,11 +254,13 @@ def encoder_memory(
     encoder_cache_bytes: int,
     item_patches: int,
     pending_media: int = 0,
+    item_bytes: int = 0,
     budget: int = 0,
     weights: int | None = None,
 ) -> RoleMemory:
     """An encoder role's account; MemoryBudgetError when it exceeds ``budget`` (0: none).
-    ``pending_media``: the bound of its pixels waiting for the tower (``media.pending``)."""
+    ``pending_media``: the bound of its media held for the tower (``media.pending``), ``item_bytes``
+    what preprocessing the largest item holds."""
     vision = model.vision_config
     b = DTYPE_BYTES[dtype]
     rows = max(encode_token_budget, item_patches)  # an item larger than the budget is encoded alone
@@ -265,7 +270,7 @@ def encoder_memory(
         vision=vision_forward_bytes(vision, rows, b),
         embeddings=embedding_bytes(model, rows // vision.spatial_merge_size**2, b),
         encoder_cache=encoder_cache_bytes,
-        pending_media=pending_media_bytes(vision, pending_media, item_patches),
+        pending_media=pending_media_bytes(vision, pending_media, item_patches, item_bytes),
         budget=budget,
     )
     if budget and out.total > budget:
@@ -276,14 +281,18 @@ def encoder_memory(
 # ---- from a checkpoint directory and a role's config -------------------------------------------------
 
 
-def item_patches(model_dir: str | Path, model: ModelConfig) -> int:
-    """Patches of the largest item the checkpoint's processor lets through (0: no vision tower)."""
+def largest_item(model_dir: str | Path, model: ModelConfig) -> tuple[int, int]:
+    """Patches of the largest item the checkpoint's processor lets through, and the bytes
+    preprocessing the largest item holds at most (0, 0: no vision tower)."""
     if model.vision is None:
-        return 0
-    from epdserve.media.processor import ProcessorConfig  # numpy and PIL: only where needed
+        return 0, 0
+    # numpy and PIL: only where needed
+    from epdserve.media.limits import MediaLimits
+    from epdserve.media.processor import ProcessorConfig, largest_footprint
 
     proc = ProcessorConfig.from_pretrained(model_dir)
-    return max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
+    patches = max_item_patches(model.vision, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
+    return patches, largest_footprint(proc, MediaLimits().max_image_pixels, proc.video_frames)
 
 
 def account_engine(
@@ -292,6 +301,7 @@ def account_engine(
     """``engine_memory`` of a language-model role of ``config`` on ``model_dir``; ``fused``: the
     fused kernels attend (no decode mirror), ``free``: the memory ``--memory-fraction`` takes from."""
     model = ModelConfig.from_pretrained(model_dir)
+    patches, item_bytes = largest_item(model_dir, model)
     return engine_memory(
         model,
         role=role,
@@ -301,10 +311,11 @@ def account_engine(
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
         encoder_cache_bytes=config.encoder_cache_bytes,
-        item_patches=item_patches(model_dir, model),
+        item_patches=patches,
         vision=vision,
         decode_mirror=not fused,
         pending_media=config.max_pending_media_bytes,
+        item_bytes=item_bytes,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         budget=int(config.memory_fraction * free),
@@ -319,13 +330,15 @@ def account_encoder(
     if model.vision is None:
         weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
         return RoleMemory(role="encoder", weights=weights, encoder_cache=encoder_cache_bytes)
+    patches, item_bytes = largest_item(model_dir, model)
     return encoder_memory(
         model,
         dtype=dtype,
         encode_token_budget=encode_token_budget,
         encoder_cache_bytes=encoder_cache_bytes,
-        item_patches=item_patches(model_dir, model),
+        item_patches=patches,
         pending_media=pending_media,
+        item_bytes=item_bytes,
     )
 
 

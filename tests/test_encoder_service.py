@@ -204,6 +204,47 @@ def test_media_past_the_pending_bound_is_a_429_and_given_back(model_dir: Path) -
     run(model_dir, scenario, max_pending_media_bytes=1)
 
 
+def test_an_item_counts_from_its_header_and_one_past_the_bound_is_never_decoded(model_dir: Path) -> None:
+    """An item in preprocessing holds what its preprocessing will hold from before its pixels are
+    decoded; another is refused (429) without being decoded; a caller that leaves during the
+    preprocessing gives its bytes back."""
+
+    async def scenario(service: EncoderService, post) -> None:
+        assert service.resolver is not None
+        processor = service.resolver.processor
+        real, gate, entered, calls = processor.image, threading.Event(), threading.Event(), []
+
+        def held_image(img):  # type: ignore[no-untyped-def]
+            calls.append(img.size)
+            entered.set()
+            gate.wait(10)
+            return real(img)
+
+        processor.image = held_image  # type: ignore[method-assign]
+        wait = asyncio.get_running_loop().run_in_executor
+        try:
+            first = asyncio.ensure_future(post(body(30)))
+            await wait(None, entered.wait, 10)
+            assert service.pending.held == processor.footprint("image", 1, *calls[0])
+            status, err = await post(body(31))
+            assert status == 429 and "wait for the vision tower" in err["error"]["message"]
+            assert len(calls) == 1  # not decoded, not preprocessed
+            gate.set()
+            assert (await first)[0] == 200 and service.pending.held == 0
+            gate.clear()
+            entered.clear()
+            left = asyncio.ensure_future(post(body(32)))
+            await wait(None, entered.wait, 10)
+            left.cancel()  # the caller closes its connection
+            await until(lambda: service.pending.held == 0)
+        finally:
+            gate.set()
+            processor.image = real  # type: ignore[method-assign]
+        assert (await post(body(33)))[0] == 200 and service.pending.held == 0
+
+    run(model_dir, scenario, max_pending_media_bytes=1)
+
+
 async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not check():

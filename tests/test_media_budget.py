@@ -23,8 +23,9 @@ from epdserve.media.budget import DecodeBudget, DecodeCancelled, describe, guard
 from epdserve.media.decode import decode_image, decode_video, video_interval
 from epdserve.media.errors import InvalidMedia, MediaError, MediaTimeout, MediaTooLarge
 from epdserve.media.limits import MediaLimits
+from epdserve.media.pending import PendingFull
 from epdserve.router.upstream import about_media, passthrough_error
-from tests.corpus.media.generate import huge_canvas_gif
+from tests.corpus.media.generate import huge_canvas_gif, mp4
 
 CORPUS = Path(__file__).parent / "corpus" / "media"
 LIMITS = MediaLimits()
@@ -97,6 +98,35 @@ def test_decoded_pixels_are_charged_frame_by_frame() -> None:
     budget.charge(60, "video")
     with pytest.raises(MediaTooLarge, match="more than 100 pixels"):
         budget.charge(60, "video")
+
+
+def test_what_a_decode_keeps_is_told_once_before_any_pixel_is_decoded() -> None:
+    told: list[tuple[int, int, int, int]] = []
+
+    def budget() -> DecodeBudget:
+        b = DecodeBudget(LIMITS, reserve=lambda frames, w, h: told.append((frames, w, h, b.pixels)))
+        return b
+
+    decode_image(still("PNG", (40, 30)), LIMITS, budget())
+    decode_video(huge_canvas_gif(8, side=64), LIMITS, budget())  # 4 of its 8 frames sampled
+    decode_video(mp4(8), LIMITS, budget())
+    video_interval(mp4(8), LIMITS, budget())  # keeps no frame: nothing to tell
+    # an image's pixels are charged from its header before the report; a video's frames after it
+    assert told == [(1, 40, 30, 40 * 30), (4, 64, 64, 0), (4, 64, 48, 0)]
+
+
+def test_an_item_its_reservation_refuses_is_not_decoded() -> None:
+    decoded = []
+
+    def refuse(frames: int, w: int, h: int) -> None:
+        raise PendingFull("held")
+
+    for decode, data in ((decode_image, still("PNG")), (decode_video, huge_canvas_gif(8, side=64))):
+        budget = DecodeBudget(LIMITS, reserve=refuse)
+        with pytest.raises(PendingFull):  # not turned into the bytes' fault
+            decoded.append(decode(data, LIMITS, budget))  # type: ignore[operator]
+        assert budget.pixels <= 64 * 64  # at most the header's charge: no frame decoded
+    assert not decoded
 
 
 def test_a_decode_stops_when_its_time_is_spent() -> None:

@@ -5,6 +5,7 @@ and a real ``serve`` that refuses a budget too small or sizes its KV cache from 
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from epdserve.memory import (
     engine_memory,
     host_memory,
     kv_block_bytes,
+    largest_item,
     lm_step_bytes,
     max_item_patches,
     parameter_count,
@@ -212,9 +214,30 @@ def test_the_media_a_role_holds_for_its_tower_is_counted_at_its_bound() -> None:
         assert pd.pending_media == enc.pending_media == max(bound, item)  # one item is always let through
         assert f"pending media {format_bytes(max(bound, item))}" in pd.line()
         assert enc.total == enc.weights + enc.vision + enc.embeddings + enc.pending_media
+    # what preprocessing the largest item holds (its decoded frames and resized copies beside its
+    # patches), where that is more than both
+    held = item + (600 << 20)
+    pd = engine_memory(model, **_engine(model, num_kv_blocks=256, pending_media=64 << 20, item_bytes=held))
+    assert pd.pending_media == held
     tower_less = engine_memory(model, **_engine(model, num_kv_blocks=256, pending_media=1 << 30, vision=False))
     decode = engine_memory(model, **_engine(model, role="decode", num_kv_blocks=256, pending_media=1 << 30))
     assert tower_less.pending_media == decode.pending_media == 0  # no pixels ever reach them
+
+
+def test_the_largest_item_is_read_from_the_checkpoints_processor() -> None:
+    """The account's largest item: the processor's largest image or video, and what decoding and
+    preprocessing it from the largest canvas a client may send holds."""
+    from epdserve.media.limits import MediaLimits
+    from epdserve.media.processor import ProcessorConfig, VisionProcessor
+
+    model = ModelConfig.from_pretrained(default_model_dir())
+    proc = ProcessorConfig.from_pretrained(default_model_dir())
+    patches, held = largest_item(default_model_dir(), model)
+    assert patches == max_item_patches(model.vision_config, proc.max_pixels, proc.video_max_pixels, proc.video_frames)
+    side = math.isqrt(MediaLimits().max_image_pixels)
+    video = VisionProcessor(proc).footprint("video", proc.video_frames, side, side)
+    assert held == max(video, VisionProcessor(proc).footprint("image", 1, side, side))
+    assert held > patches * model.vision_config.patch_dim * 4  # a 4096-px frame decodes to more than its patches
 
 
 def test_available_memory_is_some_of_the_machine() -> None:

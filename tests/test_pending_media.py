@@ -6,6 +6,8 @@ import asyncio
 import base64
 import io
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +17,7 @@ from aiohttp import web
 from epdserve.api.errors import Overloaded
 from epdserve.engine.config import EngineConfig
 from epdserve.launcher import free_port
-from epdserve.media.pending import PendingFull, PendingMedia
+from epdserve.media.pending import PendingFull, PendingMedia, Reservation, ReservationClosed
 from epdserve.pd.config import ServerConfig
 from epdserve.pd.generation import Generation
 from epdserve.pd.server import build_app
@@ -53,6 +55,48 @@ def test_one_item_is_always_let_through_however_large() -> None:
         PendingMedia(0)
     with pytest.raises(ValueError):
         pending.take(-1)
+
+
+def test_a_reservation_is_settled_to_its_pixels_or_given_back() -> None:
+    pending = PendingMedia(100)
+    r = Reservation(pending)
+    r.take(60)
+    r.take(30)  # a second item of the same request
+    with pytest.raises(PendingFull):
+        Reservation(pending).take(20)
+    held = r.settle(50)  # the patches made: less than their preprocessing held
+    assert pending.held == 50 and held.nbytes == 50
+    with pytest.raises(ReservationClosed):
+        r.take(1)  # a thread still preprocessing for a request that was settled or left
+    r.close()  # once settled, closing gives nothing back twice
+    assert pending.held == 50
+    left = Reservation(pending)
+    left.take(40)
+    left.close()  # its request failed or was abandoned
+    assert pending.held == 50
+    with pytest.raises(ReservationClosed):
+        left.take(1)
+    held.release()
+    # nothing taken before the pixels were made (a size the header did not give): a bounded take
+    first, unknown = pending.take(90), Reservation(pending)
+    with pytest.raises(PendingFull):
+        unknown.settle(20)
+    first.release()
+    assert pending.held == 0 and unknown.settle(20).nbytes == 20 and pending.held == 20
+
+
+def test_takes_from_many_threads_keep_the_count() -> None:
+    pending = PendingMedia(1 << 40)
+
+    def work(_: int) -> None:
+        for _ in range(500):
+            r = Reservation(pending)
+            r.take(7)
+            r.settle(3).release()
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    assert pending.held == 0
 
 
 def chat(seed: int | None) -> bytes:
@@ -102,5 +146,63 @@ def test_a_server_holds_its_requests_pixels_until_their_first_token_within_its_b
                 assert service.pending.held == 0
         finally:
             await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_media_in_preprocessing_count_from_their_header_and_a_refused_item_is_never_decoded(
+    model_dir: Path,
+) -> None:
+    """An image is counted against the bound from before its pixels are decoded, at what its
+    preprocessing will hold; another request past the bound is refused before its pixels are
+    decoded or preprocessed, and a request abandoned while its image is preprocessed gives its
+    bytes back."""
+
+    async def main() -> None:
+        engine = EngineConfig(max_pending_media_bytes=1, num_kv_blocks=256, max_model_len=1024)
+        service = ChatService(ServerConfig(model=model_dir, engine_core="thread", warmup=False, engine=engine))
+        await service.start()
+        processor = service.resolver.processor
+        real, gate, entered, calls = processor.image, threading.Event(), threading.Event(), []
+
+        def held_image(img):  # type: ignore[no-untyped-def]
+            calls.append(img.size)
+            entered.set()
+            gate.wait(10)
+            return real(img)
+
+        processor.image = held_image  # type: ignore[method-assign]
+        try:
+            first = asyncio.ensure_future(service.prepare(chat(1)))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+            width, height = calls[0]
+            assert service.pending.held == processor.footprint("image", 1, width, height)
+            with pytest.raises(Overloaded, match="wait for the vision tower"):
+                await service.prepare(chat(2))
+            assert len(calls) == 1  # the refused image was not decoded, let alone preprocessed
+            gate.set()
+            _, add, held = await first
+            pixels = add.media[0].pixels
+            assert pixels is not None and service.pending.held == held.nbytes == len(pixels.data)
+            assert processor.footprint("image", 1, width, height) > held.nbytes
+            held.release()
+
+            gate.clear()
+            entered.clear()
+            left = asyncio.ensure_future(service.prepare(chat(3)))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+            assert service.pending.held > 0
+            left.cancel()  # its client left while its image was preprocessed
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            assert service.pending.held == 0
+            gate.set()
+            _, _, again = await service.prepare(chat(4))  # the bound is free again
+            again.release()
+            assert service.pending.held == 0 and service.pending.refused == 1
+        finally:
+            gate.set()
+            processor.image = real  # type: ignore[method-assign]
+            await service.close()
 
     asyncio.run(main())

@@ -56,3 +56,24 @@ def test_smart_resize_rejects_extreme_aspect() -> None:
 def test_frame_sampling() -> None:
     assert sample_frame_indices(3, 4) == [0, 1, 2]
     assert sample_frame_indices(10, 4) == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("size", [(448, 448), (300, 50), (1000, 1700)])
+def test_the_footprint_bounds_what_preprocessing_holds(size: tuple[int, int]) -> None:
+    """``footprint`` (what a role reserves for an item before decoding it) covers the arrays
+    preprocessing makes at their peak (traced; the decoded frames are Pillow's and counted apart)
+    and the patches it settles to."""
+    import tracemalloc
+
+    processor = VisionProcessor(ProcessorConfig(max_pixels=1 << 20, video_max_pixels=1 << 18))
+    rng = np.random.default_rng(0)
+    width, height = size
+    frames = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(3)]
+    for modality, run in (("image", lambda: processor.image(frames[0])), ("video", lambda: processor.video(frames))):
+        kept = 1 if modality == "image" else len(frames)
+        tracemalloc.start()
+        out = run()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        footprint = processor.footprint(modality, kept, width, height)
+        assert out.pixel_values.nbytes <= peak <= footprint - 6 * width * height * kept

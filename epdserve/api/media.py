@@ -31,6 +31,7 @@ from epdserve.media.limits import MediaLimits
 from epdserve.media.processor import VisionProcessor
 
 EmbedsResolver = Callable[[EmbedsPart], Awaitable[MediaInput]]
+Hold = Callable[[int], None]  # takes bytes for an item about to be decoded (``media.pending.Reservation.take``)
 T = TypeVar("T")
 
 
@@ -58,24 +59,30 @@ class MediaResolver:
         self.audio = audio
         self.audio_kwargs = dataclasses.asdict(audio.config) if audio is not None else {}
 
-    async def resolve(self, parts: list[MediaPart]) -> list[MediaInput]:
-        return list(await asyncio.gather(*(self._one(p) for p in parts)))
+    async def resolve(self, parts: list[MediaPart], hold: Hold | None = None) -> list[MediaInput]:
+        """``hold``: told, from the preprocessing thread, what each image or video will hold before
+        its pixels are decoded (``process_bytes``)."""
+        return list(await asyncio.gather(*(self._one(p, hold) for p in parts)))
 
     async def resolve_then(
-        self, parts: list[MediaPart], then: Callable[[list[MediaInput]], T], executor: Executor
+        self,
+        parts: list[MediaPart],
+        then: Callable[[list[MediaInput]], T],
+        executor: Executor,
+        hold: Hold | None = None,
     ) -> T:
-        """``then(resolved parts)``, run in ``executor``. A request with one image or video (the
+        """``then(resolved parts)``, run in ``executor`` (``hold``: as ``resolve``'s). A request with one image or video (the
         common case) is decoded, preprocessed and handed to ``then`` in one executor job: every
         hop between the event loop and a thread waits for both to be free, and under load that
         wait was most of a request's preprocessing time. Several raw items are still processed
         concurrently, each in its own job."""
         part = parts[0] if len(parts) == 1 else None
         if isinstance(part, ImageUrlPart | VideoUrlPart):
-            return await self._url_media(part, lambda item: then([item]))
-        media = await self.resolve(parts)
+            return await self._url_media(part, lambda item: then([item]), hold)
+        media = await self.resolve(parts, hold)
         return await asyncio.get_running_loop().run_in_executor(executor, then, media)
 
-    async def _one(self, part: MediaPart) -> MediaInput:
+    async def _one(self, part: MediaPart, hold: Hold | None) -> MediaInput:
         if isinstance(part, EmbedsPart):
             if self.embeds is None:
                 raise BadRequest("This server does not accept metadata-only media (no EC connector configured).")
@@ -88,9 +95,11 @@ class MediaResolver:
                 )
             except MediaError as e:
                 raise from_media_error(e) from None
-        return await self._url_media(part, lambda item: item)
+        return await self._url_media(part, lambda item: item, hold)
 
-    async def _url_media(self, part: ImageUrlPart | VideoUrlPart, after: Callable[[MediaInput], T]) -> T:
+    async def _url_media(
+        self, part: ImageUrlPart | VideoUrlPart, after: Callable[[MediaInput], T], hold: Hold | None
+    ) -> T:
         """An image or video: fetched here, then decoded, preprocessed and passed to ``after`` in
         one executor job."""
         url = part.image_url.url if isinstance(part, ImageUrlPart) else part.video_url.url
@@ -98,7 +107,7 @@ class MediaResolver:
         try:
             data = await load_media_bytes(url, self.limits, self.session)
             return await run_decode(
-                self.executor, lambda cancelled: after(self.process_bytes(modality, data, cancelled=cancelled))
+                self.executor, lambda cancelled: after(self.process_bytes(modality, data, "", cancelled, hold))
             )
         except MediaError as e:  # the edge: media errors become HTTP errors here
             raise from_media_error(e) from None
@@ -108,12 +117,25 @@ class MediaResolver:
         return self.audio_kwargs if modality == "audio" else self.processor_kwargs
 
     def process_bytes(
-        self, modality: str, data: bytes, audio_format: str = "", cancelled: threading.Event | None = None
+        self,
+        modality: str,
+        data: bytes,
+        audio_format: str = "",
+        cancelled: threading.Event | None = None,
+        hold: Hold | None = None,
     ) -> MediaInput:
         """Decode + preprocess (CPU work, runs in the executor); ``audio_format`` is the format
         an audio was declared in ("wav", "flac" or "mp3"); ``cancelled``: set when the request
-        is abandoned (the decode stops)."""
-        budget = DecodeBudget(self.limits, cancelled)
+        is abandoned (the decode stops); ``hold``: told the bytes an image or video will hold
+        (``VisionProcessor.footprint``) once its header gives its size, before its pixels are
+        decoded; it refuses the item by raising."""
+        processor = self.processor
+
+        def reserve(frames: int, width: int, height: int) -> None:
+            assert hold is not None
+            hold(processor.footprint(modality, frames, width, height))
+
+        budget = DecodeBudget(self.limits, cancelled, reserve=reserve if hold is not None else None)
         if modality == "audio":
             return self._audio(data, audio_format, budget)
         uuid = media_uuid(self.model_id, modality, data, self.processor_kwargs)

@@ -48,7 +48,7 @@ from epdserve.api.errors import (
     from_media_error,
 )
 from epdserve.api.load import EncoderLoad
-from epdserve.api.media import MediaResolver
+from epdserve.api.media import Hold, MediaResolver
 from epdserve.api.role_app import RoleBasics
 from epdserve.cache.embedding_cache import EmbeddingCache
 from epdserve.common.rates import CostRate
@@ -79,7 +79,7 @@ from epdserve.media.budget import run_decode
 from epdserve.media.errors import MediaError
 from epdserve.media.fetch import load_media_bytes, media_session
 from epdserve.media.hashing import media_uuid
-from epdserve.media.pending import Pending, PendingFull, PendingMedia
+from epdserve.media.pending import Pending, PendingFull, PendingMedia, Reservation
 from epdserve.media.processor import ProcessorConfig, VisionInput, VisionProcessor
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
@@ -508,45 +508,52 @@ class EncoderService:
         return second
 
     def _preprocess(
-        self, item: EncodeItem, data: bytes | None, cancelled: threading.Event | None = None
+        self, item: EncodeItem, data: bytes | None, hold: Hold | None = None, cancelled: threading.Event | None = None
     ) -> VisionInput | MediaInput:
         """Decode a URL's bytes (under the item's decode budget; ``cancelled`` is set when the
-        request is abandoned), or read a pixel handle's frames (decoded and resized by the
-        router), then normalize and patchify (CPU work, runs in the executor)."""
+        request is abandoned; ``hold`` takes what it will hold before its pixels are decoded), or
+        read a pixel handle's frames (decoded and resized by the router), then normalize and
+        patchify (CPU work, runs in the executor)."""
         if data is not None:
             assert self.resolver is not None
-            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""), cancelled)
+            return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""), cancelled, hold)
         assert self.pixels is not None  # _pixel_uuid checked
         frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
         return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)
 
     def _timed_preprocess(
-        self, item: EncodeItem, data: bytes | None, cancelled: threading.Event
+        self, item: EncodeItem, data: bytes | None, hold: Hold, cancelled: threading.Event
     ) -> tuple[VisionInput | MediaInput, float]:
         """``_preprocess`` and the CPU time it took this thread: its cost, not counting waits for
         the pool or for a core shared with other threads."""
         t = time.thread_time()
-        media = self._preprocess(item, data, cancelled)
+        media = self._preprocess(item, data, hold, cancelled)
         return media, time.thread_time() - t
 
     async def _prepare(self, item: EncodeItem, data: bytes | None, seat: Seat) -> _Prepared:
-        """Preprocess one item, then count it in its call's room (``seat``): the call's items go on
+        """Preprocess one item within the bound of pending media (a URL's counted from before its
+        pixels are decoded), then count it in its call's room (``seat``): the call's items go on
         to the vision tower only together, within the room."""
+        reservation = Reservation(self.pending)
         try:
-            media, cpu_s = await run_decode(self.executor, partial(self._timed_preprocess, item, data))
+            media, cpu_s = await run_decode(
+                self.executor, partial(self._timed_preprocess, item, data, reservation.take)
+            )
+            held = reservation.settle(media.pixel_values.nbytes if media.pixel_values is not None else 0)
         except TransferError as e:  # the pixel handle's region is gone, or its bytes are corrupt
             raise BadRequest(f"Invalid pixel handle: {e}", code="invalid_pixel_handle") from None
         except ValueError as e:  # e.g. an extreme aspect ratio the resize refuses
             raise BadRequest(f"The {item.modality} could not be preprocessed: {e}") from None
+        except PendingFull as e:
+            raise Overloaded(f"The encoder is overloaded: {e}.", retry_after_s=self.config.retry_after_s) from None
+        finally:
+            reservation.close()  # what a failed or abandoned item took; nothing once settled
         done = time.perf_counter()
         if media.pixel_values is None:  # process_bytes always returns pixels
+            held.release()
             raise ApiError("preprocessing produced no pixels")
         self.preprocess_cpu_s += cpu_s
         self.preprocess_patches += media.pixel_values.shape[0]
-        try:
-            held = self.pending.take(media.pixel_values.nbytes)
-        except PendingFull as e:
-            raise Overloaded(f"The encoder is overloaded: {e}.", retry_after_s=self.config.retry_after_s) from None
         try:
             await seat.admit(self.rows_of(media.grid_thw))
         except BaseException:

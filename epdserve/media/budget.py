@@ -33,6 +33,7 @@ from PIL import Image
 
 from epdserve.media.errors import InvalidMedia, MediaError, MediaTooLarge
 from epdserve.media.limits import MediaLimits
+from epdserve.media.pending import PendingFull, ReservationClosed
 
 T = TypeVar("T")
 
@@ -108,13 +109,27 @@ class DecodeBudget:
     not charged); shared by everything that decodes the item."""
 
     def __init__(
-        self, limits: MediaLimits, cancelled: threading.Event | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        limits: MediaLimits,
+        cancelled: threading.Event | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        reserve: Callable[[int, int, int], None] | None = None,
     ) -> None:
+        """``reserve(frames, width, height)``: told once, before any pixel is decoded, how many
+        frames of what canvas the decode keeps; it may refuse the item by raising."""
         self.limits = limits
         self.cancelled = cancelled
         self.clock = clock
         self.deadline = clock() + limits.decode_timeout_s
         self.pixels = 0
+        self._reserve = reserve
+
+    def keep(self, frames: int, width: int, height: int) -> None:
+        """The decode will keep ``frames`` frames of ``width`` x ``height`` (from the header, before
+        decoding them): reserved once, for the item's first report."""
+        reserve, self._reserve = self._reserve, None
+        if reserve is not None:
+            reserve(frames, width, height)
 
     def plan(self, frames: int, width: int, height: int, what: str) -> None:
         """Refuse, before decoding, an item whose header already claims more work than allowed."""
@@ -152,7 +167,7 @@ def guarded(what: str) -> Iterator[None]:
     decode."""
     try:
         yield
-    except MediaError:
+    except (MediaError, PendingFull, ReservationClosed):  # the item's own refusal, or its reservation's
         raise
     except (MemoryError, Image.DecompressionBombError):
         raise MediaTooLarge(f"The {what} is too large to decode.") from None

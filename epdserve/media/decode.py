@@ -78,6 +78,7 @@ def decode_image(data: bytes, limits: MediaLimits, budget: DecodeBudget | None =
     with guarded("image"), _open_image(data, fmt, limits) as img:
         _check_pixels(img.width, img.height, limits, "image")
         budget.charge(img.width * img.height, "image")
+        budget.keep(1, img.width, img.height)
         img.load()
         return to_rgb(img)
 
@@ -138,6 +139,8 @@ def _decode_animated(img: Image.Image, limits: MediaLimits, keep: bool, budget: 
     # each frame is composed on the whole canvas, however small the frame itself is
     canvas = img.width * img.height
     budget.plan(wanted[-1] + 1, img.width, img.height, "video")
+    if keep:
+        budget.keep(len(wanted), img.width, img.height)
     frames, starts, durations = [], [0.0], []
     # every frame up to the last wanted one: its duration is part of the later frames' times
     # (seeking decodes the frames in between anyway)
@@ -170,11 +173,13 @@ def _decode_container(data: bytes, demuxer: str, limits: MediaLimits, keep: bool
             ctx = stream.codec_context
             if ctx.width and ctx.height:
                 budget.plan(last_wanted + 1, ctx.width, ctx.height, "video")
+                budget.keep(len(wanted), ctx.width, ctx.height)
             wanted_set = set(wanted)
             for i, frame in enumerate(container.decode(stream)):
                 if i >= limits.max_video_frames:
                     raise MediaTooLarge(f"The video has more than {limits.max_video_frames} frames.")
                 _check_pixels(frame.width, frame.height, limits, "video frame")
+                budget.keep(len(wanted), frame.width, frame.height)  # a header without the size: the first frame's
                 budget.charge(frame.width * frame.height, "video")
                 last = frame
                 if i in wanted_set:

@@ -13,11 +13,17 @@ without pixels (text, embeddings) takes nothing and is never refused.
     take(n) ──► held + n ≤ bound, nothing held, or n = 0 ──► Pending (n counted) ──► release()
             └─► otherwise: PendingFull (nothing counted)
 
-Used from one event loop: ``take`` and ``release`` are not thread-safe.
+An item is counted from before its pixels are decoded: a ``Reservation`` takes what decoding and
+preprocessing it will hold at most (its decoded frames, their resized copies and its patches), from
+the preprocessing thread as soon as the item's header gives its size, and is settled to the
+patches once they are made. So items in preprocessing are within the bound too, however many
+threads preprocess, and an item past it is refused before any of its pixels are decoded.
+Thread-safe.
 """
 
 from __future__ import annotations
 
+import threading
 from types import TracebackType
 
 from epdserve.common.units import format_bytes
@@ -38,19 +44,26 @@ class PendingMedia:
         self.limit = limit
         self.held = 0  # bytes counted now
         self.refused = 0  # takes refused so far
+        self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> Pending:
-        """Count ``nbytes`` until the returned ``Pending`` is released; PendingFull past the bound."""
+    def take(self, nbytes: int, bounded: bool = True) -> Pending:
+        """Count ``nbytes`` until the returned ``Pending`` is released; PendingFull past the bound
+        (``bounded=False``: counted whatever is held)."""
         if nbytes < 0:
             raise ValueError(f"cannot hold {nbytes} bytes")
-        if nbytes and self.held and self.held + nbytes > self.limit:
-            self.refused += 1
-            raise PendingFull(
-                f"{format_bytes(self.held)} of preprocessed media already wait for the vision tower "
-                f"(at most {format_bytes(self.limit)})"
-            )
-        self.held += nbytes
+        with self._lock:
+            if bounded and nbytes and self.held and self.held + nbytes > self.limit:
+                self.refused += 1
+                raise PendingFull(
+                    f"{format_bytes(self.held)} of preprocessed media already wait for the vision tower "
+                    f"(at most {format_bytes(self.limit)})"
+                )
+            self.held += nbytes
         return Pending(self, nbytes)
+
+    def _give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
 
 
 class Pending:
@@ -61,12 +74,57 @@ class Pending:
         self.nbytes = nbytes
 
     def release(self) -> None:
-        if self._owner is not None:
-            self._owner.held -= self.nbytes
-            self._owner = None
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner._give(self.nbytes)
 
     def __enter__(self) -> Pending:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+class ReservationClosed(RuntimeError):
+    """A take for a reservation already settled or closed: its request is gone or done."""
+
+
+class Reservation:
+    """What one item's or one request's media may hold while it is preprocessed, taken from the
+    preprocessing threads (``take``, once per item, as soon as its size is known) and then settled
+    to the patches it holds for the tower. ``close`` gives back whatever it holds; a take after it
+    (a thread still preprocessing for a request that was abandoned) raises ``ReservationClosed``."""
+
+    def __init__(self, pending: PendingMedia) -> None:
+        self._pending = pending
+        self._taken: list[Pending] = []
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> None:
+        """Hold ``nbytes`` more until ``settle`` or ``close``; PendingFull past the bound."""
+        with self._lock:
+            if self._closed:
+                raise ReservationClosed("the media's request is no longer preprocessed")
+            self._taken.append(self._pending.take(nbytes))
+
+    def settle(self, nbytes: int) -> Pending:
+        """Hold ``nbytes`` (the patches made) in place of what was taken, counted whatever is held
+        now: they were within the bound already. Nothing taken (the size was not known before the
+        patches were made): an ordinary take, refused past the bound."""
+        with self._lock:
+            self._closed = True
+            taken, self._taken = self._taken, []
+        if not taken:
+            return self._pending.take(nbytes)
+        held = self._pending.take(nbytes, bounded=False)
+        for t in taken:
+            t.release()
+        return held
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            taken, self._taken = self._taken, []
+        for t in taken:
+            t.release()

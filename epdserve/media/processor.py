@@ -36,6 +36,11 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+# Bytes per pixel of a kept frame as decoded and as its RGB copy (``media.decode.to_rgb``); one
+# more frame's worth covers the conversion in progress (RGBA as decoded, composited on white).
+DECODED_BYTES_PER_PIXEL = 6
+
+
 @dataclass(frozen=True)
 class VisionInput:
     """Patches of one media item and its grid (t, h, w) in patches."""
@@ -168,6 +173,18 @@ class VisionProcessor:
         rows /= self._std
         return VisionInput(flat, (gt, gh, gw))
 
+    def footprint(self, modality: str, frames: int, width: int, height: int) -> int:
+        """Bytes that decoding and preprocessing an item of ``frames`` kept frames of ``width`` x
+        ``height`` hold at most: the frames as decoded (``DECODED_BYTES_PER_PIXEL``, and one more
+        in conversion), their resized RGB copies (a video's twice: the frames and their stack) and
+        the float32 patches."""
+        c = self.config
+        max_pixels = c.max_pixels if modality == "image" else c.video_max_pixels
+        h, w = smart_resize(height, width, c.factor, c.min_pixels, max_pixels)
+        padded = -(-frames // c.temporal_patch_size) * c.temporal_patch_size
+        resized = 3 * h * w * (frames if modality == "image" else 2 * padded)
+        return DECODED_BYTES_PER_PIXEL * width * height * (frames + 1) + resized + padded * 3 * h * w * 4
+
     def resized_image(self, img: Image.Image) -> Image.Image:
         """The RGB image at the size the vision tower sees it (``image`` without normalizing):
         what a router that decodes media hands an encoder."""
@@ -199,6 +216,16 @@ class VisionProcessor:
         while len(arrs) % c.temporal_patch_size:
             arrs.append(arrs[-1])  # pad with the last frame, as the reference does
         return self._patchify(np.stack(arrs))
+
+
+def largest_footprint(config: ProcessorConfig, max_image_pixels: int, video_frames: int) -> int:
+    """``VisionProcessor.footprint`` of the largest item a role takes: an image, or a video of
+    ``video_frames`` frames (0: none), on a canvas of ``max_image_pixels`` (``MediaLimits``) that
+    resizes to the processor's largest size."""
+    side = math.isqrt(max_image_pixels)
+    processor = VisionProcessor(config)
+    image = processor.footprint("image", 1, side, side)
+    return max(image, processor.footprint("video", video_frames, side, side) if video_frames else 0)
 
 
 def sample_frame_indices(total: int, count: int) -> list[int]:

@@ -19,7 +19,7 @@ from epdserve.api import logs
 from epdserve.api.chat_messages import template_messages
 from epdserve.api.errors import BadRequest, NotFound, Overloaded, context_too_long
 from epdserve.api.load import LoadReport, worker_ratio
-from epdserve.api.media import MediaResolver
+from epdserve.api.media import Hold, MediaResolver
 from epdserve.api.protocol import (
     ChatRequest,
     EmbedsPart,
@@ -43,7 +43,7 @@ from epdserve.engine.messages import AddRequest, EngineStats, KVTransfer, StageT
 from epdserve.kernels.resample import load_resampler
 from epdserve.media.audio import AudioProcessor, AudioProcessorConfig
 from epdserve.media.fetch import media_session
-from epdserve.media.pending import Pending, PendingFull, PendingMedia
+from epdserve.media.pending import Pending, PendingFull, PendingMedia, Reservation
 from epdserve.media.processor import ProcessorConfig, VisionProcessor
 from epdserve.media.workers import media_threads
 from epdserve.models.config import ModelConfig
@@ -297,19 +297,23 @@ class ChatService:
         req = decode_chat_request(body, cfg.limits, cfg.max_prompt_chars)
         check_embeds_trust(req, internal, cfg.enable_mm_embeds)
         check_kv_trust(req, internal)
+        # its media count against the bound from before their pixels are decoded; until its first
+        # token the core holds its pixels: a burst waits at its clients
+        reservation = Reservation(self.pending)
         try:
-            add = await self._prepare(req)
-            try:  # until its first token the core holds its pixels: a burst waits at its clients
-                return req, add, self.pending.take(sum(len(m.pixels.data) for m in add.media if m.pixels is not None))
-            except PendingFull as e:
-                raise Overloaded(f"The server is overloaded: {e}.") from None
-        except BaseException:
+            add = await self._prepare(req, reservation.take)
+            return req, add, reservation.settle(sum(len(m.pixels.data) for m in add.media if m.pixels is not None))
+        except BaseException as e:
             if internal:
                 kv = req.kv_transfer_params
                 self.core.release(_handles(req), [kv.kv_handle] if kv is not None and kv.kv_handle else [])
+            if isinstance(e, PendingFull):
+                raise Overloaded(f"The server is overloaded: {e}.") from None
             raise
+        finally:
+            reservation.close()  # what a failed or abandoned request took; nothing once settled
 
-    async def _prepare(self, req: ChatRequest) -> AddRequest:
+    async def _prepare(self, req: ChatRequest, hold: Hold) -> AddRequest:
         cfg = self.config
         if req.model and req.model != cfg.model_name:  # optional, as in vLLM
             raise NotFound.model(req.model)
@@ -332,7 +336,7 @@ class ChatService:
         budget = limit - params.max_tokens if explicit else limit - 1
         try:
             prompt = await self.resolver.resolve_then(
-                parts, lambda media: self.builder.build(messages, media, kwargs, budget), self.template_executor
+                parts, lambda media: self.builder.build(messages, media, kwargs, budget), self.template_executor, hold
             )
         except TooManyTokens as e:
             raise context_too_long(limit, e.at_least, params.max_tokens if explicit else 0) from None
