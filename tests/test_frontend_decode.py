@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import signal
 import subprocess
@@ -169,6 +170,39 @@ def test_a_decoded_video_hands_its_timing_to_the_encoder(model_dir: Path) -> Non
     finally:
         asyncio.run(decoder.close())
         asyncio.run(reader.close())
+
+
+def test_an_encoder_counts_a_pixel_handles_item_before_making_its_patches(model_dir: Path, tmp_path: Path) -> None:
+    """Frames the router decoded are counted against the encoder's bound of pending media before
+    they are made into patches, at what that holds at most."""
+    from epdserve.api.auth import AuthConfig
+    from epdserve.encoder.protocol import EncodeItem
+    from epdserve.encoder.server import EncoderConfig, EncoderService
+
+    (tmp_path / "shm").mkdir()
+    ec = ECConfig(shm_bytes=1 << 20, shm_dir=str(tmp_path / "shm"), secret=SECRET, instance="encoder-test")
+    auth = AuthConfig(cluster=ClusterCredential.from_text(SECRET))
+    service = EncoderService(EncoderConfig(model=model_dir, threads=1, ec=ec, auth=auth))
+    producer = PixelProducer(dataclasses.replace(ec, instance="router-test"))
+    processor = service.processor
+    kwargs = processor.config.hash_kwargs(MediaLimits().video_frames)
+    sent = frames(1, 56, 84)
+    handle = producer.put(UUID, MODEL, "image", processor_digest(MODEL, kwargs), sent)
+    held: list[int] = []
+    real = processor.image
+
+    def image(img: Image.Image):  # type: ignore[no-untyped-def]
+        assert held == [processor.footprint("image", 1, 84, 56)]  # counted before the patches are made
+        return real(img)
+
+    processor.image = image  # type: ignore[method-assign]
+    try:
+        out = service._preprocess(EncodeItem(modality="image", pixels=handle), None, held.append)
+        assert out.pixel_values is not None and out.pixel_values.nbytes < held[0]
+    finally:
+        processor.image = real  # type: ignore[method-assign]
+        producer.close()
+        asyncio.run(service.close())
 
 
 def test_an_encode_item_carries_a_url_or_pixels() -> None:

@@ -519,6 +519,8 @@ class EncoderService:
             return self.resolver.process_bytes(item.modality, data, audio_format_of(item.url or ""), cancelled, hold)
         assert self.pixels is not None  # _pixel_uuid checked
         frames = [Image.fromarray(f) for f in self.pixels.read(item.pixels, item.modality)]
+        if hold is not None and frames:  # decoded already: counted before they are made into patches
+            hold(self.processor.footprint(item.modality, len(frames), frames[0].width, frames[0].height))
         return self.processor.image(frames[0]) if item.modality == "image" else self.processor.video(frames)
 
     def _timed_preprocess(
@@ -531,9 +533,9 @@ class EncoderService:
         return media, time.thread_time() - t
 
     async def _prepare(self, item: EncodeItem, data: bytes | None, seat: Seat) -> _Prepared:
-        """Preprocess one item within the bound of pending media (a URL's counted from before its
-        pixels are decoded), then count it in its call's room (``seat``): the call's items go on
-        to the vision tower only together, within the room."""
+        """Preprocess one item within the bound of pending media (counted from before its pixels
+        are decoded, or a pixel handle's made into patches), then count it in its call's room
+        (``seat``): the call's items go on to the vision tower only together, within the room."""
         reservation = Reservation(self.pending)
         try:
             media, cpu_s = await run_decode(
