@@ -187,6 +187,7 @@ def engine_memory(
     decode_mirror: bool,
     pending_media: int = 0,
     item_bytes: int = 0,
+    sliced: bool = True,
     num_kv_blocks: int = 0,
     kv_cache_memory: int = 0,
     budget: int = 0,
@@ -195,7 +196,8 @@ def engine_memory(
     """A language-model role's account. Its KV blocks: ``kv_cache_memory`` worth, else what
     ``budget`` leaves after the rest, else ``num_kv_blocks``; ``pending_media``: the bound of its
     media held for the tower (``media.pending``; counted where the tower is loaded), ``item_bytes``
-    what preprocessing the largest item holds. MemoryBudgetError when the rest
+    what preprocessing the largest item holds; ``sliced``: a large image's forward may pause
+    between steps (``EngineConfig.vision_slice_s``). MemoryBudgetError when the rest
     alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
@@ -209,7 +211,8 @@ def engine_memory(
         role=role,
         weights=w,
         activations=lm_step_bytes(model.text, max_num_batched_tokens, max_num_seqs, max_model_len, b),
-        vision=vision_forward_bytes(model.vision, rows, b) + vision_paused_bytes(model.vision, item_patches, b)
+        vision=vision_forward_bytes(model.vision, rows, b)
+        + (vision_paused_bytes(model.vision, item_patches, b) if sliced else 0)
         if loaded and model.vision is not None and not decode
         else 0,
         embeddings=embedding_bytes(model, item_patches // merge2 + max_num_batched_tokens, b)
@@ -316,6 +319,7 @@ def account_engine(
         decode_mirror=not fused,
         pending_media=config.max_pending_media_bytes,
         item_bytes=item_bytes,
+        sliced=config.vision_slice_s > 0,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         budget=int(config.memory_fraction * free),

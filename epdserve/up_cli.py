@@ -152,7 +152,7 @@ def vllm_args_of(args: argparse.Namespace) -> list[str]:
 # the flags that size a role's memory, as ``up`` hands them on (the rest: each role's default)
 SIZING_ENGINE_FLAGS: tuple[str, ...] = ("dtype", "kernels", "device", "max_model_len", "max_num_seqs")
 SIZING_ENGINE_FLAGS += ("max_num_batched_tokens", "num_kv_blocks", "block_size", "kv_cache_memory", "memory_fraction")
-SIZING_ENGINE_FLAGS += ("max_pending_media_bytes",)
+SIZING_ENGINE_FLAGS += ("max_pending_media_bytes", "vision_slice_s")
 SIZING_ENCODER_FLAGS: tuple[str, ...] = ("dtype", "kernels", "device", "encode_token_budget", "encoder_cache_bytes")
 SIZING_ENCODER_FLAGS += ("max_pending_media_bytes",)
 

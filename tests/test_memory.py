@@ -135,6 +135,8 @@ def test_largest_step_and_largest_image_of_qwen2_vl_2b() -> None:
     assert vision_paused_bytes(vision, 65536, 2) == 65536 * ((5 * 1280 + 1176) * 2 + 2 * 80 * 4)
     pd = engine_memory(model, **_engine(model, num_kv_blocks=256))
     assert pd.vision == vision_forward_bytes(vision, 65536, 2) + vision_paused_bytes(vision, 65536, 2)
+    unsliced = engine_memory(model, **_engine(model, num_kv_blocks=256, sliced=False))  # --vision-slice-s 0
+    assert unsliced.vision == vision_forward_bytes(vision, 65536, 2)
 
 
 def _engine(model: ModelConfig, **kw) -> dict:
@@ -338,6 +340,7 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
     model_dir = default_model_dir()
     engine = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_batched_tokens": 512}
     engine["max_pending_media_bytes"] = 80 << 20
+    engine["vision_slice_s"] = 0  # no forward paused between steps: nothing counted for one
     encoder = {"dtype": "float32", "max_pending_media_bytes": 80 << 20}  # as up hands the flag to both
     fit = check_fit(model_dir, Settings(engine, encoder), 2, {"prefill": 1, "decode": 3}, True, accounts_here)
     config = EngineConfig(**engine)  # type: ignore[arg-type]
