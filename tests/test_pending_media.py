@@ -144,6 +144,9 @@ def test_a_server_holds_its_requests_pixels_until_their_first_token_within_its_b
                 async with session.post(url, json=too_long) as r:
                     assert r.status == 400
                 assert service.pending.held == 0
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    scraped = await r.text()
+                assert "epd_pending_media_bytes 0.0" in scraped and "epd_pending_media_refused_total 1.0" in scraped
         finally:
             await runner.cleanup()
 

@@ -146,6 +146,7 @@ def test_images_encoded_in_slices_give_the_tokens_of_one_forward(ckpt: Path) -> 
     assert got == want
     depth = ModelConfig.from_pretrained(ckpt).vision_config.depth
     assert eng.runner.sliced_items == 2  # two distinct images; "c" reads "a"'s from the encoder cache
+    assert eng.stats().vision_sliced_items == 2  # the worker's epd_vision_sliced_items_total
     assert eng.runner.vision_patches == sum(v.pixel_values.shape[0] for v in reqs.images)
     assert eng.num_steps > 2 * depth
     eng.scheduler.blocks.check_integrity()

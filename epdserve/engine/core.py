@@ -453,6 +453,7 @@ class EngineCore:
             vision=self.vision,
             vision_patches=self.runner.vision_patches,
             vision_seconds=self.runner.vision_seconds,
+            vision_sliced_items=self.runner.sliced_items,
         )
 
     def close(self) -> None:

@@ -31,7 +31,9 @@ from epdserve.transfer.config import ECConfig
 if TYPE_CHECKING:
     import torch
 
-ENGINE_PROTOCOL_VERSION = 5  # 5: the KV cache's touched blocks (EngineStats); 4: placeholder runs (MediaSpec.runs)
+ENGINE_PROTOCOL_VERSION = (
+    6  # 6: items encoded in slices (EngineStats); 5: the KV cache's touched blocks; 4: placeholder runs
+)
 
 # "transferred": a prefill instance handed the request's KV to a decode instance after its first token
 FinishReason = Literal["stop", "length", "abort", "error", "transferred"]
@@ -250,6 +252,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag="stats"):
     vision: bool = False
     vision_patches: int = 0  # patches of raw media encoded here
     vision_seconds: float = 0.0  # seconds of those vision forwards
+    vision_sliced_items: int = 0  # of those items, the ones encoded in slices between steps (too large for one)
     block_size: int = 0
     kv_digest: bytes = b""  # asked for: the cached blocks' hashes (prefix_hash.HASH_BYTES each)
 

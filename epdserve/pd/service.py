@@ -222,9 +222,14 @@ class ChatService:
             ("kv_transfers_in_total", "requests continued from KV loaded here", "kv_transfers_in"),
             ("kv_fallbacks_total", "requests whose KV could not be loaded (prefill computed here)", "kv_fallbacks"),
             ("kv_bytes_received_total", "KV bytes loaded through the KV connector", "kv_bytes_in"),
+            ("vision_sliced_items_total", "media items encoded in slices between steps", "vision_sliced_items"),
         )
         for name, text, field in counts:
             m.gauge(name, text, stat(field), monotonic=True)
+        held = "media held for the vision tower, from their decoding to their request's first token"
+        m.gauge("pending_media_bytes", held, lambda: float(self.pending.held))
+        refused = "requests refused (429) because the media held for the vision tower was at its bound"
+        m.gauge("pending_media_refused_total", refused, lambda: float(self.pending.refused), monotonic=True)
 
         def failures() -> dict[str, float]:
             st = self.stats
