@@ -23,6 +23,7 @@ from epdserve.security.credentials import ClusterCredential
 from epdserve.shapes import ShapesWorld
 from epdserve.transfer.base import TransferError
 from epdserve.transfer.config import ECConfig
+from tests.held_media import HeldImages
 from tests.server_utils import signed_headers
 
 torch.set_num_threads(1)
@@ -212,34 +213,20 @@ def test_an_item_counts_from_its_header_and_one_past_the_bound_is_never_decoded(
     async def scenario(service: EncoderService, post) -> None:
         assert service.resolver is not None
         processor = service.resolver.processor
-        real, gate, entered, calls = processor.image, threading.Event(), threading.Event(), []
-
-        def held_image(img):  # type: ignore[no-untyped-def]
-            calls.append(img.size)
-            entered.set()
-            gate.wait(10)
-            return real(img)
-
-        processor.image = held_image  # type: ignore[method-assign]
-        wait = asyncio.get_running_loop().run_in_executor
-        try:
+        with HeldImages(processor) as held:
             first = asyncio.ensure_future(post(body(30)))
-            await wait(None, entered.wait, 10)
-            assert service.pending.held == processor.footprint("image", 1, *calls[0])
+            await held.wait_entered()
+            assert service.pending.held == processor.footprint("image", 1, *held.sizes[0])
             status, err = await post(body(31))
             assert status == 429 and "wait for the vision tower" in err["error"]["message"]
-            assert len(calls) == 1  # not decoded, not preprocessed
-            gate.set()
+            assert len(held.sizes) == 1  # not decoded, not preprocessed
+            held.gate.set()
             assert (await first)[0] == 200 and service.pending.held == 0
-            gate.clear()
-            entered.clear()
+            held.hold_again()
             left = asyncio.ensure_future(post(body(32)))
-            await wait(None, entered.wait, 10)
+            await held.wait_entered()
             left.cancel()  # the caller closes its connection
             await until(lambda: service.pending.held == 0)
-        finally:
-            gate.set()
-            processor.image = real  # type: ignore[method-assign]
         assert (await post(body(33)))[0] == 200 and service.pending.held == 0
 
     run(model_dir, scenario, max_pending_media_bytes=1)

@@ -6,7 +6,6 @@ import asyncio
 import base64
 import io
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from epdserve.pd.generation import Generation
 from epdserve.pd.server import build_app
 from epdserve.pd.service import ChatService
 from epdserve.shapes import ShapesWorld
+from tests.held_media import HeldImages
 
 
 def test_items_are_held_up_to_the_bound_and_given_back() -> None:
@@ -166,46 +166,35 @@ def test_media_in_preprocessing_count_from_their_header_and_a_refused_item_is_ne
         service = ChatService(ServerConfig(model=model_dir, engine_core="thread", warmup=False, engine=engine))
         await service.start()
         processor = service.resolver.processor
-        real, gate, entered, calls = processor.image, threading.Event(), threading.Event(), []
-
-        def held_image(img):  # type: ignore[no-untyped-def]
-            calls.append(img.size)
-            entered.set()
-            gate.wait(10)
-            return real(img)
-
-        processor.image = held_image  # type: ignore[method-assign]
         try:
-            first = asyncio.ensure_future(service.prepare(chat(1)))
-            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
-            width, height = calls[0]
-            assert service.pending.held == processor.footprint("image", 1, width, height)
-            with pytest.raises(Overloaded, match="wait for the vision tower"):
-                await service.prepare(chat(2))
-            assert len(calls) == 1  # the refused image was not decoded, let alone preprocessed
-            gate.set()
-            _, add, held = await first
-            pixels = add.media[0].pixels
-            assert pixels is not None and service.pending.held == held.nbytes == len(pixels.data)
-            assert processor.footprint("image", 1, width, height) > held.nbytes
-            held.release()
+            with HeldImages(processor) as held:
+                first = asyncio.ensure_future(service.prepare(chat(1)))
+                await held.wait_entered()
+                width, height = held.sizes[0]
+                assert service.pending.held == processor.footprint("image", 1, width, height)
+                with pytest.raises(Overloaded, match="wait for the vision tower"):
+                    await service.prepare(chat(2))
+                assert len(held.sizes) == 1  # the refused image was not decoded, let alone preprocessed
+                held.gate.set()
+                _, add, first_held = await first
+                pixels = add.media[0].pixels
+                assert pixels is not None and service.pending.held == first_held.nbytes == len(pixels.data)
+                assert processor.footprint("image", 1, width, height) > first_held.nbytes
+                first_held.release()
 
-            gate.clear()
-            entered.clear()
-            left = asyncio.ensure_future(service.prepare(chat(3)))
-            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
-            assert service.pending.held > 0
-            left.cancel()  # its client left while its image was preprocessed
-            with pytest.raises(asyncio.CancelledError):
-                await left
-            assert service.pending.held == 0
-            gate.set()
-            _, _, again = await service.prepare(chat(4))  # the bound is free again
-            again.release()
-            assert service.pending.held == 0 and service.pending.refused == 1
+                held.hold_again()
+                left = asyncio.ensure_future(service.prepare(chat(3)))
+                await held.wait_entered()
+                assert service.pending.held > 0
+                left.cancel()  # its client left while its image was preprocessed
+                with pytest.raises(asyncio.CancelledError):
+                    await left
+                assert service.pending.held == 0
+                held.gate.set()
+                _, _, again = await service.prepare(chat(4))  # the bound is free again
+                again.release()
+                assert service.pending.held == 0 and service.pending.refused == 1
         finally:
-            gate.set()
-            processor.image = real  # type: ignore[method-assign]
             await service.close()
 
     asyncio.run(main())
