@@ -30,7 +30,7 @@ def test_items_are_held_up_to_the_bound_and_given_back() -> None:
     a = pending.take(60)
     b = pending.take(40)
     assert pending.held == 100
-    with pytest.raises(PendingFull, match="100 B of preprocessed media already wait"):
+    with pytest.raises(PendingFull, match="100 B of media already wait"):
         pending.take(1)
     pending.take(0).release()  # a request without pixels is never refused
     assert pending.held == 100 and pending.refused == 1  # a refused take counts nothing

@@ -40,7 +40,8 @@ def declare_metrics(
     """Every metric of an encoder on ``metrics``; the histograms it observes into."""
     m, b = metrics, batcher
     m.gauge("encoder_queue_depth", "media items waiting for a vision forward", lambda: b.queue_depth)
-    m.gauge("encoder_pending_media_bytes", "preprocessed media held for the vision tower", lambda: pending.held)
+    held = "media held for the vision tower, from their decoding to their forward"
+    m.gauge("encoder_pending_media_bytes", held, lambda: pending.held)
     m.gauge(
         "encoder_pending_media_refused",
         "items refused (429) because the media held for the vision tower was at its bound",

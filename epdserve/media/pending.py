@@ -1,12 +1,12 @@
-"""Preprocessed media a role holds until its vision tower has run over them, bounded in bytes.
+"""Media a role holds until its vision tower has run over them, bounded in bytes.
 
 Pixels are the largest thing a request makes a role hold, and the cheapest for a client to make:
 a 10 KB PNG of one colour becomes a float32 patch tensor of 70 MB at a 4,000-token image, held
 until the tower reaches it, behind everything queued before it. Counting requests or items does not
-bound that. A role takes the bytes of each item it has preprocessed before it holds it, and gives
-them back once the tower has run over it (or the item is dropped). An item that would take the
-role past its bound is refused, and its request gets 429 with Retry-After: a burst of large images
-waits at its clients instead of growing the role past its memory account. With nothing held, any
+bound that. A role takes the bytes of each item before it holds it, and gives them back once the
+tower has run over it (or the item is dropped). An item that would take the role past its bound is
+refused, and its request gets 429 with Retry-After: a burst of large images waits at its clients
+instead of growing the role past its memory account. With nothing held, any
 one item is let through, so the largest item the processor allows is always served; a request
 without pixels (text, embeddings) takes nothing and is never refused.
 
@@ -28,7 +28,7 @@ from types import TracebackType
 
 from epdserve.common.units import format_bytes
 
-PENDING_MEDIA_BYTES = 512 << 20  # the default bound of a role's preprocessed media awaiting its tower
+PENDING_MEDIA_BYTES = 512 << 20  # the default bound of the media a role holds for its tower
 
 
 class PendingFull(RuntimeError):
@@ -36,7 +36,7 @@ class PendingFull(RuntimeError):
 
 
 class PendingMedia:
-    """The bytes of preprocessed media a role holds for its vision tower, and their bound."""
+    """The bytes of media a role holds for its vision tower, and their bound."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -55,7 +55,7 @@ class PendingMedia:
             if bounded and nbytes and self.held and self.held + nbytes > self.limit:
                 self.refused += 1
                 raise PendingFull(
-                    f"{format_bytes(self.held)} of preprocessed media already wait for the vision tower "
+                    f"{format_bytes(self.held)} of media already wait for the vision tower "
                     f"(at most {format_bytes(self.limit)})"
                 )
             self.held += nbytes
