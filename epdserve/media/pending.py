@@ -11,7 +11,7 @@ one item is let through, so the largest item the processor allows is always serv
 without pixels (text, embeddings) takes nothing and is never refused.
 
     take(n) ──► held + n ≤ bound, nothing held, or n = 0 ──► Pending (n counted) ──► release()
-            └─► otherwise: PendingFull (nothing counted)
+            └─► otherwise: PendingFull (nothing counted)      (``common.byte_bound``)
 
 An item is counted from before its pixels are decoded: a ``Reservation`` takes what decoding and
 preprocessing it will hold at most (its decoded frames, their resized copies and its patches), from
@@ -24,65 +24,25 @@ Thread-safe.
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 
-from epdserve.common.units import format_bytes
+from epdserve.common.byte_bound import BoundFull, ByteBound, Held
 
 PENDING_MEDIA_BYTES = 512 << 20  # the default bound of the media a role holds for its tower
 
+Pending = Held  # one item's (or one request's) bytes in a ``PendingMedia``
 
-class PendingFull(RuntimeError):
+
+class PendingFull(BoundFull):
     """Holding one more item would take the role past its bound; the caller should retry later."""
 
 
-class PendingMedia:
+class PendingMedia(ByteBound):
     """The bytes of media a role holds for its vision tower, and their bound."""
 
+    Full = PendingFull
+
     def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"the bound of pending media must be at least 1 byte, got {limit}")
-        self.limit = limit
-        self.held = 0  # bytes counted now
-        self.refused = 0  # takes refused so far
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int, bounded: bool = True) -> Pending:
-        """Count ``nbytes`` until the returned ``Pending`` is released; PendingFull past the bound
-        (``bounded=False``: counted whatever is held)."""
-        if nbytes < 0:
-            raise ValueError(f"cannot hold {nbytes} bytes")
-        with self._lock:
-            if bounded and nbytes and self.held and self.held + nbytes > self.limit:
-                self.refused += 1
-                raise PendingFull(
-                    f"{format_bytes(self.held)} of media already wait for the vision tower "
-                    f"(at most {format_bytes(self.limit)})"
-                )
-            self.held += nbytes
-        return Pending(self, nbytes)
-
-    def _give(self, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
-
-
-class Pending:
-    """One item's (or one request's) bytes in a ``PendingMedia``; released once, then inert."""
-
-    def __init__(self, owner: PendingMedia, nbytes: int) -> None:
-        self._owner: PendingMedia | None = owner
-        self.nbytes = nbytes
-
-    def release(self) -> None:
-        owner, self._owner = self._owner, None
-        if owner is not None:
-            owner._give(self.nbytes)
-
-    def __enter__(self) -> Pending:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        self.release()
+        super().__init__(limit, "media already wait for the vision tower")
 
 
 class ReservationClosed(RuntimeError):
