@@ -138,7 +138,8 @@ class RoleMemory:
     vision: int = 0  # the vision tower's largest forward
     embeddings: int = 0  # the embedding slab
     encoder_cache: int = 0
-    pending_media: int = 0  # preprocessed pixels waiting for the vision tower
+    pending_media: int = 0  # media held for the vision tower
+    request_bodies: int = 0  # request bodies held at once, with their copies
     decode_mirror: int = 0
     kv_blocks: int = 0
     kv_cache: int = 0
@@ -148,7 +149,7 @@ class RoleMemory:
     def fixed(self) -> int:
         """Everything but the KV cache."""
         media = self.vision + self.embeddings + self.encoder_cache + self.pending_media
-        return self.weights + self.activations + media + self.decode_mirror
+        return self.weights + self.activations + media + self.request_bodies + self.decode_mirror
 
     @property
     def total(self) -> int:
@@ -163,6 +164,7 @@ class RoleMemory:
             ("embedding slab", self.embeddings),
             ("encoder cache", self.encoder_cache),
             ("pending media", self.pending_media),
+            ("request bodies", self.request_bodies),
             ("decode mirror", self.decode_mirror),
         )
         parts += [f"{name} {format_bytes(b)}" for name, b in named if b]
@@ -188,6 +190,7 @@ def engine_memory(
     pending_media: int = 0,
     item_bytes: int = 0,
     sliced: bool = True,
+    request_bodies: int = 0,
     num_kv_blocks: int = 0,
     kv_cache_memory: int = 0,
     budget: int = 0,
@@ -197,7 +200,8 @@ def engine_memory(
     ``budget`` leaves after the rest, else ``num_kv_blocks``; ``pending_media``: the bound of its
     media held for the tower (``media.pending``; counted where the tower is loaded), ``item_bytes``
     what preprocessing the largest item holds; ``sliced``: a large image's forward may pause
-    between steps (``EngineConfig.vision_slice_s``). MemoryBudgetError when the rest
+    between steps (``EngineConfig.vision_slice_s``); ``request_bodies``: the bound of the request
+    bodies it holds (``api.bodies``). MemoryBudgetError when the rest
     alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
@@ -222,6 +226,7 @@ def engine_memory(
         pending_media=pending_media_bytes(model.vision, pending_media, item_patches, item_bytes)
         if loaded and model.vision is not None and not decode
         else 0,
+        request_bodies=request_bodies,
         decode_mirror=max_num_seqs * max_model_len * kv_block_bytes(model.text, 1, b) if decode_mirror else 0,
         budget=budget,
     )
@@ -258,12 +263,14 @@ def encoder_memory(
     item_patches: int,
     pending_media: int = 0,
     item_bytes: int = 0,
+    request_bodies: int = 0,
     budget: int = 0,
     weights: int | None = None,
 ) -> RoleMemory:
     """An encoder role's account; MemoryBudgetError when it exceeds ``budget`` (0: none).
     ``pending_media``: the bound of its media held for the tower (``media.pending``), ``item_bytes``
-    what preprocessing the largest item holds."""
+    what preprocessing the largest item holds, ``request_bodies`` the bound of the request bodies it
+    holds (``api.bodies``)."""
     vision = model.vision_config
     b = DTYPE_BYTES[dtype]
     rows = max(encode_token_budget, item_patches)  # an item larger than the budget is encoded alone
@@ -274,6 +281,7 @@ def encoder_memory(
         embeddings=embedding_bytes(model, rows // vision.spatial_merge_size**2, b),
         encoder_cache=encoder_cache_bytes,
         pending_media=pending_media_bytes(vision, pending_media, item_patches, item_bytes),
+        request_bodies=request_bodies,
         budget=budget,
     )
     if budget and out.total > budget:
@@ -320,6 +328,7 @@ def account_engine(
         pending_media=config.max_pending_media_bytes,
         item_bytes=item_bytes,
         sliced=config.vision_slice_s > 0,
+        request_bodies=config.max_inflight_body_bytes,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         budget=int(config.memory_fraction * free),
@@ -327,13 +336,20 @@ def account_engine(
 
 
 def account_encoder(
-    model_dir: str | Path, dtype: str, encode_token_budget: int, encoder_cache_bytes: int, pending_media: int
+    model_dir: str | Path,
+    dtype: str,
+    encode_token_budget: int,
+    encoder_cache_bytes: int,
+    pending_media: int,
+    request_bodies: int,
 ) -> RoleMemory:
     """``encoder_memory`` of an encoder on ``model_dir`` (an audio tower: its weights only)."""
     model = ModelConfig.from_pretrained(model_dir)
     if model.vision is None:
         weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
-        return RoleMemory(role="encoder", weights=weights, encoder_cache=encoder_cache_bytes)
+        return RoleMemory(
+            role="encoder", weights=weights, encoder_cache=encoder_cache_bytes, request_bodies=request_bodies
+        )
     patches, item_bytes = largest_item(model_dir, model)
     return encoder_memory(
         model,
@@ -343,6 +359,7 @@ def account_encoder(
         item_patches=patches,
         pending_media=pending_media,
         item_bytes=item_bytes,
+        request_bodies=request_bodies,
     )
 
 

@@ -117,6 +117,7 @@ def accounts(
                     encoder.encode_token_budget,
                     encoder.encoder_cache_bytes,
                     encoder.max_pending_media_bytes,
+                    encoder.max_inflight_body_bytes,
                 )
             )
         else:

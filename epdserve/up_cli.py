@@ -51,6 +51,7 @@ UP_FORWARDED = (
     (ENGINE, ("kv_cache_memory", "memory_fraction"), "lm"),
     (ENCODER, ("encode_token_budget", "encode_forward_s", "encoder_cache_bytes", "yield_to_decodes"), "encoders"),
     (MEDIA, MEDIA_FLAGS, "all"),
+    (ENGINE, ("max_inflight_body_bytes",), "all"),
     (SERVER, (STATS_INTERVAL, OTLP), "all"),
 )
 UP_ROLES = {
@@ -152,9 +153,9 @@ def vllm_args_of(args: argparse.Namespace) -> list[str]:
 # the flags that size a role's memory, as ``up`` hands them on (the rest: each role's default)
 SIZING_ENGINE_FLAGS: tuple[str, ...] = ("dtype", "kernels", "device", "max_model_len", "max_num_seqs")
 SIZING_ENGINE_FLAGS += ("max_num_batched_tokens", "num_kv_blocks", "block_size", "kv_cache_memory", "memory_fraction")
-SIZING_ENGINE_FLAGS += ("max_pending_media_bytes", "vision_slice_s")
+SIZING_ENGINE_FLAGS += ("max_pending_media_bytes", "max_inflight_body_bytes", "vision_slice_s")
 SIZING_ENCODER_FLAGS: tuple[str, ...] = ("dtype", "kernels", "device", "encode_token_budget", "encoder_cache_bytes")
-SIZING_ENCODER_FLAGS += ("max_pending_media_bytes",)
+SIZING_ENCODER_FLAGS += ("max_pending_media_bytes", "max_inflight_body_bytes")
 
 
 def up_sizing(args: argparse.Namespace) -> Settings:

@@ -4,8 +4,9 @@ compresses to a few KB, and report what its processes held and how it answered.
     python scripts/media_flood.py --url http://127.0.0.1:8000 --model NAME --requests 120 --side 1700
 
 Each request carries one ``side`` x ``side`` PNG of one colour (a pixel apart, so none is a cache
-hit) and asks for one token. Every second the script sums the resident memory of the processes
-whose command line names epdserve, and the machine's MemAvailable; when ``--seconds`` have passed
+hit; with ``--noise``, of random pixels stored uncompressed: a body as large as its pixels) and
+asks for one token. Every second (``--sample-s``) the script sums the resident memory of the
+processes whose command line names epdserve, and the machine's MemAvailable; when ``--seconds`` have passed
 it cancels what is left, then sends one small image request and times it. With ``--text-every``,
 a short text request is sent that often during the flood, each timed to its answer. It prints one
 JSON line.
@@ -23,14 +24,20 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 from PIL import Image
 
 
-def png(side: int, i: int) -> str:
-    im = Image.new("RGB", (side, side), (i % 251, (i * 7) % 253, 90))
-    im.putpixel((i % side, 0), (255, 0, 0))
+def png(side: int, i: int, noise: bool = False) -> str:
+    """A PNG of one colour, a pixel apart from the others (a few KB); ``noise``: of random pixels,
+    stored uncompressed (a body as large as its pixels)."""
+    if noise:
+        im = Image.fromarray(np.random.default_rng(i).integers(0, 256, (side, side, 3), dtype=np.uint8))
+    else:
+        im = Image.new("RGB", (side, side), (i % 251, (i * 7) % 253, 90))
+        im.putpixel((i % side, 0), (255, 0, 0))
     buf = io.BytesIO()
-    im.save(buf, "PNG")
+    im.save(buf, "PNG", compress_level=0 if noise else 6)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -67,7 +74,7 @@ async def main(args: argparse.Namespace) -> dict:
 
     async def one(session: aiohttp.ClientSession, i: int) -> None:
         try:
-            async with session.post(endpoint, json=body(args.model, png(args.side, i))) as r:
+            async with session.post(endpoint, json=body(args.model, png(args.side, i, args.noise))) as r:
                 await r.read()
                 key = str(r.status)
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -95,7 +102,7 @@ async def main(args: argparse.Namespace) -> dict:
             n = int(args.seconds // args.text_every) - 1
             tasks += [asyncio.create_task(after(args.text_every * (k + 1), text(session))) for k in range(n)]
         while time.monotonic() - start < args.seconds and not all(t.done() for t in tasks):
-            await asyncio.sleep(1)
+            await asyncio.sleep(args.sample_s)
             peak, low = max(peak, resident_mib()), min(low, available_mib())
         for t in tasks:
             t.cancel()
@@ -140,4 +147,6 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=60.0, help="how long the flood's clients wait")
     p.add_argument("--after-timeout", type=float, default=600.0, help="how long the request after it may take")
     p.add_argument("--text-every", type=float, default=0.0, help="seconds between text requests during it (0: none)")
+    p.add_argument("--noise", action="store_true", help="images of random pixels, uncompressed (large bodies)")
+    p.add_argument("--sample-s", type=float, default=1.0, help="seconds between samples of resident memory")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

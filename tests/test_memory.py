@@ -341,13 +341,15 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
     engine = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_batched_tokens": 512}
     engine["max_pending_media_bytes"] = 80 << 20
     engine["vision_slice_s"] = 0  # no forward paused between steps: nothing counted for one
-    encoder = {"dtype": "float32", "max_pending_media_bytes": 80 << 20}  # as up hands the flag to both
+    engine["max_inflight_body_bytes"] = 96 << 20
+    encoder = {"dtype": "float32", "max_pending_media_bytes": 80 << 20}  # as up hands the flags to both
+    encoder["max_inflight_body_bytes"] = 96 << 20
     fit = check_fit(model_dir, Settings(engine, encoder), 2, {"prefill": 1, "decode": 3}, True, accounts_here)
     config = EngineConfig(**engine)  # type: ignore[arg-type]
     enc = EncoderConfig(model=model_dir)
     started = {
         "encoder": plan_encoder(
-            model_dir, "float32", "cpu", enc.encode_token_budget, enc.encoder_cache_bytes, 80 << 20
+            model_dir, "float32", "cpu", enc.encode_token_budget, enc.encoder_cache_bytes, 80 << 20, 96 << 20
         ),
         "prefill": plan_engine(model_dir, config, "prefill", True),
         "decode": plan_engine(model_dir, config, "decode", True),
@@ -362,3 +364,5 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
     planned = roles(model_dir, config)
     assert (planned["encoder"], planned["prefill"]) == (started["encoder"], started["prefill"])
     assert planned["decode"] == plan_engine(model_dir, config, "decode", False)  # plan's decode: no tower
+    assert started["encoder"].request_bodies == started["decode"].request_bodies == 96 << 20
+    assert "request bodies 96.0 MiB" in started["decode"].line()

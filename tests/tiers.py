@@ -40,6 +40,7 @@ TIERS: dict[str, str] = {
     "test_memory.py::test_serve_with_a_kv_cache_memory_has_that_many_blocks": "integration",
     "test_memory.py::test_plan_memory_prints_how_many_of_each_role_fit": "integration",
     "test_pending_media.py": "unit",
+    "test_request_bodies.py": "unit",
     "test_models.py": "unit",
     "test_module_size.py": "unit",
     "test_pd_transfer.py": "unit",

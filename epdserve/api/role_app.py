@@ -17,6 +17,7 @@ from aiohttp import web
 from epdserve.allocator import FreeMemoryReturner
 from epdserve.api import logs
 from epdserve.api.auth import Access, AuthConfig, attest_route, guard
+from epdserve.api.bodies import MAX_INFLIGHT_BODY_BYTES, RequestBodies
 from epdserve.api.http import Handler, error_middleware
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.registration import Registrar, RegistrationConfig
@@ -37,10 +38,13 @@ def role_app(
     start: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]],
     auth: AuthConfig,
+    bodies: RequestBodies,
 ) -> web.Application:
     """The aiohttp app of one role: its routes (and ``GET /version``, as vLLM serves it) behind
-    the error middleware and their access checks, with lifecycle hooks."""
-    app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
+    the error middleware, the bound on request bodies held (``bodies``) and their access checks,
+    with lifecycle hooks."""
+    middlewares = [error_middleware, bodies.middleware(max_request_bytes)]
+    app = web.Application(client_max_size=max_request_bytes, middlewares=middlewares)
     verifier = auth.verifier()  # one replay cache per app
     extra: list[Route] = [("GET", "/version", version, "open"), ("POST", "/v1/attest", attest_route(verifier), "open")]
     for method, path, handler, access in [*routes, *extra]:
@@ -85,7 +89,8 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 class RoleBasics:
-    """A role service's metrics, tracer, stats window and line, and registration."""
+    """A role service's metrics, tracer, stats window and line, registration, and the bound on the
+    request bodies it holds."""
 
     def __init__(
         self,
@@ -94,10 +99,21 @@ class RoleBasics:
         read_stats: Callable[[float], Any],
         stats_interval_s: float,
         busy: Callable[[], bool] | None = None,
+        body_bytes: int = MAX_INFLIGHT_BODY_BYTES,
+        prefix: str = "",
     ) -> None:
         """``read_stats(seconds)``: the stats line's fields (``take_window`` gives the counts);
-        ``busy``: whether there was traffic for a line (default: the window is not empty)."""
+        ``busy``: whether there was traffic for a line (default: the window is not empty);
+        ``body_bytes``: the bound on request bodies (``api.bodies``), whose metrics are named
+        with ``prefix`` (the role's: ``router_``, ``encoder_``)."""
         self.metrics = Metrics()
+        self.bodies = RequestBodies(body_bytes)
+        held = "bytes of request bodies held, with the copies parsing makes of them"
+        self.metrics.gauge(f"{prefix}request_bodies_bytes", held, lambda: float(self.bodies.held))
+        refused = "requests refused (429) because the request bodies held were at their bound"
+        self.metrics.gauge(
+            f"{prefix}request_bodies_refused_total", refused, lambda: float(self.bodies.refused), monotonic=True
+        )
         self.tracing = Tracing(service, otlp_traces_endpoint)
         self.window = Counter[str]()  # counts since the last stats line
         self.stats_line = logs.StatsLine(busy or (lambda: bool(self.window)), read_stats, stats_interval_s)

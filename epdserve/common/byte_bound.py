@@ -14,6 +14,8 @@ from typing import ClassVar
 
 from epdserve.common.units import format_bytes
 
+MAX_INFLIGHT_BODY_BYTES = 256 << 20  # the default bound of a role's request bodies, their copies counted (api.bodies)
+
 
 class BoundFull(RuntimeError):
     """Holding more would take the role past its bound; the caller should retry later."""

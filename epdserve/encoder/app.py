@@ -105,7 +105,8 @@ def build_app(service: EncoderService) -> web.Application:
         ("GET", "/health", h.health, "open"),
         ("GET", "/metrics", h.metrics, "open"),
     ]
-    return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
+    cfg = service.config
+    return role_app(cfg.max_request_bytes, routes, service.start, service.close, cfg.auth, service.role.bodies)
 
 
 def serve(config: EncoderConfig) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from epdserve.api.auth import AuthConfig
 from epdserve.api.registration import RegistrationConfig
+from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES
 from epdserve.common.dtypes import DType, torch_dtype
 from epdserve.common.units import ByteSize
 from epdserve.encoder.batcher import BatcherConfig
@@ -32,6 +33,7 @@ class EncoderConfig:
     batch_wait_ms: float = 0.0  # extra wait for more items before a forward (0: batch what is queued)
     max_queued_items: int = 1024  # items waiting for a forward beyond which requests get 429
     max_pending_media_bytes: ByteSize = PENDING_MEDIA_BYTES  # pixels held for the tower; past it 429 (1 item always)
+    max_inflight_body_bytes: ByteSize = MAX_INFLIGHT_BODY_BYTES  # request bodies held, x4 for copies; past it 429
     encoder_cache_bytes: int = 512 << 20  # byte budget of the local embedding cache (0: no cache)
     max_items_per_request: int = 32  # media items one /v1/encode request may carry
     max_request_bytes: int = 64 << 20  # largest request body
@@ -55,7 +57,12 @@ class EncoderConfig:
         torch_dtype(self.dtype)  # raises for an unknown name
         if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be one of {', '.join(get_args(KernelChoice))}, got {self.kernels!r}")
-        for name in ("max_items_per_request", "max_request_bytes", "max_pending_media_bytes"):
+        for name in (
+            "max_items_per_request",
+            "max_request_bytes",
+            "max_pending_media_bytes",
+            "max_inflight_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EncoderConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("encoder_cache_bytes", "threads", "preprocess_threads"):

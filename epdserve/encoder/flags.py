@@ -15,6 +15,7 @@ ENCODER_FLAGS = (
     Flag("batch_wait_ms", "--encode-batch-wait-ms"),
     "encoder_cache_bytes",
     "max_pending_media_bytes",
+    "max_inflight_body_bytes",
     "kernels",
     "threads",
     "core_board",

@@ -152,6 +152,7 @@ class EncoderService:
             config.encode_token_budget,
             config.encoder_cache_bytes,
             config.max_pending_media_bytes,
+            config.max_inflight_body_bytes,
         )  # refuses before any weight is read
         log.info("%s", memory.line())
         model, self.load_report = load_model(
@@ -188,8 +189,9 @@ class EncoderService:
         # one thread: puts are short copies, kept off the event loop and the forward thread
         self.put_executor = ThreadPoolExecutor(1, thread_name_prefix="epd-ec-put")
         self.producer = producer if producer is not None else make_producer(config.ec)
+        basics = (config.otlp_traces_endpoint, self._stats_fields, config.log_stats_interval_s)
         self.role = RoleBasics(
-            "epdserve-encoder", config.otlp_traces_endpoint, self._stats_fields, config.log_stats_interval_s
+            "epdserve-encoder", *basics, body_bytes=config.max_inflight_body_bytes, prefix="encoder_"
         )
         self.metrics, self.tracing = self.role.metrics, self.role.tracing
         self.publisher = Publisher(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES
 from epdserve.common.dtypes import DType, check_dtype
 from epdserve.common.units import ByteSize
 from epdserve.kernels import KernelChoice
@@ -29,6 +30,7 @@ class EngineConfig:
     vision_slice_s: float = 4.0  # an image whose forward takes longer is encoded between steps, a slice a step; 0: no
     encoder_cache_bytes: int = 256 << 20  # byte bound of the per-engine vision-embedding cache
     max_pending_media_bytes: ByteSize = PENDING_MEDIA_BYTES  # pixels held for the tower; past it 429 (1 item always)
+    max_inflight_body_bytes: ByteSize = MAX_INFLIGHT_BODY_BYTES  # request bodies held, x4 for copies; past it 429
     kernels: KernelChoice = "auto"  # auto: fused C++ kernels on CPU (float32/bfloat16; built once per machine); torch
     cpus: str = ""  # cores the engine core process runs on, as taskset writes them (1 or 0-3,6); "": the server's
     threads: int = 0  # torch intra-op threads (0: every core it may run on for a model with large weights, else 1)
@@ -48,8 +50,8 @@ class EngineConfig:
             raise ValueError("give kv_cache_memory or memory_fraction, not both")
         if not self.sized_by_memory and self.max_model_len > self.block_size * self.num_kv_blocks:
             raise ValueError("max_model_len does not fit in the KV cache")
-        if self.max_pending_media_bytes < 1:
-            raise ValueError("max_pending_media_bytes must be >= 1")
+        if min(self.max_pending_media_bytes, self.max_inflight_body_bytes) < 1:
+            raise ValueError("max_pending_media_bytes and max_inflight_body_bytes must be >= 1")
         if min(self.media_max_wait_s, self.vision_step_s, self.vision_slice_s, self.threads) < 0:
             raise ValueError("media_max_wait_s, vision_step_s, vision_slice_s and threads must be >= 0")
         cpu_list(self.cpus)

@@ -18,6 +18,7 @@ ENGINE_FLAGS = (
     "vision_step_s",
     "vision_slice_s",
     "max_pending_media_bytes",
+    "max_inflight_body_bytes",
     "kernels",
     Flag("cpus", "--engine-cpus"),
     "threads",

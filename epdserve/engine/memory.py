@@ -58,11 +58,17 @@ def fused_attention(model_dir: str | Path, config: EngineConfig) -> bool:
 
 
 def plan_encoder(
-    model_dir: str | Path, dtype: str, device: str, encode_token_budget: int, encoder_cache_bytes: int, pending: int
+    model_dir: str | Path,
+    dtype: str,
+    device: str,
+    encode_token_budget: int,
+    encoder_cache_bytes: int,
+    pending: int,
+    bodies: int,
 ) -> RoleMemory:
     """The memory account of an encoder about to load ``model_dir``'s media tower (``pending``: the
-    bound of its media waiting for the tower); MemoryBudgetError when it does not fit the memory
-    free now."""
-    mem = account_encoder(model_dir, dtype, encode_token_budget, encoder_cache_bytes, pending)
+    bound of its media waiting for the tower, ``bodies`` of the request bodies it holds);
+    MemoryBudgetError when it does not fit the memory free now."""
+    mem = account_encoder(model_dir, dtype, encode_token_budget, encoder_cache_bytes, pending, bodies)
     check_free(mem, available_memory(device))
     return mem

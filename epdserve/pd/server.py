@@ -308,7 +308,8 @@ def build_app(service: ChatService) -> web.Application:
         ("GET", "/v1/kv/digest", h.kv_digest, "internal"),
         ("GET", "/v1/load", h.load, "internal"),
     ]
-    return role_app(service.config.max_request_bytes, routes, service.start, service.close, service.config.auth)
+    cfg = service.config
+    return role_app(cfg.max_request_bytes, routes, service.start, service.close, cfg.auth, service.role.bodies)
 
 
 def serve(config: ServerConfig, core: MPClient | None = None) -> None:

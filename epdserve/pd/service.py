@@ -104,6 +104,7 @@ class ChatService:
             self._stats_fields,
             config.log_stats_interval_s,
             lambda: bool(self.window or self.stats.running),
+            body_bytes=config.engine.max_inflight_body_bytes,
         )
         self.metrics, self.tracing = self.role.metrics, self.role.tracing
         self.window = self.role.window  # requests and tokens since the last stats line

@@ -50,8 +50,12 @@ def roles(model_dir: Path, engine: EngineConfig) -> dict[str, RoleMemory]:
     defaults): the one ``up`` sums and each role checks at start-up."""
     from epdserve.encoder.config import EncoderConfig
 
-    pending = engine.max_pending_media_bytes
-    encoder = EncoderConfig(model=model_dir, dtype=engine.dtype, max_pending_media_bytes=pending)
+    encoder = EncoderConfig(
+        model=model_dir,
+        dtype=engine.dtype,
+        max_pending_media_bytes=engine.max_pending_media_bytes,
+        max_inflight_body_bytes=engine.max_inflight_body_bytes,
+    )
     found = accounts(model_dir, engine, encoder, list(ROLES.values()), 0)
     return dict(zip(ROLES, found, strict=True))
 

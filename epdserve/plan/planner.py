@@ -251,6 +251,7 @@ MEMORY_ENGINE_FLAGS = (
     "num_kv_blocks",
     "kv_cache_memory",
     "max_pending_media_bytes",  # the engine's and, as up hands it on, the encoders'
+    "max_inflight_body_bytes",  # the same
     "vision_slice_s",  # 0: no forward paused between steps
 )
 

@@ -340,7 +340,7 @@ def build_app(router: Router) -> web.Application:
         ("POST", "/v1/workers", router.workers.register, "admin"),
         ("DELETE", "/v1/workers", router.workers.register, "admin"),
     ]
-    return role_app(router.config.max_request_bytes, routes, h.start, h.close, router.config.auth)
+    return role_app(router.config.max_request_bytes, routes, h.start, h.close, router.config.auth, router.role.bodies)
 
 
 def serve_router(config: RouterConfig) -> None:

@@ -10,6 +10,8 @@ from epdserve.api.auth import AuthConfig
 from epdserve.api.exposure import ExposureConfig
 from epdserve.api.protocol import DEFAULT_MAX_PROMPT_CHARS
 from epdserve.api.quota import QuotaConfig
+from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES
+from epdserve.common.units import ByteSize
 from epdserve.media.limits import MediaLimits
 from epdserve.router.discovery import split_sources
 from epdserve.router.dispatch import Dispatch
@@ -38,6 +40,7 @@ class RouterConfig:
     encode_timeout_s: float = 120.0  # one /v1/encode call
     request_timeout_s: float = 600.0  # one forwarded chat request, end to end
     max_request_bytes: int = 64 << 20  # largest request body
+    max_inflight_body_bytes: ByteSize = MAX_INFLIGHT_BODY_BYTES  # request bodies held, x4 for copies; past it 429
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # most characters of text in one request's messages
     limits: MediaLimits = field(default_factory=MediaLimits)  # same validation as the PD workers
     frontend: FrontendDecodeConfig = field(default_factory=FrontendDecodeConfig)  # decode media here
@@ -69,6 +72,8 @@ class RouterConfig:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; choose from {get_args(Dispatch)}")
         if self.dispatch_interference < 0:
             raise ValueError("dispatch_interference must be >= 0")
+        if self.max_inflight_body_bytes < 1:
+            raise ValueError("max_inflight_body_bytes must be >= 1")
         if self.encoder_policy not in get_args(Policy):
             raise ValueError(f"unknown encoder policy {self.encoder_policy!r}; choose from {get_args(Policy)}")
         if self.pd_engine not in get_args(PDEngine):

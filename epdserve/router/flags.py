@@ -30,6 +30,7 @@ ROUTER_FLAGS = (
     "admission_wait_s",
     "text_ttft_target_ms",
     "encoder_wait_s",
+    "max_inflight_body_bytes",
     STATS_INTERVAL,
     OTLP,
     Flag("model", default_help="the embedded model"),

@@ -60,7 +60,12 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.role = RoleBasics(
-            "epdserve-router", config.otlp_traces_endpoint, self._stats_fields, config.log_stats_interval_s
+            "epdserve-router",
+            config.otlp_traces_endpoint,
+            self._stats_fields,
+            config.log_stats_interval_s,
+            body_bytes=config.max_inflight_body_bytes,
+            prefix="router_",
         )
         self.metrics = RouterMetrics.create(self.role.metrics)
         self.tracing = self.role.tracing
