@@ -21,6 +21,7 @@ from epdserve.api.http import Handler
 from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES, BoundFull, ByteBound
 
 __all__ = ["BODY_COPIES", "MAX_INFLIGHT_BODY_BYTES", "BodiesFull", "RequestBodies"]
+
 # bytes a role holds per byte of a body: the body, its parsed text, the media decoded from it and
 # the body a router forwards
 BODY_COPIES = 4

@@ -71,11 +71,11 @@ class MediaResolver:
         executor: Executor,
         hold: Hold | None = None,
     ) -> T:
-        """``then(resolved parts)``, run in ``executor`` (``hold``: as ``resolve``'s). A request with one image or video (the
-        common case) is decoded, preprocessed and handed to ``then`` in one executor job: every
-        hop between the event loop and a thread waits for both to be free, and under load that
-        wait was most of a request's preprocessing time. Several raw items are still processed
-        concurrently, each in its own job."""
+        """``then(resolved parts)``, run in ``executor`` (``hold``: as ``resolve``'s). A request
+        with one image or video (the common case) is decoded, preprocessed and handed to ``then``
+        in one executor job: every hop between the event loop and a thread waits for both to be
+        free, and under load that wait was most of a request's preprocessing time. Several raw
+        items are still processed concurrently, each in its own job."""
         part = parts[0] if len(parts) == 1 else None
         if isinstance(part, ImageUrlPart | VideoUrlPart):
             return await self._url_media(part, lambda item: then([item]), hold)

@@ -6,9 +6,9 @@ until the tower reaches it, behind everything queued before it. Counting request
 bound that. A role takes the bytes of each item before it holds it, and gives them back once the
 tower has run over it (or the item is dropped). An item that would take the role past its bound is
 refused, and its request gets 429 with Retry-After: a burst of large images waits at its clients
-instead of growing the role past its memory account. With nothing held, any
-one item is let through, so the largest item the processor allows is always served; a request
-without pixels (text, embeddings) takes nothing and is never refused.
+instead of growing the role past its memory account. With nothing held, any one item is let
+through, so the largest item the processor allows is always served; a request without pixels
+(text, embeddings) takes nothing and is never refused.
 
     take(n) ──► held + n ≤ bound, nothing held, or n = 0 ──► Pending (n counted) ──► release()
             └─► otherwise: PendingFull (nothing counted)      (``common.byte_bound``)
