@@ -15,7 +15,7 @@ from epdserve.api.role_app import role_app
 from epdserve.launcher import free_port
 
 
-def test_a_body_past_the_bound_is_refused_unread_and_every_body_is_given_back() -> None:
+def test_a_body_past_the_bound_is_refused_unparsed_and_every_body_is_given_back() -> None:
     async def main() -> None:
         bodies = RequestBodies(BODY_COPIES * 150_000)
         gate, entered, read = asyncio.Event(), asyncio.Event(), []
@@ -47,7 +47,7 @@ def test_a_body_past_the_bound_is_refused_unread_and_every_body_is_given_back() 
                     assert r.status == 429 and r.headers["Retry-After"]
                     err = await r.json()
                 assert err["error"]["code"] == "overloaded" and "request bodies are held" in err["error"]["message"]
-                assert read == [100_000]  # the refused body was not read
+                assert read == [100_000]  # the refused request never reached its handler
                 async with session.get(f"{base}/version") as r:  # no body: nothing taken, never refused
                     assert r.status == 200
                 gate.set()
@@ -69,3 +69,40 @@ def test_one_body_is_always_let_through_and_the_bound_is_positive() -> None:
     assert bodies.held == 0
     with pytest.raises(ValueError):
         RequestBodies(0)
+
+
+def test_a_client_that_sends_its_body_slowly_holds_none_of_the_bound() -> None:
+    """A body counts once it has arrived: a client that declares a large body and sends it slowly
+    (or never) keeps no one else out."""
+
+    async def main() -> None:
+        bodies = RequestBodies(BODY_COPIES * 1000)
+
+        async def echo(request: web.Request) -> web.Response:
+            return web.json_response({"bytes": len(await request.read())})
+
+        async def nothing() -> None:
+            return None
+
+        app = role_app(1 << 20, [("POST", "/echo", echo, "open")], nothing, nothing, AuthConfig(), bodies)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:  # declares 500,000 bytes, sends 10
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\n\r\n" + b"x" * 10)
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            assert bodies.held == 0
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"http://127.0.0.1:{port}/echo", data=b"y" * 900) as r,
+            ):
+                assert r.status == 200 and (await r.json())["bytes"] == 900
+            assert bodies.held == 0
+        finally:
+            writer.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

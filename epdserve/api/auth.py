@@ -74,7 +74,7 @@ async def _proven(request: web.Request, verifier: PeerVerifier | None, strict: b
     header = request.headers.get(PEER_HEADER)
     if verifier is None or header is None:
         return False
-    body = await request.read() if request.can_read_body else b""
+    body = await request.read() if request.body_exists else b""
     try:
         verifier.verify(
             header,

@@ -4,11 +4,14 @@ A request's body is read whole before it is parsed, and a role keeps it, and the
 makes of it (its text, the media decoded from base64, the body a router forwards), until the
 request is answered. ``client_max_size`` bounds one body; nothing bounded how many are held at
 once, so a few dozen concurrent clients each sending a 20 MB image took a deployment's router and
-encoder to gigabytes. Each request with a body now takes ``BODY_COPIES`` times its declared
-length (the role's largest body when it declares none) from the role's bound before its body is
-read, and gives it back once answered (a streamed answer: once its stream ends). A request past
-the bound is answered 429 with Retry-After without its body being read; with nothing held, one
-request is always let through.
+encoder to gigabytes. Each request with a body now takes ``BODY_COPIES`` times its length from
+the role's bound once its body has arrived, before anything parses it, and gives it back once
+answered (a streamed answer: once its stream ends). A request past the bound is answered 429 with
+Retry-After and its body dropped; with nothing held, one request is always let through.
+
+Counting a body from when it has arrived, not from its declared length, keeps a client that sends
+slowly (or never) from holding the bound: it holds only the bytes it has sent, in the connection's
+buffer, and none of the bound.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from epdserve.api.errors import Overloaded
-from epdserve.api.http import Handler
+from epdserve.api.http import Handler, read_body
 from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES, BoundFull, ByteBound
 
 __all__ = ["BODY_COPIES", "MAX_INFLIGHT_BODY_BYTES", "BodiesFull", "RequestBodies"]
@@ -46,8 +49,7 @@ class RequestBodies(ByteBound):
         async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
             if not request.body_exists:
                 return await handler(request)
-            declared = request.content_length
-            size = min(declared if declared is not None else max_request_bytes, max_request_bytes)
+            size = len(await read_body(request, max_request_bytes))  # the handler reads it from here
             try:
                 held = self.take(BODY_COPIES * size)
             except BodiesFull as e:
