@@ -1,9 +1,10 @@
 """A bound in bytes on what a role holds at once: holders take their bytes before they hold them
 and give them back when done; a take past the bound is refused, except when nothing is held (one
-holder is always let through, however large). Thread-safe.
+holder is always let through, however large). A holder whose bytes arrive a piece at a time
+grows its count as they do, under the same rule (no one else holding lets it through). Thread-safe.
 
     take(n) ──► held + n ≤ bound, nothing held, or n = 0 ──► Held (n counted) ──► release()
-            └─► otherwise: ``Full`` (nothing counted)
+            └─► otherwise: ``Full`` (nothing counted)            └─► grow(m): the same rule
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ class ByteBound:
     def take(self, nbytes: int, bounded: bool = True) -> Held:
         """Count ``nbytes`` until the returned ``Held`` is released; ``Full`` past the bound
         (``bounded=False``: counted whatever is held)."""
+        held = Held(self, 0)
+        self._count(held, nbytes, bounded)
+        return held
+
+    def _count(self, holder: Held, nbytes: int, bounded: bool) -> None:
+        """Count ``nbytes`` more for ``holder``; ``Full`` past the bound while others hold bytes."""
         if nbytes < 0:
             raise ValueError(f"cannot hold {nbytes} bytes")
         with self._lock:
-            if bounded and nbytes and self.held and self.held + nbytes > self.limit:
+            others = self.held - holder.nbytes
+            if bounded and nbytes and others and self.held + nbytes > self.limit:
                 self.refused += 1
                 raise self.Full(f"{format_bytes(self.held)} of {self.what} (at most {format_bytes(self.limit)})")
             self.held += nbytes
-        return Held(self, nbytes)
+            holder.nbytes += nbytes
 
     def _give(self, nbytes: int) -> None:
         with self._lock:
@@ -58,6 +66,13 @@ class Held:
     def __init__(self, owner: ByteBound, nbytes: int) -> None:
         self._owner: ByteBound | None = owner
         self.nbytes = nbytes
+
+    def grow(self, nbytes: int) -> None:
+        """Hold ``nbytes`` more (bytes that have arrived since); ``Full`` past the bound while
+        others hold bytes (what this holder held stays counted until it is released)."""
+        if self._owner is None:
+            raise ValueError("a released holder cannot grow")
+        self._owner._count(self, nbytes, True)
 
     def release(self) -> None:
         owner, self._owner = self._owner, None
