@@ -26,6 +26,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import BadRequest, Forbidden, Unauthorized
+from epdserve.api.http import read_body
 from epdserve.security.credentials import ClusterCredential, bearer, same
 from epdserve.security.peers import PEER_HEADER, PeerAuthError, PeerVerifier, WrongPeer
 
@@ -74,7 +75,7 @@ async def _proven(request: web.Request, verifier: PeerVerifier | None, strict: b
     header = request.headers.get(PEER_HEADER)
     if verifier is None or header is None:
         return False
-    body = await request.read() if request.body_exists else b""
+    body = await read_body(request)
     try:
         verifier.verify(
             header,
@@ -126,7 +127,7 @@ def attest_route(verifier: PeerVerifier | None) -> Handler:
         if verifier is None:
             raise Forbidden("This instance has no cluster credential.")
         try:
-            info = msgspec.json.decode(await request.read())
+            info = msgspec.json.decode(await read_body(request))
             nonce, target = info["nonce"], info["target"]
             if not isinstance(target, str) or not isinstance(nonce, str) or not 16 <= len(bytes.fromhex(nonce)) <= 64:
                 raise ValueError

@@ -4,14 +4,18 @@ A request's body is read whole before it is parsed, and a role keeps it, and the
 makes of it (its text, the media decoded from base64, the body a router forwards), until the
 request is answered. ``client_max_size`` bounds one body; nothing bounded how many are held at
 once, so a few dozen concurrent clients each sending a 20 MB image took a deployment's router and
-encoder to gigabytes. Each request with a body now takes ``BODY_COPIES`` times its length from
-the role's bound once its body has arrived, before anything parses it, and gives it back once
-answered (a streamed answer: once its stream ends). A request past the bound is answered 429 with
-Retry-After and its body dropped; with nothing held, one request is always let through.
+encoder to gigabytes. A request with a body takes ``BODY_COPIES`` times each piece of it from the
+role's bound as the piece arrives, and gives it all back once answered (a streamed answer: once
+its stream ends). A piece past the bound ends the request with 429 and Retry-After, and what
+arrived is dropped; with nothing else held, one request is always let through.
 
-Counting a body from when it has arrived, not from its declared length, keeps a client that sends
-slowly (or never) from holding the bound: it holds only the bytes it has sent, in the connection's
-buffer, and none of the bound.
+Counting what has arrived, not the declared length, keeps a client that sends slowly (or never)
+from holding more of the bound than the bytes it has sent; counting it while it arrives keeps
+many bodies arriving at once within the bound too. A body's declared length past
+``client_max_size`` is refused (413) before any of it is read.
+
+The body read here is what every handler parses (``api.http.read_body``); ``request.read()``
+after it raises ``BodyTaken`` rather than give an empty body.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from epdserve.api.errors import Overloaded
-from epdserve.api.http import Handler, read_body
-from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES, BoundFull, ByteBound
+from epdserve.api.errors import Overloaded, PayloadTooLarge
+from epdserve.api.http import BODY, BodyTaken, Handler
+from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES, BoundFull, ByteBound, Held
 
 __all__ = ["BODY_COPIES", "MAX_INFLIGHT_BODY_BYTES", "BodiesFull", "RequestBodies"]
 
@@ -43,18 +47,32 @@ class RequestBodies(ByteBound):
         super().__init__(limit, "request bodies are held")
 
     def middleware(self, max_request_bytes: int) -> Middleware:
-        """The aiohttp middleware that holds each request's body within the bound."""
+        """The aiohttp middleware that reads each request's body within the bound."""
 
         @web.middleware
         async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
             if not request.body_exists:
                 return await handler(request)
-            size = len(await read_body(request, max_request_bytes))  # the handler reads it from here
-            try:
-                held = self.take(BODY_COPIES * size)
-            except BodiesFull as e:
-                raise Overloaded(f"The server is overloaded: {e}.") from None
-            with held:
+            with self.take(0) as held:
+                try:
+                    request[BODY] = await _arrived(request, held, max_request_bytes)
+                except BodiesFull as e:
+                    raise Overloaded(f"The server is overloaded: {e}.") from None
                 return await handler(request)
 
         return bounded
+
+
+async def _arrived(request: web.Request, held: Held, max_bytes: int) -> bytes:
+    """The whole body, each piece counted in ``held`` as it arrives; 413 past ``max_bytes``."""
+    too_large = PayloadTooLarge(f"The request body exceeds {max_bytes} bytes.")
+    if (request.content_length or 0) > max_bytes:
+        raise too_large
+    body = bytearray()
+    while piece := await request.content.readany():
+        if len(body) + len(piece) > max_bytes:
+            raise too_large
+        held.grow(BODY_COPIES * len(piece))
+        body += piece
+    request.content.set_exception(BodyTaken("the body was read by the bound on request bodies: use read_body"))
+    return bytes(body)

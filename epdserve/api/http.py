@@ -44,9 +44,15 @@ def error_response(e: ApiError) -> web.Response:
     return resp
 
 
-async def read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The request body; 413 (OpenAI JSON) when it exceeds the app's ``client_max_size``."""
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"The request body exceeds {max_bytes} bytes.") from None
+BODY = web.RequestKey("epd_body", bytes)  # a request's body, as the role's bound on bodies read it
+
+
+class BodyTaken(RuntimeError):
+    """``request.read()`` on a body the role's bound on bodies has read: use ``read_body``."""
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, as the role's bound on bodies (``api.bodies``) read it; in an app
+    without that bound, read here (413, OpenAI JSON, past the app's ``client_max_size``)."""
+    body = request.get(BODY)
+    return await request.read() if body is None else body

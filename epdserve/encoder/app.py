@@ -43,7 +43,7 @@ class EncoderHandlers:
         s.metrics.inc("encode_requests_total", help_text="/v1/encode requests received")
         s.window["requests"] += 1
         try:
-            body = await read_body(request, s.config.max_request_bytes)
+            body = await read_body(request)
             resp = await s.encode(body)
         except ApiError as e:
             s.metrics.inc("encode_request_errors_total", labels={"status": str(e.status)}, help_text="requests failed")
@@ -78,7 +78,7 @@ class EncoderHandlers:
         return json_response(msgspec.json.encode(report))
 
     async def release(self, request: web.Request) -> web.Response:
-        released = await self.s.release(await request.read())
+        released = await self.s.release(await read_body(request))
         self.s.metrics.inc("encoder_released_by_router_total", released, help_text="leases the router gave back")
         return web.json_response({"released": released})
 

@@ -66,7 +66,7 @@ class CompletionHandlers:
         try:
             if not is_internal(request):  # a client's share (api.quota); the router counted its calls
                 ticket = s.quotas.admit(Quotas.client(request))
-            req, add = await self._prepare(await read_body(request, s.config.max_request_bytes))
+            req, add = await self._prepare(await read_body(request))
             if ticket is not None:
                 ticket.reserve(len(add.prompt_token_ids) + add.params.max_tokens)
             gen, first = await Generation.started(s, add)

@@ -97,7 +97,7 @@ class ChatHandlers:
     async def _chat(self, request: web.Request, span: Any) -> web.StreamResponse:
         s = self.s
         t0 = time.perf_counter()
-        body = await read_body(request, s.config.max_request_bytes)
+        body = await read_body(request)
         kind = "unknown"  # until the body parses
         rid = request_id(request.headers)
         ticket = None
@@ -253,7 +253,7 @@ class ChatHandlers:
 
     async def release_kv(self, request: web.Request) -> web.Response:
         """Internal: KV leases a decode instance will not read, given back (prefill instances)."""
-        body = await read_body(request, self.s.config.max_request_bytes)
+        body = await read_body(request)
         try:
             handles = msgspec.json.decode(body, type=KVRelease).handles
         except (msgspec.ValidationError, msgspec.DecodeError) as e:

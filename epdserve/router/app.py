@@ -25,7 +25,7 @@ from epdserve.api import logs
 from epdserve.api.auth import is_operator
 from epdserve.api.completions import CompletionRequest, decode_completion_request
 from epdserve.api.errors import ApiError, NotFound, Unavailable, WorkerFailed
-from epdserve.api.http import json_response
+from epdserve.api.http import json_response, read_body
 from epdserve.api.logs import request_id
 from epdserve.api.metrics import CONTENT_TYPE, federate, public_metrics
 from epdserve.api.protocol import (
@@ -152,7 +152,7 @@ class Handlers:
             )
 
     async def _chat_logged(self, request: web.Request, span: Any) -> web.StreamResponse:
-        raw = await request.read()
+        raw = await read_body(request)
         trail = Trail(
             wanted(request.headers), request_id(request.headers), details=is_operator(request, self.config.auth)
         )
@@ -175,7 +175,7 @@ class Handlers:
         """``/v1/completions`` (a raw text prompt): validated here, answered by a language-model
         worker (a prefill+decode one, else a decode one), retried once on another before its first byte."""
         with self.tracing.server_span("POST /v1/completions", request.headers) as span:
-            raw = await request.read()
+            raw = await read_body(request)
             trail = Trail(
                 wanted(request.headers), request_id(request.headers), details=is_operator(request, self.config.auth)
             )

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from epdserve.api.errors import BadRequest, Forbidden
+from epdserve.api.http import read_body
 from epdserve.api.http_client import HttpClient
 from epdserve.api.kv_digest import MAX_DIGEST_BYTES, decode_digest
 from epdserve.api.load import MAX_LOAD_REPORT_BYTES, decode_load_report, recommended_replicas
@@ -359,7 +360,7 @@ class WorkerPools:
 
 async def _json_body(request: web.Request) -> dict:
     try:
-        info = msgspec.json.decode(await request.read())
+        info = msgspec.json.decode(await read_body(request))
     except msgspec.DecodeError:
         raise BadRequest("body is not valid JSON") from None
     if not isinstance(info, dict):
