@@ -141,6 +141,7 @@ class RoleMemory:
     encoder_cache: int = 0
     pending_media: int = 0  # media held for the vision tower
     request_bodies: int = 0  # request bodies held at once, with their copies
+    connector: int = 0  # what its connector's producer holds for handles not yet released
     decode_mirror: int = 0
     kv_blocks: int = 0
     kv_cache: int = 0
@@ -150,7 +151,8 @@ class RoleMemory:
     def fixed(self) -> int:
         """Everything but the KV cache."""
         media = self.vision + self.embeddings + self.encoder_cache + self.pending_media
-        return self.weights + self.activations + media + self.request_bodies + self.decode_mirror
+        held = self.request_bodies + self.connector + self.decode_mirror
+        return self.weights + self.activations + media + held
 
     @property
     def total(self) -> int:
@@ -158,7 +160,7 @@ class RoleMemory:
 
     def line(self) -> str:
         """The start-up line: every figure, human-readable."""
-        parts = [f"weights {format_bytes(self.weights)}"]
+        parts = [f"weights {format_bytes(self.weights)}"] if self.weights else []  # a router has none
         named = (
             ("activations", self.activations),
             ("vision peak", self.vision),
@@ -166,6 +168,7 @@ class RoleMemory:
             ("encoder cache", self.encoder_cache),
             ("pending media", self.pending_media),
             ("request bodies", self.request_bodies),
+            ("connector", self.connector),
             ("decode mirror", self.decode_mirror),
         )
         parts += [f"{name} {format_bytes(b)}" for name, b in named if b]
@@ -192,6 +195,7 @@ def engine_memory(
     item_bytes: int = 0,
     sliced: bool = True,
     request_bodies: int = 0,
+    connector: int = 0,
     num_kv_blocks: int = 0,
     kv_cache_memory: int = 0,
     budget: int = 0,
@@ -202,7 +206,8 @@ def engine_memory(
     media held for the tower (``media.pending``; counted where the tower is loaded), ``item_bytes``
     what preprocessing the largest item holds; ``sliced``: a large image's forward may pause
     between steps (``EngineConfig.vision_slice_s``); ``request_bodies``: the bound of the request
-    bodies it holds (``api.bodies``). MemoryBudgetError when the rest
+    bodies it holds (``api.bodies``); ``connector``: what its KV connector's producer holds
+    (``transfer.factory.producer_bytes``, a prefill's). MemoryBudgetError when the rest
     alone exceeds ``budget``, or the KV cache cannot hold one ``max_model_len`` request.
     ``weights``: bytes of the loaded model where known (else counted from the config)."""
     b = DTYPE_BYTES[dtype]
@@ -228,6 +233,7 @@ def engine_memory(
         if loaded and model.vision is not None and not decode
         else 0,
         request_bodies=request_bodies,
+        connector=connector,
         decode_mirror=max_num_seqs * max_model_len * kv_block_bytes(model.text, 1, b) if decode_mirror else 0,
         budget=budget,
     )
@@ -265,13 +271,14 @@ def encoder_memory(
     pending_media: int = 0,
     item_bytes: int = 0,
     request_bodies: int = 0,
+    connector: int = 0,
     budget: int = 0,
     weights: int | None = None,
 ) -> RoleMemory:
     """An encoder role's account; MemoryBudgetError when it exceeds ``budget`` (0: none).
     ``pending_media``: the bound of its media held for the tower (``media.pending``), ``item_bytes``
     what preprocessing the largest item holds, ``request_bodies`` the bound of the request bodies it
-    holds (``api.bodies``)."""
+    holds (``api.bodies``), ``connector`` what its EC connector's producer holds."""
     vision = model.vision_config
     b = DTYPE_BYTES[dtype]
     rows = max(encode_token_budget, item_patches)  # an item larger than the budget is encoded alone
@@ -283,6 +290,7 @@ def encoder_memory(
         encoder_cache=encoder_cache_bytes,
         pending_media=pending_media_bytes(vision, pending_media, item_patches, item_bytes),
         request_bodies=request_bodies,
+        connector=connector,
         budget=budget,
     )
     if budget and out.total > budget:
@@ -308,10 +316,11 @@ def largest_item(model_dir: str | Path, model: ModelConfig) -> tuple[int, int]:
 
 
 def account_engine(
-    model_dir: str | Path, config: EngineConfig, role: str, vision: bool, fused: bool, free: int
+    model_dir: str | Path, config: EngineConfig, role: str, vision: bool, fused: bool, free: int, connector: int = 0
 ) -> RoleMemory:
     """``engine_memory`` of a language-model role of ``config`` on ``model_dir``; ``fused``: the
-    fused kernels attend (no decode mirror), ``free``: the memory ``--memory-fraction`` takes from."""
+    fused kernels attend (no decode mirror), ``free``: the memory ``--memory-fraction`` takes from,
+    ``connector``: what its KV connector's producer holds."""
     model = ModelConfig.from_pretrained(model_dir)
     patches, item_bytes = largest_item(model_dir, model)
     return engine_memory(
@@ -330,6 +339,7 @@ def account_engine(
         item_bytes=item_bytes,
         sliced=config.vision_slice_s > 0,
         request_bodies=config.max_inflight_body_bytes,
+        connector=connector,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         budget=int(config.memory_fraction * free),
@@ -343,13 +353,19 @@ def account_encoder(
     encoder_cache_bytes: int,
     pending_media: int,
     request_bodies: int,
+    connector: int = 0,
 ) -> RoleMemory:
-    """``encoder_memory`` of an encoder on ``model_dir`` (an audio tower: its weights only)."""
+    """``encoder_memory`` of an encoder on ``model_dir`` (an audio tower: its weights, and what it
+    holds beside its tower)."""
     model = ModelConfig.from_pretrained(model_dir)
     if model.vision is None:
         weights = parameter_count(model, frozenset({"vision"})) * DTYPE_BYTES[dtype]
         return RoleMemory(
-            role="encoder", weights=weights, encoder_cache=encoder_cache_bytes, request_bodies=request_bodies
+            role="encoder",
+            weights=weights,
+            encoder_cache=encoder_cache_bytes,
+            request_bodies=request_bodies,
+            connector=connector,
         )
     patches, item_bytes = largest_item(model_dir, model)
     return encoder_memory(
@@ -361,6 +377,7 @@ def account_encoder(
         pending_media=pending_media,
         item_bytes=item_bytes,
         request_bodies=request_bodies,
+        connector=connector,
     )
 
 

@@ -92,7 +92,7 @@ from epdserve.store.single_flight import fetch_or_claim, holding
 from epdserve.transfer import signing
 from epdserve.transfer.base import ECProducer, Handle, TransferError
 from epdserve.transfer.config import STORE_HANDLE
-from epdserve.transfer.factory import make_producer
+from epdserve.transfer.factory import make_producer, producer_bytes
 from epdserve.transfer.header import WireHeader, to_handle
 from epdserve.transfer.pixels import PixelItem, PixelReader, processor_digest
 
@@ -153,6 +153,7 @@ class EncoderService:
             config.encoder_cache_bytes,
             config.max_pending_media_bytes,
             config.max_inflight_body_bytes,
+            producer_bytes(config.ec),
         )  # refuses before any weight is read
         log.info("%s", memory.line())
         model, self.load_report = load_model(

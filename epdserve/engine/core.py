@@ -96,8 +96,10 @@ class EngineCore:
         from epdserve.common.dtypes import torch_dtype
         from epdserve.engine.memory import plan_engine
         from epdserve.models.loader import load_model
+        from epdserve.transfer.factory import producer_bytes
 
-        memory = plan_engine(model_dir, config, role, vision)  # refuses before any weight is read
+        connector = producer_bytes(kv) if role == "prefill" and kv is not None else 0
+        memory = plan_engine(model_dir, config, role, vision, connector)  # refuses before any weight is read
         log.info("%s", memory.line())
         config = dataclasses.replace(config, num_kv_blocks=memory.kv_blocks)
         parts = frozenset({"vision", "language"} if vision else {"language"})

@@ -33,14 +33,16 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return own_pages(shape, dtype)
 
 
-def plan_engine(model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool) -> RoleMemory:
+def plan_engine(
+    model_dir: str | Path, config: EngineConfig, role: PDRole, vision: bool, connector: int = 0
+) -> RoleMemory:
     """The memory account of a language-model role about to load ``model_dir`` (nothing loaded
     yet: a configuration that cannot fit is refused before its weights are read), its KV blocks
-    sized by the config's budget; MemoryBudgetError when it does not fit the budget or the memory
-    free now."""
+    sized by the config's budget; ``connector``: what its KV connector's producer holds (a
+    prefill's). MemoryBudgetError when it does not fit the budget or the memory free now."""
     free = available_memory(config.device)
     fused = fused_attention(model_dir, config)
-    mem = account_engine(model_dir, config, "pd" if role == "both" else role, vision, fused, free)
+    mem = account_engine(model_dir, config, "pd" if role == "both" else role, vision, fused, free, connector)
     check_free(mem, free)
     return mem
 
@@ -65,10 +67,12 @@ def plan_encoder(
     encoder_cache_bytes: int,
     pending: int,
     bodies: int,
+    connector: int = 0,
 ) -> RoleMemory:
     """The memory account of an encoder about to load ``model_dir``'s media tower (``pending``: the
-    bound of its media waiting for the tower, ``bodies`` of the request bodies it holds);
-    MemoryBudgetError when it does not fit the memory free now."""
-    mem = account_encoder(model_dir, dtype, encode_token_budget, encoder_cache_bytes, pending, bodies)
+    bound of its media waiting for the tower, ``bodies`` of the request bodies it holds,
+    ``connector`` what its EC connector's producer holds); MemoryBudgetError when it does not fit
+    the memory free now."""
+    mem = account_encoder(model_dir, dtype, encode_token_budget, encoder_cache_bytes, pending, bodies, connector)
     check_free(mem, available_memory(device))
     return mem

@@ -12,6 +12,7 @@ from epdserve.transfer.base import ECConsumer, ECProducer, Handle, InvalidHandle
 from epdserve.transfer.config import CONNECTORS, ECConfig
 from epdserve.transfer.fs import FsConsumer, FsProducer
 from epdserve.transfer.shm import ShmConsumer, ShmProducer
+from epdserve.transfer.shm_slab import slab_bytes
 from epdserve.transfer.tcp import TcpConsumer, TcpProducer
 
 
@@ -28,6 +29,15 @@ def make_producer(cfg: ECConfig) -> ECProducer:
 
         return MooncakeProducer(cfg)
     return FsProducer(cfg)
+
+
+def producer_bytes(cfg: ECConfig) -> int:
+    """The memory a producer of ``cfg`` holds at most for handles not yet released: its /dev/shm
+    slab (shm and mooncake: tmpfs pages are memory), the tcp producer's ``tcp_bytes``; none for
+    fs (files). TransferError where the slab would not fit, as the producer itself raises."""
+    if cfg.connector in ("shm", "mooncake"):
+        return slab_bytes(cfg)
+    return cfg.tcp_bytes if cfg.connector == "tcp" else 0
 
 
 def make_consumer(cfg: ECConfig, more: Mapping[str, Callable[[], ECConsumer]] | None = None) -> ECConsumer:
