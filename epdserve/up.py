@@ -357,7 +357,8 @@ class Deployment:
         vision = topo.aggregated or not topo.encoders or self.dispatch != "always"
         workers = {"pd": topo.pds, "prefill": topo.prefills, "decode": topo.decodes}
         vllm = self.lm_engine == "vllm"  # vLLM sizes itself, by its own flags and environment
-        line = describe(check_fit(model, sizing, topo.encoders, {} if vllm else workers, vision))
+        fit = check_fit(model, sizing, topo.encoders, {} if vllm else workers, vision, router=not topo.aggregated)
+        line = describe(fit)
         self._say(f"{line}; not counted: {topo.pds} vLLM instance(s), {VLLM_SIZES_ITSELF}" if vllm else line)
 
     def _lending(self, plan: CorePlan, cores: list[int]) -> list[str]:

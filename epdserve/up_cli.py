@@ -21,7 +21,7 @@ from epdserve.api.flags import (
     STATS_INTERVAL,
     add_log_args,
 )
-from epdserve.config_flags import Flag, add_flags, to_argv, usage_error
+from epdserve.config_flags import Flag, add_flags, to_argv, usage_error, values
 from epdserve.encoder.flags import ENCODER
 from epdserve.engine.flags import ENGINE
 from epdserve.media.flags import MEDIA, MEDIA_FLAGS
@@ -165,7 +165,13 @@ def up_sizing(args: argparse.Namespace) -> Settings:
     def given(flags: tuple[str, ...]) -> dict[str, object]:
         return {name: getattr(args, name) for name in flags if getattr(args, name, None) is not None}
 
-    return Settings(engine=given(SIZING_ENGINE_FLAGS), encoder=given(SIZING_ENCODER_FLAGS))
+    return Settings(
+        engine=given(SIZING_ENGINE_FLAGS),
+        encoder=given(SIZING_ENCODER_FLAGS),
+        router=values(args, FRONTEND_FLAGS, FRONTEND_PREFIX),
+        ec_connector=args.ec_connector,
+        kv_connector=args.kv_connector,
+    )
 
 
 def run_up_command(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.launcher import free_port, start_role, stop, wait_healthy
 from epdserve.memory import (
     MemoryBudgetError,
+    RoleMemory,
     available_memory,
     encoder_memory,
     engine_memory,
@@ -265,6 +266,39 @@ def test_serve_with_a_budget_below_its_weights_exits_at_once_naming_the_numbers(
     assert "Traceback" not in r.stderr
 
 
+def test_a_router_states_what_it_holds_and_refuses_a_bound_past_the_memory_free() -> None:
+    """The router's account (``router.memory``): its request bodies and, decoding media itself, its
+    decode threads' items and pixel slab; one past the memory free exits at once, naming it."""
+    command = [
+        sys.executable,
+        "-m",
+        "epdserve.cli",
+        "router",
+        "--port",
+        str(free_port()),
+        "--pds",
+        "http://127.0.0.1:9",
+    ]
+    too_large = format_bytes(2 * host_memory()).replace(" ", "")
+    r = subprocess.run([*command, "--max-inflight-body-bytes", too_large], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "router: needs" in r.stderr and "request bodies" in r.stderr and "free (router memory:" in r.stderr
+    proc = subprocess.Popen(
+        [*command, "--max-inflight-body-bytes", "8MiB", "--frontend-decode", "--frontend-decode-workers", "3"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = next(line for line in proc.stderr if "router memory:" in line)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    model_dir = default_model_dir()
+    _, item_bytes = largest_item(model_dir, ModelConfig.from_pretrained(model_dir))
+    assert f"pending media {format_bytes(3 * item_bytes)}, request bodies 8.0 MiB, connector " in line
+
+
 def test_serve_with_a_kv_cache_memory_has_that_many_blocks(tmp_path: Path) -> None:
     model = ModelConfig.from_pretrained(default_model_dir())
     t = model.text
@@ -304,9 +338,11 @@ def test_a_host_holds_the_fewer_of_its_memory_and_its_cores() -> None:
     assert (fits[0].name, fits[0].by_memory, fits[0].instances) == ("pd", 3, 3)
     assert fits[1].by_memory == (3 * pd.total + 1) // enc.total and fits[1].instances == min(fits[1].by_memory, 16)
     assert fit({"pd": pd}, memory=10 * pd.total, cores=2)[0].instances == 2
-    accounts = {"encoder": enc, "pd (vision tower)": pd, "prefill": pd, "decode": pd}
-    assert topology_memory(Topology.parse("2e+1pd"), accounts) == 2 * enc.total + pd.total
-    assert topology_memory(Topology.parse("1e+1p+2d"), accounts) == enc.total + 3 * pd.total
+    router = RoleMemory(role="router", weights=0, request_bodies=1 << 20)
+    accounts = {"encoder": enc, "pd (vision tower)": pd, "prefill": pd, "decode": pd, "router": router}
+    assert topology_memory(Topology.parse("2e+1pd"), accounts) == 2 * enc.total + pd.total + router.total
+    assert topology_memory(Topology.parse("1e+1p+2d"), accounts) == enc.total + 3 * pd.total + router.total
+    assert topology_memory(Topology.parse("aggregated"), accounts) == pd.total  # no router in front
 
 
 def test_plan_memory_prints_how_many_of_each_role_fit() -> None:
@@ -335,7 +371,11 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
     from epdserve.encoder.config import EncoderConfig
     from epdserve.engine.memory import plan_encoder, plan_engine
     from epdserve.plan.host import roles
-    from epdserve.sizing import PROCESS_BYTES, Settings, accounts_here, check_fit
+    from epdserve.router.frontend_decode import FrontendDecodeConfig
+    from epdserve.router.memory import account_router
+    from epdserve.sizing import PROCESS_BYTES, ROUTER_PROCESS_BYTES, Settings, accounts_here, check_fit
+    from epdserve.transfer.config import ECConfig
+    from epdserve.transfer.factory import producer_bytes
 
     model_dir = default_model_dir()
     engine = {"dtype": "float32", "num_kv_blocks": 256, "max_model_len": 1024, "max_num_batched_tokens": 512}
@@ -344,25 +384,38 @@ def test_up_plan_and_each_role_count_the_same_bytes() -> None:
     engine["max_inflight_body_bytes"] = 96 << 20
     encoder = {"dtype": "float32", "max_pending_media_bytes": 80 << 20}  # as up hands the flags to both
     encoder["max_inflight_body_bytes"] = 96 << 20
-    fit = check_fit(model_dir, Settings(engine, encoder), 2, {"prefill": 1, "decode": 3}, True, accounts_here)
+    frontend = {"enabled": True, "workers": 3}  # the router decodes media itself
+    settings = Settings(engine, encoder, frontend, ec_connector="shm", kv_connector="tcp")
+    fit = check_fit(model_dir, settings, 2, {"prefill": 1, "decode": 3}, True, accounts_here, router=True)
     config = EngineConfig(**engine)  # type: ignore[arg-type]
     enc = EncoderConfig(model=model_dir)
+    shm, tcp = producer_bytes(ECConfig()), producer_bytes(ECConfig(connector="tcp"))
+    assert shm and tcp == ECConfig().tcp_bytes
     started = {
         "encoder": plan_encoder(
-            model_dir, "float32", "cpu", enc.encode_token_budget, enc.encoder_cache_bytes, 80 << 20, 96 << 20
+            model_dir, "float32", "cpu", enc.encode_token_budget, enc.encoder_cache_bytes, 80 << 20, 96 << 20, shm
         ),
-        "prefill": plan_engine(model_dir, config, "prefill", True),
+        "prefill": plan_engine(model_dir, config, "prefill", True, tcp),
         "decode": plan_engine(model_dir, config, "decode", True),
+        "router": account_router(model_dir, 96 << 20, FrontendDecodeConfig(**frontend)),  # type: ignore[arg-type]
     }
     assert {r.memory.role: (r.count, r.memory) for r in fit.roles} == {
         "encoder": (2, started["encoder"]),
         "prefill": (1, started["prefill"]),
         "decode": (3, started["decode"]),
+        "router": (1, started["router"]),
     }
+    assert started["encoder"].connector == shm and started["prefill"].connector == tcp
+    assert started["decode"].connector == 0  # a decode instance only reads handed-on KV
+    _, item_bytes = largest_item(model_dir, ModelConfig.from_pretrained(model_dir))
+    assert started["router"].pending_media == 3 * item_bytes and started["router"].connector == shm
     accounts = 2 * started["encoder"].total + started["prefill"].total + 3 * started["decode"].total
-    assert fit.need_bytes == accounts + 6 * PROCESS_BYTES  # and each process's interpreter with torch
-    planned = roles(model_dir, config)
-    assert (planned["encoder"], planned["prefill"]) == (started["encoder"], started["prefill"])
+    # and each process's interpreter (with torch, but for the router's)
+    assert fit.need_bytes == accounts + started["router"].total + 6 * PROCESS_BYTES + ROUTER_PROCESS_BYTES
+    planned = roles(model_dir, config)  # plan's connectors: shm, as up's by default
+    assert planned["encoder"] == started["encoder"]
+    assert planned["prefill"] == plan_engine(model_dir, config, "prefill", True, shm)
+    assert planned["router"] == account_router(model_dir, 96 << 20, FrontendDecodeConfig())
     assert planned["decode"] == plan_engine(model_dir, config, "decode", False)  # plan's decode: no tower
     assert started["encoder"].request_bodies == started["decode"].request_bodies == 96 << 20
     assert "request bodies 96.0 MiB" in started["decode"].line()

@@ -39,6 +39,7 @@ TIERS: dict[str, str] = {
     "test_memory.py::test_serve_with_a_budget_below_its_weights_exits_at_once_naming_the_numbers": "integration",
     "test_memory.py::test_serve_with_a_kv_cache_memory_has_that_many_blocks": "integration",
     "test_memory.py::test_plan_memory_prints_how_many_of_each_role_fit": "integration",
+    "test_memory.py::test_a_router_states_what_it_holds_and_refuses_a_bound_past_the_memory_free": "integration",
     "test_pending_media.py": "unit",
     "test_request_bodies.py": "unit",
     "test_models.py": "unit",

@@ -16,7 +16,7 @@ from pathlib import Path
 from epdserve.common.units import format_bytes, parse_bytes
 from epdserve.engine.config import EngineConfig
 from epdserve.memory import MemoryBudgetError, RoleMemory, host_cores, host_memory
-from epdserve.sizing import Wanted, accounts
+from epdserve.sizing import Roles, Wanted, accounts
 from epdserve.topology import Topology
 
 
@@ -34,21 +34,25 @@ class RoleFit:
         return min(self.by_memory, self.by_cores)
 
 
-# what plan --memory shows, as (role, whether it loads the vision tower; None: an encoder)
+# what plan --memory shows, as (role, whether it loads the vision tower; None: an encoder or router)
 ROLES: dict[str, Wanted] = {
     "pd (vision tower)": ("pd", True),
     "pd (no vision tower)": ("pd", False),
     "prefill": ("prefill", True),
     "decode": ("decode", False),
     "encoder": ("encoder", None),
+    "router": ("router", None),
 }
 
 
 def roles(model_dir: Path, engine: EngineConfig) -> dict[str, RoleMemory]:
     """The account of every role of a deployment of ``model_dir`` under ``engine`` (encoders: in
-    its dtype and with its bound of pending media, as ``up`` hands them on, otherwise their
-    defaults): the one ``up`` sums and each role checks at start-up."""
+    its dtype and with its bounds of pending media and bodies, as ``up`` hands them on, otherwise
+    their defaults; connectors: ``up``'s, shm, the slab sized by this machine's /dev/shm): the one
+    ``up`` sums and each role checks at start-up."""
     from epdserve.encoder.config import EncoderConfig
+    from epdserve.router.frontend_decode import FrontendDecodeConfig
+    from epdserve.transfer.config import ECConfig
 
     encoder = EncoderConfig(
         model=model_dir,
@@ -56,7 +60,8 @@ def roles(model_dir: Path, engine: EngineConfig) -> dict[str, RoleMemory]:
         max_pending_media_bytes=engine.max_pending_media_bytes,
         max_inflight_body_bytes=engine.max_inflight_body_bytes,
     )
-    found = accounts(model_dir, engine, encoder, list(ROLES.values()), 0)
+    deployment = Roles(engine, encoder, FrontendDecodeConfig(), ECConfig())
+    found = accounts(model_dir, deployment, list(ROLES.values()), 0)
     return dict(zip(ROLES, found, strict=True))
 
 
@@ -66,13 +71,14 @@ def fit(accounts: dict[str, RoleMemory], memory: int, cores: int) -> list[RoleFi
 
 def topology_memory(topology: Topology, accounts: dict[str, RoleMemory]) -> int:
     """Bytes of a whole topology: its encoders, PD workers (with the vision tower when aggregated),
-    prefill and decode workers."""
+    prefill and decode workers, and the router in front of a split one."""
     pd = accounts["pd (vision tower)"]
     return (
         topology.encoders * accounts["encoder"].total
         + topology.pds * pd.total
         + topology.prefills * accounts["prefill"].total
         + topology.decodes * accounts["decode"].total
+        + (0 if topology.aggregated else accounts["router"].total)
     )
 
 

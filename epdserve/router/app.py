@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,9 +44,12 @@ from epdserve.api.quota import check_max_tokens, requested_max_tokens
 from epdserve.api.role_app import Route, role_app, run_app
 from epdserve.api.timing import wanted
 from epdserve.api.tracing import Tracing
+from epdserve.assets import default_model_dir
 from epdserve.common.health import health_body
+from epdserve.memory import MemoryBudgetError, available_memory, check_free
 from epdserve.router.config import RouterConfig
 from epdserve.router.forward import COMPLETIONS_PATH
+from epdserve.router.memory import account_router
 from epdserve.router.pool import NoWorker, Worker, WorkerPool
 from epdserve.router.refs import MediaRef, media_refs, with_parts
 from epdserve.router.server import Router
@@ -344,4 +348,13 @@ def build_app(router: Router) -> web.Application:
 
 
 def serve_router(config: RouterConfig) -> None:
+    """Run the router until SIGINT/SIGTERM, once its memory account fits the memory free."""
+    model_dir = Path(config.model) if config.model else default_model_dir()
+    memory = account_router(model_dir, config.max_inflight_body_bytes, config.frontend)
+    try:
+        check_free(memory, available_memory())
+    except MemoryBudgetError as e:  # its message names every figure: no traceback to read
+        log.error("%s", e)
+        raise SystemExit(1) from None
+    log.info("%s", memory.line())
     run_app(build_app(Router(config)), config.host, config.port)
