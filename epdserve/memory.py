@@ -17,13 +17,18 @@ counts instances per host with it.
                         bound max_pending_media_bytes, or the largest item's where that is larger
                         (a decode role meets no media: none of these four)
         request bodies  max_inflight_body_bytes: the request bodies it holds, their copies counted
+        connector       what its connector's producer holds for handles not yet released (an
+                        encoder's EC connector, a prefill's KV connector: transfer.factory.producer_bytes)
         decode mirror   the contiguous decode KV (PyTorch attention only): max_num_seqs x max_model_len tokens
         KV cache        blocks x block bytes: from --kv-cache-memory, or what --memory-fraction of the
                         free memory leaves after the rest, or --num-kv-blocks
 
     encoder role
         weights, vision (its largest forward: encode_token_budget patches or the largest item),
-        embeddings (that forward's output), encoder cache, pending media, request bodies
+        embeddings (that forward's output), encoder cache, pending media, request bodies, connector
+
+    router (``router.memory``): request bodies; decoding media itself, its decode threads' items
+        (as pending media) and its pixel slab (as its connector)
 
 A KV block holds ``block_size`` tokens of every layer's keys and values:
 ``2 x layers x block_size x kv_heads x head_dim x dtype bytes``. Counted bytes are upper bounds of
