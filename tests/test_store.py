@@ -51,6 +51,9 @@ def server() -> Iterator[RedisServer]:
 
 
 def store(server: RedisServer, key: bytes = KEY, model: str = MODEL, **cfg: object) -> RedisStore:
+    """A store on ``server``; its operations wait up to 5 s unless ``timeout_s`` is given (a loaded
+    test machine can take longer than the default's half second to connect)."""
+    cfg = {"timeout_s": 5.0, **cfg}
     config = StoreConfig(url=server.url, password=server.password, **cfg)  # type: ignore[arg-type]
     return RedisStore(config, EntryCheck(model, key, WIDTH, rows_of))
 
