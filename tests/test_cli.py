@@ -29,6 +29,7 @@ from epdserve.pd.config import ServerConfig
 from epdserve.router.server import RouterConfig
 from epdserve.security.credentials import ClusterCredential
 from epdserve.transfer.config import ECConfig
+from epdserve.transfer.factory import producer_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -155,10 +156,12 @@ def test_encoder_flags_reach_their_fields() -> None:
     argv = "encoder --served-model-name x --port 9 --encode-token-budget 64 --encode-batch-wait-ms 5"
     argv += " --encoder-cache-bytes 0 --threads 0 --device cpu --dtype float16 --ec-connector tcp"
     argv += " --ec-shm-bytes 2097152 --ec-tcp-port 7 --ec-instance e1 --limit-mm-per-prompt {}"
+    argv += " --ec-tcp-bytes 8MiB"
     c = cli.encoder_config(parse(*argv.split()))
     assert (c.served_model_name, c.port, c.encode_token_budget, c.batch_wait_ms) == ("x", 9, 64, 5.0)
     assert (c.encoder_cache_bytes, c.threads, c.device, c.dtype) == (0, 0, "cpu", "float16")
     assert (c.ec.connector, c.ec.shm_bytes, c.ec.tcp_port, c.ec.instance) == ("tcp", 2 << 20, 7, "e1")
+    assert c.ec.tcp_bytes == 8 << 20 and producer_bytes(c.ec) == 8 << 20  # what its account counts
 
 
 def test_router_flags_reach_their_fields() -> None:

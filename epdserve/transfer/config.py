@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from epdserve.common.store_config import StoreConfig
+from epdserve.common.units import ByteSize
 from epdserve.security.credentials import CLUSTER_SECRET_ENV, ClusterCredential
 from epdserve.transfer.base import TransferError
 
@@ -32,13 +33,13 @@ def _secret_from_env() -> str:
 @dataclass(frozen=True)
 class ECConfig:
     connector: Connector = "shm"  # producer backend: shm (same host), tcp or mooncake (any host), fs (debugging)
-    shm_bytes: int = 0  # bytes of the producer's one /dev/shm slab (0 = auto from the free space of shm_dir)
+    shm_bytes: ByteSize = 0  # bytes of the producer's one /dev/shm slab (0 = auto from the free space of shm_dir)
     shm_dir: str = "/dev/shm"  # where slabs live; a consumer only maps slabs under this directory
     fs_dir: str = ""  # private directory of the fs connector ("" = fs handles are refused)
     tcp_host: str = "127.0.0.1"  # host the tcp data server binds to and advertises in handles
     tcp_port: int = 0  # port of the tcp data server (0 = any free port)
     tcp_advertise_host: str = ""  # host put in tcp handles when it differs from tcp_host ("" = tcp_host)
-    tcp_bytes: int = 1 << 30  # bound on the bytes the tcp producer holds for unreleased leases
+    tcp_bytes: ByteSize = 1 << 30  # bound on the bytes the tcp producer holds for unreleased leases
     secret: str = field(default_factory=_secret_from_env, repr=False)  # cluster secret ("" = no EC at all)
     ttl_s: float = 120.0  # leases not released within this many seconds expire and are reclaimed
     timeout_s: float = 30.0  # a consumer's get/release gives up after this many seconds

@@ -12,6 +12,7 @@ EC_PRODUCER_FLAGS = (
     "shm_bytes",
     "fs_dir",
     "tcp_port",
+    "tcp_bytes",
     "mooncake_protocol",
     "mooncake_device",
     Flag("instance", default=None, default_help="encoder-<port>"),
@@ -24,5 +25,6 @@ KV_FLAGS = (
     "shm_dir",
     "tcp_host",
     "tcp_port",
+    "tcp_bytes",
     Flag("instance", default=None, default_help="<role>-<port>"),
 )
