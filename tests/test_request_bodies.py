@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from epdserve.api.auth import AuthConfig
+from epdserve.api.auth import Access, AuthConfig
 from epdserve.api.bodies import BODY_COPIES, BodiesFull, RequestBodies
 from epdserve.api.http import BodyTaken, Handler, read_body
 from epdserve.api.role_app import role_app
@@ -19,13 +19,15 @@ from epdserve.launcher import free_port
 
 
 @asynccontextmanager
-async def serving(bodies: RequestBodies, path: str, handler: Handler) -> AsyncIterator[str]:
-    """A role app with one open POST route (and ``/version``) on loopback; yields its base URL."""
+async def serving(
+    bodies: RequestBodies, path: str, handler: Handler, access: Access = "open", auth: AuthConfig | None = None
+) -> AsyncIterator[str]:
+    """A role app with one POST route (and ``/version``) on loopback; yields its base URL."""
 
     async def nothing() -> None:
         return None
 
-    app = role_app(1 << 20, [("POST", path, handler, "open")], nothing, nothing, AuthConfig(), bodies)
+    app = role_app(1 << 20, [("POST", path, handler, access)], nothing, nothing, auth or AuthConfig(), bodies)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -205,5 +207,26 @@ def test_the_body_is_read_once_and_request_read_says_so() -> None:
         ):
             assert r.status == 200
         assert seen[0] == b"payload" and isinstance(seen[1], BodyTaken)
+
+    asyncio.run(main())
+
+
+def test_a_request_its_credential_refuses_is_refused_before_its_body_is_read() -> None:
+    """With an API key, a request without it is answered 401 from its headers: its body is never
+    read, so it holds none of the bound and none of the role's memory."""
+
+    async def main() -> None:
+        bodies = RequestBodies(BODY_COPIES * 1000)
+        auth = AuthConfig(api_key="the-key")
+        async with serving(bodies, "/echo", echo, "public", auth) as base:
+            async with sending(base, 500_000, b"x" * 10) as (reader, _):  # no key, most of the body unsent
+                assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 401")
+                assert bodies.held == 0
+            headers = {"Authorization": "Bearer the-key"}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{base}/echo", data=b"y" * 900, headers=headers) as r,
+            ):
+                assert r.status == 200 and (await r.json())["bytes"] == 900
 
     asyncio.run(main())

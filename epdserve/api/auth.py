@@ -19,6 +19,7 @@ carry metadata-only media items with connector handles (docs/security.md). ``POS
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +33,7 @@ from epdserve.security.peers import PEER_HEADER, PeerAuthError, PeerVerifier, Wr
 
 Access = Literal["open", "public", "internal", "admin"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+BodyHolder = Callable[[web.Request], AbstractAsyncContextManager[None]]  # reads a body, holds it until the answer
 _INTERNAL_KEY = web.RequestKey("epd_internal", bool)
 
 
@@ -95,28 +97,46 @@ async def _proven(request: web.Request, verifier: PeerVerifier | None, strict: b
     return True
 
 
-def guard(handler: Handler, access: Access, auth: AuthConfig, verifier: PeerVerifier | None = None) -> Handler:
-    """``handler`` behind the check of ``access`` (``verifier``: the app's check of peer proofs)."""
+def guard(
+    handler: Handler, access: Access, auth: AuthConfig, hold_body: BodyHolder, verifier: PeerVerifier | None = None
+) -> Handler:
+    """``handler`` behind the check of ``access`` (``verifier``: the app's check of peer proofs;
+    ``hold_body``: reads the body within the role's bound and holds it until the answer,
+    ``api.bodies``). A request that carries no peer proof is decided on its headers alone, before
+    any of its body is read: a request refused by its credential never holds the role's bound or
+    memory. A peer proof covers the body, so it is checked once the body has arrived."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         strict = access == "internal" or (auth.internal_only and access != "open")
-        internal = await _proven(request, verifier, strict or access == "public")
-        request[_INTERNAL_KEY] = internal
-        if access == "open":
+        if verifier is None or PEER_HEADER not in request.headers:
+            request[_INTERNAL_KEY] = False
+            _admit(request, access, auth, strict, internal=False)
+            async with hold_body(request):
+                return await handler(request)
+        async with hold_body(request):
+            internal = await _proven(request, verifier, strict or access == "public")
+            request[_INTERNAL_KEY] = internal
+            _admit(request, access, auth, strict, internal)
             return await handler(request)
-        if access == "admin":
-            if not auth.admin_key:
-                raise Forbidden("Worker registration is switched off: start the router with --admin-key.")
-            if not same(bearer(request.headers.get("Authorization")), auth.admin_key):
-                raise Unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
-        elif strict:
-            if not internal:
-                raise Unauthorized("This endpoint is internal: the cluster credential is missing or wrong.")
-        elif auth.api_key and not internal and not same(bearer(request.headers.get("Authorization")), auth.api_key):
-            raise Unauthorized("Incorrect API key provided.")
-        return await handler(request)
 
     return guarded
+
+
+def _admit(request: web.Request, access: Access, auth: AuthConfig, strict: bool, internal: bool) -> None:
+    """Raise unless a request to a route of ``access`` may be served (``internal``: it proved the
+    cluster credential; ``strict``: the route needs that proof)."""
+    if access == "open":
+        return
+    if access == "admin":
+        if not auth.admin_key:
+            raise Forbidden("Worker registration is switched off: start the router with --admin-key.")
+        if not same(bearer(request.headers.get("Authorization")), auth.admin_key):
+            raise Unauthorized("This endpoint needs the admin key (Authorization: Bearer <admin key>).")
+    elif strict:
+        if not internal:
+            raise Unauthorized("This endpoint is internal: the cluster credential is missing or wrong.")
+    elif auth.api_key and not internal and not same(bearer(request.headers.get("Authorization")), auth.api_key):
+        raise Unauthorized("Incorrect API key provided.")
 
 
 def attest_route(verifier: PeerVerifier | None) -> Handler:

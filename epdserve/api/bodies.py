@@ -14,17 +14,21 @@ from holding more of the bound than the bytes it has sent; counting it while it 
 many bodies arriving at once within the bound too. A body's declared length past
 ``client_max_size`` is refused (413) before any of it is read.
 
-The body read here is what every handler parses (``api.http.read_body``); ``request.read()``
-after it raises ``BodyTaken`` rather than give an empty body.
+A route's access check (``api.auth.guard``) reads the body here once the request may be served,
+so a request its credential refuses is refused before any of its body is read. The body read here
+is what every handler parses (``api.http.read_body``); ``request.read()`` after it raises
+``BodyTaken`` rather than give an empty body.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from epdserve.api.errors import Overloaded, PayloadTooLarge
-from epdserve.api.http import BODY, BodyTaken, Handler
+from epdserve.api.http import BODY, BodyTaken
 from epdserve.common.byte_bound import MAX_INFLIGHT_BODY_BYTES, BoundFull, ByteBound, Held
 
 __all__ = ["BODY_COPIES", "MAX_INFLIGHT_BODY_BYTES", "BodiesFull", "RequestBodies"]
@@ -46,21 +50,20 @@ class RequestBodies(ByteBound):
     def __init__(self, limit: int) -> None:
         super().__init__(limit, "request bodies are held")
 
-    def middleware(self, max_request_bytes: int) -> Middleware:
-        """The aiohttp middleware that reads each request's body within the bound."""
-
-        @web.middleware
-        async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if not request.body_exists:
-                return await handler(request)
-            with self.take(0) as held:
-                try:
-                    request[BODY] = await _arrived(request, held, max_request_bytes)
-                except BodiesFull as e:
-                    raise Overloaded(f"The server is overloaded: {e}.") from None
-                return await handler(request)
-
-        return bounded
+    @asynccontextmanager
+    async def holding(self, request: web.Request, max_request_bytes: int) -> AsyncIterator[None]:
+        """Read ``request``'s body within the bound (``read_body`` gives it to the handler) and
+        hold its bytes until the block ends: 429 (``Overloaded``) past the bound, 413 past
+        ``max_request_bytes``. A request without a body takes nothing."""
+        if not request.body_exists:
+            yield
+            return
+        with self.take(0) as held:
+            try:
+                request[BODY] = await _arrived(request, held, max_request_bytes)
+            except BodiesFull as e:
+                raise Overloaded(f"The server is overloaded: {e}.") from None
+            yield
 
 
 async def _arrived(request: web.Request, held: Held, max_bytes: int) -> bytes:

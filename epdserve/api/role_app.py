@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from aiohttp import web
@@ -41,14 +42,17 @@ def role_app(
     bodies: RequestBodies,
 ) -> web.Application:
     """The aiohttp app of one role: its routes (and ``GET /version``, as vLLM serves it) behind
-    the error middleware, the bound on request bodies held (``bodies``) and their access checks,
-    with lifecycle hooks."""
-    middlewares = [error_middleware, bodies.middleware(max_request_bytes)]
-    app = web.Application(client_max_size=max_request_bytes, middlewares=middlewares)
+    the error middleware and their access checks, which read each body within the bound on request
+    bodies held (``bodies``), with lifecycle hooks."""
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[error_middleware])
     verifier = auth.verifier()  # one replay cache per app
+
+    def hold_body(request: web.Request) -> AbstractAsyncContextManager[None]:
+        return bodies.holding(request, max_request_bytes)
+
     extra: list[Route] = [("GET", "/version", version, "open"), ("POST", "/v1/attest", attest_route(verifier), "open")]
     for method, path, handler, access in [*routes, *extra]:
-        app.router.add_route(method, path, guard(handler, access, auth, verifier))
+        app.router.add_route(method, path, guard(handler, access, auth, hold_body, verifier))
 
     async def on_startup(app: web.Application) -> None:
         await start()
