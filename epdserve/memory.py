@@ -134,6 +134,11 @@ def embedding_bytes(model: ModelConfig, tokens: int, dtype_bytes: int) -> int:
 # ---- a role's account ------------------------------------------------------------------------------
 
 
+# the figures of an account, as ``RoleMemory`` names them
+PARTS: tuple[str, ...] = ("weights", "activations", "vision", "embeddings", "encoder_cache", "pending_media")
+PARTS += ("request_bodies", "connector", "decode_mirror", "kv_cache")
+
+
 @dataclass(frozen=True)
 class RoleMemory:
     """What one role instance takes, by part (bytes), and the KV cache that leaves."""
@@ -162,6 +167,11 @@ class RoleMemory:
     @property
     def total(self) -> int:
         return self.fixed + self.kv_cache
+
+    def parts(self) -> dict[str, int]:
+        """Every figure by name (the metric's ``part`` label), and ``total``."""
+        named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in PARTS}
+        return {**named, "total": self.total}
 
     def line(self) -> str:
         """The start-up line: every figure, human-readable."""
@@ -414,6 +424,15 @@ def available_memory(device: str = "cpu") -> int:
     except (OSError, ValueError):
         pass
     return max(avail, 0)
+
+
+def resident_bytes(pid: int) -> int:
+    """What process ``pid`` holds in memory now (its resident set; 0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def host_memory() -> int:

@@ -31,6 +31,7 @@ from epdserve.memory import (
     lm_step_bytes,
     max_item_patches,
     parameter_count,
+    resident_bytes,
     vision_forward_bytes,
     vision_paused_bytes,
 )
@@ -38,7 +39,7 @@ from epdserve.models.config import ModelConfig
 from epdserve.plan.host import fit, topology_memory
 from epdserve.up import Topology
 from tests.checkpoints.published import published_config
-from tests.server_utils import counter
+from tests.server_utils import counter, http
 
 
 def qwen2_vl_2b() -> ModelConfig:
@@ -266,6 +267,23 @@ def test_serve_with_a_budget_below_its_weights_exits_at_once_naming_the_numbers(
     assert "Traceback" not in r.stderr
 
 
+def metric_values(base: str, wait_s: float = 0.0) -> dict[str, float]:
+    """Every sample on ``base``'s ``/metrics``, by its name with labels as exported; ``wait_s``:
+    how long the role may take to start answering."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            status, body = http("GET", base + "/metrics")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert status == 200
+    samples = (line.rsplit(" ", 1) for line in body.decode().splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
 def test_a_router_states_what_it_holds_and_refuses_a_bound_past_the_memory_free() -> None:
     """The router's account (``router.memory``): its request bodies and, decoding media itself, its
     decode threads' items and pixel slab; one past the memory free exits at once, naming it."""
@@ -291,12 +309,17 @@ def test_a_router_states_what_it_holds_and_refuses_a_bound_past_the_memory_free(
     try:
         assert proc.stderr is not None
         line = next(line for line in proc.stderr if "router memory:" in line)
+        scraped = metric_values(f"http://127.0.0.1:{command[5]}", 30)  # serving, its worker unreachable
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     model_dir = default_model_dir()
     _, item_bytes = largest_item(model_dir, ModelConfig.from_pretrained(model_dir))
     assert f"pending media {format_bytes(3 * item_bytes)}, request bodies 8.0 MiB, connector " in line
+    # the account as metrics, beside what the router holds now
+    assert scraped['epd_router_memory_planned_bytes{part="request_bodies"}'] == 8 << 20
+    assert scraped['epd_router_memory_planned_bytes{part="pending_media"}'] == 3 * item_bytes
+    assert 0 < scraped["epd_router_memory_resident_bytes"] < 4 << 30
 
 
 def test_serve_with_a_kv_cache_memory_has_that_many_blocks(tmp_path: Path) -> None:
@@ -311,11 +334,17 @@ def test_serve_with_a_kv_cache_memory_has_that_many_blocks(tmp_path: Path) -> No
     try:
         wait_healthy(url, proc)
         assert counter(url, "kv_blocks_free") == blocks
+        scraped, front_end = metric_values(url), resident_bytes(proc.pid)
     finally:
         stop(proc)
     lines = [line for line in log.read_text().splitlines() if "pd memory:" in line]
     assert len(lines) == 1, log.read_text()
     assert f"KV cache {format_bytes(blocks * block)} ({blocks} blocks)" in lines[0]
+    # the account the core started under, as metrics, beside what the role's two processes hold
+    assert scraped['epd_memory_planned_bytes{part="kv_cache"}'] == blocks * block
+    total = scraped['epd_memory_planned_bytes{part="total"}']
+    assert format_bytes(int(total)) == lines[0].rsplit("total ", 1)[1].strip()
+    assert scraped["epd_memory_resident_bytes"] > front_end > 0  # the engine core's process counted too
 
 
 def test_a_decode_role_counts_no_media() -> None:

@@ -136,6 +136,11 @@ def test_the_router_is_one_scrape_target_for_the_deployment(deployment: Deployme
     stages = {s.labels["stage"] for s in samples["epd_request_stage_seconds_count"]}
     assert stages >= {"preprocess", "fetch", "queue", "prefill", "decode"}
     assert 0.0 <= samples["epd_kv_cache_usage_perc"][0].value <= 1.0
+    # every role's memory account as it stated it, and what its processes hold now
+    for prefix in ("epd_router_", "epd_encoder_", "epd_"):
+        totals = [s.value for s in samples[f"{prefix}memory_planned_bytes"] if s.labels["part"] == "total"]
+        assert len(totals) == 1 and totals[0] > 0
+        assert [s.value > 0 for s in samples[f"{prefix}memory_resident_bytes"]] == [True]
     # a worker's own /metrics: prometheus-client's exposition, vLLM's names
     own = scrape(pd)
     for name in ("epd_num_requests_running", "epd_time_to_first_token_seconds_bucket", "epd_prefix_cache_hits_total"):

@@ -8,8 +8,9 @@ registration with a router (``--register-with``)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -23,6 +24,7 @@ from epdserve.api.http import Handler, error_middleware
 from epdserve.api.metrics import CONTENT_TYPE, Metrics
 from epdserve.api.registration import Registrar, RegistrationConfig
 from epdserve.api.tracing import Tracing
+from epdserve.memory import resident_bytes
 
 Route = tuple[str, str, Handler, Access]  # (method, path, handler, who may call it)
 
@@ -111,6 +113,7 @@ class RoleBasics:
         ``body_bytes``: the bound on request bodies (``api.bodies``), whose metrics are named
         with ``prefix`` (the role's: ``router_``, ``encoder_``)."""
         self.metrics = Metrics()
+        self.prefix = prefix
         self.bodies = RequestBodies(body_bytes)
         held = "bytes of request bodies held, with the copies parsing makes of them"
         self.metrics.gauge(f"{prefix}request_bodies_bytes", held, lambda: float(self.bodies.held))
@@ -122,6 +125,17 @@ class RoleBasics:
         self.window = Counter[str]()  # counts since the last stats line
         self.stats_line = logs.StatsLine(busy or (lambda: bool(self.window)), read_stats, stats_interval_s)
         self.registrar: Registrar | None = None  # with --register-with: keeps this instance registered
+
+    def export_memory(
+        self, planned: Mapping[str, int], pids: Callable[[], Iterable[int]] = lambda: (os.getpid(),)
+    ) -> None:
+        """Export the role's memory account as it stated it at start-up (by ``part``, and
+        ``total``; ``epdserve.memory``) beside what its processes (``pids``: this one) hold now."""
+        by_part = {part: float(n) for part, n in planned.items()}
+        plan = "the role's memory account at start-up, by part (total: all of them), in bytes"
+        self.metrics.counts(f"{self.prefix}memory_planned_bytes", plan, "part", lambda: by_part, monotonic=False)
+        held = "bytes the role's processes hold in memory now (resident sets, the engine core's included)"
+        self.metrics.gauge(f"{self.prefix}memory_resident_bytes", held, lambda: float(sum(map(resident_bytes, pids()))))
 
     def take_window(self) -> Counter[str]:
         """The counts since the last stats line; the window starts again empty."""

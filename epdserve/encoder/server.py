@@ -195,6 +195,7 @@ class EncoderService:
             "epdserve-encoder", *basics, body_bytes=config.max_inflight_body_bytes, prefix="encoder_"
         )
         self.metrics, self.tracing = self.role.metrics, self.role.tracing
+        self.role.export_memory(memory.parts())
         self.publisher = Publisher(
             self.producer, config.model_name, self.feature_levels, self.metrics, config.retry_after_s
         )

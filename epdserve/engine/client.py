@@ -141,6 +141,7 @@ class InprocClient:
             runner.kv_bytes,
             core.threads,
             core.lender is not None,
+            core.memory.parts() if core.memory is not None else {},
         )
         self._streams = _Streams()
         self._loop: asyncio.AbstractEventLoop | None = None

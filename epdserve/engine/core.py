@@ -26,6 +26,7 @@ from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
 from epdserve.kernels.lending import CoreLender
 from epdserve.kernels.parallel import threads_for
+from epdserve.memory import RoleMemory
 from epdserve.transfer import signing
 from epdserve.transfer.base import InvalidHandle, TransferError
 from epdserve.transfer.config import ECConfig
@@ -48,6 +49,7 @@ class EngineCore:
         kv: ECConfig | None = None,
     ) -> None:
         self.config = config
+        self.memory: RoleMemory | None = None  # the account it was started under (from_pretrained)
         self.runner = ModelRunner(model, config)
         self.threads = config.threads or threads_for(model)  # torch intra-op threads of the steps
         # on a core board, steps also run on the cores of the host's idle roles (where the
@@ -106,7 +108,9 @@ class EngineCore:
         model, _ = load_model(
             model_dir, parts=parts, dtype=torch_dtype(config.dtype), device=config.device, kernels=config.kernels
         )
-        return cls(model, config, ec, model_id or Path(model_dir).name, on_wake, role, kv)
+        core = cls(model, config, ec, model_id or Path(model_dir).name, on_wake, role, kv)
+        core.memory = memory
+        return core
 
     @property
     def vision(self) -> bool:

@@ -132,6 +132,7 @@ def main(argv: list[str]) -> int:
         runner.kv_bytes,
         core.threads,
         core.lender is not None,
+        core.memory.parts() if core.memory is not None else {},
     )
     channel.send(ready)
     try:

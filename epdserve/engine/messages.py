@@ -31,9 +31,9 @@ from epdserve.transfer.config import ECConfig
 if TYPE_CHECKING:
     import torch
 
-ENGINE_PROTOCOL_VERSION = (
-    6  # 6: items encoded in slices (EngineStats); 5: the KV cache's touched blocks; 4: placeholder runs
-)
+# 7: the core's memory account (CoreReady); 6: items encoded in slices (EngineStats); 5: the KV
+# cache's touched blocks; 4: placeholder runs
+ENGINE_PROTOCOL_VERSION = 7
 
 # "transferred": a prefill instance handed the request's KV to a decode instance after its first token
 FinishReason = Literal["stop", "length", "abort", "error", "transferred"]
@@ -185,6 +185,7 @@ class CoreReady(msgspec.Struct, frozen=True, tag="ready"):
     kv_bytes: int = 0  # bytes of the KV cache
     threads: int = 0  # torch intra-op threads of the steps
     lends: bool = False  # on a core board: steps also run on the cores of the host's idle roles
+    memory: dict[str, int] = msgspec.field(default_factory=dict)  # its memory account by part (RoleMemory.parts)
     version: int = ENGINE_PROTOCOL_VERSION
 
 

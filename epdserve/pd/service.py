@@ -145,6 +145,8 @@ class ChatService:
             await warm_up(self)
         self.role.start(cfg.registration, pool, cfg.host, cfg.port)
         ready = getattr(self.core, "ready", None)
+        if ready is not None and ready.memory:  # the account the core started under; its process and this
+            self.role.export_memory(ready.memory, lambda: {os.getpid(), ready.pid})
         kv = cfg.kv.connector if cfg.kv is not None else None
         logs.banner(
             log,

@@ -357,4 +357,6 @@ def serve_router(config: RouterConfig) -> None:
         log.error("%s", e)
         raise SystemExit(1) from None
     log.info("%s", memory.line())
-    run_app(build_app(Router(config)), config.host, config.port)
+    router = Router(config)
+    router.role.export_memory(memory.parts())
+    run_app(build_app(router), config.host, config.port)
