@@ -132,17 +132,7 @@ class InprocClient:
         from epdserve.engine.loop import StepLoop
 
         self.core = core
-        runner = core.runner
-        self.ready = CoreReady(
-            os.getpid(),
-            core.vision,
-            runner.config.num_kv_blocks,
-            runner.kernels,
-            runner.kv_bytes,
-            core.threads,
-            core.lender is not None,
-            core.memory.parts() if core.memory is not None else {},
-        )
+        self.ready = core.ready()
         self._streams = _Streams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._steps = StepLoop(core, self._deliver)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -20,7 +21,15 @@ import torch
 
 from epdserve.engine.config import EngineConfig, PDRole
 from epdserve.engine.embeddings import EmbeddingFetcher, Fetched
-from epdserve.engine.messages import AddRequest, EngineOutput, EngineStats, ErrorKind, FinishReason, StageTimes
+from epdserve.engine.messages import (
+    AddRequest,
+    CoreReady,
+    EngineOutput,
+    EngineStats,
+    ErrorKind,
+    FinishReason,
+    StageTimes,
+)
 from epdserve.engine.model_runner import ModelRunner, StepResult
 from epdserve.engine.request import MediaItem, Request, Status
 from epdserve.engine.scheduler import Scheduler
@@ -111,6 +120,19 @@ class EngineCore:
         core = cls(model, config, ec, model_id or Path(model_dir).name, on_wake, role, kv)
         core.memory = memory
         return core
+
+    def ready(self) -> CoreReady:
+        """What this core runs, for its front end (``CoreReady``): sent once it is loaded."""
+        return CoreReady(
+            pid=os.getpid(),
+            vision=self.vision,
+            num_kv_blocks=self.config.num_kv_blocks,
+            kernels=self.runner.kernels,
+            kv_bytes=self.runner.kv_bytes,
+            threads=self.threads,
+            lends=self.lender is not None,
+            memory=self.memory.parts() if self.memory is not None else {},
+        )
 
     @property
     def vision(self) -> bool:

@@ -27,7 +27,6 @@ from epdserve.engine.messages import (
     Channel,
     ChannelClosed,
     CoreFailed,
-    CoreReady,
     CoreStart,
     Outputs,
     Shutdown,
@@ -123,18 +122,7 @@ def main(argv: list[str]) -> int:
         channel.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return 1
     torch.set_num_threads(core.threads)
-    runner = core.runner
-    ready = CoreReady(
-        os.getpid(),
-        core.vision,
-        core.config.num_kv_blocks,
-        runner.kernels,
-        runner.kv_bytes,
-        core.threads,
-        core.lender is not None,
-        core.memory.parts() if core.memory is not None else {},
-    )
-    channel.send(ready)
+    channel.send(core.ready())
     try:
         CoreLoop(channel, core).run()
     except (ChannelClosed, OSError) as e:
