@@ -230,3 +230,24 @@ def test_a_request_its_credential_refuses_is_refused_before_its_body_is_read() -
                 assert r.status == 200 and (await r.json())["bytes"] == 900
 
     asyncio.run(main())
+
+
+def test_a_body_that_stops_arriving_is_dropped_and_gives_its_share_back() -> None:
+    """Nothing of a body for ``idle_s``: 408, and what it held is given back; a body that keeps
+    arriving, however slowly, is served."""
+
+    async def main() -> None:
+        bodies = RequestBodies(BODY_COPIES * 1000, idle_s=0.3)
+        async with serving(bodies, "/echo", echo) as base:
+            async with sending(base, 800, b"a" * 600) as (reader, _):
+                await until(lambda: bodies.held == BODY_COPIES * 600)
+                status = await asyncio.wait_for(reader.readline(), 5)
+                assert status.startswith(b"HTTP/1.1 408") and bodies.held == 0
+            async with sending(base, 10, b"") as (reader, writer):
+                for _ in range(10):  # one byte every 0.1 s: slower than the body, never idle for 0.3 s
+                    writer.write(b"b")
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
+                assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+
+    asyncio.run(main())

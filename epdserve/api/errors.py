@@ -84,6 +84,14 @@ class NotFound(ApiError):
         return cls(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
+class BodyStalled(ApiError):
+    """A request body stopped arriving: nothing came for too long (408)."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class PayloadTooLarge(ApiError):
     """A body or media item exceeds a configured size limit (413)."""
 
