@@ -134,9 +134,10 @@ def embedding_bytes(model: ModelConfig, tokens: int, dtype_bytes: int) -> int:
 # ---- a role's account ------------------------------------------------------------------------------
 
 
-# the figures of an account, as ``RoleMemory`` names them
-PARTS: tuple[str, ...] = ("weights", "activations", "vision", "embeddings", "encoder_cache", "pending_media")
-PARTS += ("request_bodies", "connector", "decode_mirror", "kv_cache")
+# the figures of an account but the KV cache, as ``RoleMemory`` names them, and as its line says them
+FIXED_PARTS = {"weights": "weights", "activations": "activations", "vision": "vision peak"}
+FIXED_PARTS |= {"embeddings": "embedding slab", "encoder_cache": "encoder cache", "pending_media": "pending media"}
+FIXED_PARTS |= {"request_bodies": "request bodies", "connector": "connector", "decode_mirror": "decode mirror"}
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,7 @@ class RoleMemory:
     @property
     def fixed(self) -> int:
         """Everything but the KV cache."""
-        media = self.vision + self.embeddings + self.encoder_cache + self.pending_media
-        held = self.request_bodies + self.connector + self.decode_mirror
-        return self.weights + self.activations + media + held
+        return sum(getattr(self, name) for name in FIXED_PARTS)
 
     @property
     def total(self) -> int:
@@ -170,23 +169,13 @@ class RoleMemory:
 
     def parts(self) -> dict[str, int]:
         """Every figure by name (the metric's ``part`` label), and ``total``."""
-        named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in PARTS}
-        return {**named, "total": self.total}
+        return {**{name: getattr(self, name) for name in FIXED_PARTS}, "kv_cache": self.kv_cache, "total": self.total}
 
     def line(self) -> str:
-        """The start-up line: every figure, human-readable."""
-        parts = [f"weights {format_bytes(self.weights)}"] if self.weights else []  # a router has none
-        named = (
-            ("activations", self.activations),
-            ("vision peak", self.vision),
-            ("embedding slab", self.embeddings),
-            ("encoder cache", self.encoder_cache),
-            ("pending media", self.pending_media),
-            ("request bodies", self.request_bodies),
-            ("connector", self.connector),
-            ("decode mirror", self.decode_mirror),
-        )
-        parts += [f"{name} {format_bytes(b)}" for name, b in named if b]
+        """The start-up line: every figure, human-readable (none at 0: a router has no weights)."""
+        parts = [
+            f"{label} {format_bytes(getattr(self, name))}" for name, label in FIXED_PARTS.items() if getattr(self, name)
+        ]
         if self.kv_blocks:
             parts.append(f"KV cache {format_bytes(self.kv_cache)} ({self.kv_blocks} blocks)")
         text = f"{self.role} memory: {', '.join(parts)}; total {format_bytes(self.total)}"

@@ -72,9 +72,7 @@ class Reservation:
         """Hold ``nbytes`` (the patches made) in place of what was taken, counted whatever is held
         now: they were within the bound already. Nothing taken (the size was not known before the
         patches were made): an ordinary take, refused past the bound."""
-        with self._lock:
-            self._closed = True
-            taken, self._taken = self._taken, []
+        taken = self._end()
         if not taken:
             return self._pending.take(nbytes)
         held = self._pending.take(nbytes, bounded=False)
@@ -83,8 +81,12 @@ class Reservation:
         return held
 
     def close(self) -> None:
+        for t in self._end():
+            t.release()
+
+    def _end(self) -> list[Pending]:
+        """Take no more; what was taken, for the caller to give back."""
         with self._lock:
             self._closed = True
             taken, self._taken = self._taken, []
-        for t in taken:
-            t.release()
+        return taken
